@@ -1,0 +1,13 @@
+//! On-disk formats: the binary index (commit marker), safetensors data files, and the compact
+//! codec both use. Pure data in, data out: nothing here touches storage.
+
+pub(crate) mod codec;
+pub(crate) mod index;
+pub(crate) mod safetensors;
+
+pub use index::{
+    CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE, FORMAT_VERSION,
+    INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
+};
+pub(crate) use index::{check_file_name, IndexError};
+pub use safetensors::{build_header, crc_hex, parse_header, SafetensorsEntry};

@@ -1,0 +1,317 @@
+//! Synchronous multi-rank save: one metadata exchange, global validation, parallel writes of
+//! each rank's data file, then the index written last and atomically by rank 0.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::comm::Communicator;
+use crate::format::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
+use crate::io::factories::apply_factories;
+use crate::io::write::{write_sources, Source};
+use crate::plan::save::{build_index, data_file_name, file_header, layout_file, validate_global, ObjectMeta, RankPlan, ShardMeta, WrittenFile};
+use crate::state::{StatePath, StateTree, Value};
+use crate::storage::Storage;
+use crate::{Error, Result};
+
+/// How to save.
+#[derive(Debug, Clone)]
+pub struct SaveOptions {
+    /// Replace a committed checkpoint at the same location (atomically, at commit).
+    pub overwrite: bool,
+    /// Check globally that main replicas tile every tensor before writing (Megatron's
+    /// `validate_access_integrity`). Turning it off skips the check, not the exchange.
+    pub validate: bool,
+    /// User metadata stored in the index, readable without loading anything.
+    pub content_metadata: Value,
+    /// IO threads per rank.
+    pub threads: usize,
+    /// Checksum block size in bytes (loads verify whole blocks).
+    pub block_size: u64,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions {
+            overwrite: false,
+            validate: true,
+            content_metadata: Value::Null,
+            threads: default_threads(),
+            block_size: DEFAULT_BLOCK_SIZE,
+        }
+    }
+}
+
+pub(crate) fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| (n.get() * 2).clamp(2, 8))
+}
+
+/// What a save did, as seen from one rank.
+#[derive(Debug, Clone, Default)]
+pub struct SaveReport {
+    /// The data file this rank wrote (none if it held no main replica).
+    pub file: Option<String>,
+    /// Bytes this rank wrote (its data file).
+    pub bytes_written: u64,
+    /// Tensor bytes in the whole checkpoint.
+    pub total_tensor_bytes: u64,
+    /// Data files in the checkpoint.
+    pub files: usize,
+    /// Chunks in the checkpoint.
+    pub chunks: usize,
+    /// Size of the index.
+    pub index_bytes: u64,
+}
+
+struct Collected<'t> {
+    plan: RankPlan,
+    local_error: Option<Error>,
+    tensor_data: Vec<&'t [u8]>,
+    object_data: Vec<&'t [u8]>,
+    common: Vec<(StatePath, Value)>,
+}
+
+fn collect<'t>(tree: &'t StateTree<'_>, rank: usize) -> Collected<'t> {
+    let mut c = Collected { plan: RankPlan::default(), local_error: None, tensor_data: Vec::new(), object_data: Vec::new(), common: Vec::new() };
+    let mut error: Option<Error> = None;
+    tree.for_each_leaf(&mut |path, leaf| match leaf {
+        StateTree::Tensor(t) => {
+            let main = t.replica_id.is_main();
+            if let Err(e) = t.check(true) {
+                error.get_or_insert(e);
+                return;
+            }
+            if main {
+                match t.data.bytes() {
+                    Some(b) => c.tensor_data.push(b),
+                    None => {
+                        error.get_or_insert(Error::invalid(format!("{:?}: the main replica has no data to save", t.key)));
+                        return;
+                    }
+                }
+            }
+            c.plan.tensors.push(ShardMeta {
+                key: t.key.clone(),
+                dtype: t.dtype,
+                global_shape: t.global_shape.clone(),
+                offset: t.global_offset.clone(),
+                shape: t.box_shape(),
+                flat: t.flattened_range.as_ref().map(|r| (r.start, r.end)),
+                main,
+            });
+        }
+        StateTree::Object(o) => {
+            let main = o.replica_id.is_main();
+            let len = o.data.as_ref().map_or(0, |d| d.len() as u64);
+            if main {
+                match &o.data {
+                    Some(d) => c.object_data.push(d),
+                    None => {
+                        error.get_or_insert(Error::invalid(format!("{:?}: the main replica of the object has no data", o.key)));
+                        return;
+                    }
+                }
+            }
+            c.plan.objects.push(ObjectMeta {
+                key: o.key.clone(),
+                global_shape: o.global_shape.clone(),
+                offset: o.global_offset.clone(),
+                main,
+                len,
+            });
+        }
+        StateTree::Value(v) if rank == 0 => c.common.push((path.to_vec(), v.clone())),
+        _ => {}
+    });
+    c.local_error = error;
+    c
+}
+
+/// Local errors travel to the other ranks as text: `S<key>\0<reason>` for sharding errors
+/// (so every rank raises `InvalidSharding` for the same key), `I<message>` otherwise.
+fn encode_local_error(e: &Error) -> String {
+    match e {
+        Error::InvalidSharding { key, reason } => format!("S{key}\0{reason}"),
+        other => format!("I{other}"),
+    }
+}
+
+fn decode_peer_error(rank: usize, msg: &str) -> Error {
+    if let Some(rest) = msg.strip_prefix('S') {
+        if let Some((key, reason)) = rest.split_once('\0') {
+            return Error::sharding(key, format!("rank {rank}: {reason}"));
+        }
+    }
+    Error::PeerFailed { rank, message: msg.strip_prefix('I').unwrap_or(msg).to_string() }
+}
+
+fn new_save_id() -> u64 {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    // splitmix64 of time and pid: distinct per save, no RNG dependency.
+    let mut z = nanos ^ ((std::process::id() as u64) << 32);
+    z = z.wrapping_add(0x9e3779b97f4a7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+    z ^ (z >> 31)
+}
+
+/// Saves this rank's part of the state. Every rank of `comm` must call it with its own tree.
+/// Errors (invalid sharding, an existing checkpoint, a failed write) are returned on every rank.
+pub fn save(tree: StateTree<'_>, storage: &dyn Storage, comm: &dyn Communicator, opts: &SaveOptions) -> Result<SaveReport> {
+    let rank = comm.rank();
+    let (tree, factory_error) = match apply_factories(tree) {
+        Ok((t, _)) => (t, None),
+        Err(e) => (StateTree::map(), Some(e)),
+    };
+    let mut c = collect(&tree, rank);
+    if let Some(e) = factory_error {
+        c.local_error = Some(e);
+    }
+    if opts.block_size == 0 {
+        c.local_error.get_or_insert(Error::invalid("block size must be positive"));
+    }
+    if rank == 0 {
+        c.plan.save_id = new_save_id();
+        if !opts.overwrite {
+            match storage.size(INDEX_FILE) {
+                Ok(_) => c.plan.refuse_overwrite = true,
+                Err(Error::NotFound { .. }) => {}
+                Err(e) => {
+                    c.local_error.get_or_insert(e);
+                }
+            }
+        }
+    }
+    c.plan.error = c.local_error.as_ref().map(encode_local_error);
+    let gathered = comm.all_gather(&c.plan.encode())?;
+    let plans: Vec<RankPlan> = gathered
+        .iter()
+        .enumerate()
+        .map(|(r, b)| RankPlan::decode(b).map_err(|e| Error::Comm { reason: format!("bad plan from rank {r}: {e}") }))
+        .collect::<Result<_>>()?;
+    if let Some((r, msg)) = plans.iter().enumerate().find_map(|(r, p)| p.error.as_ref().map(|m| (r, m))) {
+        if r == rank {
+            if let Some(e) = c.local_error.take() {
+                return Err(e);
+            }
+        }
+        return Err(decode_peer_error(r, msg));
+    }
+    if plans[0].refuse_overwrite {
+        return Err(Error::AlreadyExists { path: storage.location().into() });
+    }
+    if opts.validate {
+        validate_global(&plans)?;
+    }
+    let save_id = plans[0].save_id;
+
+    // Write this rank's data file.
+    let layout = layout_file(rank, &plans[rank], opts.block_size);
+    let mut written = WrittenFile::default();
+    if !layout.entries.is_empty() {
+        let name = data_file_name(save_id, rank);
+        let result = (|| -> Result<WrittenFile> {
+            let writer = storage.create(&name, layout.size)?;
+            let mut sources = Vec::with_capacity(layout.entries.len());
+            for (n, data) in c.tensor_data.iter().enumerate() {
+                sources.push(Source { data, file_off: layout.header_len + layout.entries[n].start, block: opts.block_size });
+            }
+            for (n, data) in c.object_data.iter().enumerate() {
+                let e = &layout.entries[layout.tensor_entries.len() + n];
+                sources.push(Source { data, file_off: layout.header_len + e.start, block: u64::MAX });
+            }
+            let crcs = write_sources(writer.as_ref(), &sources, opts.threads)?;
+            let header = file_header(rank, &plans[rank], opts.block_size, &layout.entries, &layout.tensor_entries, &layout.object_entries, &crcs);
+            debug_assert_eq!(header.len() as u64, layout.header_len);
+            writer.write_at(0, &header)?;
+            writer.finish()?;
+            let nt = layout.tensor_entries.len();
+            Ok(WrittenFile {
+                error: None,
+                name: name.clone(),
+                size: layout.size,
+                tensors: (0..nt).map(|n| (layout.header_len + layout.entries[n].start, crcs[n].clone())).collect(),
+                objects: (0..layout.object_entries.len())
+                    .map(|n| {
+                        let e = &layout.entries[nt + n];
+                        (layout.header_len + e.start, e.len, crcs[nt + n].first().copied().unwrap_or(0))
+                    })
+                    .collect(),
+            })
+        })();
+        written = result.unwrap_or_else(|e| WrittenFile { error: Some(format!("I{e}")), ..Default::default() });
+    }
+    let reports = comm.all_gather(&written.encode())?;
+    let written_all: Vec<WrittenFile> = reports
+        .iter()
+        .enumerate()
+        .map(|(r, b)| WrittenFile::decode(b).map_err(|e| Error::Comm { reason: format!("bad write report from rank {r}: {e}") }))
+        .collect::<Result<_>>()?;
+    if let Some((r, msg)) = written_all.iter().enumerate().find_map(|(r, w)| w.error.as_ref().map(|m| (r, m))) {
+        return Err(decode_peer_error(r, msg));
+    }
+
+    // Rank 0 commits; everyone learns the verdict.
+    let mut verdict = Vec::new();
+    let mut index_bytes = 0u64;
+    if rank == 0 {
+        let r = (|| -> Result<CheckpointIndex> {
+            let index = build_index(&plans, &written_all, opts.block_size, c.common.clone(), opts.content_metadata.clone())?;
+            let bytes = index.encode();
+            storage.put_atomic(INDEX_FILE, &bytes)?;
+            index_bytes = bytes.len() as u64;
+            Ok(index)
+        })();
+        match r {
+            Ok(index) => {
+                remove_unreferenced(storage, &index);
+                let summary = (index.tensor_bytes(), index.files.len(), index.chunk_count());
+                let mut e = crate::format::codec::Encoder::default();
+                e.u8(0);
+                e.var(index_bytes);
+                e.var(summary.0);
+                e.var(summary.1 as u64);
+                e.var(summary.2 as u64);
+                verdict = e.buf;
+            }
+            Err(err) => {
+                verdict.push(1);
+                verdict.extend_from_slice(err.to_string().as_bytes());
+            }
+        }
+    }
+    let verdict = comm.broadcast(&verdict, 0)?;
+    if verdict.first() != Some(&0) {
+        return Err(Error::PeerFailed { rank: 0, message: String::from_utf8_lossy(verdict.get(1..).unwrap_or(&[])).into_owned() });
+    }
+    let mut d = crate::format::codec::Decoder::new(&verdict[1..]);
+    let mut next = || d.var().map_err(|e| Error::Comm { reason: e });
+    let index_bytes = next()?;
+    let total = next()?;
+    let files = next()? as usize;
+    let chunks = next()? as usize;
+    Ok(SaveReport {
+        file: (!written.name.is_empty()).then(|| written.name.clone()),
+        bytes_written: written.size,
+        total_tensor_bytes: total,
+        files,
+        chunks,
+        index_bytes,
+    })
+}
+
+/// After a commit: data files of earlier saves (overwritten or crashed) are garbage.
+fn remove_unreferenced(storage: &dyn Storage, index: &CheckpointIndex) {
+    let Ok(names) = storage.list() else { return };
+    for name in names {
+        let ours = is_data_file_name(&name) || (name.starts_with(&format!(".{INDEX_FILE}.tmp-")));
+        if ours && !index.files.iter().any(|f| f.name == name) {
+            let _ = storage.delete(&name);
+        }
+    }
+}
+
+/// True for names tessera gives its data files (`<16 hex>-r<rank>.safetensors`).
+pub(crate) fn is_data_file_name(name: &str) -> bool {
+    let Some(stem) = name.strip_suffix(".safetensors") else { return false };
+    let Some((id, r)) = stem.split_once("-r") else { return false };
+    id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) && !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit())
+}

@@ -1,0 +1,177 @@
+//! Strategies keyed by (backend, version), as in Megatron's strategy registry. A checkpoint
+//! records its backend and version; load asks every registered loader to recognise the
+//! location and then picks one that supports the recorded version.
+
+use std::sync::{Arc, OnceLock, RwLock};
+
+use crate::comm::Communicator;
+use crate::format::{CheckpointIndex, IndexError, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
+use crate::io::save::{save, SaveOptions, SaveReport};
+use crate::state::StateTree;
+use crate::storage::Storage;
+use crate::{Error, Result};
+
+/// Which kind of work a strategy does (Megatron's `StrategyAction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StrategyAction {
+    /// Save sharded tensors and objects.
+    SaveSharded,
+    /// Load sharded tensors and objects.
+    LoadSharded,
+}
+
+/// The backend and version a checkpoint says it was written with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FormatRecord {
+    /// Backend name (`"tessera"`, later `"torch_dist"`, `"zarr"`).
+    pub backend: String,
+    /// Backend version.
+    pub version: u32,
+}
+
+/// Writes checkpoints in one backend/version.
+pub trait SaveStrategy: Send + Sync {
+    /// Backend written.
+    fn backend(&self) -> &str;
+    /// Version written.
+    fn version(&self) -> u32;
+    /// Saves this rank's state (collective over `comm`).
+    fn save(&self, tree: StateTree<'_>, storage: &dyn Storage, comm: &dyn Communicator, opts: &SaveOptions) -> Result<SaveReport>;
+}
+
+/// Reads checkpoints of one backend: recognises them and produces their index, which the
+/// generic loader then plans against.
+pub trait LoadStrategy: Send + Sync {
+    /// Backend read.
+    fn backend(&self) -> &str;
+    /// Whether `version` of the backend can be read.
+    fn supports_version(&self, version: u32) -> bool;
+    /// Human-readable list of supported versions.
+    fn supported_versions(&self) -> String;
+    /// The record of a checkpoint of this backend at `storage`, or `None` if it is not one.
+    fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>>;
+    /// Reads the checkpoint's metadata.
+    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex>;
+}
+
+/// The native format, version 1.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NativeStrategy;
+
+impl SaveStrategy for NativeStrategy {
+    fn backend(&self) -> &str {
+        NATIVE_BACKEND
+    }
+    fn version(&self) -> u32 {
+        FORMAT_VERSION
+    }
+    fn save(&self, tree: StateTree<'_>, storage: &dyn Storage, comm: &dyn Communicator, opts: &SaveOptions) -> Result<SaveReport> {
+        save(tree, storage, comm, opts)
+    }
+}
+
+impl LoadStrategy for NativeStrategy {
+    fn backend(&self) -> &str {
+        NATIVE_BACKEND
+    }
+    fn supports_version(&self, version: u32) -> bool {
+        version == FORMAT_VERSION
+    }
+    fn supported_versions(&self) -> String {
+        format!("{NATIVE_BACKEND} v{FORMAT_VERSION}")
+    }
+    fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
+        let size = match storage.size(INDEX_FILE) {
+            Ok(s) => s,
+            Err(Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let mut head = vec![0u8; size.min(12) as usize];
+        storage.read_at(INDEX_FILE, 0, &mut head)?;
+        match CheckpointIndex::peek_version(&head) {
+            Some(version) => Ok(Some(FormatRecord { backend: NATIVE_BACKEND.into(), version })),
+            None => Err(Error::corrupt(index_path(storage), "not a tessera index (bad magic or truncated header)")),
+        }
+    }
+    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
+        let bytes = storage.read(INDEX_FILE)?;
+        CheckpointIndex::decode(&bytes).map_err(|e| match e {
+            IndexError::Version(v) => Error::IncompatibleVersion { found: format!("{NATIVE_BACKEND} v{v}"), supported: self.supported_versions() },
+            IndexError::Corrupt(reason) => Error::corrupt(index_path(storage), reason),
+        })
+    }
+}
+
+fn index_path(storage: &dyn Storage) -> std::path::PathBuf {
+    format!("{}/{INDEX_FILE}", storage.location()).into()
+}
+
+/// The strategies known to this process. Starts with the native format; users add theirs.
+#[derive(Clone)]
+pub struct StrategyRegistry {
+    save: Vec<Arc<dyn SaveStrategy>>,
+    load: Vec<Arc<dyn LoadStrategy>>,
+}
+
+impl Default for StrategyRegistry {
+    fn default() -> Self {
+        StrategyRegistry { save: vec![Arc::new(NativeStrategy)], load: vec![Arc::new(NativeStrategy)] }
+    }
+}
+
+fn global() -> &'static RwLock<StrategyRegistry> {
+    static REG: OnceLock<RwLock<StrategyRegistry>> = OnceLock::new();
+    REG.get_or_init(|| RwLock::new(StrategyRegistry::default()))
+}
+
+/// Registers a save strategy as the default for its (backend, version), process-wide.
+pub fn register_save_strategy(strategy: Arc<dyn SaveStrategy>) {
+    let mut reg = global().write().unwrap();
+    reg.save.retain(|s| (s.backend(), s.version()) != (strategy.backend(), strategy.version()));
+    reg.save.insert(0, strategy);
+}
+
+/// Registers a load strategy, process-wide; later registrations are asked first.
+pub fn register_load_strategy(strategy: Arc<dyn LoadStrategy>) {
+    global().write().unwrap().load.insert(0, strategy);
+}
+
+/// The save strategy registered for (backend, version).
+pub fn get_save_strategy(backend: &str, version: u32) -> Result<Arc<dyn SaveStrategy>> {
+    global()
+        .read()
+        .unwrap()
+        .save
+        .iter()
+        .find(|s| s.backend() == backend && s.version() == version)
+        .cloned()
+        .ok_or_else(|| Error::UnknownStrategy { backend: backend.into(), version, action: "save".into() })
+}
+
+/// Recognises the checkpoint at `storage`: its format record and the strategy to load it.
+pub fn detect_format(storage: &dyn Storage) -> Result<(FormatRecord, Arc<dyn LoadStrategy>)> {
+    let loaders = global().read().unwrap().load.clone();
+    for l in &loaders {
+        if let Some(record) = l.detect(storage)? {
+            if let Some(s) = loaders.iter().find(|s| s.backend() == record.backend && s.supports_version(record.version)) {
+                return Ok((record, s.clone()));
+            }
+            let supported: Vec<String> = loaders.iter().filter(|s| s.backend() == record.backend).map(|s| s.supported_versions()).collect();
+            return Err(Error::IncompatibleVersion {
+                found: format!("{} v{}", record.backend, record.version),
+                supported: supported.join(", "),
+            });
+        }
+    }
+    if storage.list()?.is_empty() {
+        Err(Error::NotFound { path: storage.location().into() })
+    } else {
+        Err(Error::NotCommitted { path: storage.location().into() })
+    }
+}
+
+/// Opens the index of any recognised checkpoint.
+pub fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
+    let (_, strategy) = detect_format(storage)?;
+    strategy.open(storage)
+}

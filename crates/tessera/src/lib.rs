@@ -1,0 +1,65 @@
+//! tessera: distributed checkpointing for large-model training.
+//!
+//! Each rank of a job describes its piece of every tensor as a [`ShardedTensor`] in a
+//! [`StateTree`]; [`save`] writes the pieces as one checkpoint (safetensors data files plus a
+//! binary index written last, atomically: the commit marker), and [`load`] reads any other
+//! layout back — any parallelism, any world size — touching only the bytes each rank needs.
+//!
+//! Layout of the crate: `state` (the data model), `plan` (pure planning: geometry, validation,
+//! read grouping), `format` (byte layouts), `storage` (where bytes live), `comm` (collectives),
+//! `io` (orchestration: the only code that moves bytes). See ARCHITECTURE.md and FORMAT.md.
+#![deny(missing_docs)]
+
+mod comm;
+mod dtype;
+mod error;
+mod format;
+mod io;
+pub mod plan;
+mod state;
+mod storage;
+
+pub use comm::{Communicator, InProcessComm, SoloComm};
+pub use dtype::{DType, ALL_DTYPES};
+pub use error::{Error, Result};
+pub use format::{
+    build_header, crc_hex, parse_header, CheckpointIndex, FileEntry, ObjectEntry, SafetensorsEntry, StoredChunk,
+    StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE, FORMAT_VERSION, INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
+};
+pub use io::load::{
+    load, load_common_state, load_content_metadata, load_from_index, load_plain_tensors, load_sharded_objects,
+    load_tensors_metadata, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling, TensorMeta,
+};
+pub use io::save::{save, SaveOptions, SaveReport};
+pub use io::strategy::{
+    detect_format, get_save_strategy, open_index, register_load_strategy, register_save_strategy, FormatRecord,
+    LoadStrategy, NativeStrategy, SaveStrategy, StrategyAction,
+};
+pub use io::verify::{verify, VerifyReport};
+pub use state::{
+    path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,
+    StatePath, StateTree, TensorData, TensorFactory, Value,
+};
+pub use storage::{open_location, LocalStorage, MemoryStorage, ObjectWriter, Storage};
+
+/// Removes leftovers of saves that never committed (data files and temporary index files not
+/// referenced by the committed index). With no committed index, every tessera data file is a
+/// leftover. Returns the names removed. Must not run while a save into the same location is in
+/// progress.
+pub fn gc(storage: &dyn Storage) -> Result<Vec<String>> {
+    let referenced: Vec<String> = match open_index(storage) {
+        Ok(index) => index.files.into_iter().map(|f| f.name).collect(),
+        Err(Error::NotCommitted { .. }) | Err(Error::NotFound { .. }) => Vec::new(),
+        Err(e) => return Err(e),
+    };
+    let mut removed = Vec::new();
+    for name in storage.list()? {
+        let ours = io::save::is_data_file_name(&name) || name.starts_with(&format!(".{INDEX_FILE}.tmp-"));
+        if ours && !referenced.contains(&name) {
+            storage.delete(&name)?;
+            removed.push(name);
+        }
+    }
+    removed.sort();
+    Ok(removed)
+}

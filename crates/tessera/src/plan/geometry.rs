@@ -1,0 +1,357 @@
+//! Geometry of chunks: boxes, flattened ranges, intersections and copy runs.
+//!
+//! A chunk is a box of a global tensor, optionally restricted to a `[start, end)` range of the
+//! box's row-major flattening. Any such range is a union of at most `2·ndim - 1` boxes
+//! ([`decompose_flat`]), so all geometry reduces to boxes plus a mapping from global
+//! coordinates to positions in the chunk's data ([`Layout`]).
+
+/// Number of elements of a shape (1 for a scalar).
+pub fn numel(shape: &[u64]) -> u64 {
+    shape.iter().product()
+}
+
+/// A box in global coordinates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    /// Offset per axis.
+    pub off: Vec<u64>,
+    /// Extent per axis.
+    pub shape: Vec<u64>,
+}
+
+impl Piece {
+    /// A box.
+    pub fn new(off: &[u64], shape: &[u64]) -> Self {
+        Piece {
+            off: off.to_vec(),
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// Elements in the box.
+    pub fn numel(&self) -> u64 {
+        numel(&self.shape)
+    }
+
+    /// The overlap of two boxes, if not empty.
+    pub fn intersect(&self, other: &Piece) -> Option<Piece> {
+        let n = self.off.len();
+        if other.off.len() != n {
+            return None;
+        }
+        let mut off = Vec::with_capacity(n);
+        let mut shape = Vec::with_capacity(n);
+        for d in 0..n {
+            let lo = self.off[d].max(other.off[d]);
+            let hi = (self.off[d] + self.shape[d]).min(other.off[d] + other.shape[d]);
+            if hi <= lo {
+                return None;
+            }
+            off.push(lo);
+            shape.push(hi - lo);
+        }
+        Some(Piece { off, shape })
+    }
+
+    /// `[a:b, c:d]` rendering.
+    pub fn describe(&self) -> String {
+        let parts: Vec<String> = self
+            .off
+            .iter()
+            .zip(&self.shape)
+            .map(|(o, s)| format!("{}:{}", o, o + s))
+            .collect();
+        format!("[{}]", parts.join(", "))
+    }
+}
+
+/// Splits the `[start, end)` range of the row-major flattening of the box
+/// (`box_off`, `box_shape`) into at most `2·ndim - 1` boxes, in flattening order.
+pub fn decompose_flat(box_off: &[u64], box_shape: &[u64], start: u64, end: u64) -> Vec<Piece> {
+    let mut out = Vec::new();
+    if start >= end {
+        return out;
+    }
+    if box_shape.is_empty() {
+        out.push(Piece::new(&[], &[]));
+        return out;
+    }
+    let mut prefix_off = Vec::with_capacity(box_shape.len());
+    rec(box_off, box_shape, 0, start, end, &mut prefix_off, &mut out);
+    out
+}
+
+fn rec(box_off: &[u64], box_shape: &[u64], axis: usize, s: u64, e: u64, prefix: &mut Vec<u64>, out: &mut Vec<Piece>) {
+    let n = box_shape.len();
+    let emit = |prefix: &[u64], axis_lo: u64, axis_len: u64, out: &mut Vec<Piece>| {
+        let mut off = prefix.to_vec();
+        let mut shape = vec![1u64; prefix.len()];
+        off.push(box_off[axis] + axis_lo);
+        shape.push(axis_len);
+        for d in axis + 1..n {
+            off.push(box_off[d]);
+            shape.push(box_shape[d]);
+        }
+        out.push(Piece { off, shape });
+    };
+    if s >= e {
+        return;
+    }
+    if axis == n - 1 {
+        emit(prefix, s, e - s, out);
+        return;
+    }
+    let inner = numel(&box_shape[axis + 1..]);
+    if inner == 0 {
+        return;
+    }
+    let (r0, r1) = (s / inner, e / inner);
+    if r0 == r1 {
+        prefix.push(box_off[axis] + r0);
+        rec(box_off, box_shape, axis + 1, s - r0 * inner, e - r0 * inner, prefix, out);
+        prefix.pop();
+        return;
+    }
+    let mut first_full = r0;
+    if s % inner != 0 {
+        prefix.push(box_off[axis] + r0);
+        rec(box_off, box_shape, axis + 1, s % inner, inner, prefix, out);
+        prefix.pop();
+        first_full = r0 + 1;
+    }
+    if r1 > first_full {
+        emit(prefix, first_full, r1 - first_full, out);
+    }
+    if e % inner != 0 {
+        prefix.push(box_off[axis] + r1);
+        rec(box_off, box_shape, axis + 1, 0, e % inner, prefix, out);
+        prefix.pop();
+    }
+}
+
+/// Where the elements of a chunk live in its data: a box whose row-major flattening, shifted
+/// by `base` elements (the start of a flattened range), indexes the data.
+#[derive(Debug, Clone, Copy)]
+pub struct Layout<'s> {
+    /// Offset of the box in global coordinates.
+    pub box_off: &'s [u64],
+    /// Shape of the box.
+    pub box_shape: &'s [u64],
+    /// Flattened index (within the box) of the first element of the data.
+    pub base: u64,
+}
+
+impl Layout<'_> {
+    fn position(&self, x: &[u64]) -> u64 {
+        let mut pos = 0u64;
+        for d in 0..x.len() {
+            pos = pos * self.box_shape[d] + (x[d] - self.box_off[d]);
+        }
+        pos - self.base
+    }
+}
+
+/// Calls `emit(src_elem, dst_elem, len)` for each maximal run of `region` that is contiguous in
+/// both layouts, in row-major order. `region` must lie inside both data ranges.
+pub fn copy_runs(src: Layout<'_>, dst: Layout<'_>, region: &Piece, emit: &mut dyn FnMut(u64, u64, u64)) {
+    let n = region.shape.len();
+    if region.numel() == 0 {
+        return;
+    }
+    if n == 0 {
+        emit(src.position(&[]), dst.position(&[]), 1);
+        return;
+    }
+    // Axes from `m` on are walked as one run: every axis after `m` is full in both boxes.
+    let mut m = n - 1;
+    while m > 0 && region.shape[m] == src.box_shape[m] && region.shape[m] == dst.box_shape[m] {
+        m -= 1;
+    }
+    let run: u64 = numel(&region.shape[m..]);
+    let src_strides = strides(src.box_shape);
+    let dst_strides = strides(dst.box_shape);
+    let mut idx = vec![0u64; m];
+    let mut x = region.off.clone();
+    let mut s = src.position(&x);
+    let mut t = dst.position(&x);
+    let (mut ps, mut pt, mut plen) = (s, t, 0u64);
+    loop {
+        if plen > 0 && ps + plen == s && pt + plen == t {
+            plen += run;
+        } else {
+            if plen > 0 {
+                emit(ps, pt, plen);
+            }
+            (ps, pt, plen) = (s, t, run);
+        }
+        // Odometer over the outer axes [0, m).
+        let mut d = m;
+        loop {
+            if d == 0 {
+                emit(ps, pt, plen);
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            x[d] += 1;
+            s += src_strides[d];
+            t += dst_strides[d];
+            if idx[d] < region.shape[d] {
+                break;
+            }
+            s -= src_strides[d] * idx[d];
+            t -= dst_strides[d] * idx[d];
+            x[d] = region.off[d];
+            idx[d] = 0;
+        }
+    }
+}
+
+/// Row-major strides (in elements) of a shape.
+pub fn strides(shape: &[u64]) -> Vec<u64> {
+    let mut st = vec![1u64; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        st[d] = st[d + 1] * shape[d + 1];
+    }
+    st
+}
+
+/// Checks that `pieces` tile the box `[0, global)` exactly: every element covered once.
+/// Sweeps axis by axis; between consecutive boundaries the set of active pieces is checked
+/// once per change, so product-structured layouts cost O(n log n).
+pub fn check_tiling(global: &[u64], pieces: &[Piece]) -> Result<(), String> {
+    if numel(global) == 0 {
+        return Ok(());
+    }
+    let live: Vec<&Piece> = pieces.iter().filter(|p| p.numel() > 0).collect();
+    if global.is_empty() {
+        return match live.len() {
+            1 => Ok(()),
+            0 => Err("the scalar is not covered by any main replica".into()),
+            k => Err(format!("the scalar is held by {k} main replicas (overlap)")),
+        };
+    }
+    let mut prefix = Vec::new();
+    tile(global, &live, 0, &mut prefix)
+}
+
+fn tile(global: &[u64], pieces: &[&Piece], axis: usize, prefix: &mut Vec<u64>) -> Result<(), String> {
+    let n = global.len();
+    let g = global[axis];
+    let at = |prefix: &[u64], v: u64| {
+        let mut c = prefix.to_vec();
+        c.push(v);
+        c
+    };
+    let mut sorted: Vec<&Piece> = pieces.to_vec();
+    sorted.sort_by_key(|p| (p.off[axis], p.shape[axis]));
+    if axis == n - 1 {
+        let mut cursor = 0u64;
+        for p in sorted {
+            let (lo, hi) = (p.off[axis], p.off[axis] + p.shape[axis]);
+            if lo > cursor {
+                return Err(format!("gap: elements at {:?} are not covered by any main replica", at(prefix, cursor)));
+            }
+            if lo < cursor {
+                return Err(format!("overlap: elements at {:?} are covered by more than one main replica", at(prefix, lo)));
+            }
+            cursor = hi;
+        }
+        if cursor < g {
+            return Err(format!("gap: elements at {:?} are not covered by any main replica", at(prefix, cursor)));
+        }
+        return Ok(());
+    }
+    let mut bounds: Vec<u64> = Vec::with_capacity(sorted.len() * 2 + 2);
+    bounds.push(0);
+    bounds.push(g);
+    for p in &sorted {
+        bounds.push(p.off[axis]);
+        bounds.push(p.off[axis] + p.shape[axis]);
+    }
+    bounds.sort_unstable();
+    bounds.dedup();
+    let mut active: Vec<&Piece> = Vec::new();
+    let mut next = 0usize;
+    for w in bounds.windows(2) {
+        let (lo, hi) = (w[0], w[1]);
+        if lo >= g {
+            break;
+        }
+        let before = active.len();
+        active.retain(|p| p.off[axis] + p.shape[axis] > lo);
+        let mut changed = active.len() != before;
+        while next < sorted.len() && sorted[next].off[axis] <= lo {
+            if sorted[next].off[axis] + sorted[next].shape[axis] > lo {
+                active.push(sorted[next]);
+                changed = true;
+            }
+            next += 1;
+        }
+        if active.is_empty() {
+            let mut c = prefix.clone();
+            c.push(lo);
+            c.resize(n, 0);
+            return Err(format!("gap: elements at {c:?} are not covered by any main replica"));
+        }
+        if changed || lo == 0 {
+            prefix.push(lo);
+            let r = tile(global, &active, axis + 1, prefix);
+            prefix.pop();
+            r?;
+        }
+        let _ = hi;
+    }
+    if let Some(p) = sorted.iter().find(|p| p.off[axis] + p.shape[axis] > g) {
+        return Err(format!("box {} exceeds the global shape {global:?}", p.describe()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decompose_covers_range_in_order() {
+        let shape = [3u64, 4, 5];
+        let off = [10u64, 20, 30];
+        for s in 0..60 {
+            for e in s..=60 {
+                let pieces = decompose_flat(&off, &shape, s, e);
+                assert!(pieces.len() <= 5);
+                let layout = Layout { box_off: &off, box_shape: &shape, base: 0 };
+                let mut seen = Vec::new();
+                for p in &pieces {
+                    copy_runs(layout, layout, p, &mut |a, _b, len| seen.extend(a..a + len));
+                }
+                assert_eq!(seen, (s..e).collect::<Vec<_>>(), "range {s}..{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn copy_runs_merges_full_rows() {
+        let shape = [4u64, 8];
+        let src = Layout { box_off: &[0, 0], box_shape: &shape, base: 0 };
+        let dst_shape = [2u64, 8];
+        let dst = Layout { box_off: &[2, 0], box_shape: &dst_shape, base: 0 };
+        let mut runs = Vec::new();
+        copy_runs(src, dst, &Piece::new(&[2, 0], &[2, 8]), &mut |a, b, l| runs.push((a, b, l)));
+        assert_eq!(runs, vec![(16, 0, 16)]);
+        let mut runs = Vec::new();
+        copy_runs(src, src, &Piece::new(&[1, 2], &[2, 3]), &mut |a, b, l| runs.push((a, b, l)));
+        assert_eq!(runs, vec![(10, 10, 3), (18, 18, 3)]);
+    }
+
+    #[test]
+    fn tiling_finds_gap_and_overlap() {
+        let g = [4u64, 4];
+        let ok = vec![Piece::new(&[0, 0], &[2, 4]), Piece::new(&[2, 0], &[2, 2]), Piece::new(&[2, 2], &[2, 2])];
+        assert!(check_tiling(&g, &ok).is_ok());
+        let gap = vec![Piece::new(&[0, 0], &[2, 4]), Piece::new(&[2, 0], &[2, 2])];
+        assert!(check_tiling(&g, &gap).unwrap_err().contains("gap"));
+        let overlap = vec![Piece::new(&[0, 0], &[3, 4]), Piece::new(&[2, 0], &[2, 4])];
+        assert!(check_tiling(&g, &overlap).unwrap_err().contains("overlap"));
+    }
+}

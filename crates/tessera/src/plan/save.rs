@@ -1,0 +1,566 @@
+//! Save planning: what each rank announces, global validation, data-file layout, index build.
+
+use std::collections::HashMap;
+
+use serde_json::{json, Map, Value as J};
+
+use super::geometry::{check_tiling, decompose_flat, numel, Piece};
+use crate::format::codec::{Decoder, Encoder};
+use crate::format::{
+    crc_hex, CheckpointIndex, FileEntry, ObjectEntry, SafetensorsEntry, StoredChunk, StoredObject, TensorEntry,
+    FORMAT_VERSION, NATIVE_BACKEND,
+};
+use crate::state::{StatePath, Value};
+use crate::{DType, Error, Result};
+
+/// What a rank says about one of its tensor shards before anything is written.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardMeta {
+    /// Global key.
+    pub key: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub global_shape: Vec<u64>,
+    /// Box offset.
+    pub offset: Vec<u64>,
+    /// Box shape (prepended axes included, as size 1).
+    pub shape: Vec<u64>,
+    /// Flattened range of the box held.
+    pub flat: Option<(u64, u64)>,
+    /// Main replica (written).
+    pub main: bool,
+}
+
+impl ShardMeta {
+    /// Elements held.
+    pub fn numel(&self) -> u64 {
+        self.flat.map_or_else(|| numel(&self.shape), |(s, e)| e - s)
+    }
+    /// Bytes held.
+    pub fn nbytes(&self) -> u64 {
+        self.numel() * self.dtype.size() as u64
+    }
+    /// The boxes this shard covers.
+    pub fn pieces(&self) -> Vec<Piece> {
+        match self.flat {
+            Some((s, e)) => decompose_flat(&self.offset, &self.shape, s, e),
+            None => vec![Piece::new(&self.offset, &self.shape)],
+        }
+    }
+}
+
+/// What a rank says about one of its object shards.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObjectMeta {
+    /// Global key.
+    pub key: String,
+    /// Grid shape.
+    pub global_shape: Vec<u64>,
+    /// Grid position.
+    pub offset: Vec<u64>,
+    /// Main replica (written).
+    pub main: bool,
+    /// Serialized size.
+    pub len: u64,
+}
+
+/// Everything one rank announces in the single metadata exchange of a save.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RankPlan {
+    /// A local problem (bad buffer, bad description): every rank fails with it.
+    pub error: Option<String>,
+    /// Rank 0 only: a committed checkpoint exists and overwrite was not asked for.
+    pub refuse_overwrite: bool,
+    /// Rank 0 only: the id that names this save's data files.
+    pub save_id: u64,
+    /// Tensor shards, in the rank's order.
+    pub tensors: Vec<ShardMeta>,
+    /// Object shards, in the rank's order.
+    pub objects: Vec<ObjectMeta>,
+}
+
+const PLAN_TAG: u8 = 0x71;
+
+impl RankPlan {
+    /// Compact binary encoding (varints).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut e = Encoder::default();
+        e.u8(PLAN_TAG);
+        match &self.error {
+            None => e.u8(0),
+            Some(m) => {
+                e.u8(1);
+                e.str(m);
+            }
+        }
+        e.u8(self.refuse_overwrite as u8);
+        e.var(self.save_id);
+        e.var(self.tensors.len() as u64);
+        let mut last_key: &str = "";
+        for t in &self.tensors {
+            // Consecutive shards of one key (stacked layers, flat ranges) repeat the key: send it once.
+            if t.key == last_key {
+                e.u8(1);
+            } else {
+                e.u8(0);
+                e.str(&t.key);
+                last_key = &t.key;
+            }
+            e.u8(t.dtype.code());
+            e.dims(&t.global_shape);
+            for &x in t.offset.iter().chain(&t.shape) {
+                e.var(x);
+            }
+            match t.flat {
+                None => e.u8(if t.main { 0 } else { 2 }),
+                Some((s, x)) => {
+                    e.u8(if t.main { 1 } else { 3 });
+                    e.var(s);
+                    e.var(x - s);
+                }
+            }
+        }
+        e.var(self.objects.len() as u64);
+        for o in &self.objects {
+            e.str(&o.key);
+            e.dims(&o.global_shape);
+            for &x in &o.offset {
+                e.var(x);
+            }
+            e.u8(o.main as u8);
+            e.var(o.len);
+        }
+        e.buf
+    }
+
+    /// Inverse of [`RankPlan::encode`].
+    pub fn decode(bytes: &[u8]) -> Result<RankPlan, String> {
+        let mut d = Decoder::new(bytes);
+        if d.u8()? != PLAN_TAG {
+            return Err("not a save plan message".into());
+        }
+        let error = match d.u8()? {
+            0 => None,
+            _ => Some(d.str()?),
+        };
+        let refuse_overwrite = d.u8()? != 0;
+        let save_id = d.var()?;
+        let n = d.count()?;
+        let mut tensors: Vec<ShardMeta> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let key = match d.u8()? {
+                1 => tensors.last().ok_or("repeated key with no previous shard")?.key.clone(),
+                _ => d.str()?,
+            };
+            let code = d.u8()?;
+            let dtype = DType::from_code(code).ok_or_else(|| format!("bad dtype code {code}"))?;
+            let global_shape = d.dims()?;
+            let nd = global_shape.len();
+            let offset = (0..nd).map(|_| d.var()).collect::<Result<Vec<_>, _>>()?;
+            let shape = (0..nd).map(|_| d.var()).collect::<Result<Vec<_>, _>>()?;
+            let tag = d.u8()?;
+            let flat = if tag & 1 == 1 {
+                let s = d.var()?;
+                Some((s, s + d.var()?))
+            } else {
+                None
+            };
+            tensors.push(ShardMeta { key, dtype, global_shape, offset, shape, flat, main: tag & 2 == 0 });
+        }
+        let n = d.count()?;
+        let mut objects = Vec::with_capacity(n);
+        for _ in 0..n {
+            let key = d.str()?;
+            let global_shape = d.dims()?;
+            let offset = (0..global_shape.len()).map(|_| d.var()).collect::<Result<Vec<_>, _>>()?;
+            let main = d.u8()? != 0;
+            objects.push(ObjectMeta { key, global_shape, offset, main, len: d.var()? });
+        }
+        Ok(RankPlan { error, refuse_overwrite, save_id, tensors, objects })
+    }
+}
+
+/// Validates the union of all ranks' shards: consistent dtype and global shape per key, main
+/// replicas tiling every tensor exactly (boxes and flattened ranges), every object shard present
+/// once. Deterministic: every rank computing it on the same plans gets the same verdict.
+pub fn validate_global(plans: &[RankPlan]) -> Result<()> {
+    let mut by_key: HashMap<&str, Vec<(usize, &ShardMeta)>> = HashMap::new();
+    for (rank, p) in plans.iter().enumerate() {
+        for t in &p.tensors {
+            by_key.entry(t.key.as_str()).or_default().push((rank, t));
+        }
+    }
+    let mut keys: Vec<&str> = by_key.keys().copied().collect();
+    keys.sort_unstable();
+    for key in keys {
+        let shards = &by_key[key];
+        let (r0, first) = shards[0];
+        let mut pieces = Vec::new();
+        for &(rank, t) in shards {
+            if t.dtype != first.dtype {
+                return Err(Error::sharding(
+                    key,
+                    format!("dtype differs across ranks: rank {r0} has {}, rank {rank} has {}", first.dtype, t.dtype),
+                ));
+            }
+            if t.global_shape != first.global_shape {
+                return Err(Error::sharding(
+                    key,
+                    format!(
+                        "global shape differs across ranks: rank {r0} has {:?}, rank {rank} has {:?}",
+                        first.global_shape, t.global_shape
+                    ),
+                ));
+            }
+            for d in 0..t.shape.len() {
+                if t.offset[d] + t.shape[d] > t.global_shape[d] {
+                    return Err(Error::sharding(
+                        key,
+                        format!("rank {rank}: box {} exceeds global shape {:?}", Piece::new(&t.offset, &t.shape).describe(), t.global_shape),
+                    ));
+                }
+            }
+            if t.main {
+                pieces.extend(t.pieces());
+            }
+        }
+        check_tiling(&first.global_shape, &pieces).map_err(|reason| Error::sharding(key, reason))?;
+    }
+
+    let mut objects: HashMap<&str, Vec<(usize, &ObjectMeta)>> = HashMap::new();
+    for (rank, p) in plans.iter().enumerate() {
+        for o in &p.objects {
+            objects.entry(o.key.as_str()).or_default().push((rank, o));
+        }
+    }
+    let mut keys: Vec<&str> = objects.keys().copied().collect();
+    keys.sort_unstable();
+    for key in keys {
+        let shards = &objects[key];
+        let (r0, first) = shards[0];
+        let mut offsets: Vec<&Vec<u64>> = Vec::new();
+        for &(rank, o) in shards {
+            if o.global_shape != first.global_shape {
+                return Err(Error::sharding(
+                    key,
+                    format!(
+                        "object grid differs across ranks: rank {r0} has {:?}, rank {rank} has {:?}",
+                        first.global_shape, o.global_shape
+                    ),
+                ));
+            }
+            if o.offset.len() != o.global_shape.len() || o.offset.iter().zip(&o.global_shape).any(|(a, b)| a >= b) {
+                return Err(Error::sharding(
+                    key,
+                    format!("rank {rank}: object shard {:?} outside grid {:?}", o.offset, o.global_shape),
+                ));
+            }
+            if o.main {
+                offsets.push(&o.offset);
+            }
+        }
+        offsets.sort_unstable();
+        if let Some(w) = offsets.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::sharding(key, format!("object shard {:?} saved by more than one main replica", w[0])));
+        }
+        let want = numel(&first.global_shape);
+        if offsets.len() as u64 != want {
+            let missing = first_missing_cell(&first.global_shape, &offsets);
+            return Err(Error::sharding(
+                key,
+                format!(
+                    "object has {} of {want} shards; shard {:?} is missing",
+                    offsets.len(),
+                    missing.unwrap_or_default()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn first_missing_cell(grid: &[u64], sorted: &[&Vec<u64>]) -> Option<Vec<u64>> {
+    let mut cell = vec![0u64; grid.len()];
+    for present in sorted {
+        if **present != cell {
+            return Some(cell);
+        }
+        let mut d = grid.len();
+        while d > 0 {
+            d -= 1;
+            cell[d] += 1;
+            if cell[d] < grid[d] {
+                break;
+            }
+            cell[d] = 0;
+        }
+    }
+    if (sorted.len() as u64) < numel(grid) {
+        Some(cell)
+    } else {
+        None
+    }
+}
+
+/// Name of the data file written by `rank` in save `save_id`.
+pub fn data_file_name(save_id: u64, rank: usize) -> String {
+    format!("{save_id:016x}-r{rank:05}.safetensors")
+}
+
+/// Layout of one rank's data file: safetensors entries for its main tensor shards (in plan
+/// order), then its main object shards.
+#[derive(Debug, Clone)]
+pub struct FileLayout {
+    /// Entries, tensors first.
+    pub entries: Vec<SafetensorsEntry>,
+    /// Size of the header; data starts here.
+    pub header_len: u64,
+    /// Total file size.
+    pub size: u64,
+    /// `(plan index, entry index)` of each main tensor shard.
+    pub tensor_entries: Vec<usize>,
+    /// Plan indices of the main object shards.
+    pub object_entries: Vec<usize>,
+}
+
+/// Lays out a rank's data file. The header's size does not depend on checksum values.
+pub fn layout_file(rank: usize, plan: &RankPlan, block_size: u64) -> FileLayout {
+    let mut entries = Vec::new();
+    let mut start = 0u64;
+    let mut tensor_entries = Vec::new();
+    let mut object_entries = Vec::new();
+    for (i, t) in plan.tensors.iter().enumerate() {
+        if !t.main {
+            continue;
+        }
+        let len = t.nbytes();
+        let shape = match t.flat {
+            Some((s, e)) => vec![e - s],
+            None => t.shape.clone(),
+        };
+        entries.push(SafetensorsEntry { name: format!("{}:{}", entries.len(), t.key), dtype: t.dtype, shape, start, len });
+        tensor_entries.push(i);
+        start += len;
+    }
+    for (i, o) in plan.objects.iter().enumerate() {
+        if !o.main {
+            continue;
+        }
+        entries.push(SafetensorsEntry {
+            name: format!("{}:{}", entries.len(), o.key),
+            dtype: DType::U8,
+            shape: vec![o.len],
+            start,
+            len: o.len,
+        });
+        object_entries.push(i);
+        start += o.len;
+    }
+    let placeholder = placeholder_crcs(plan, &tensor_entries, &object_entries, block_size);
+    let header = file_header(rank, plan, block_size, &entries, &tensor_entries, &object_entries, &placeholder);
+    let header_len = header.len() as u64;
+    FileLayout { entries, header_len, size: header_len + start, tensor_entries, object_entries }
+}
+
+fn placeholder_crcs(plan: &RankPlan, tensors: &[usize], objects: &[usize], block_size: u64) -> Vec<Vec<u32>> {
+    let mut out: Vec<Vec<u32>> = tensors.iter().map(|&i| vec![0; plan.tensors[i].nbytes().div_ceil(block_size) as usize]).collect();
+    out.extend(objects.iter().map(|_| vec![0u32]));
+    out
+}
+
+/// The header bytes of a rank's data file, with the checksums of each entry (tensors, then objects).
+pub fn file_header(
+    rank: usize,
+    plan: &RankPlan,
+    block_size: u64,
+    entries: &[SafetensorsEntry],
+    tensor_entries: &[usize],
+    object_entries: &[usize],
+    crcs: &[Vec<u32>],
+) -> Vec<u8> {
+    let mut chunks = Vec::new();
+    for (n, &i) in tensor_entries.iter().enumerate() {
+        let t = &plan.tensors[i];
+        chunks.push(json!({
+            "name": entries[n].name,
+            "key": t.key,
+            "dtype": t.dtype.name(),
+            "global_shape": t.global_shape,
+            "global_offset": t.offset,
+            "shape": t.shape,
+            "flat": t.flat.map(|(s, e)| vec![s, e]),
+            "crc32c": crc_hex(&crcs[n]),
+        }));
+    }
+    let mut objects = Vec::new();
+    for (n, &i) in object_entries.iter().enumerate() {
+        let o = &plan.objects[i];
+        let e = tensor_entries.len() + n;
+        objects.push(json!({
+            "name": entries[e].name,
+            "key": o.key,
+            "global_shape": o.global_shape,
+            "global_offset": o.offset,
+            "crc32c": crc_hex(&crcs[e]),
+        }));
+    }
+    let mut meta = Map::new();
+    meta.insert("format".into(), J::String(NATIVE_BACKEND.into()));
+    meta.insert("format_version".into(), J::String(FORMAT_VERSION.to_string()));
+    meta.insert("rank".into(), J::String(rank.to_string()));
+    meta.insert("block_size".into(), J::String(block_size.to_string()));
+    meta.insert("chunks".into(), J::String(J::Array(chunks).to_string()));
+    meta.insert("objects".into(), J::String(J::Array(objects).to_string()));
+    crate::format::build_header(entries, &meta)
+}
+
+/// What a rank reports after writing its data file.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct WrittenFile {
+    /// A write failure: the save is not committed.
+    pub error: Option<String>,
+    /// File name (empty: the rank wrote nothing).
+    pub name: String,
+    /// File size.
+    pub size: u64,
+    /// Per main tensor shard (plan order): byte offset in the file and block checksums.
+    pub tensors: Vec<(u64, Vec<u32>)>,
+    /// Per main object shard (plan order): byte offset, length, checksum.
+    pub objects: Vec<(u64, u64, u32)>,
+}
+
+impl WrittenFile {
+    /// Binary encoding.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut e = Encoder::default();
+        match &self.error {
+            None => e.u8(0),
+            Some(m) => {
+                e.u8(1);
+                e.str(m);
+            }
+        }
+        e.str(&self.name);
+        e.var(self.size);
+        e.var(self.tensors.len() as u64);
+        for (off, crcs) in &self.tensors {
+            e.var(*off);
+            e.var(crcs.len() as u64);
+            for &c in crcs {
+                e.u32_le(c);
+            }
+        }
+        e.var(self.objects.len() as u64);
+        for &(off, len, crc) in &self.objects {
+            e.var(off);
+            e.var(len);
+            e.u32_le(crc);
+        }
+        e.buf
+    }
+
+    /// Inverse of [`WrittenFile::encode`].
+    pub fn decode(bytes: &[u8]) -> Result<WrittenFile, String> {
+        let mut d = Decoder::new(bytes);
+        let error = match d.u8()? {
+            0 => None,
+            _ => Some(d.str()?),
+        };
+        let name = d.str()?;
+        let size = d.var()?;
+        let n = d.count()?;
+        let mut tensors = Vec::with_capacity(n);
+        for _ in 0..n {
+            let off = d.var()?;
+            let k = d.count()?;
+            tensors.push((off, (0..k).map(|_| d.u32_le()).collect::<Result<Vec<_>, _>>()?));
+        }
+        let n = d.count()?;
+        let mut objects = Vec::with_capacity(n);
+        for _ in 0..n {
+            objects.push((d.var()?, d.var()?, d.u32_le()?));
+        }
+        Ok(WrittenFile { error, name, size, tensors, objects })
+    }
+}
+
+/// Assembles the global index from every rank's plan and written file (rank order).
+pub fn build_index(
+    plans: &[RankPlan],
+    written: &[WrittenFile],
+    block_size: u64,
+    common: Vec<(StatePath, Value)>,
+    content_metadata: Value,
+) -> Result<CheckpointIndex> {
+    let mut files = Vec::new();
+    let mut tensors: HashMap<&str, TensorEntry> = HashMap::new();
+    let mut objects: HashMap<&str, ObjectEntry> = HashMap::new();
+    for (rank, (plan, w)) in plans.iter().zip(written).enumerate() {
+        let main_tensors: Vec<&ShardMeta> = plan.tensors.iter().filter(|t| t.main).collect();
+        let main_objects: Vec<&ObjectMeta> = plan.objects.iter().filter(|o| o.main).collect();
+        if main_tensors.len() != w.tensors.len() || main_objects.len() != w.objects.len() {
+            return Err(Error::Comm { reason: format!("rank {rank} reported a file that does not match its plan") });
+        }
+        if main_tensors.is_empty() && main_objects.is_empty() {
+            continue;
+        }
+        let file = files.len() as u32;
+        files.push(FileEntry { name: w.name.clone(), size: w.size });
+        for (t, (byte_offset, crcs)) in main_tensors.into_iter().zip(&w.tensors) {
+            let entry = tensors.entry(t.key.as_str()).or_insert_with(|| TensorEntry {
+                key: t.key.clone(),
+                dtype: t.dtype,
+                global_shape: t.global_shape.clone(),
+                chunks: Vec::new(),
+            });
+            entry.chunks.push(StoredChunk {
+                file,
+                byte_offset: *byte_offset,
+                offset: t.offset.clone(),
+                shape: t.shape.clone(),
+                flat: t.flat,
+                crcs: crcs.clone(),
+            });
+        }
+        for (o, &(byte_offset, len, crc)) in main_objects.into_iter().zip(&w.objects) {
+            let entry = objects.entry(o.key.as_str()).or_insert_with(|| ObjectEntry {
+                key: o.key.clone(),
+                global_shape: o.global_shape.clone(),
+                shards: Vec::new(),
+            });
+            entry.shards.push(StoredObject { offset: o.offset.clone(), file, byte_offset, len, crc });
+        }
+    }
+    // Keys whose every shard is empty (zero-size tensors) still belong to the checkpoint.
+    for plan in plans {
+        for t in &plan.tensors {
+            tensors.entry(t.key.as_str()).or_insert_with(|| TensorEntry {
+                key: t.key.clone(),
+                dtype: t.dtype,
+                global_shape: t.global_shape.clone(),
+                chunks: Vec::new(),
+            });
+        }
+    }
+    let mut tensors: Vec<TensorEntry> = tensors.into_values().collect();
+    tensors.sort_by(|a, b| a.key.cmp(&b.key));
+    for t in &mut tensors {
+        t.chunks.sort_by(|a, b| (&a.offset, a.flat).cmp(&(&b.offset, b.flat)));
+    }
+    let mut objects: Vec<ObjectEntry> = objects.into_values().collect();
+    objects.sort_by(|a, b| a.key.cmp(&b.key));
+    for o in &mut objects {
+        o.shards.sort_by(|a, b| a.offset.cmp(&b.offset));
+    }
+    Ok(CheckpointIndex {
+        backend: NATIVE_BACKEND.into(),
+        version: FORMAT_VERSION,
+        block_size,
+        content_metadata,
+        common,
+        files,
+        tensors,
+        objects,
+    })
+}

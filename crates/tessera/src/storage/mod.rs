@@ -1,0 +1,84 @@
+//! Where checkpoint bytes live. A checkpoint is a flat set of named objects (a directory on a
+//! filesystem, a prefix in an object store); every backend implements [`Storage`] with the
+//! semantics written on each method, and passes the conformance suite in `tests/`.
+
+mod local;
+mod memory;
+
+pub use local::LocalStorage;
+pub use memory::MemoryStorage;
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::{Error, Result};
+
+/// A flat namespace of objects holding one checkpoint.
+///
+/// Names are plain file names (no `/`, no `..`); backends reject anything else with
+/// [`Error::InvalidArgument`], so nothing is ever read or written outside the checkpoint.
+pub trait Storage: Send + Sync + fmt::Debug {
+    /// Human-readable location, used in error messages (`/ckpt/step100`, `mem://x`).
+    fn location(&self) -> String;
+
+    /// Size of object `name`. Absent: [`Error::NotFound`].
+    fn size(&self, name: &str) -> Result<u64>;
+
+    /// Reads exactly `buf.len()` bytes of `name` from `offset`. Absent: [`Error::NotFound`];
+    /// shorter than `offset + buf.len()`: [`Error::Corrupt`] (truncated). Safe to call from many
+    /// threads at once.
+    fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()>;
+
+    /// Reads the whole object.
+    fn read(&self, name: &str) -> Result<Vec<u8>> {
+        let n = self.size(name)?;
+        let mut buf = vec![0u8; n as usize];
+        self.read_at(name, 0, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// Creates `name` (replacing any object of that name) with room for `size` bytes, for
+    /// positioned writes from many threads. Not atomic: until [`ObjectWriter::finish`] returns,
+    /// readers may see any mix of old, zero and new bytes, and a crash may leave it partial.
+    /// The commit protocol never points at such an object before it is finished.
+    fn create(&self, name: &str, size: u64) -> Result<Box<dyn ObjectWriter>>;
+
+    /// Replaces `name` with `bytes` atomically: a reader sees the old object (or none) or the
+    /// new one whole, never a mix, and after return the new object survives a crash.
+    fn put_atomic(&self, name: &str, bytes: &[u8]) -> Result<()>;
+
+    /// Names of all objects, in no particular order. A missing checkpoint location lists empty.
+    fn list(&self) -> Result<Vec<String>>;
+
+    /// Removes `name`. Absent is not an error. Not atomic with respect to other objects.
+    fn delete(&self, name: &str) -> Result<()>;
+}
+
+/// Positioned writes into one object being created.
+pub trait ObjectWriter: Send + Sync {
+    /// Writes `data` at `offset`. Regions written by concurrent calls must not overlap.
+    fn write_at(&self, offset: u64, data: &[u8]) -> Result<()>;
+    /// Makes every written byte durable and visible; after it returns the object is complete.
+    fn finish(self: Box<Self>) -> Result<()>;
+}
+
+/// Opens a checkpoint location given as a string: a local directory path (or `file://` URL),
+/// or `mem://name` for a process-wide in-memory store (tests, demos).
+pub fn open_location(location: &str) -> Result<Arc<dyn Storage>> {
+    if let Some(name) = location.strip_prefix("mem://") {
+        return Ok(Arc::new(MemoryStorage::named(name)));
+    }
+    if let Some((scheme, _)) = location.split_once("://") {
+        if scheme != "file" {
+            return Err(Error::invalid(format!(
+                "unsupported location scheme {scheme:?} in {location:?} (supported: local paths, file://, mem://)"
+            )));
+        }
+    }
+    let path = location.strip_prefix("file://").unwrap_or(location);
+    Ok(Arc::new(LocalStorage::new(path)))
+}
+
+pub(crate) fn check_name(name: &str) -> Result<()> {
+    crate::format::check_file_name(name).map_err(Error::invalid)
+}
