@@ -217,6 +217,18 @@ impl CheckpointIndex {
         out
     }
 
+    /// Parses index bytes (as read from `path`, used in errors), checking magic, version,
+    /// checksum, bounds and names.
+    pub fn from_bytes(bytes: &[u8], path: &str) -> crate::Result<CheckpointIndex> {
+        Self::decode(bytes).map_err(|e| match e {
+            IndexError::Version(v) => crate::Error::IncompatibleVersion {
+                found: format!("{NATIVE_BACKEND} v{v}"),
+                supported: format!("{NATIVE_BACKEND} v{FORMAT_VERSION}"),
+            },
+            IndexError::Corrupt(reason) => crate::Error::corrupt(path, reason),
+        })
+    }
+
     /// Reads the version from the first bytes of an index, if they are one.
     pub(crate) fn peek_version(head: &[u8]) -> Option<u32> {
         if head.len() >= 12 && &head[..8] == INDEX_MAGIC {

@@ -5,7 +5,7 @@
 use std::sync::{Arc, OnceLock, RwLock};
 
 use crate::comm::Communicator;
-use crate::format::{CheckpointIndex, IndexError, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
+use crate::format::{CheckpointIndex, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
 use crate::io::save::{save, SaveOptions, SaveReport};
 use crate::state::StateTree;
 use crate::storage::Storage;
@@ -95,10 +95,7 @@ impl LoadStrategy for NativeStrategy {
     }
     fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
         let bytes = storage.read(INDEX_FILE)?;
-        CheckpointIndex::decode(&bytes).map_err(|e| match e {
-            IndexError::Version(v) => Error::IncompatibleVersion { found: format!("{NATIVE_BACKEND} v{v}"), supported: self.supported_versions() },
-            IndexError::Corrupt(reason) => Error::corrupt(index_path(storage), reason),
-        })
+        CheckpointIndex::from_bytes(&bytes, &index_path(storage).to_string_lossy())
     }
 }
 

@@ -319,7 +319,9 @@ impl<'a> StateTree<'a> {
 /// The split is zero-copy; on load, parts loaded in place are re-joined in place.
 #[derive(Debug, Clone)]
 pub struct SplitFactory {
-    /// `(sub-key suffix, metadata of the part)`; the part's data is ignored.
+    /// Local shape of the fused tensor, as returned after load.
+    pub local_shape: Vec<u64>,
+    /// `(sub-key suffix, where the part lives)`, in order along the first local axis.
     pub parts: Vec<(String, PartSpec)>,
 }
 
@@ -394,10 +396,9 @@ impl TensorFactory for SplitFactory {
         let mut t = first.ok_or_else(|| crate::Error::invalid(format!("factory {key:?} has no parts")))?;
         t.key = key.to_string();
         t.data = TensorData::join(datas);
-        let numel = (t.data.len() / t.dtype.size().max(1)) as u64;
-        t.local_shape = vec![numel];
-        t.global_shape = vec![numel];
-        t.global_offset = vec![0];
+        t.local_shape = self.local_shape.clone();
+        t.global_shape = self.local_shape.clone();
+        t.global_offset = vec![0; self.local_shape.len()];
         t.prepend_axis_num = 0;
         Ok(StateTree::Tensor(t))
     }
