@@ -35,31 +35,10 @@ pub use io::strategy::{
     detect_format, get_save_strategy, open_index, register_load_strategy, register_save_strategy, FormatRecord,
     LoadStrategy, NativeStrategy, SaveStrategy, StrategyAction,
 };
+pub use io::maintenance::{gc, remove_sharded_tensors};
 pub use io::verify::{verify, VerifyReport};
 pub use state::{
     path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,
     StatePath, StateTree, TensorData, TensorFactory, Value,
 };
 pub use storage::{open_location, LocalStorage, MemoryStorage, ObjectWriter, Storage};
-
-/// Removes leftovers of saves that never committed (data files and temporary index files not
-/// referenced by the committed index). With no committed index, every tessera data file is a
-/// leftover. Returns the names removed. Must not run while a save into the same location is in
-/// progress.
-pub fn gc(storage: &dyn Storage) -> Result<Vec<String>> {
-    let referenced: Vec<String> = match open_index(storage) {
-        Ok(index) => index.files.into_iter().map(|f| f.name).collect(),
-        Err(Error::NotCommitted { .. }) | Err(Error::NotFound { .. }) => Vec::new(),
-        Err(e) => return Err(e),
-    };
-    let mut removed = Vec::new();
-    for name in storage.list()? {
-        let ours = io::save::is_data_file_name(&name) || name.starts_with(&format!(".{INDEX_FILE}.tmp-"));
-        if ours && !referenced.contains(&name) {
-            storage.delete(&name)?;
-            removed.push(name);
-        }
-    }
-    removed.sort();
-    Ok(removed)
-}

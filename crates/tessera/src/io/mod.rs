@@ -3,6 +3,7 @@
 
 pub(crate) mod factories;
 pub(crate) mod load;
+pub(crate) mod maintenance;
 pub(crate) mod read;
 pub(crate) mod save;
 pub(crate) mod strategy;

@@ -13,8 +13,10 @@ pub(crate) struct Source<'a> {
     pub block: u64,
 }
 
-/// Largest single write; also the staging size for batches of small sources.
+/// Largest single write from a caller's buffer.
 const PIECE: u64 = 8 << 20;
+/// Largest batch of small sources staged together (bounds extra memory per thread).
+const BATCH: u64 = 2 << 20;
 /// Sources below this size are copied into a batch buffer and written together.
 const SMALL: u64 = 256 << 10;
 
@@ -38,7 +40,7 @@ pub(crate) fn write_sources(writer: &dyn ObjectWriter, sources: &[Source<'_>], t
             while i + 1 < sources.len()
                 && (sources[i + 1].data.len() as u64) < SMALL
                 && sources[i + 1].file_off == sources[i].file_off + sources[i].data.len() as u64
-                && total + sources[i + 1].data.len() as u64 <= PIECE
+                && total + sources[i + 1].data.len() as u64 <= BATCH
             {
                 i += 1;
                 total += sources[i].data.len() as u64;

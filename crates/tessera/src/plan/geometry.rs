@@ -257,6 +257,9 @@ fn tile(global: &[u64], pieces: &[&Piece], axis: usize, prefix: &mut Vec<u64>) -
             }
             cursor = hi;
         }
+        if cursor > g {
+            return Err(format!("box exceeds the global shape {global:?} on axis {axis}"));
+        }
         if cursor < g {
             return Err(format!("gap: elements at {:?} are not covered by any main replica", at(prefix, cursor)));
         }
@@ -273,8 +276,7 @@ fn tile(global: &[u64], pieces: &[&Piece], axis: usize, prefix: &mut Vec<u64>) -
     bounds.dedup();
     let mut active: Vec<&Piece> = Vec::new();
     let mut next = 0usize;
-    for w in bounds.windows(2) {
-        let (lo, hi) = (w[0], w[1]);
+    for &lo in &bounds[..bounds.len() - 1] {
         if lo >= g {
             break;
         }
@@ -300,7 +302,6 @@ fn tile(global: &[u64], pieces: &[&Piece], axis: usize, prefix: &mut Vec<u64>) -
             prefix.pop();
             r?;
         }
-        let _ = hi;
     }
     if let Some(p) = sorted.iter().find(|p| p.off[axis] + p.shape[axis] > g) {
         return Err(format!("box {} exceeds the global shape {global:?}", p.describe()));

@@ -1,0 +1,45 @@
+//! Maintenance of committed checkpoints: garbage collection and key removal.
+
+use crate::format::INDEX_FILE;
+use crate::io::save::is_data_file_name;
+use crate::io::strategy::open_index;
+use crate::storage::Storage;
+use crate::{Error, Result};
+
+/// Removes leftovers of saves that never committed (data files and temporary index files not
+/// referenced by the committed index). With no committed index, every tessera data file is a
+/// leftover. Returns the names removed. Must not run while a save into the same location is in
+/// progress.
+pub fn gc(storage: &dyn Storage) -> Result<Vec<String>> {
+    let referenced: Vec<String> = match open_index(storage) {
+        Ok(index) => index.files.into_iter().map(|f| f.name).collect(),
+        Err(Error::NotCommitted { .. }) | Err(Error::NotFound { .. }) => Vec::new(),
+        Err(e) => return Err(e),
+    };
+    let mut removed = Vec::new();
+    for name in storage.list()? {
+        let ours = is_data_file_name(&name) || name.starts_with(&format!(".{INDEX_FILE}.tmp-"));
+        if ours && !referenced.contains(&name) {
+            storage.delete(&name)?;
+            removed.push(name);
+        }
+    }
+    removed.sort();
+    Ok(removed)
+}
+
+/// Removes every tensor whose key starts with `key_prefix` from a committed checkpoint
+/// (Megatron's `remove_sharded_tensors`), by committing a new index without them; data files
+/// are left as they are. Returns the keys removed.
+pub fn remove_sharded_tensors(storage: &dyn Storage, key_prefix: &str) -> Result<Vec<String>> {
+    let mut index = open_index(storage)?;
+    if index.backend != crate::format::NATIVE_BACKEND {
+        return Err(Error::invalid(format!("cannot edit a {} checkpoint in place", index.backend)));
+    }
+    let (removed, kept): (Vec<_>, Vec<_>) = index.tensors.into_iter().partition(|t| t.key.starts_with(key_prefix));
+    index.tensors = kept;
+    if !removed.is_empty() {
+        storage.put_atomic(INDEX_FILE, &index.encode())?;
+    }
+    Ok(removed.into_iter().map(|t| t.key).collect())
+}
