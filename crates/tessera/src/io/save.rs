@@ -89,11 +89,11 @@ fn collect<'t>(tree: &'t StateTree<'_>, rank: usize) -> Collected<'t> {
                 }
             }
             c.plan.tensors.push(ShardMeta {
-                key: t.key.clone(),
+                key: t.key.as_str().into(),
                 dtype: t.dtype,
-                global_shape: t.global_shape.clone(),
-                offset: t.global_offset.clone(),
-                shape: t.box_shape(),
+                global_shape: t.global_shape.as_slice().into(),
+                offset: t.global_offset.as_slice().into(),
+                shape: t.box_shape().into(),
                 flat: t.flattened_range.as_ref().map(|r| (r.start, r.end)),
                 main,
             });

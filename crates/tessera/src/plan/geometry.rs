@@ -10,21 +10,23 @@ pub fn numel(shape: &[u64]) -> u64 {
     shape.iter().product()
 }
 
+pub use super::dims::Dims;
+
 /// A box in global coordinates.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Piece {
     /// Offset per axis.
-    pub off: Vec<u64>,
+    pub off: Dims,
     /// Extent per axis.
-    pub shape: Vec<u64>,
+    pub shape: Dims,
 }
 
 impl Piece {
     /// A box.
     pub fn new(off: &[u64], shape: &[u64]) -> Self {
         Piece {
-            off: off.to_vec(),
-            shape: shape.to_vec(),
+            off: off.into(),
+            shape: shape.into(),
         }
     }
 
@@ -39,8 +41,8 @@ impl Piece {
         if other.off.len() != n {
             return None;
         }
-        let mut off = Vec::with_capacity(n);
-        let mut shape = Vec::with_capacity(n);
+        let mut off = Dims::with_capacity(n);
+        let mut shape = Dims::with_capacity(n);
         for d in 0..n {
             let lo = self.off[d].max(other.off[d]);
             let hi = (self.off[d] + self.shape[d]).min(other.off[d] + other.shape[d]);
@@ -84,8 +86,8 @@ pub fn decompose_flat(box_off: &[u64], box_shape: &[u64], start: u64, end: u64) 
 fn rec(box_off: &[u64], box_shape: &[u64], axis: usize, s: u64, e: u64, prefix: &mut Vec<u64>, out: &mut Vec<Piece>) {
     let n = box_shape.len();
     let emit = |prefix: &[u64], axis_lo: u64, axis_len: u64, out: &mut Vec<Piece>| {
-        let mut off = prefix.to_vec();
-        let mut shape = vec![1u64; prefix.len()];
+        let mut off: Dims = prefix.into();
+        let mut shape: Dims = std::iter::repeat_n(1u64, prefix.len()).collect();
         off.push(box_off[axis] + axis_lo);
         shape.push(axis_len);
         for d in axis + 1..n {
@@ -171,7 +173,7 @@ pub fn copy_runs(src: Layout<'_>, dst: Layout<'_>, region: &Piece, emit: &mut dy
     let src_strides = strides(src.box_shape);
     let dst_strides = strides(dst.box_shape);
     let mut idx = vec![0u64; m];
-    let mut x = region.off.clone();
+    let mut x = region.off.to_vec();
     let mut s = src.position(&x);
     let mut t = dst.position(&x);
     let (mut ps, mut pt, mut plen) = (s, t, 0u64);

@@ -3,6 +3,8 @@
 //! grouping. Nothing here does IO, so all of it is unit- and property-testable and can be run
 //! for 10,000 simulated ranks.
 
+pub mod dims;
+pub(crate) mod fasthash;
 pub mod geometry;
 pub mod load;
 pub mod save;

@@ -1,9 +1,12 @@
 //! Save planning: what each rank announces, global validation, data-file layout, index build.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use serde_json::{json, Map, Value as J};
 
+use super::dims::Dims;
+use super::fasthash::FastMap;
 use super::geometry::{check_tiling, decompose_flat, numel, Piece};
 use crate::format::codec::{Decoder, Encoder};
 use crate::format::{
@@ -17,15 +20,15 @@ use crate::{DType, Error, Result};
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShardMeta {
     /// Global key.
-    pub key: String,
+    pub key: Arc<str>,
     /// Element type.
     pub dtype: DType,
     /// Global shape.
-    pub global_shape: Vec<u64>,
+    pub global_shape: Dims,
     /// Box offset.
-    pub offset: Vec<u64>,
+    pub offset: Dims,
     /// Box shape (prepended axes included, as size 1).
-    pub shape: Vec<u64>,
+    pub shape: Dims,
     /// Flattened range of the box held.
     pub flat: Option<(u64, u64)>,
     /// Main replica (written).
@@ -100,7 +103,7 @@ impl RankPlan {
         let mut last_key: &str = "";
         for t in &self.tensors {
             // Consecutive shards of one key (stacked layers, flat ranges) repeat the key: send it once.
-            if t.key == last_key {
+            if &*t.key == last_key {
                 e.u8(1);
             } else {
                 e.u8(0);
@@ -136,6 +139,38 @@ impl RankPlan {
 
     /// Inverse of [`RankPlan::encode`].
     pub fn decode(bytes: &[u8]) -> Result<RankPlan, String> {
+        Self::decode_interned(bytes, &mut FastMap::default())
+    }
+
+    /// Decodes every rank's message, sharing one copy of each key among all ranks.
+    /// Fails with the rank whose message is malformed.
+    pub fn decode_all(messages: &[Vec<u8>]) -> Result<Vec<RankPlan>, (usize, String)> {
+        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
+        let per = messages.len().div_ceil(workers).max(1);
+        let parts: Vec<Result<Vec<RankPlan>, (usize, String)>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = messages
+                .chunks(per)
+                .enumerate()
+                .map(|(p, part)| {
+                    scope.spawn(move || {
+                        let mut keys = FastMap::default();
+                        part.iter()
+                            .enumerate()
+                            .map(|(i, m)| Self::decode_interned(m, &mut keys).map_err(|e| (p * per + i, e)))
+                            .collect::<Result<Vec<_>, _>>()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("decode worker panicked")).collect()
+        });
+        let mut out = Vec::with_capacity(messages.len());
+        for part in parts {
+            out.extend(part?);
+        }
+        Ok(out)
+    }
+
+    fn decode_interned(bytes: &[u8], keys: &mut FastMap<Box<[u8]>, Arc<str>>) -> Result<RankPlan, String> {
         let mut d = Decoder::new(bytes);
         if d.u8()? != PLAN_TAG {
             return Err("not a save plan message".into());
@@ -151,14 +186,24 @@ impl RankPlan {
         for _ in 0..n {
             let key = match d.u8()? {
                 1 => tensors.last().ok_or("repeated key with no previous shard")?.key.clone(),
-                _ => d.str()?,
+                _ => {
+                    let raw = d.bytes()?;
+                    match keys.get(raw) {
+                        Some(k) => k.clone(),
+                        None => {
+                            let k: Arc<str> = std::str::from_utf8(raw).map_err(|_| "key is not UTF-8")?.into();
+                            keys.insert(raw.into(), k.clone());
+                            k
+                        }
+                    }
+                }
             };
             let code = d.u8()?;
             let dtype = DType::from_code(code).ok_or_else(|| format!("bad dtype code {code}"))?;
-            let global_shape = d.dims()?;
-            let nd = global_shape.len();
-            let offset = (0..nd).map(|_| d.var()).collect::<Result<Vec<_>, _>>()?;
-            let shape = (0..nd).map(|_| d.var()).collect::<Result<Vec<_>, _>>()?;
+            let nd = d.count()?;
+            let global_shape = (0..nd).map(|_| d.var()).collect::<Result<Dims, _>>()?;
+            let offset = (0..nd).map(|_| d.var()).collect::<Result<Dims, _>>()?;
+            let shape = (0..nd).map(|_| d.var()).collect::<Result<Dims, _>>()?;
             let tag = d.u8()?;
             let flat = if tag & 1 == 1 {
                 let s = d.var()?;
@@ -185,49 +230,77 @@ impl RankPlan {
 /// replicas tiling every tensor exactly (boxes and flattened ranges), every object shard present
 /// once. Deterministic: every rank computing it on the same plans gets the same verdict.
 pub fn validate_global(plans: &[RankPlan]) -> Result<()> {
-    let mut by_key: HashMap<&str, Vec<(usize, &ShardMeta)>> = HashMap::new();
+    let mut by_key: FastMap<&str, Vec<(usize, &ShardMeta)>> = FastMap::default();
     for (rank, p) in plans.iter().enumerate() {
         for t in &p.tensors {
-            by_key.entry(t.key.as_str()).or_default().push((rank, t));
+            by_key.entry(&*t.key).or_default().push((rank, t));
         }
     }
-    let mut keys: Vec<&str> = by_key.keys().copied().collect();
-    keys.sort_unstable();
-    for key in keys {
-        let shards = &by_key[key];
-        let (r0, first) = shards[0];
-        let mut pieces = Vec::new();
-        for &(rank, t) in shards {
-            if t.dtype != first.dtype {
-                return Err(Error::sharding(
-                    key,
-                    format!("dtype differs across ranks: rank {r0} has {}, rank {rank} has {}", first.dtype, t.dtype),
-                ));
-            }
-            if t.global_shape != first.global_shape {
+    let mut keys: Vec<(&str, Vec<(usize, &ShardMeta)>)> = by_key.into_iter().collect();
+    keys.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    // Keys are independent: check them on all cores, report the first failing key in key order.
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(keys.len().max(1));
+    let per = keys.len().div_ceil(workers.max(1)).max(1);
+    let first_error = std::thread::scope(|scope| {
+        let handles: Vec<_> = keys
+            .chunks(per)
+            .map(|part| scope.spawn(move || part.iter().find_map(|(key, shards)| validate_key(key, shards).err())))
+            .collect();
+        handles.into_iter().find_map(|h| h.join().expect("validation worker panicked"))
+    });
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    validate_objects(plans)
+}
+
+fn validate_key(key: &str, shards: &[(usize, &ShardMeta)]) -> Result<()> {
+    let (r0, first) = shards[0];
+    let mut pieces = Vec::new();
+    for &(rank, t) in shards {
+        if t.dtype != first.dtype {
+            return Err(Error::sharding(
+                key,
+                format!("dtype differs across ranks: rank {r0} has {}, rank {rank} has {}", first.dtype, t.dtype),
+            ));
+        }
+        if t.global_shape != first.global_shape {
+            return Err(Error::sharding(
+                key,
+                format!(
+                    "global shape differs across ranks: rank {r0} has {:?}, rank {rank} has {:?}",
+                    first.global_shape, t.global_shape
+                ),
+            ));
+        }
+        if t.offset.len() != t.global_shape.len() || t.shape.len() != t.global_shape.len() {
+            return Err(Error::sharding(key, format!("rank {rank}: box rank differs from the global shape's")));
+        }
+        for d in 0..t.shape.len() {
+            if t.offset[d] + t.shape[d] > t.global_shape[d] {
                 return Err(Error::sharding(
                     key,
                     format!(
-                        "global shape differs across ranks: rank {r0} has {:?}, rank {rank} has {:?}",
-                        first.global_shape, t.global_shape
+                        "rank {rank}: box {} exceeds global shape {:?}",
+                        Piece::new(&t.offset, &t.shape).describe(),
+                        t.global_shape
                     ),
                 ));
             }
-            for d in 0..t.shape.len() {
-                if t.offset[d] + t.shape[d] > t.global_shape[d] {
-                    return Err(Error::sharding(
-                        key,
-                        format!("rank {rank}: box {} exceeds global shape {:?}", Piece::new(&t.offset, &t.shape).describe(), t.global_shape),
-                    ));
-                }
-            }
-            if t.main {
-                pieces.extend(t.pieces());
+        }
+        if let Some((s, e)) = t.flat {
+            if s > e || e > numel(&t.shape) {
+                return Err(Error::sharding(key, format!("rank {rank}: flattened range {s}..{e} outside its box")));
             }
         }
-        check_tiling(&first.global_shape, &pieces).map_err(|reason| Error::sharding(key, reason))?;
+        if t.main {
+            pieces.extend(t.pieces());
+        }
     }
+    check_tiling(&first.global_shape, &pieces).map_err(|reason| Error::sharding(key, reason))
+}
 
+fn validate_objects(plans: &[RankPlan]) -> Result<()> {
     let mut objects: HashMap<&str, Vec<(usize, &ObjectMeta)>> = HashMap::new();
     for (rank, p) in plans.iter().enumerate() {
         for o in &p.objects {
@@ -337,7 +410,7 @@ pub fn layout_file(rank: usize, plan: &RankPlan, block_size: u64) -> FileLayout 
         let len = t.nbytes();
         let shape = match t.flat {
             Some((s, e)) => vec![e - s],
-            None => t.shape.clone(),
+            None => t.shape.to_vec(),
         };
         entries.push(SafetensorsEntry { name: format!("{}:{}", entries.len(), t.key), dtype: t.dtype, shape, start, len });
         tensor_entries.push(i);
@@ -384,11 +457,11 @@ pub fn file_header(
         let t = &plan.tensors[i];
         chunks.push(json!({
             "name": entries[n].name,
-            "key": t.key,
+            "key": &*t.key,
             "dtype": t.dtype.name(),
-            "global_shape": t.global_shape,
-            "global_offset": t.offset,
-            "shape": t.shape,
+            "global_shape": t.global_shape.as_slice(),
+            "global_offset": t.offset.as_slice(),
+            "shape": t.shape.as_slice(),
             "flat": t.flat.map(|(s, e)| vec![s, e]),
             "crc32c": crc_hex(&crcs[n]),
         }));
@@ -508,17 +581,17 @@ pub fn build_index(
         let file = files.len() as u32;
         files.push(FileEntry { name: w.name.clone(), size: w.size });
         for (t, (byte_offset, crcs)) in main_tensors.into_iter().zip(&w.tensors) {
-            let entry = tensors.entry(t.key.as_str()).or_insert_with(|| TensorEntry {
-                key: t.key.clone(),
+            let entry = tensors.entry(&*t.key).or_insert_with(|| TensorEntry {
+                key: t.key.to_string(),
                 dtype: t.dtype,
-                global_shape: t.global_shape.clone(),
+                global_shape: t.global_shape.to_vec(),
                 chunks: Vec::new(),
             });
             entry.chunks.push(StoredChunk {
                 file,
                 byte_offset: *byte_offset,
-                offset: t.offset.clone(),
-                shape: t.shape.clone(),
+                offset: t.offset.to_vec(),
+                shape: t.shape.to_vec(),
                 flat: t.flat,
                 crcs: crcs.clone(),
             });
@@ -535,10 +608,10 @@ pub fn build_index(
     // Keys whose every shard is empty (zero-size tensors) still belong to the checkpoint.
     for plan in plans {
         for t in &plan.tensors {
-            tensors.entry(t.key.as_str()).or_insert_with(|| TensorEntry {
-                key: t.key.clone(),
+            tensors.entry(&*t.key).or_insert_with(|| TensorEntry {
+                key: t.key.to_string(),
                 dtype: t.dtype,
-                global_shape: t.global_shape.clone(),
+                global_shape: t.global_shape.to_vec(),
                 chunks: Vec::new(),
             });
         }

@@ -1,0 +1,161 @@
+//! A small vector of dimensions that stays inline up to 4 axes: planning handles millions of
+//! shards, and three heap allocations per shard would dominate the cost.
+
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+
+const INLINE: usize = 4;
+
+/// Dimensions (shape, offset) of a box; derefs to `[u64]`.
+#[derive(Clone)]
+pub enum Dims {
+    /// Up to four axes, stored inline.
+    Inline(u8, [u64; INLINE]),
+    /// More axes.
+    Heap(Vec<u64>),
+}
+
+impl Dims {
+    /// The dimensions as a slice.
+    pub fn as_slice(&self) -> &[u64] {
+        self
+    }
+    /// Appends an axis.
+    pub fn push(&mut self, x: u64) {
+        match self {
+            Dims::Inline(n, a) if (*n as usize) < INLINE => {
+                a[*n as usize] = x;
+                *n += 1;
+            }
+            Dims::Inline(n, a) => {
+                let mut v = a[..*n as usize].to_vec();
+                v.push(x);
+                *self = Dims::Heap(v);
+            }
+            Dims::Heap(v) => v.push(x),
+        }
+    }
+    /// An empty list with room for `n` axes.
+    pub fn with_capacity(n: usize) -> Self {
+        if n <= INLINE {
+            Dims::Inline(0, [0; INLINE])
+        } else {
+            Dims::Heap(Vec::with_capacity(n))
+        }
+    }
+}
+
+impl Default for Dims {
+    fn default() -> Self {
+        Dims::Inline(0, [0; INLINE])
+    }
+}
+
+impl Deref for Dims {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        match self {
+            Dims::Inline(n, a) => &a[..*n as usize],
+            Dims::Heap(v) => v,
+        }
+    }
+}
+
+impl DerefMut for Dims {
+    fn deref_mut(&mut self) -> &mut [u64] {
+        match self {
+            Dims::Inline(n, a) => &mut a[..*n as usize],
+            Dims::Heap(v) => v,
+        }
+    }
+}
+
+impl From<&[u64]> for Dims {
+    fn from(s: &[u64]) -> Self {
+        if s.len() <= INLINE {
+            let mut a = [0; INLINE];
+            a[..s.len()].copy_from_slice(s);
+            Dims::Inline(s.len() as u8, a)
+        } else {
+            Dims::Heap(s.to_vec())
+        }
+    }
+}
+
+impl From<Vec<u64>> for Dims {
+    fn from(v: Vec<u64>) -> Self {
+        Dims::from(v.as_slice())
+    }
+}
+
+impl From<&Vec<u64>> for Dims {
+    fn from(v: &Vec<u64>) -> Self {
+        Dims::from(v.as_slice())
+    }
+}
+
+impl<const N: usize> From<[u64; N]> for Dims {
+    fn from(a: [u64; N]) -> Self {
+        Dims::from(&a[..])
+    }
+}
+
+impl FromIterator<u64> for Dims {
+    fn from_iter<I: IntoIterator<Item = u64>>(iter: I) -> Self {
+        let mut d = Dims::default();
+        for x in iter {
+            d.push(x);
+        }
+        d
+    }
+}
+
+impl PartialEq for Dims {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+impl Eq for Dims {}
+
+impl PartialEq<[u64]> for Dims {
+    fn eq(&self, other: &[u64]) -> bool {
+        self.as_slice() == other
+    }
+}
+
+impl PartialEq<Vec<u64>> for Dims {
+    fn eq(&self, other: &Vec<u64>) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl PartialOrd for Dims {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Dims {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.as_slice().cmp(other.as_slice())
+    }
+}
+
+impl std::hash::Hash for Dims {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_slice().hash(state)
+    }
+}
+
+impl fmt::Debug for Dims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
+impl<'a> IntoIterator for &'a Dims {
+    type Item = &'a u64;
+    type IntoIter = std::slice::Iter<'a, u64>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.as_slice().iter()
+    }
+}
