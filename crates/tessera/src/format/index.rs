@@ -167,8 +167,13 @@ impl CheckpointIndex {
             e.str(&f.name);
             e.var(f.size);
         }
-        e.var(self.tensors.len() as u64);
-        for t in &self.tensors {
+        // Readers binary-search keys: write them sorted whatever order the caller built.
+        let mut tensors: Vec<&TensorEntry> = self.tensors.iter().collect();
+        tensors.sort_by(|a, b| a.key.cmp(&b.key));
+        let mut objects: Vec<&ObjectEntry> = self.objects.iter().collect();
+        objects.sort_by(|a, b| a.key.cmp(&b.key));
+        e.var(tensors.len() as u64);
+        for t in tensors {
             e.str(&t.key);
             e.u8(t.dtype.code());
             e.dims(&t.global_shape);
@@ -192,8 +197,8 @@ impl CheckpointIndex {
                 }
             }
         }
-        e.var(self.objects.len() as u64);
-        for o in &self.objects {
+        e.var(objects.len() as u64);
+        for o in objects {
             e.str(&o.key);
             e.dims(&o.global_shape);
             e.var(o.shards.len() as u64);
