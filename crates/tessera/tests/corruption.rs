@@ -1,0 +1,647 @@
+//! Damaged checkpoints give clear errors, never panics or wrong data: flipped bytes in data
+//! files and in the index, truncated and missing files, a missing index, a future format
+//! version, an empty or absent directory, an index naming a path outside the checkpoint.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::*;
+use tessera::*;
+
+/// A committed checkpoint in a temporary directory and the truth it holds.
+struct Fixture {
+    dir: TempDir,
+    tensors: BTreeMap<String, (DType, Vec<u64>, Vec<u8>)>,
+    objects: Vec<Vec<u8>>,
+}
+
+impl Fixture {
+    fn storage(&self) -> LocalStorage {
+        LocalStorage::new(self.dir.path())
+    }
+    fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.join(name)
+    }
+    fn index(&self) -> CheckpointIndex {
+        open_index(&self.storage()).unwrap()
+    }
+}
+
+/// Two ranks: `w` f32 [8, 6] split by rows, `opt` bf16 [5, 5] as two flattened ranges, `norm`
+/// f32 [6] replicated (rank 0 main), object `rng` with one shard per rank, a common value.
+/// Block size 16: every chunk has several checksum blocks.
+fn fixture() -> Fixture {
+    let mut rng = Rng::new(42);
+    let w = rng.bytes(8 * 6 * 4);
+    let opt = rng.bytes(25 * 2);
+    let norm = rng.bytes(6 * 4);
+    let objects = vec![
+        b"rank zero rng state".to_vec(),
+        b"rank one rng state!!".to_vec(),
+    ];
+    let dir = TempDir::new("corrupt");
+    let storage = LocalStorage::new(dir.path());
+    let out = run_ranks(2, |c| {
+        let r = c.rank() as u64;
+        let wt = shard(
+            "w",
+            DType::F32,
+            &[8, 6],
+            &[4 * r, 0],
+            &[4, 6],
+            0,
+            None,
+            TensorData::Ref(&w[r as usize * 96..][..96]),
+        );
+        let range = if r == 0 { 0..13 } else { 13..25 };
+        let ot = shard(
+            "opt",
+            DType::BF16,
+            &[5, 5],
+            &[0, 0],
+            &[5, 5],
+            0,
+            Some(range.clone()),
+            TensorData::Ref(&opt[range.start as usize * 2..range.end as usize * 2]),
+        );
+        let nt = ShardedTensor::full("norm", DType::F32, &[6], TensorData::Ref(&norm))
+            .with_replica_id(r as u32);
+        let tree = StateTree::map()
+            .with("w", StateTree::Tensor(wt))
+            .with("opt", StateTree::Tensor(ot))
+            .with("norm", StateTree::Tensor(nt))
+            .with(
+                "rng",
+                StateTree::Object(ShardedObject::new(
+                    "rng",
+                    objects[r as usize].clone(),
+                    &[2],
+                    &[r],
+                )),
+            )
+            .with("iteration", StateTree::Value(Value::Int(10)));
+        save(tree, &storage, c, &small_blocks(16))
+    });
+    for r in out {
+        r.unwrap();
+    }
+    let mut tensors = BTreeMap::new();
+    tensors.insert("w".to_string(), (DType::F32, vec![8, 6], w));
+    tensors.insert("opt".to_string(), (DType::BF16, vec![5, 5], opt));
+    tensors.insert("norm".to_string(), (DType::F32, vec![6], norm));
+    Fixture {
+        dir,
+        tensors,
+        objects,
+    }
+}
+
+type Loaded = (BTreeMap<String, Vec<u8>>, Vec<Vec<u8>>);
+
+/// Loads everything (whole tensors, both object shards) on one rank.
+fn load_all(storage: &dyn Storage, fx: &Fixture, verify_checksums: bool) -> Result<Loaded> {
+    let mut tree = StateTree::map();
+    for (k, (dtype, shape, _)) in &fx.tensors {
+        tree.insert(
+            k.clone(),
+            StateTree::Tensor(ShardedTensor::full(k, *dtype, shape, TensorData::None)),
+        );
+    }
+    let objs: Vec<StateTree<'_>> = (0..2u64)
+        .map(|r| {
+            let mut o = ShardedObject::new("rng", Vec::new(), &[2], &[r]);
+            o.data = None;
+            StateTree::Object(o)
+        })
+        .collect();
+    tree.insert("objects", StateTree::List(objs));
+    let res = load(
+        tree,
+        storage,
+        &SoloComm,
+        &LoadOptions {
+            verify_checksums,
+            ..load_opts()
+        },
+    )?;
+    let mut tensors = BTreeMap::new();
+    for k in fx.tensors.keys() {
+        tensors.insert(k.clone(), bytes_at(&res.state, k).to_vec());
+    }
+    let objects = (0..2)
+        .map(|i| {
+            res.state
+                .get_dotted(&format!("objects.{i}"))
+                .unwrap()
+                .as_object()
+                .unwrap()
+                .data
+                .clone()
+                .unwrap()
+        })
+        .collect();
+    Ok((tensors, objects))
+}
+
+fn flip(path: &Path, at: u64) {
+    let mut b = std::fs::read(path).unwrap();
+    b[at as usize] ^= 0x5a;
+    std::fs::write(path, b).unwrap();
+}
+
+/// `Err(Corrupt)` whose path names `file`.
+#[track_caller]
+fn assert_corrupt<T: std::fmt::Debug>(r: Result<T>, file: &str, what: &str) {
+    match r {
+        Err(Error::Corrupt { path, reason }) => assert!(
+            path.to_string_lossy().ends_with(file),
+            "{what}: Corrupt names {path:?} ({reason}), expected {file}"
+        ),
+        other => panic!("{what}: expected Corrupt naming {file}, got {other:?}"),
+    }
+}
+
+/// `verify` runs and reports at least one problem naming `file`.
+#[track_caller]
+fn assert_verify_names(storage: &dyn Storage, file: &str, what: &str) {
+    let rep = verify(storage, 2)
+        .unwrap_or_else(|e| panic!("{what}: verify failed instead of reporting: {e}"));
+    assert!(
+        rep.problems.iter().any(|p| p.contains(file)),
+        "{what}: verify reported {:?}, nothing about {file}",
+        rep.problems
+    );
+}
+
+#[test]
+fn the_fixture_is_sound() {
+    let fx = fixture();
+    let storage = fx.storage();
+    let (tensors, objects) = load_all(&storage, &fx, true).unwrap();
+    for (k, (_, _, truth)) in &fx.tensors {
+        assert_eq!(&tensors[k], truth, "{k}");
+    }
+    assert_eq!(objects, fx.objects);
+    let rep = verify(&storage, 2).unwrap();
+    assert!(rep.problems.is_empty(), "{:?}", rep.problems);
+    assert_eq!(rep.files, 2);
+    assert!(rep.bytes_checked > 0);
+}
+
+/// Every stored range of data (tensor chunks and object shards) of each file.
+fn data_ranges(index: &CheckpointIndex) -> Vec<(u32, u64, u64, String)> {
+    let mut out = Vec::new();
+    for t in &index.tensors {
+        for c in &t.chunks {
+            out.push((
+                c.file,
+                c.byte_offset,
+                c.numel() * t.dtype.size() as u64,
+                format!("tensor {}", t.key),
+            ));
+        }
+    }
+    for o in &index.objects {
+        for s in &o.shards {
+            out.push((s.file, s.byte_offset, s.len, format!("object {}", o.key)));
+        }
+    }
+    out
+}
+
+#[test]
+fn a_flipped_data_byte_in_any_chunk_of_any_file_is_corrupt() {
+    let fx = fixture();
+    let index = fx.index();
+    let ranges = data_ranges(&index);
+    assert!(
+        ranges.iter().any(|r| r.0 == 0) && ranges.iter().any(|r| r.0 == 1),
+        "both files hold data"
+    );
+    for (file, off, len, what) in ranges {
+        let name = &index.files[file as usize].name;
+        let path = fx.path(name);
+        let original = std::fs::read(&path).unwrap();
+        for at in [off, off + len / 2, off + len - 1] {
+            let what = format!("{what} in {name}, byte {at}");
+            flip(&path, at);
+            let storage = fx.storage();
+            assert_corrupt(load_all(&storage, &fx, true), name, &what);
+            assert_verify_names(&storage, name, &what);
+            std::fs::write(&path, &original).unwrap();
+        }
+    }
+    // Restored: sound again.
+    assert!(verify(&fx.storage(), 2).unwrap().problems.is_empty());
+}
+
+#[test]
+fn load_without_checksum_verification_reads_a_flipped_byte_silently() {
+    // Documents `verify_checksums: false`: no error, and the damage shows up in the data.
+    let fx = fixture();
+    let index = fx.index();
+    let w = index.tensor("w").unwrap();
+    let c = &w.chunks[1];
+    let name = &index.files[c.file as usize].name;
+    flip(&fx.path(name), c.byte_offset + 5);
+    let storage = fx.storage();
+    let (tensors, _) = load_all(&storage, &fx, false).unwrap();
+    let truth = &fx.tensors["w"].2;
+    let diffs: Vec<usize> = (0..truth.len())
+        .filter(|&i| tensors["w"][i] != truth[i])
+        .collect();
+    // Chunk 1 holds rows 4..8: byte 5 of it is byte 96 + 5 of the tensor.
+    assert_eq!(diffs, vec![96 + 5]);
+    assert_eq!(tensors["w"][101], truth[101] ^ 0x5a);
+    assert_eq!(tensors["opt"], fx.tensors["opt"].2);
+    // With verification (the default) the same checkpoint is refused.
+    assert_corrupt(load_all(&storage, &fx, true), name, "verified load");
+}
+
+fn header_len(path: &Path) -> u64 {
+    let b = std::fs::read(path).unwrap();
+    8 + u64::from_le_bytes(b[..8].try_into().unwrap())
+}
+
+/// Header bytes whose damage breaks the safetensors structure: the length prefix, the opening
+/// brace, the last (padding) byte.
+fn structural_header_positions(path: &Path) -> Vec<u64> {
+    vec![0, 3, 7, 8, header_len(path) - 1]
+}
+
+#[test]
+fn a_flipped_structural_header_byte_is_reported_by_verify() {
+    let fx = fixture();
+    let index = fx.index();
+    for f in &index.files {
+        let path = fx.path(&f.name);
+        let original = std::fs::read(&path).unwrap();
+        for at in structural_header_positions(&path) {
+            flip(&path, at);
+            assert_verify_names(
+                &fx.storage(),
+                &f.name,
+                &format!("header byte {at} of {}", f.name),
+            );
+            std::fs::write(&path, &original).unwrap();
+        }
+    }
+}
+
+#[test]
+#[ignore = "BUG: verify only checks that the safetensors header parses as JSON; a flipped byte inside a JSON string (a checksum digit, a key) goes unreported"]
+fn every_flipped_header_byte_is_reported_by_verify() {
+    let fx = fixture();
+    let index = fx.index();
+    for f in &index.files {
+        let path = fx.path(&f.name);
+        let original = std::fs::read(&path).unwrap();
+        let mut unreported = Vec::new();
+        for at in 0..header_len(&path) {
+            flip(&path, at);
+            let rep = verify(&fx.storage(), 2).unwrap();
+            if !rep.problems.iter().any(|p| p.contains(&f.name)) {
+                unreported.push((at, original[at as usize] as char));
+            }
+            std::fs::write(&path, &original).unwrap();
+        }
+        assert!(
+            unreported.is_empty(),
+            "{}: flips at (byte, original char) {unreported:?} not reported",
+            f.name
+        );
+    }
+}
+
+#[test]
+#[ignore = "BUG: load never reads the safetensors header of a data file, so a flipped header byte loads without error"]
+fn a_flipped_header_byte_fails_a_verified_load() {
+    let fx = fixture();
+    let index = fx.index();
+    for f in &index.files {
+        let path = fx.path(&f.name);
+        let original = std::fs::read(&path).unwrap();
+        let n = header_len(&path);
+        for at in [0, 8, n / 2, n - 1] {
+            flip(&path, at);
+            assert_corrupt(
+                load_all(&fx.storage(), &fx, true),
+                &f.name,
+                &format!("header byte {at} of {}", f.name),
+            );
+            std::fs::write(&path, &original).unwrap();
+        }
+    }
+}
+
+#[test]
+fn every_flipped_index_byte_is_detected() {
+    let fx = fixture();
+    let path = fx.path(INDEX_FILE);
+    let original = std::fs::read(&path).unwrap();
+    for at in 0..original.len() as u64 {
+        flip(&path, at);
+        let storage = fx.storage();
+        let r = open_index(&storage);
+        if (8..12).contains(&at) {
+            // The version field: a version this build does not read.
+            assert!(
+                matches!(r, Err(Error::IncompatibleVersion { .. })),
+                "byte {at}: {r:?}"
+            );
+        } else {
+            assert_corrupt(r, INDEX_FILE, &format!("index byte {at}"));
+        }
+        std::fs::write(&path, &original).unwrap();
+    }
+    // And through the public entry points, for one byte in the body.
+    flip(&path, original.len() as u64 / 2);
+    let storage = fx.storage();
+    assert_corrupt(load_all(&storage, &fx, true), INDEX_FILE, "load");
+    assert_corrupt(verify(&storage, 2), INDEX_FILE, "verify");
+    assert_corrupt(
+        load_plain_tensors(&storage, None),
+        INDEX_FILE,
+        "load_plain_tensors",
+    );
+    assert_corrupt(load_common_state(&storage), INDEX_FILE, "load_common_state");
+    assert_corrupt(
+        load_tensors_metadata(&storage),
+        INDEX_FILE,
+        "load_tensors_metadata",
+    );
+}
+
+#[test]
+fn a_missing_index_is_not_committed() {
+    let fx = fixture();
+    std::fs::remove_file(fx.path(INDEX_FILE)).unwrap();
+    let storage = fx.storage();
+    assert!(matches!(
+        load_all(&storage, &fx, true),
+        Err(Error::NotCommitted { .. })
+    ));
+    assert!(matches!(
+        verify(&storage, 2),
+        Err(Error::NotCommitted { .. })
+    ));
+    assert!(matches!(
+        load_plain_tensors(&storage, None),
+        Err(Error::NotCommitted { .. })
+    ));
+    assert!(matches!(
+        load_common_state(&storage),
+        Err(Error::NotCommitted { .. })
+    ));
+    assert!(matches!(
+        load_content_metadata(&storage),
+        Err(Error::NotCommitted { .. })
+    ));
+    match open_index(&storage) {
+        Err(Error::NotCommitted { path }) => assert_eq!(path, fx.dir.path()),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_truncated_data_file_is_corrupt_not_a_panic() {
+    let fx = fixture();
+    let index = fx.index();
+    for f in &index.files {
+        let path = fx.path(&f.name);
+        let original = std::fs::read(&path).unwrap();
+        let header = 8 + u64::from_le_bytes(original[..8].try_into().unwrap());
+        for len in [0, 4, 8, header - 1, header, header + 3, f.size - 1] {
+            std::fs::write(&path, &original[..len as usize]).unwrap();
+            let storage = fx.storage();
+            let what = format!("{} truncated to {len} bytes", f.name);
+            assert_corrupt(load_all(&storage, &fx, true), &f.name, &what);
+            assert_corrupt(load_all(&storage, &fx, false), &f.name, &what);
+            assert_verify_names(&storage, &f.name, &what);
+        }
+        std::fs::write(&path, &original).unwrap();
+    }
+}
+
+#[test]
+fn an_extended_data_file_is_reported_by_verify() {
+    let fx = fixture();
+    let name = fx.index().files[0].name.clone();
+    let mut b = std::fs::read(fx.path(&name)).unwrap();
+    b.extend_from_slice(b"trailing garbage");
+    std::fs::write(fx.path(&name), b).unwrap();
+    assert_verify_names(&fx.storage(), &name, "extended file");
+}
+
+#[test]
+fn a_missing_data_file_names_the_file() {
+    let fx = fixture();
+    let name = fx.index().files[1].name.clone();
+    std::fs::remove_file(fx.path(&name)).unwrap();
+    let storage = fx.storage();
+    match load_all(&storage, &fx, true) {
+        Err(Error::NotFound { path }) => {
+            assert!(path.to_string_lossy().ends_with(&name), "{path:?}")
+        }
+        other => panic!("expected NotFound naming {name}, got {other:?}"),
+    }
+    assert_verify_names(&storage, &name, "missing file");
+}
+
+#[test]
+fn a_truncated_index_is_corrupt() {
+    let fx = fixture();
+    let path = fx.path(INDEX_FILE);
+    let original = std::fs::read(&path).unwrap();
+    let n = original.len();
+    for len in [
+        0,
+        1,
+        7,
+        8,
+        11,
+        12,
+        19,
+        20,
+        23,
+        24,
+        n / 2,
+        n - 5,
+        n - 4,
+        n - 1,
+    ] {
+        std::fs::write(&path, &original[..len]).unwrap();
+        let storage = fx.storage();
+        assert_corrupt(
+            open_index(&storage),
+            INDEX_FILE,
+            &format!("index truncated to {len}"),
+        );
+        assert_corrupt(
+            load_all(&storage, &fx, true),
+            INDEX_FILE,
+            &format!("load, index truncated to {len}"),
+        );
+    }
+    // Extended is as bad as truncated.
+    let mut longer = original.clone();
+    longer.push(0);
+    std::fs::write(&path, &longer).unwrap();
+    assert_corrupt(
+        open_index(&fx.storage()),
+        INDEX_FILE,
+        "index with a trailing byte",
+    );
+}
+
+#[test]
+fn another_format_version_is_incompatible() {
+    let fx = fixture();
+    let path = fx.path(INDEX_FILE);
+    let original = std::fs::read(&path).unwrap();
+    assert_eq!(&original[..8], INDEX_MAGIC);
+    assert_eq!(
+        u32::from_le_bytes(original[8..12].try_into().unwrap()),
+        FORMAT_VERSION
+    );
+    for v in [2u32, 0, 1000, u32::MAX] {
+        let mut b = original.clone();
+        b[8..12].copy_from_slice(&v.to_le_bytes());
+        std::fs::write(&path, &b).unwrap();
+        let storage = fx.storage();
+        for (what, r) in [
+            ("open_index", open_index(&storage).map(|_| ())),
+            ("load", load_all(&storage, &fx, true).map(|_| ())),
+            ("verify", verify(&storage, 2).map(|_| ())),
+            (
+                "load_plain_tensors",
+                load_plain_tensors(&storage, None).map(|_| ()),
+            ),
+        ] {
+            match r {
+                Err(Error::IncompatibleVersion { found, supported }) => {
+                    assert!(
+                        found.contains(&v.to_string()),
+                        "{what}: found {found:?} for version {v}"
+                    );
+                    assert!(
+                        supported.contains(&FORMAT_VERSION.to_string()),
+                        "{what}: supported {supported:?}"
+                    );
+                }
+                other => panic!("{what}, version {v}: expected IncompatibleVersion, got {other:?}"),
+            }
+        }
+    }
+    // An index re-encoded as version 2 (checksum intact) is refused the same way.
+    let mut index = CheckpointIndex::from_bytes(&original, "orig").unwrap();
+    index.version = 2;
+    match CheckpointIndex::from_bytes(&index.encode(), "v2") {
+        Err(Error::IncompatibleVersion { found, supported }) => {
+            assert!(
+                found.contains('2') && supported.contains('1'),
+                "{found} / {supported}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_index_naming_a_path_outside_the_checkpoint_is_refused() {
+    let fx = fixture();
+    let original = std::fs::read(fx.path(INDEX_FILE)).unwrap();
+    for evil in [
+        "../outside.safetensors",
+        "sub/dir.safetensors",
+        "/etc/passwd",
+        "..",
+        "",
+    ] {
+        let mut index = CheckpointIndex::from_bytes(&original, "orig").unwrap();
+        index.files[0].name = evil.to_string();
+        let bytes = index.encode();
+        assert_corrupt(
+            CheckpointIndex::from_bytes(&bytes, "evil.index"),
+            "evil.index",
+            evil,
+        );
+        std::fs::write(fx.path(INDEX_FILE), &bytes).unwrap();
+        assert_corrupt(load_all(&fx.storage(), &fx, true), INDEX_FILE, evil);
+    }
+}
+
+#[test]
+fn an_index_whose_chunks_point_past_their_file_is_refused() {
+    let fx = fixture();
+    let original = std::fs::read(fx.path(INDEX_FILE)).unwrap();
+    let mut index = CheckpointIndex::from_bytes(&original, "orig").unwrap();
+    let size = index.files[0].size;
+    index.tensors[0].chunks[0].byte_offset = size;
+    assert_corrupt(
+        CheckpointIndex::from_bytes(&index.encode(), "bad.index"),
+        "bad.index",
+        "chunk past the end",
+    );
+}
+
+#[test]
+fn an_empty_or_absent_directory_is_not_found() {
+    let empty = TempDir::created("empty");
+    let absent = TempDir::new("absent");
+    for dir in [&empty, &absent] {
+        let storage = LocalStorage::new(dir.path());
+        assert!(
+            matches!(open_index(&storage), Err(Error::NotFound { .. })),
+            "{dir:?}"
+        );
+        assert!(matches!(verify(&storage, 2), Err(Error::NotFound { .. })));
+        assert!(matches!(
+            load_plain_tensors(&storage, None),
+            Err(Error::NotFound { .. })
+        ));
+        assert!(matches!(
+            load_tensors_metadata(&storage),
+            Err(Error::NotFound { .. })
+        ));
+        assert!(matches!(
+            load_common_state(&storage),
+            Err(Error::NotFound { .. })
+        ));
+        let tree = StateTree::map().with(
+            "w",
+            StateTree::Tensor(ShardedTensor::full("w", DType::F32, &[2], TensorData::None)),
+        );
+        assert!(matches!(
+            load(tree, &storage, &SoloComm, &load_opts()),
+            Err(Error::NotFound { .. })
+        ));
+    }
+    assert!(
+        !absent.path().exists(),
+        "reading must not create the directory"
+    );
+    assert!(matches!(
+        open_index(&MemoryStorage::new()),
+        Err(Error::NotFound { .. })
+    ));
+}
+
+#[test]
+fn a_directory_of_unrelated_files_is_not_committed() {
+    let dir = TempDir::created("unrelated");
+    std::fs::write(dir.join("notes.txt"), b"hello").unwrap();
+    assert!(matches!(
+        open_index(&LocalStorage::new(dir.path())),
+        Err(Error::NotCommitted { .. })
+    ));
+    // An index file that is not a tessera index at all.
+    std::fs::write(dir.join(INDEX_FILE), b"{\"json\": true}").unwrap();
+    assert_corrupt(
+        open_index(&LocalStorage::new(dir.path())),
+        INDEX_FILE,
+        "foreign index",
+    );
+}
