@@ -1051,10 +1051,10 @@ fn stacked_layers_saved_per_layer_load_as_one_tensor() {
         &load_opts(),
     )
     .unwrap();
-    for l in 0..3 {
+    for (l, layer) in layers.iter().enumerate() {
         let t = tensor_at(&res.state, &format!("layers.{l}"));
         assert_eq!(t.local_shape, vec![4, 2]);
-        assert_eq!(f32s(t.data.bytes().unwrap()), layers[l]);
+        assert_eq!(&f32s(t.data.bytes().unwrap()), layer);
     }
     // Layers 1..3 with a column split, prepended axis and a second sharded axis.
     let t = ShardedTensor::from_rank_offsets(
@@ -1780,4 +1780,55 @@ fn data_files_are_valid_safetensors_describing_their_chunks() {
         }
     }
     assert_eq!(chunks_seen, index.chunk_count());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The typical job, end to end (formerly the smoke test).
+
+#[test]
+fn tp4_save_then_tp2_load_with_flat_ranges_on_local_disk() {
+    let dir = TempDir::new("tp4-tp2");
+    let global = iota(8 * 6, 3.0);
+    let global_bytes = f32_bytes(&global);
+    // Save on 4 ranks: `w` split by rows (Megatron's from_rank_offsets), `b` as flattened
+    // ranges of the whole tensor (a distributed optimizer's view), a common step.
+    let out = InProcessComm::run(4, |c| {
+        let r = c.rank();
+        let rows = &global_bytes[r * 48..(r + 1) * 48];
+        let w = ShardedTensor::from_rank_offsets("w", DType::F32, &[2, 6], TensorData::Ref(rows), &[(0, r as u64, 4)], 0)
+            .unwrap();
+        let b = ShardedTensor::full("b", DType::F32, &[8, 6], TensorData::Ref(rows))
+            .with_flattened_range(r as u64 * 12..r as u64 * 12 + 12);
+        let tree = StateTree::map()
+            .with("w", StateTree::Tensor(w))
+            .with("b", StateTree::Tensor(b))
+            .with("step", StateTree::Value(Value::Int(7)));
+        save(tree, &LocalStorage::new(dir.path()), c, &small_blocks(16))
+    });
+    for r in out {
+        assert_eq!(r.unwrap().chunks, 8);
+    }
+    // Load on 2 ranks, in place: `w` split by columns, `b` in odd flattened ranges.
+    let storage = LocalStorage::new(dir.path());
+    let out = InProcessComm::run(2, |c| {
+        let r = c.rank() as u64;
+        let mut w = vec![0u8; 8 * 3 * 4];
+        let mut b = vec![0u8; 17 * 4];
+        let wt = ShardedTensor::from_rank_offsets("w", DType::F32, &[8, 3], TensorData::Mut(&mut w), &[(1, r, 2)], 0).unwrap();
+        let bt = ShardedTensor::full("b", DType::F32, &[8, 6], TensorData::Mut(&mut b))
+            .with_flattened_range(5 + r * 17..22 + r * 17);
+        let tree = StateTree::map().with("w", StateTree::Tensor(wt)).with("b", StateTree::Tensor(bt));
+        let res = load(tree, &storage, c, &load_opts()).unwrap();
+        assert_eq!(res.state.get_dotted("step").and_then(StateTree::as_value), Some(&Value::Int(7)));
+        drop(res);
+        (f32s(&w), f32s(&b))
+    });
+    for (r, (w, b)) in out.into_iter().enumerate() {
+        let want_w: Vec<f32> = (0..8).flat_map(|i| global[i * 6 + r * 3..i * 6 + r * 3 + 3].to_vec()).collect();
+        assert_eq!(w, want_w, "rank {r}");
+        assert_eq!(b, global[5 + r * 17..22 + r * 17], "rank {r}");
+    }
+    assert_eq!(load_plain_tensors(&storage, None).unwrap()["w"].data, global_bytes);
+    let report = verify(&storage, 2).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
 }
