@@ -588,3 +588,45 @@ fn a_rejected_save_leaves_the_committed_checkpoint_intact() {
         (0..12).map(|i| 1.0 + i as f32).collect::<Vec<_>>()
     );
 }
+
+#[test]
+fn two_main_shards_of_the_same_box_on_one_rank_overlap() {
+    assert_rejected(1, "w", "overlap", |_| {
+        vec![
+            StateTree::Tensor(rows("w", &[2, 4], 0..2)),
+            StateTree::Tensor(rows("w", &[2, 4], 0..2)),
+        ]
+    });
+}
+
+#[test]
+fn without_validation_an_invalid_checkpoint_is_written_and_verify_reports_it() {
+    // `validate: false` skips the global check (Megatron's validate_access_integrity=False);
+    // the damage is then visible to verify, naming the key.
+    let storage = MemoryStorage::new();
+    let opts = SaveOptions {
+        validate: false,
+        ..small_blocks(16)
+    };
+    let out = run_ranks(2, |c| {
+        let rs = if c.rank() == 0 { 0..3 } else { 2..4 };
+        save(
+            StateTree::map().with("w", StateTree::Tensor(rows("w", &[4, 4], rs))),
+            &storage,
+            c,
+            &opts,
+        )
+    });
+    for r in out {
+        r.unwrap();
+    }
+    let report = verify(&storage, 2).unwrap();
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.contains("\"w\"") && p.contains("overlap")),
+        "{:?}",
+        report.problems
+    );
+}

@@ -168,6 +168,14 @@ fn cells(grid: &[u64]) -> Vec<Vec<u64>> {
 }
 
 fn save_load_case(seed: u64) {
+    save_load_case_worlds(seed, 1..=4, 1..=4);
+}
+
+fn save_load_case_worlds(
+    seed: u64,
+    save_worlds: std::ops::RangeInclusive<u64>,
+    load_worlds: std::ops::RangeInclusive<u64>,
+) {
     let mut rng = Rng::new(seed);
     let names = ["model.layers.0.weight", "optimizer/état.exp_avg", "x"];
     let tensors: Vec<TensorSpec> = (0..rng.range(1, 3))
@@ -183,8 +191,8 @@ fn save_load_case(seed: u64) {
             }
         })
         .collect();
-    let save_world = rng.range(1, 4) as usize;
-    let load_world = rng.range(1, 4) as usize;
+    let save_world = rng.range(*save_worlds.start(), *save_worlds.end()) as usize;
+    let load_world = rng.range(*load_worlds.start(), *load_worlds.end()) as usize;
 
     // Save layout: every part is a main replica on some rank, some have extra replicas.
     let mut save_shards: Vec<Vec<SaveShard>> = (0..save_world).map(|_| Vec::new()).collect();
@@ -552,6 +560,16 @@ fn save_at_world_a_load_at_world_b_in_random_layouts() {
         300,
         save_load_case,
     );
+}
+
+#[test]
+fn many_ranks_save_and_few_load_and_the_reverse() {
+    for_each_seed("many_ranks (16 -> 1..5)", 15, |seed| {
+        save_load_case_worlds(1_000_000 + seed, 12..=16, 1..=5)
+    });
+    for_each_seed("many_ranks (1..3 -> 16)", 15, |seed| {
+        save_load_case_worlds(2_000_000 + seed, 1..=3, 12..=16)
+    });
 }
 
 /// Coverage count per cell, by brute force: a tiling covers every cell exactly once, with no

@@ -1795,8 +1795,15 @@ fn tp4_save_then_tp2_load_with_flat_ranges_on_local_disk() {
     let out = InProcessComm::run(4, |c| {
         let r = c.rank();
         let rows = &global_bytes[r * 48..(r + 1) * 48];
-        let w = ShardedTensor::from_rank_offsets("w", DType::F32, &[2, 6], TensorData::Ref(rows), &[(0, r as u64, 4)], 0)
-            .unwrap();
+        let w = ShardedTensor::from_rank_offsets(
+            "w",
+            DType::F32,
+            &[2, 6],
+            TensorData::Ref(rows),
+            &[(0, r as u64, 4)],
+            0,
+        )
+        .unwrap();
         let b = ShardedTensor::full("b", DType::F32, &[8, 6], TensorData::Ref(rows))
             .with_flattened_range(r as u64 * 12..r as u64 * 12 + 12);
         let tree = StateTree::map()
@@ -1814,21 +1821,74 @@ fn tp4_save_then_tp2_load_with_flat_ranges_on_local_disk() {
         let r = c.rank() as u64;
         let mut w = vec![0u8; 8 * 3 * 4];
         let mut b = vec![0u8; 17 * 4];
-        let wt = ShardedTensor::from_rank_offsets("w", DType::F32, &[8, 3], TensorData::Mut(&mut w), &[(1, r, 2)], 0).unwrap();
+        let wt = ShardedTensor::from_rank_offsets(
+            "w",
+            DType::F32,
+            &[8, 3],
+            TensorData::Mut(&mut w),
+            &[(1, r, 2)],
+            0,
+        )
+        .unwrap();
         let bt = ShardedTensor::full("b", DType::F32, &[8, 6], TensorData::Mut(&mut b))
             .with_flattened_range(5 + r * 17..22 + r * 17);
-        let tree = StateTree::map().with("w", StateTree::Tensor(wt)).with("b", StateTree::Tensor(bt));
+        let tree = StateTree::map()
+            .with("w", StateTree::Tensor(wt))
+            .with("b", StateTree::Tensor(bt));
         let res = load(tree, &storage, c, &load_opts()).unwrap();
-        assert_eq!(res.state.get_dotted("step").and_then(StateTree::as_value), Some(&Value::Int(7)));
+        assert_eq!(
+            res.state.get_dotted("step").and_then(StateTree::as_value),
+            Some(&Value::Int(7))
+        );
         drop(res);
         (f32s(&w), f32s(&b))
     });
     for (r, (w, b)) in out.into_iter().enumerate() {
-        let want_w: Vec<f32> = (0..8).flat_map(|i| global[i * 6 + r * 3..i * 6 + r * 3 + 3].to_vec()).collect();
+        let want_w: Vec<f32> = (0..8)
+            .flat_map(|i| global[i * 6 + r * 3..i * 6 + r * 3 + 3].to_vec())
+            .collect();
         assert_eq!(w, want_w, "rank {r}");
         assert_eq!(b, global[5 + r * 17..22 + r * 17], "rank {r}");
     }
-    assert_eq!(load_plain_tensors(&storage, None).unwrap()["w"].data, global_bytes);
+    assert_eq!(
+        load_plain_tensors(&storage, None).unwrap()["w"].data,
+        global_bytes
+    );
     let report = verify(&storage, 2).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
+}
+
+#[test]
+fn unusual_keys_round_trip() {
+    // Keys end up in JSON headers, safetensors entry names and the binary index.
+    let keys = [
+        "a:b",
+        "quote\"d",
+        "new\nline",
+        "back\\slash",
+        "ünïcødé/ключ",
+        "0:starts_like_an_entry",
+        "__metadata__",
+    ];
+    let storage = MemoryStorage::new();
+    save_ranks(&storage, 2, &small_blocks(16), |r| {
+        let mut tree = StateTree::map();
+        for (i, k) in keys.iter().enumerate() {
+            let t = owned_f32(
+                k,
+                &[2, 2],
+                &[r as u64, 0],
+                &[1, 2],
+                &iota(4, 10.0 * i as f32),
+            );
+            tree.insert(format!("k{i}"), StateTree::Tensor(t));
+        }
+        tree
+    });
+    let plain = load_plain_tensors(&storage, None).unwrap();
+    assert_eq!(plain.len(), keys.len());
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(f32s(&plain[*k].data), iota(4, 10.0 * i as f32), "{k:?}");
+    }
+    assert!(verify(&storage, 2).unwrap().problems.is_empty());
 }
