@@ -630,3 +630,37 @@ fn without_validation_an_invalid_checkpoint_is_written_and_verify_reports_it() {
         report.problems
     );
 }
+
+#[test]
+fn loading_a_region_an_unvalidated_checkpoint_lacks_names_the_key_and_region() {
+    // Rows 2..4 were never saved (validation off); asking for them fails, naming key and region.
+    let storage = MemoryStorage::new();
+    let opts = SaveOptions {
+        validate: false,
+        ..small_blocks(16)
+    };
+    let tree = StateTree::map().with("w", StateTree::Tensor(rows("w", &[4, 4], 0..2)));
+    save(tree, &storage, &SoloComm, &opts).unwrap();
+    let request = |rs: Range<u64>| {
+        let t = shard(
+            "w",
+            DType::F32,
+            &[4, 4],
+            &[rs.start, 0],
+            &[rs.end - rs.start, 4],
+            0,
+            None,
+            TensorData::None,
+        );
+        StateTree::map().with("w", StateTree::Tensor(t))
+    };
+    load(request(0..2), &storage, &SoloComm, &load_opts()).unwrap();
+    match load(request(1..3), &storage, &SoloComm, &load_opts()) {
+        Err(Error::NotCovered { key, region }) => {
+            assert_eq!(key, "w");
+            assert!(region.contains("1:3"), "region {region:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!verify(&storage, 1).unwrap().problems.is_empty());
+}
