@@ -125,20 +125,12 @@ impl Error {
         }
     }
     pub(crate) fn corrupt(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
-        Error::Corrupt {
-            path: path.into(),
-            reason: reason.into(),
-        }
+        Error::Corrupt { path: path.into(), reason: reason.into() }
     }
     pub(crate) fn sharding(key: impl Into<String>, reason: impl Into<String>) -> Self {
-        Error::InvalidSharding {
-            key: key.into(),
-            reason: reason.into(),
-        }
+        Error::InvalidSharding { key: key.into(), reason: reason.into() }
     }
     pub(crate) fn invalid(reason: impl Into<String>) -> Self {
-        Error::InvalidArgument {
-            reason: reason.into(),
-        }
+        Error::InvalidArgument { reason: reason.into() }
     }
 }

@@ -30,12 +30,12 @@ pub use io::load::{
     load, load_common_state, load_content_metadata, load_from_index, load_plain_tensors, load_sharded_objects,
     load_tensors_metadata, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling, TensorMeta,
 };
+pub use io::maintenance::{gc, remove_sharded_tensors};
 pub use io::save::{save, SaveOptions, SaveReport};
 pub use io::strategy::{
     detect_format, get_save_strategy, open_index, register_load_strategy, register_save_strategy, FormatRecord,
     LoadStrategy, NativeStrategy, SaveStrategy, StrategyAction,
 };
-pub use io::maintenance::{gc, remove_sharded_tensors};
 pub use io::verify::{verify, VerifyReport};
 pub use state::{
     path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,

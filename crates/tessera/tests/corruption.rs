@@ -37,10 +37,7 @@ fn fixture() -> Fixture {
     let w = rng.bytes(8 * 6 * 4);
     let opt = rng.bytes(25 * 2);
     let norm = rng.bytes(6 * 4);
-    let objects = vec![
-        b"rank zero rng state".to_vec(),
-        b"rank one rng state!!".to_vec(),
-    ];
+    let objects = vec![b"rank zero rng state".to_vec(), b"rank one rng state!!".to_vec()];
     let dir = TempDir::new("corrupt");
     let storage = LocalStorage::new(dir.path());
     let out = run_ranks(2, |c| {
@@ -66,21 +63,12 @@ fn fixture() -> Fixture {
             Some(range.clone()),
             TensorData::Ref(&opt[range.start as usize * 2..range.end as usize * 2]),
         );
-        let nt = ShardedTensor::full("norm", DType::F32, &[6], TensorData::Ref(&norm))
-            .with_replica_id(r as u32);
+        let nt = ShardedTensor::full("norm", DType::F32, &[6], TensorData::Ref(&norm)).with_replica_id(r as u32);
         let tree = StateTree::map()
             .with("w", StateTree::Tensor(wt))
             .with("opt", StateTree::Tensor(ot))
             .with("norm", StateTree::Tensor(nt))
-            .with(
-                "rng",
-                StateTree::Object(ShardedObject::new(
-                    "rng",
-                    objects[r as usize].clone(),
-                    &[2],
-                    &[r],
-                )),
-            )
+            .with("rng", StateTree::Object(ShardedObject::new("rng", objects[r as usize].clone(), &[2], &[r])))
             .with("iteration", StateTree::Value(Value::Int(10)));
         save(tree, &storage, c, &small_blocks(16))
     });
@@ -91,11 +79,7 @@ fn fixture() -> Fixture {
     tensors.insert("w".to_string(), (DType::F32, vec![8, 6], w));
     tensors.insert("opt".to_string(), (DType::BF16, vec![5, 5], opt));
     tensors.insert("norm".to_string(), (DType::F32, vec![6], norm));
-    Fixture {
-        dir,
-        tensors,
-        objects,
-    }
+    Fixture { dir, tensors, objects }
 }
 
 type Loaded = (BTreeMap<String, Vec<u8>>, Vec<Vec<u8>>);
@@ -104,10 +88,7 @@ type Loaded = (BTreeMap<String, Vec<u8>>, Vec<Vec<u8>>);
 fn load_all(storage: &dyn Storage, fx: &Fixture, verify_checksums: bool) -> Result<Loaded> {
     let mut tree = StateTree::map();
     for (k, (dtype, shape, _)) in &fx.tensors {
-        tree.insert(
-            k.clone(),
-            StateTree::Tensor(ShardedTensor::full(k, *dtype, shape, TensorData::None)),
-        );
+        tree.insert(k.clone(), StateTree::Tensor(ShardedTensor::full(k, *dtype, shape, TensorData::None)));
     }
     let objs: Vec<StateTree<'_>> = (0..2u64)
         .map(|r| {
@@ -117,30 +98,13 @@ fn load_all(storage: &dyn Storage, fx: &Fixture, verify_checksums: bool) -> Resu
         })
         .collect();
     tree.insert("objects", StateTree::List(objs));
-    let res = load(
-        tree,
-        storage,
-        &SoloComm,
-        &LoadOptions {
-            verify_checksums,
-            ..load_opts()
-        },
-    )?;
+    let res = load(tree, storage, &SoloComm, &LoadOptions { verify_checksums, ..load_opts() })?;
     let mut tensors = BTreeMap::new();
     for k in fx.tensors.keys() {
         tensors.insert(k.clone(), bytes_at(&res.state, k).to_vec());
     }
     let objects = (0..2)
-        .map(|i| {
-            res.state
-                .get_dotted(&format!("objects.{i}"))
-                .unwrap()
-                .as_object()
-                .unwrap()
-                .data
-                .clone()
-                .unwrap()
-        })
+        .map(|i| res.state.get_dotted(&format!("objects.{i}")).unwrap().as_object().unwrap().data.clone().unwrap())
         .collect();
     Ok((tensors, objects))
 }
@@ -166,8 +130,7 @@ fn assert_corrupt<T: std::fmt::Debug>(r: Result<T>, file: &str, what: &str) {
 /// `verify` runs and reports at least one problem naming `file`.
 #[track_caller]
 fn assert_verify_names(storage: &dyn Storage, file: &str, what: &str) {
-    let rep = verify(storage, 2)
-        .unwrap_or_else(|e| panic!("{what}: verify failed instead of reporting: {e}"));
+    let rep = verify(storage, 2).unwrap_or_else(|e| panic!("{what}: verify failed instead of reporting: {e}"));
     assert!(
         rep.problems.iter().any(|p| p.contains(file)),
         "{what}: verify reported {:?}, nothing about {file}",
@@ -195,12 +158,7 @@ fn data_ranges(index: &CheckpointIndex) -> Vec<(u32, u64, u64, String)> {
     let mut out = Vec::new();
     for t in &index.tensors {
         for c in &t.chunks {
-            out.push((
-                c.file,
-                c.byte_offset,
-                c.numel() * t.dtype.size() as u64,
-                format!("tensor {}", t.key),
-            ));
+            out.push((c.file, c.byte_offset, c.numel() * t.dtype.size() as u64, format!("tensor {}", t.key)));
         }
     }
     for o in &index.objects {
@@ -216,10 +174,7 @@ fn a_flipped_data_byte_in_any_chunk_of_any_file_is_corrupt() {
     let fx = fixture();
     let index = fx.index();
     let ranges = data_ranges(&index);
-    assert!(
-        ranges.iter().any(|r| r.0 == 0) && ranges.iter().any(|r| r.0 == 1),
-        "both files hold data"
-    );
+    assert!(ranges.iter().any(|r| r.0 == 0) && ranges.iter().any(|r| r.0 == 1), "both files hold data");
     for (file, off, len, what) in ranges {
         let name = &index.files[file as usize].name;
         let path = fx.path(name);
@@ -249,9 +204,7 @@ fn load_without_checksum_verification_reads_a_flipped_byte_silently() {
     let storage = fx.storage();
     let (tensors, _) = load_all(&storage, &fx, false).unwrap();
     let truth = &fx.tensors["w"].2;
-    let diffs: Vec<usize> = (0..truth.len())
-        .filter(|&i| tensors["w"][i] != truth[i])
-        .collect();
+    let diffs: Vec<usize> = (0..truth.len()).filter(|&i| tensors["w"][i] != truth[i]).collect();
     // Chunk 1 holds rows 4..8: byte 5 of it is byte 96 + 5 of the tensor.
     assert_eq!(diffs, vec![96 + 5]);
     assert_eq!(tensors["w"][101], truth[101] ^ 0x5a);
@@ -280,18 +233,13 @@ fn a_flipped_structural_header_byte_is_reported_by_verify() {
         let original = std::fs::read(&path).unwrap();
         for at in structural_header_positions(&path) {
             flip(&path, at);
-            assert_verify_names(
-                &fx.storage(),
-                &f.name,
-                &format!("header byte {at} of {}", f.name),
-            );
+            assert_verify_names(&fx.storage(), &f.name, &format!("header byte {at} of {}", f.name));
             std::fs::write(&path, &original).unwrap();
         }
     }
 }
 
 #[test]
-#[ignore = "BUG: verify only checks that the safetensors header parses as JSON; a flipped byte inside a JSON string (a checksum digit, a key) goes unreported"]
 fn every_flipped_header_byte_is_reported_by_verify() {
     let fx = fixture();
     let index = fx.index();
@@ -307,16 +255,11 @@ fn every_flipped_header_byte_is_reported_by_verify() {
             }
             std::fs::write(&path, &original).unwrap();
         }
-        assert!(
-            unreported.is_empty(),
-            "{}: flips at (byte, original char) {unreported:?} not reported",
-            f.name
-        );
+        assert!(unreported.is_empty(), "{}: flips at (byte, original char) {unreported:?} not reported", f.name);
     }
 }
 
 #[test]
-#[ignore = "BUG: load never reads the safetensors header of a data file, so a flipped header byte loads without error"]
 fn a_flipped_header_byte_fails_a_verified_load() {
     let fx = fixture();
     let index = fx.index();
@@ -326,11 +269,7 @@ fn a_flipped_header_byte_fails_a_verified_load() {
         let n = header_len(&path);
         for at in [0, 8, n / 2, n - 1] {
             flip(&path, at);
-            assert_corrupt(
-                load_all(&fx.storage(), &fx, true),
-                &f.name,
-                &format!("header byte {at} of {}", f.name),
-            );
+            assert_corrupt(load_all(&fx.storage(), &fx, true), &f.name, &format!("header byte {at} of {}", f.name));
             std::fs::write(&path, &original).unwrap();
         }
     }
@@ -347,10 +286,7 @@ fn every_flipped_index_byte_is_detected() {
         let r = open_index(&storage);
         if (8..12).contains(&at) {
             // The version field: a version this build does not read.
-            assert!(
-                matches!(r, Err(Error::IncompatibleVersion { .. })),
-                "byte {at}: {r:?}"
-            );
+            assert!(matches!(r, Err(Error::IncompatibleVersion { .. })), "byte {at}: {r:?}");
         } else {
             assert_corrupt(r, INDEX_FILE, &format!("index byte {at}"));
         }
@@ -361,17 +297,9 @@ fn every_flipped_index_byte_is_detected() {
     let storage = fx.storage();
     assert_corrupt(load_all(&storage, &fx, true), INDEX_FILE, "load");
     assert_corrupt(verify(&storage, 2), INDEX_FILE, "verify");
-    assert_corrupt(
-        load_plain_tensors(&storage, None),
-        INDEX_FILE,
-        "load_plain_tensors",
-    );
+    assert_corrupt(load_plain_tensors(&storage, None), INDEX_FILE, "load_plain_tensors");
     assert_corrupt(load_common_state(&storage), INDEX_FILE, "load_common_state");
-    assert_corrupt(
-        load_tensors_metadata(&storage),
-        INDEX_FILE,
-        "load_tensors_metadata",
-    );
+    assert_corrupt(load_tensors_metadata(&storage), INDEX_FILE, "load_tensors_metadata");
 }
 
 #[test]
@@ -379,26 +307,11 @@ fn a_missing_index_is_not_committed() {
     let fx = fixture();
     std::fs::remove_file(fx.path(INDEX_FILE)).unwrap();
     let storage = fx.storage();
-    assert!(matches!(
-        load_all(&storage, &fx, true),
-        Err(Error::NotCommitted { .. })
-    ));
-    assert!(matches!(
-        verify(&storage, 2),
-        Err(Error::NotCommitted { .. })
-    ));
-    assert!(matches!(
-        load_plain_tensors(&storage, None),
-        Err(Error::NotCommitted { .. })
-    ));
-    assert!(matches!(
-        load_common_state(&storage),
-        Err(Error::NotCommitted { .. })
-    ));
-    assert!(matches!(
-        load_content_metadata(&storage),
-        Err(Error::NotCommitted { .. })
-    ));
+    assert!(matches!(load_all(&storage, &fx, true), Err(Error::NotCommitted { .. })));
+    assert!(matches!(verify(&storage, 2), Err(Error::NotCommitted { .. })));
+    assert!(matches!(load_plain_tensors(&storage, None), Err(Error::NotCommitted { .. })));
+    assert!(matches!(load_common_state(&storage), Err(Error::NotCommitted { .. })));
+    assert!(matches!(load_content_metadata(&storage), Err(Error::NotCommitted { .. })));
     match open_index(&storage) {
         Err(Error::NotCommitted { path }) => assert_eq!(path, fx.dir.path()),
         other => panic!("{other:?}"),
@@ -456,44 +369,17 @@ fn a_truncated_index_is_corrupt() {
     let path = fx.path(INDEX_FILE);
     let original = std::fs::read(&path).unwrap();
     let n = original.len();
-    for len in [
-        0,
-        1,
-        7,
-        8,
-        11,
-        12,
-        19,
-        20,
-        23,
-        24,
-        n / 2,
-        n - 5,
-        n - 4,
-        n - 1,
-    ] {
+    for len in [0, 1, 7, 8, 11, 12, 19, 20, 23, 24, n / 2, n - 5, n - 4, n - 1] {
         std::fs::write(&path, &original[..len]).unwrap();
         let storage = fx.storage();
-        assert_corrupt(
-            open_index(&storage),
-            INDEX_FILE,
-            &format!("index truncated to {len}"),
-        );
-        assert_corrupt(
-            load_all(&storage, &fx, true),
-            INDEX_FILE,
-            &format!("load, index truncated to {len}"),
-        );
+        assert_corrupt(open_index(&storage), INDEX_FILE, &format!("index truncated to {len}"));
+        assert_corrupt(load_all(&storage, &fx, true), INDEX_FILE, &format!("load, index truncated to {len}"));
     }
     // Extended is as bad as truncated.
     let mut longer = original.clone();
     longer.push(0);
     std::fs::write(&path, &longer).unwrap();
-    assert_corrupt(
-        open_index(&fx.storage()),
-        INDEX_FILE,
-        "index with a trailing byte",
-    );
+    assert_corrupt(open_index(&fx.storage()), INDEX_FILE, "index with a trailing byte");
 }
 
 #[test]
@@ -502,10 +388,7 @@ fn another_format_version_is_incompatible() {
     let path = fx.path(INDEX_FILE);
     let original = std::fs::read(&path).unwrap();
     assert_eq!(&original[..8], INDEX_MAGIC);
-    assert_eq!(
-        u32::from_le_bytes(original[8..12].try_into().unwrap()),
-        FORMAT_VERSION
-    );
+    assert_eq!(u32::from_le_bytes(original[8..12].try_into().unwrap()), FORMAT_VERSION);
     for v in [2u32, 0, 1000, u32::MAX] {
         let mut b = original.clone();
         b[8..12].copy_from_slice(&v.to_le_bytes());
@@ -515,21 +398,12 @@ fn another_format_version_is_incompatible() {
             ("open_index", open_index(&storage).map(|_| ())),
             ("load", load_all(&storage, &fx, true).map(|_| ())),
             ("verify", verify(&storage, 2).map(|_| ())),
-            (
-                "load_plain_tensors",
-                load_plain_tensors(&storage, None).map(|_| ()),
-            ),
+            ("load_plain_tensors", load_plain_tensors(&storage, None).map(|_| ())),
         ] {
             match r {
                 Err(Error::IncompatibleVersion { found, supported }) => {
-                    assert!(
-                        found.contains(&v.to_string()),
-                        "{what}: found {found:?} for version {v}"
-                    );
-                    assert!(
-                        supported.contains(&FORMAT_VERSION.to_string()),
-                        "{what}: supported {supported:?}"
-                    );
+                    assert!(found.contains(&v.to_string()), "{what}: found {found:?} for version {v}");
+                    assert!(supported.contains(&FORMAT_VERSION.to_string()), "{what}: supported {supported:?}");
                 }
                 other => panic!("{what}, version {v}: expected IncompatibleVersion, got {other:?}"),
             }
@@ -540,10 +414,7 @@ fn another_format_version_is_incompatible() {
     index.version = 2;
     match CheckpointIndex::from_bytes(&index.encode(), "v2") {
         Err(Error::IncompatibleVersion { found, supported }) => {
-            assert!(
-                found.contains('2') && supported.contains('1'),
-                "{found} / {supported}"
-            )
+            assert!(found.contains('2') && supported.contains('1'), "{found} / {supported}")
         }
         other => panic!("{other:?}"),
     }
@@ -553,21 +424,11 @@ fn another_format_version_is_incompatible() {
 fn an_index_naming_a_path_outside_the_checkpoint_is_refused() {
     let fx = fixture();
     let original = std::fs::read(fx.path(INDEX_FILE)).unwrap();
-    for evil in [
-        "../outside.safetensors",
-        "sub/dir.safetensors",
-        "/etc/passwd",
-        "..",
-        "",
-    ] {
+    for evil in ["../outside.safetensors", "sub/dir.safetensors", "/etc/passwd", "..", ""] {
         let mut index = CheckpointIndex::from_bytes(&original, "orig").unwrap();
         index.files[0].name = evil.to_string();
         let bytes = index.encode();
-        assert_corrupt(
-            CheckpointIndex::from_bytes(&bytes, "evil.index"),
-            "evil.index",
-            evil,
-        );
+        assert_corrupt(CheckpointIndex::from_bytes(&bytes, "evil.index"), "evil.index", evil);
         std::fs::write(fx.path(INDEX_FILE), &bytes).unwrap();
         assert_corrupt(load_all(&fx.storage(), &fx, true), INDEX_FILE, evil);
     }
@@ -580,11 +441,7 @@ fn an_index_whose_chunks_point_past_their_file_is_refused() {
     let mut index = CheckpointIndex::from_bytes(&original, "orig").unwrap();
     let size = index.files[0].size;
     index.tensors[0].chunks[0].byte_offset = size;
-    assert_corrupt(
-        CheckpointIndex::from_bytes(&index.encode(), "bad.index"),
-        "bad.index",
-        "chunk past the end",
-    );
+    assert_corrupt(CheckpointIndex::from_bytes(&index.encode(), "bad.index"), "bad.index", "chunk past the end");
 }
 
 #[test]
@@ -593,55 +450,25 @@ fn an_empty_or_absent_directory_is_not_found() {
     let absent = TempDir::new("absent");
     for dir in [&empty, &absent] {
         let storage = LocalStorage::new(dir.path());
-        assert!(
-            matches!(open_index(&storage), Err(Error::NotFound { .. })),
-            "{dir:?}"
-        );
+        assert!(matches!(open_index(&storage), Err(Error::NotFound { .. })), "{dir:?}");
         assert!(matches!(verify(&storage, 2), Err(Error::NotFound { .. })));
-        assert!(matches!(
-            load_plain_tensors(&storage, None),
-            Err(Error::NotFound { .. })
-        ));
-        assert!(matches!(
-            load_tensors_metadata(&storage),
-            Err(Error::NotFound { .. })
-        ));
-        assert!(matches!(
-            load_common_state(&storage),
-            Err(Error::NotFound { .. })
-        ));
-        let tree = StateTree::map().with(
-            "w",
-            StateTree::Tensor(ShardedTensor::full("w", DType::F32, &[2], TensorData::None)),
-        );
-        assert!(matches!(
-            load(tree, &storage, &SoloComm, &load_opts()),
-            Err(Error::NotFound { .. })
-        ));
+        assert!(matches!(load_plain_tensors(&storage, None), Err(Error::NotFound { .. })));
+        assert!(matches!(load_tensors_metadata(&storage), Err(Error::NotFound { .. })));
+        assert!(matches!(load_common_state(&storage), Err(Error::NotFound { .. })));
+        let tree =
+            StateTree::map().with("w", StateTree::Tensor(ShardedTensor::full("w", DType::F32, &[2], TensorData::None)));
+        assert!(matches!(load(tree, &storage, &SoloComm, &load_opts()), Err(Error::NotFound { .. })));
     }
-    assert!(
-        !absent.path().exists(),
-        "reading must not create the directory"
-    );
-    assert!(matches!(
-        open_index(&MemoryStorage::new()),
-        Err(Error::NotFound { .. })
-    ));
+    assert!(!absent.path().exists(), "reading must not create the directory");
+    assert!(matches!(open_index(&MemoryStorage::new()), Err(Error::NotFound { .. })));
 }
 
 #[test]
 fn a_directory_of_unrelated_files_is_not_committed() {
     let dir = TempDir::created("unrelated");
     std::fs::write(dir.join("notes.txt"), b"hello").unwrap();
-    assert!(matches!(
-        open_index(&LocalStorage::new(dir.path())),
-        Err(Error::NotCommitted { .. })
-    ));
+    assert!(matches!(open_index(&LocalStorage::new(dir.path())), Err(Error::NotCommitted { .. })));
     // An index file that is not a tessera index at all.
     std::fs::write(dir.join(INDEX_FILE), b"{\"json\": true}").unwrap();
-    assert_corrupt(
-        open_index(&LocalStorage::new(dir.path())),
-        INDEX_FILE,
-        "foreign index",
-    );
+    assert_corrupt(open_index(&LocalStorage::new(dir.path())), INDEX_FILE, "foreign index");
 }

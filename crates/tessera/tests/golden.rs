@@ -25,9 +25,7 @@ fn embedding() -> Vec<f32> {
 
 /// `decoder.mlp.weight` (f32 [2, 3, 4], stacked layers): `100 l + 4 i + j + 0.25`.
 fn layers() -> Vec<f32> {
-    (0..2)
-        .flat_map(|l| (0..12).map(move |k| 100.0 * l as f32 + k as f32 + 0.25))
-        .collect()
+    (0..2).flat_map(|l| (0..12).map(move |k| 100.0 * l as f32 + k as f32 + 0.25)).collect()
 }
 
 /// `optimizer.exp_avg` (f32 [5, 3], saved as two flattened ranges): `k / 8`.
@@ -54,14 +52,7 @@ fn common_state() -> Value {
                 ("lr".into(), Value::Float(0.0003)),
                 ("model".into(), Value::Str("gpt-golden".into())),
                 ("tp".into(), Value::Int(2)),
-                (
-                    "flags".into(),
-                    Value::List(vec![
-                        Value::Bool(true),
-                        Value::Null,
-                        Value::Bytes(vec![0xde, 0xad]),
-                    ]),
-                ),
+                ("flags".into(), Value::List(vec![Value::Bool(true), Value::Null, Value::Bytes(vec![0xde, 0xad])])),
             ]),
         ),
         ("iteration".into(), Value::Int(1234)),
@@ -70,10 +61,7 @@ fn common_state() -> Value {
 
 fn content_metadata() -> Value {
     Value::Map(vec![
-        (
-            "distrib_optim_sharding_type".into(),
-            Value::Str("fully_sharded_model_space".into()),
-        ),
+        ("distrib_optim_sharding_type".into(), Value::Str("fully_sharded_model_space".into())),
         ("golden".into(), Value::Int(1)),
     ])
 }
@@ -103,34 +91,11 @@ fn golden_state(rank: u64) -> StateTree<'static> {
     .unwrap();
     let range = if rank == 0 { 0..7 } else { 7..15 };
     let avg = f32_bytes(&exp_avg()[range.start as usize..range.end as usize]);
-    let avg = shard(
-        "optimizer.exp_avg",
-        DType::F32,
-        &[5, 3],
-        &[0, 0],
-        &[5, 3],
-        0,
-        Some(range),
-        TensorData::Owned(avg),
-    );
+    let avg = shard("optimizer.exp_avg", DType::F32, &[5, 3], &[0, 0], &[5, 3], 0, Some(range), TensorData::Owned(avg));
     let steps = i64_bytes(&STEPS[rank as usize * 2..][..2]);
-    let steps = shard(
-        "step_counts",
-        DType::I64,
-        &[4],
-        &[2 * rank],
-        &[2],
-        0,
-        None,
-        TensorData::Owned(steps),
-    );
-    let norm = ShardedTensor::full(
-        "final_norm",
-        DType::F16,
-        &[3],
-        TensorData::Owned(NORM_F16.to_vec()),
-    )
-    .with_replica_id(rank as u32);
+    let steps = shard("step_counts", DType::I64, &[4], &[2 * rank], &[2], 0, None, TensorData::Owned(steps));
+    let norm = ShardedTensor::full("final_norm", DType::F16, &[3], TensorData::Owned(NORM_F16.to_vec()))
+        .with_replica_id(rank as u32);
     let mut tree = StateTree::map()
         .with(
             "model",
@@ -139,24 +104,10 @@ fn golden_state(rank: u64) -> StateTree<'static> {
                 .with("layers", StateTree::List(vec![StateTree::Tensor(layer)]))
                 .with("final_norm", StateTree::Tensor(norm)),
         )
-        .with(
-            "optimizer",
-            StateTree::map().with("exp_avg", StateTree::Tensor(avg)),
-        )
+        .with("optimizer", StateTree::map().with("exp_avg", StateTree::Tensor(avg)))
         .with("steps", StateTree::Tensor(steps))
-        .with(
-            "rng",
-            StateTree::Object(ShardedObject::new(
-                "rng_state",
-                rng_state(rank),
-                &[2],
-                &[rank],
-            )),
-        )
-        .with(
-            "local_only",
-            StateTree::NonPersistent(Value::Str("not saved".into())),
-        );
+        .with("rng", StateTree::Object(ShardedObject::new("rng_state", rng_state(rank), &[2], &[rank])))
+        .with("local_only", StateTree::NonPersistent(Value::Str("not saved".into())));
     if rank == 0 {
         tree.insert(
             "scale",
@@ -175,12 +126,7 @@ fn golden_state(rank: u64) -> StateTree<'static> {
     } else {
         tree.insert(
             "mask",
-            StateTree::Tensor(ShardedTensor::full(
-                "mask",
-                DType::Bool,
-                &[5],
-                TensorData::Owned(MASK.to_vec()),
-            )),
+            StateTree::Tensor(ShardedTensor::full("mask", DType::Bool, &[5], TensorData::Owned(MASK.to_vec()))),
         );
     }
     tree
@@ -189,18 +135,9 @@ fn golden_state(rank: u64) -> StateTree<'static> {
 /// Key → (dtype, shape, bytes) of every tensor in the fixture.
 fn expected_tensors() -> BTreeMap<&'static str, (DType, Vec<u64>, Vec<u8>)> {
     BTreeMap::from([
-        (
-            "embedding",
-            (DType::BF16, vec![4, 6], bf16_bytes(&embedding())),
-        ),
-        (
-            "decoder.mlp.weight",
-            (DType::F32, vec![2, 3, 4], f32_bytes(&layers())),
-        ),
-        (
-            "optimizer.exp_avg",
-            (DType::F32, vec![5, 3], f32_bytes(&exp_avg())),
-        ),
+        ("embedding", (DType::BF16, vec![4, 6], bf16_bytes(&embedding()))),
+        ("decoder.mlp.weight", (DType::F32, vec![2, 3, 4], f32_bytes(&layers()))),
+        ("optimizer.exp_avg", (DType::F32, vec![5, 3], f32_bytes(&exp_avg()))),
         ("step_counts", (DType::I64, vec![4], i64_bytes(&STEPS))),
         ("final_norm", (DType::F16, vec![3], NORM_F16.to_vec())),
         ("mask", (DType::Bool, vec![5], MASK.to_vec())),
@@ -214,13 +151,8 @@ fn regenerate_golden_v1() {
     let _ = std::fs::remove_dir_all(FIXTURE);
     std::fs::create_dir_all(FIXTURE).unwrap();
     let storage = LocalStorage::new(FIXTURE);
-    let opts = SaveOptions {
-        content_metadata: content_metadata(),
-        ..small_blocks(16)
-    };
-    for r in run_ranks(2, |c| {
-        save(golden_state(c.rank() as u64), &storage, c, &opts)
-    }) {
+    let opts = SaveOptions { content_metadata: content_metadata(), ..small_blocks(16) };
+    for r in run_ranks(2, |c| save(golden_state(c.rank() as u64), &storage, c, &opts)) {
         r.unwrap();
     }
     let report = verify(&storage, 2).unwrap();
@@ -235,38 +167,19 @@ fn golden_v1_loads_forever() {
     assert_eq!(files.len(), 3, "{files:?}");
     assert!(files.contains(&INDEX_FILE.to_string()));
     let total: u64 = files.iter().map(|f| storage.size(f).unwrap()).sum();
-    assert!(
-        total < 16 << 10,
-        "the fixture must stay tiny ({total} bytes)"
-    );
+    assert!(total < 16 << 10, "the fixture must stay tiny ({total} bytes)");
 
     let index = open_index(&storage).unwrap();
-    assert_eq!(
-        (index.backend.as_str(), index.version, index.block_size),
-        ("tessera", 1, 16)
-    );
+    assert_eq!((index.backend.as_str(), index.version, index.block_size), ("tessera", 1, 16));
     assert_eq!(index.files.len(), 2);
-    assert_eq!(
-        detect_format(&storage).unwrap().0,
-        FormatRecord {
-            backend: "tessera".into(),
-            version: 1
-        }
-    );
+    assert_eq!(detect_format(&storage).unwrap().0, FormatRecord { backend: "tessera".into(), version: 1 });
 
     // Metadata and whole tensors, bit-exact.
     let expected = expected_tensors();
     let meta = load_tensors_metadata(&storage).unwrap();
     assert_eq!(meta.len(), expected.len());
     for (k, (dtype, shape, _)) in &expected {
-        assert_eq!(
-            meta[*k],
-            TensorMeta {
-                dtype: *dtype,
-                global_shape: shape.clone()
-            },
-            "{k}"
-        );
+        assert_eq!(meta[*k], TensorMeta { dtype: *dtype, global_shape: shape.clone() }, "{k}");
     }
     let plain = load_plain_tensors(&storage, None).unwrap();
     for (k, (dtype, shape, bytes)) in &expected {
@@ -284,37 +197,14 @@ fn golden_v1_loads_forever() {
     let avg_truth = f32_bytes(&exp_avg());
     let out = run_ranks(3, |c| {
         let r = c.rank() as u64;
-        let emb = shard(
-            "embedding",
-            DType::BF16,
-            &[4, 6],
-            &[0, 2 * r],
-            &[4, 2],
-            0,
-            None,
-            TensorData::None,
-        );
+        let emb = shard("embedding", DType::BF16, &[4, 6], &[0, 2 * r], &[4, 2], 0, None, TensorData::None);
         let range = [0..4, 4..11, 11..15][r as usize].clone();
-        let avg = shard(
-            "optimizer.exp_avg",
-            DType::F32,
-            &[5, 3],
-            &[0, 0],
-            &[5, 3],
-            0,
-            Some(range.clone()),
-            TensorData::None,
+        let avg =
+            shard("optimizer.exp_avg", DType::F32, &[5, 3], &[0, 0], &[5, 3], 0, Some(range.clone()), TensorData::None);
+        let mut tree = StateTree::map().with("emb", StateTree::Tensor(emb)).with("avg", StateTree::Tensor(avg)).with(
+            "rng",
+            StateTree::Object(ShardedObject { data: None, ..ShardedObject::new("rng_state", vec![], &[2], &[r % 2]) }),
         );
-        let mut tree = StateTree::map()
-            .with("emb", StateTree::Tensor(emb))
-            .with("avg", StateTree::Tensor(avg))
-            .with(
-                "rng",
-                StateTree::Object(ShardedObject {
-                    data: None,
-                    ..ShardedObject::new("rng_state", vec![], &[2], &[r % 2])
-                }),
-            );
         if r < 2 {
             let l = ShardedTensor::from_rank_offsets(
                 "decoder.mlp.weight",
@@ -327,67 +217,33 @@ fn golden_v1_loads_forever() {
             .unwrap();
             tree.insert("layer", StateTree::Tensor(l));
         }
-        let opts = LoadOptions {
-            strict: StrictHandling::RaiseUnexpected,
-            ..load_opts()
-        };
+        let opts = LoadOptions { strict: StrictHandling::RaiseUnexpected, ..load_opts() };
         let res = load(tree, &storage, c, &opts).unwrap();
-        assert_eq!(
-            bytes_at(&res.state, "emb"),
-            box_bytes(&emb_truth, &[4, 6], 2, &[0, 2 * r], &[4, 2]),
-            "rank {r}"
-        );
-        assert_eq!(
-            bytes_at(&res.state, "avg"),
-            &avg_truth[range.start as usize * 4..range.end as usize * 4]
-        );
+        assert_eq!(bytes_at(&res.state, "emb"), box_bytes(&emb_truth, &[4, 6], 2, &[0, 2 * r], &[4, 2]), "rank {r}");
+        assert_eq!(bytes_at(&res.state, "avg"), &avg_truth[range.start as usize * 4..range.end as usize * 4]);
         if r < 2 {
-            assert_eq!(
-                f32s(bytes_at(&res.state, "layer")),
-                layers()[r as usize * 12..][..12]
-            );
+            assert_eq!(f32s(bytes_at(&res.state, "layer")), layers()[r as usize * 12..][..12]);
         }
-        let obj = res
-            .state
-            .get_dotted("rng")
-            .and_then(StateTree::as_object)
-            .unwrap();
+        let obj = res.state.get_dotted("rng").and_then(StateTree::as_object).unwrap();
         assert_eq!(obj.data.as_deref(), Some(&rng_state(r % 2)[..]));
-        assert_eq!(
-            res.state
-                .get_dotted("iteration")
-                .and_then(StateTree::as_value),
-            Some(&Value::Int(1234))
-        );
-        assert!(
-            res.state.get_dotted("local_only").is_none(),
-            "non-persistent values are not saved"
-        );
+        assert_eq!(res.state.get_dotted("iteration").and_then(StateTree::as_value), Some(&Value::Int(1234)));
+        assert!(res.state.get_dotted("local_only").is_none(), "non-persistent values are not saved");
     });
     assert_eq!(out.len(), 3);
 
     // Common state, content metadata, objects.
-    assert_eq!(
-        tree_value(&load_common_state(&storage).unwrap()).unwrap(),
-        common_state()
-    );
+    assert_eq!(tree_value(&load_common_state(&storage).unwrap()).unwrap(), common_state());
     assert_eq!(load_content_metadata(&storage).unwrap(), content_metadata());
     let objs = StateTree::List(
         (0..2u64)
             .map(|r| {
-                StateTree::Object(ShardedObject {
-                    data: None,
-                    ..ShardedObject::new("rng_state", vec![], &[2], &[r])
-                })
+                StateTree::Object(ShardedObject { data: None, ..ShardedObject::new("rng_state", vec![], &[2], &[r]) })
             })
             .collect(),
     );
     let objs = load_sharded_objects(objs, &storage).unwrap();
     for r in 0..2u64 {
-        let o = objs
-            .get_dotted(&r.to_string())
-            .and_then(StateTree::as_object)
-            .unwrap();
+        let o = objs.get_dotted(&r.to_string()).and_then(StateTree::as_object).unwrap();
         assert_eq!(o.data.as_deref(), Some(&rng_state(r)[..]));
     }
 

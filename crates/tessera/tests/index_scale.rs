@@ -18,6 +18,8 @@ fn synthetic_index(tensors: u64, chunks_per_tensor: u64) -> CheckpointIndex {
         .map(|f| FileEntry {
             name: format!("{f:016x}-r{f:05}.safetensors"),
             size: 4096 + per_file * chunk_bytes,
+            header_len: 4096,
+            header_crc: 0x1234_5678,
         })
         .collect();
     let mut next_off = vec![4096u64; FILES as usize];
@@ -30,23 +32,12 @@ fn synthetic_index(tensors: u64, chunks_per_tensor: u64) -> CheckpointIndex {
                     let byte_offset = next_off[file as usize];
                     next_off[file as usize] += chunk_bytes;
                     let (offset, shape, flat) = if flat {
-                        (
-                            vec![0, 0],
-                            vec![chunks_per_tensor, cols],
-                            Some((c * cols, (c + 1) * cols)),
-                        )
+                        (vec![0, 0], vec![chunks_per_tensor, cols], Some((c * cols, (c + 1) * cols)))
                     } else {
                         (vec![c, 0], vec![1, cols], None)
                     };
                     let crc = (t * chunks_per_tensor + c).wrapping_mul(0x9e37_79b9) as u32;
-                    StoredChunk {
-                        file: file as u32,
-                        byte_offset,
-                        offset,
-                        shape,
-                        flat,
-                        crcs: vec![crc],
-                    }
+                    StoredChunk { file: file as u32, byte_offset, offset, shape, flat, crcs: vec![crc] }
                 })
                 .collect();
             TensorEntry {
@@ -69,13 +60,7 @@ fn synthetic_index(tensors: u64, chunks_per_tensor: u64) -> CheckpointIndex {
             key: "rng".into(),
             global_shape: vec![FILES],
             shards: (0..FILES)
-                .map(|f| StoredObject {
-                    offset: vec![f],
-                    file: f as u32,
-                    byte_offset: 0,
-                    len: 64,
-                    crc: f as u32,
-                })
+                .map(|f| StoredObject { offset: vec![f], file: f as u32, byte_offset: 0, len: 64, crc: f as u32 })
                 .collect(),
         }],
     }
@@ -87,24 +72,12 @@ fn a_million_chunk_index_is_compact_and_round_trips() {
     assert_eq!(index.chunk_count(), 1_000_000);
     let bytes = index.encode();
     let per_chunk = bytes.len() as f64 / index.chunk_count() as f64;
-    eprintln!(
-        "index of {} chunks: {} bytes, {per_chunk:.1} bytes per chunk",
-        index.chunk_count(),
-        bytes.len()
-    );
-    assert!(
-        per_chunk <= 100.0,
-        "{per_chunk:.1} bytes per chunk ({} bytes)",
-        bytes.len()
-    );
+    eprintln!("index of {} chunks: {} bytes, {per_chunk:.1} bytes per chunk", index.chunk_count(), bytes.len());
+    assert!(per_chunk <= 100.0, "{per_chunk:.1} bytes per chunk ({} bytes)", bytes.len());
     let decoded = CheckpointIndex::from_bytes(&bytes, "synthetic").unwrap();
     assert!(decoded == index, "decoded index differs");
     assert_eq!(
-        decoded
-            .tensor("model.decoder.layers.0999.self_attention.linear_qkv.weight")
-            .unwrap()
-            .chunks
-            .len(),
+        decoded.tensor("model.decoder.layers.0999.self_attention.linear_qkv.weight").unwrap().chunks.len(),
         1000
     );
     // Re-encoding is byte-identical (the encoding is canonical).
@@ -120,8 +93,5 @@ fn encode_sorts_keys_whatever_the_build_order() {
     let mut sorted = keys.clone();
     sorted.sort_unstable();
     assert_eq!(keys, sorted);
-    assert!(
-        decoded.tensor(&index.tensors[3].key).is_some(),
-        "binary search finds every key"
-    );
+    assert!(decoded.tensor(&index.tensors[3].key).is_some(), "binary search finds every key");
 }

@@ -57,15 +57,7 @@ struct LoadReq {
 fn random_shape(rng: &mut Rng) -> Vec<u64> {
     let ndim = rng.below(5) as usize;
     let max = [0, 10, 7, 5, 4][ndim];
-    (0..ndim)
-        .map(|_| {
-            if rng.chance(1, 30) {
-                0
-            } else {
-                rng.range(1, max)
-            }
-        })
-        .collect()
+    (0..ndim).map(|_| if rng.chance(1, 30) { 0 } else { rng.range(1, max) }).collect()
 }
 
 /// Random partition of `[0, shape)` into boxes by repeatedly splitting a random box along a
@@ -109,20 +101,11 @@ fn random_parts(rng: &mut Rng, tensor: usize, shape: &[u64]) -> Vec<Part> {
     let mut parts = Vec::new();
     for (off, sh) in random_boxes(rng, shape, 5) {
         let leading_ones = sh.iter().take_while(|&&x| x == 1).count();
-        let flats: Vec<Option<Range<u64>>> = if rng.chance(1, 3) {
-            flat_split(rng, numel(&sh)).into_iter().map(Some).collect()
-        } else {
-            vec![None]
-        };
+        let flats: Vec<Option<Range<u64>>> =
+            if rng.chance(1, 3) { flat_split(rng, numel(&sh)).into_iter().map(Some).collect() } else { vec![None] };
         for flat in flats {
             let prepend = rng.below(leading_ones as u64 + 1) as usize;
-            parts.push(Part {
-                tensor,
-                off: off.clone(),
-                shape: sh.clone(),
-                flat,
-                prepend,
-            });
+            parts.push(Part { tensor, off: off.clone(), shape: sh.clone(), flat, prepend });
         }
     }
     parts
@@ -137,14 +120,7 @@ fn nonzero_replica(rng: &mut Rng) -> ReplicaId {
 }
 
 fn part_bytes(spec: &TensorSpec, p: &Part) -> Vec<u8> {
-    shard_bytes(
-        &spec.truth,
-        &spec.shape,
-        spec.dtype.size(),
-        &p.off,
-        &p.shape,
-        p.flat.as_ref(),
-    )
+    shard_bytes(&spec.truth, &spec.shape, spec.dtype.size(), &p.off, &p.shape, p.flat.as_ref())
 }
 
 fn part_nbytes(spec: &TensorSpec, p: &Part) -> usize {
@@ -183,12 +159,7 @@ fn save_load_case_worlds(
             let dtype = *rng.pick(&ALL_DTYPES);
             let shape = random_shape(&mut rng);
             let truth = rng.bytes(numel(&shape) as usize * dtype.size());
-            TensorSpec {
-                key: format!("{}{i}", rng.pick(&names)),
-                dtype,
-                shape,
-                truth,
-            }
+            TensorSpec { key: format!("{}{i}", rng.pick(&names)), dtype, shape, truth }
         })
         .collect();
     let save_world = rng.range(*save_worlds.start(), *save_worlds.end()) as usize;
@@ -214,12 +185,7 @@ fn save_load_case_worlds(
             }
             let r = rng.index(save_world);
             let borrowed = rng.chance(1, 2);
-            save_shards[r].push(SaveShard {
-                part,
-                replica: ReplicaId::main(),
-                data: Some(data),
-                borrowed,
-            });
+            save_shards[r].push(SaveShard { part, replica: ReplicaId::main(), data: Some(data), borrowed });
             mains += 1;
         }
     }
@@ -287,39 +253,21 @@ fn save_load_case_worlds(
                 data,
             );
             t.replica_id = s.replica.clone();
-            per_key
-                .entry(format!("t{}", s.part.tensor))
-                .or_default()
-                .push(StateTree::Tensor(t));
+            per_key.entry(format!("t{}", s.part.tensor)).or_default().push(StateTree::Tensor(t));
         }
         let objects: Vec<StateTree<'_>> = save_objects[r]
             .iter()
             .map(|o| {
                 StateTree::Object(
-                    ShardedObject::new("rng_state", o.data.clone(), &grid, &o.cell)
-                        .with_replica_id(o.replica.clone()),
+                    ShardedObject::new("rng_state", o.data.clone(), &grid, &o.cell).with_replica_id(o.replica.clone()),
                 )
             })
             .collect();
         let tree = StateTree::map()
-            .with(
-                "tensors",
-                StateTree::Map(
-                    per_key
-                        .into_iter()
-                        .map(|(k, v)| (k, StateTree::List(v)))
-                        .collect(),
-                ),
-            )
+            .with("tensors", StateTree::Map(per_key.into_iter().map(|(k, v)| (k, StateTree::List(v))).collect()))
             .with("objects", StateTree::List(objects))
-            .with(
-                "step",
-                StateTree::Value(Value::Int(if r == 0 { seed as i64 } else { -1 })),
-            )
-            .with(
-                "local",
-                StateTree::NonPersistent(Value::Str(format!("rank {r}"))),
-            );
+            .with("step", StateTree::Value(Value::Int(if r == 0 { seed as i64 } else { -1 })))
+            .with("local", StateTree::NonPersistent(Value::Str(format!("rank {r}"))));
         save(tree, storage, c, &small_blocks(block_size)).map_err(|e| e.to_string())
     });
     let reports: Vec<SaveReport> = reports
@@ -330,16 +278,12 @@ fn save_load_case_worlds(
     let total_bytes: u64 = tensors.iter().map(|t| t.truth.len() as u64).sum();
     let writers = (0..save_world)
         .filter(|&r| {
-            save_shards[r].iter().any(|s| s.replica.is_main())
-                || save_objects[r].iter().any(|o| o.replica.is_main())
+            save_shards[r].iter().any(|s| s.replica.is_main()) || save_objects[r].iter().any(|o| o.replica.is_main())
         })
         .count();
     for rep in &reports {
         assert_eq!(rep.chunks, mains, "chunks in the save report");
-        assert_eq!(
-            rep.total_tensor_bytes, total_bytes,
-            "tensor bytes in the save report"
-        );
+        assert_eq!(rep.total_tensor_bytes, total_bytes, "tensor bytes in the save report");
         assert_eq!(rep.files, writers, "data files in the save report");
     }
     let files = data_files(storage);
@@ -353,15 +297,9 @@ fn save_load_case_worlds(
     for (ti, spec) in tensors.iter().enumerate() {
         for part in random_parts(&mut rng, ti, &spec.shape) {
             if rng.chance(1, 4) {
-                load_reqs[rng.index(load_world)].push(LoadReq {
-                    part: part.clone(),
-                    in_place: rng.chance(1, 2),
-                });
+                load_reqs[rng.index(load_world)].push(LoadReq { part: part.clone(), in_place: rng.chance(1, 2) });
             }
-            load_reqs[rng.index(load_world)].push(LoadReq {
-                part,
-                in_place: rng.chance(2, 3),
-            });
+            load_reqs[rng.index(load_world)].push(LoadReq { part, in_place: rng.chance(2, 3) });
         }
     }
     let mut load_objects: Vec<Vec<usize>> = (0..load_world).map(|_| Vec::new()).collect();
@@ -396,22 +334,12 @@ fn save_load_case_worlds(
         let reqs = &load_reqs[r];
         let mut bufs: Vec<Vec<u8>> = reqs
             .iter()
-            .map(|q| {
-                if q.in_place {
-                    vec![0xA5; part_nbytes(&tensors[q.part.tensor], &q.part)]
-                } else {
-                    Vec::new()
-                }
-            })
+            .map(|q| if q.in_place { vec![0xA5; part_nbytes(&tensors[q.part.tensor], &q.part)] } else { Vec::new() })
             .collect();
         let mut per_key: BTreeMap<String, Vec<StateTree<'_>>> = BTreeMap::new();
         for (q, buf) in reqs.iter().zip(bufs.iter_mut()) {
             let spec = &tensors[q.part.tensor];
-            let data = if q.in_place {
-                TensorData::Mut(buf.as_mut_slice())
-            } else {
-                TensorData::None
-            };
+            let data = if q.in_place { TensorData::Mut(buf.as_mut_slice()) } else { TensorData::None };
             let t = shard(
                 &spec.key,
                 spec.dtype,
@@ -422,10 +350,7 @@ fn save_load_case_worlds(
                 q.part.flat.clone(),
                 data,
             );
-            per_key
-                .entry(format!("t{}", q.part.tensor))
-                .or_default()
-                .push(StateTree::Tensor(t));
+            per_key.entry(format!("t{}", q.part.tensor)).or_default().push(StateTree::Tensor(t));
         }
         let objects: Vec<StateTree<'_>> = load_objects[r]
             .iter()
@@ -440,15 +365,7 @@ fn save_load_case_worlds(
             })
             .collect();
         let tree = StateTree::map()
-            .with(
-                "tensors",
-                StateTree::Map(
-                    per_key
-                        .into_iter()
-                        .map(|(k, v)| (k, StateTree::List(v)))
-                        .collect(),
-                ),
-            )
+            .with("tensors", StateTree::Map(per_key.into_iter().map(|(k, v)| (k, StateTree::List(v))).collect()))
             .with("objects", StateTree::List(objects))
             .with("local", StateTree::NonPersistent(Value::Int(r as i64)));
         let res = match &index {
@@ -457,10 +374,7 @@ fn save_load_case_worlds(
         }
         .map_err(|e| format!("load on rank {r}: {e}"))?;
         if !res.unexpected_keys.is_empty() || !res.missing_keys.is_empty() {
-            return Err(format!(
-                "key mismatch reported: {:?} {:?}",
-                res.unexpected_keys, res.missing_keys
-            ));
+            return Err(format!("key mismatch reported: {:?} {:?}", res.unexpected_keys, res.missing_keys));
         }
         // Every leaf holds what its own description says it should.
         let mut leaves = 0usize;
@@ -468,10 +382,7 @@ fn save_load_case_worlds(
         res.state.for_each_leaf(&mut |path, leaf| match leaf {
             StateTree::Tensor(t) => {
                 leaves += 1;
-                let spec = tensors
-                    .iter()
-                    .find(|s| s.key == t.key)
-                    .expect("loaded key was requested");
+                let spec = tensors.iter().find(|s| s.key == t.key).expect("loaded key was requested");
                 if t.data.bytes() != Some(&expected_for(t, &spec.truth, &spec.shape)[..]) {
                     errors.push(format!(
                         "tensor {:?} at {} (offset {:?}, box {:?}, flat {:?}) differs",
@@ -484,10 +395,7 @@ fn save_load_case_worlds(
                 }
             }
             StateTree::Object(o) => {
-                let ci = grid_cells
-                    .iter()
-                    .position(|c| *c == o.global_offset)
-                    .unwrap();
+                let ci = grid_cells.iter().position(|c| *c == o.global_offset).unwrap();
                 if o.data.as_deref() != Some(&object_truth[ci][..]) {
                     errors.push(format!("object shard {:?} differs", o.global_offset));
                 }
@@ -495,18 +403,10 @@ fn save_load_case_worlds(
             _ => {}
         });
         if leaves != reqs.len() {
-            errors.push(format!(
-                "{leaves} tensors returned, {} requested",
-                reqs.len()
-            ));
+            errors.push(format!("{leaves} tensors returned, {} requested", reqs.len()));
         }
-        if res.state.get_dotted("step").and_then(StateTree::as_value)
-            != Some(&Value::Int(seed as i64))
-        {
-            errors.push(format!(
-                "common value step = {:?}, rank 0 saved {seed}",
-                res.state.get_dotted("step")
-            ));
+        if res.state.get_dotted("step").and_then(StateTree::as_value) != Some(&Value::Int(seed as i64)) {
+            errors.push(format!("common value step = {:?}, rank 0 saved {seed}", res.state.get_dotted("step")));
         }
         match res.state.get_dotted("local") {
             Some(StateTree::NonPersistent(Value::Int(x))) if *x == r as i64 => {}
@@ -531,22 +431,12 @@ fn save_load_case_worlds(
         }
     }
 
-    let plain = load_plain_tensors(storage, None)
-        .unwrap_or_else(|e| panic!("load_plain_tensors: {e}\n  case: {ctx}"));
+    let plain = load_plain_tensors(storage, None).unwrap_or_else(|e| panic!("load_plain_tensors: {e}\n  case: {ctx}"));
     assert_eq!(plain.len(), tensors.len());
     for spec in &tensors {
         let p = &plain[&spec.key];
-        assert_eq!(
-            (p.dtype, &p.shape),
-            (spec.dtype, &spec.shape),
-            "plain tensor {:?}",
-            spec.key
-        );
-        assert!(
-            p.data == spec.truth,
-            "plain tensor {:?} differs from the truth; case: {ctx}",
-            spec.key
-        );
+        assert_eq!((p.dtype, &p.shape), (spec.dtype, &spec.shape), "plain tensor {:?}", spec.key);
+        assert!(p.data == spec.truth, "plain tensor {:?} differs from the truth; case: {ctx}", spec.key);
     }
     let report = verify(storage, 2).unwrap();
     assert!(report.problems.is_empty(), "verify: {:?}", report.problems);
@@ -555,21 +445,13 @@ fn save_load_case_worlds(
 
 #[test]
 fn save_at_world_a_load_at_world_b_in_random_layouts() {
-    for_each_seed(
-        "save_at_world_a_load_at_world_b_in_random_layouts",
-        300,
-        save_load_case,
-    );
+    for_each_seed("save_at_world_a_load_at_world_b_in_random_layouts", 300, save_load_case);
 }
 
 #[test]
 fn many_ranks_save_and_few_load_and_the_reverse() {
-    for_each_seed("many_ranks (16 -> 1..5)", 15, |seed| {
-        save_load_case_worlds(1_000_000 + seed, 12..=16, 1..=5)
-    });
-    for_each_seed("many_ranks (1..3 -> 16)", 15, |seed| {
-        save_load_case_worlds(2_000_000 + seed, 1..=3, 12..=16)
-    });
+    for_each_seed("many_ranks (16 -> 1..5)", 15, |seed| save_load_case_worlds(1_000_000 + seed, 12..=16, 1..=5));
+    for_each_seed("many_ranks (1..3 -> 16)", 15, |seed| save_load_case_worlds(2_000_000 + seed, 1..=3, 12..=16));
 }
 
 /// Coverage count per cell, by brute force: a tiling covers every cell exactly once, with no
@@ -587,9 +469,7 @@ fn brute_force_tiles(global: &[u64], pieces: &[Piece]) -> bool {
         if (0..global.len()).any(|d| p.off[d] + p.shape[d] > global[d]) {
             return false;
         }
-        for_each_in_box(global, &p.off, &p.shape, &mut |lin| {
-            count[lin as usize] += 1
-        });
+        for_each_in_box(global, &p.off, &p.shape, &mut |lin| count[lin as usize] += 1);
     }
     count.iter().all(|&c| c == 1)
 }
@@ -626,12 +506,7 @@ fn tiling_case(seed: u64) {
             }
             4 if ndim > 0 => {
                 let d = rng.index(ndim);
-                b.push((
-                    vec![0; ndim],
-                    (0..ndim)
-                        .map(|x| if x == d { 0 } else { global[x] })
-                        .collect(),
-                ));
+                b.push((vec![0; ndim], (0..ndim).map(|x| if x == d { 0 } else { global[x] }).collect()));
             }
             _ => {}
         }
@@ -653,11 +528,7 @@ fn tiling_case(seed: u64) {
     let pieces: Vec<Piece> = boxes.iter().map(|(o, s)| Piece::new(o, s)).collect();
     let want = brute_force_tiles(&global, &pieces);
     let got = check_tiling(&global, &pieces);
-    assert_eq!(
-        got.is_ok(),
-        want,
-        "global {global:?}, boxes {boxes:?}: check_tiling says {got:?}"
-    );
+    assert_eq!(got.is_ok(), want, "global {global:?}, boxes {boxes:?}: check_tiling says {got:?}");
 }
 
 #[test]
@@ -670,38 +541,22 @@ fn decompose_case(seed: u64) {
     let ndim = rng.range(1, 4) as usize;
     let off: Vec<u64> = (0..ndim).map(|_| rng.below(3)).collect();
     let shape: Vec<u64> = (0..ndim).map(|_| rng.range(1, 4)).collect();
-    let global: Vec<u64> = off
-        .iter()
-        .zip(&shape)
-        .map(|(o, s)| o + s + rng.below(2))
-        .collect();
+    let global: Vec<u64> = off.iter().zip(&shape).map(|(o, s)| o + s + rng.below(2)).collect();
     let n = numel(&shape);
     let s = rng.range(0, n);
     let e = rng.range(s, n);
     let pieces = decompose_flat(&off, &shape, s, e);
-    assert!(
-        pieces.len() < 2 * ndim,
-        "{} pieces for ndim {ndim}",
-        pieces.len()
-    );
+    assert!(pieces.len() < 2 * ndim, "{} pieces for ndim {ndim}", pieces.len());
     let mut all = Vec::new();
     for_each_in_box(&global, &off, &shape, &mut |lin| all.push(lin));
     let mut got = Vec::new();
     for p in &pieces {
         for_each_in_box(&global, &p.off, &p.shape, &mut |lin| got.push(lin));
     }
-    assert_eq!(
-        got,
-        all[s as usize..e as usize],
-        "box {off:?}+{shape:?} range {s}..{e}: {pieces:?}"
-    );
+    assert_eq!(got, all[s as usize..e as usize], "box {off:?}+{shape:?} range {s}..{e}: {pieces:?}");
 }
 
 #[test]
 fn decompose_flat_covers_exactly_the_range_in_order() {
-    for_each_seed(
-        "decompose_flat_covers_exactly_the_range_in_order",
-        2000,
-        decompose_case,
-    );
+    for_each_seed("decompose_flat_covers_exactly_the_range_in_order", 2000, decompose_case);
 }

@@ -83,12 +83,7 @@ impl InProcessComm {
             cv: Condvar::new(),
             timeout,
         });
-        (0..world)
-            .map(|rank| InProcessComm {
-                rank,
-                shared: shared.clone(),
-            })
-            .collect()
+        (0..world).map(|rank| InProcessComm { rank, shared: shared.clone() }).collect()
     }
 
     /// Runs `f(comm)` on `world` threads, one per rank, and returns the results by rank.
@@ -96,10 +91,7 @@ impl InProcessComm {
         let comms = Self::group(world);
         std::thread::scope(|s| {
             let handles: Vec<_> = comms.iter().map(|c| s.spawn(|| f(c))).collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
         })
     }
 }

@@ -219,7 +219,7 @@ mod tests {
     fn hostile_input_is_an_error() {
         assert!(Decoder::new(&[7, 0xff, 0xff, 0xff, 0x0f]).value().is_err());
         assert!(Decoder::new(&[0xff; 11]).var().is_err());
-        let deep = vec![7u8, 1].repeat(1000);
+        let deep = [7u8, 1].repeat(1000);
         assert!(Decoder::new(&deep).value().is_err());
     }
 }

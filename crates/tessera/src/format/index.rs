@@ -25,6 +25,10 @@ pub struct FileEntry {
     pub name: String,
     /// Size in bytes.
     pub size: u64,
+    /// Size of the safetensors header (length prefix included): data starts here.
+    pub header_len: u64,
+    /// crc32c of the header bytes `[0, header_len)`.
+    pub header_crc: u32,
 }
 
 /// Where one stored chunk of a tensor lives and how to check it.
@@ -124,26 +128,17 @@ pub(crate) enum IndexError {
 impl CheckpointIndex {
     /// The tensor with this key.
     pub fn tensor(&self, key: &str) -> Option<&TensorEntry> {
-        self.tensors
-            .binary_search_by(|t| t.key.as_str().cmp(key))
-            .ok()
-            .map(|i| &self.tensors[i])
+        self.tensors.binary_search_by(|t| t.key.as_str().cmp(key)).ok().map(|i| &self.tensors[i])
     }
 
     /// The object with this key.
     pub fn object(&self, key: &str) -> Option<&ObjectEntry> {
-        self.objects
-            .binary_search_by(|t| t.key.as_str().cmp(key))
-            .ok()
-            .map(|i| &self.objects[i])
+        self.objects.binary_search_by(|t| t.key.as_str().cmp(key)).ok().map(|i| &self.objects[i])
     }
 
     /// Total bytes of tensor data.
     pub fn tensor_bytes(&self) -> u64 {
-        self.tensors
-            .iter()
-            .map(|t| t.chunks.iter().map(|c| c.numel()).sum::<u64>() * t.dtype.size() as u64)
-            .sum()
+        self.tensors.iter().map(|t| t.chunks.iter().map(|c| c.numel()).sum::<u64>() * t.dtype.size() as u64).sum()
     }
 
     /// Total number of chunks.
@@ -166,6 +161,8 @@ impl CheckpointIndex {
         for f in &self.files {
             e.str(&f.name);
             e.var(f.size);
+            e.var(f.header_len);
+            e.u32_le(f.header_crc);
         }
         // Readers binary-search keys: write them sorted whatever order the caller built.
         let mut tensors: Vec<&TensorEntry> = self.tensors.iter().collect();
@@ -287,7 +284,13 @@ impl CheckpointIndex {
         for _ in 0..n {
             let name = d.str()?;
             check_file_name(&name)?;
-            files.push(FileEntry { name, size: d.var()? });
+            let size = d.var()?;
+            let header_len = d.var()?;
+            if header_len > size {
+                return Err(format!("{name}: header longer than the file"));
+            }
+            let header_crc = d.u32_le()?;
+            files.push(FileEntry { name, size, header_len, header_crc });
         }
         let n = d.count()?;
         let mut tensors: Vec<TensorEntry> = Vec::with_capacity(n);
@@ -333,7 +336,9 @@ impl CheckpointIndex {
                 }
                 let numel = flat.map_or(box_numel, |(s, e)| e - s);
                 let nbytes = numel.checked_mul(dtype.size() as u64).ok_or("chunk too large")?;
-                let f = files.get(file as usize).ok_or_else(|| format!("{key:?}: chunk names file #{file}, there are {}", files.len()))?;
+                let f = files
+                    .get(file as usize)
+                    .ok_or_else(|| format!("{key:?}: chunk names file #{file}, there are {}", files.len()))?;
                 if byte_offset.checked_add(nbytes).is_none_or(|end| end > f.size) {
                     return Err(format!("{key:?}: chunk bytes past the end of {}", f.name));
                 }
@@ -389,7 +394,6 @@ impl CheckpointIndex {
         Ok(CheckpointIndex { backend, version, block_size, content_metadata, common, files, tensors, objects })
     }
 }
-
 
 /// File names in an index are plain names: no separators, no `..`, nothing hidden outside.
 pub(crate) fn check_file_name(name: &str) -> Result<(), String> {

@@ -5,9 +5,9 @@ pub(crate) mod codec;
 pub(crate) mod index;
 pub(crate) mod safetensors;
 
-pub use index::{
-    CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE, FORMAT_VERSION,
-    INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
-};
 pub(crate) use index::check_file_name;
+pub use index::{
+    CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
+    FORMAT_VERSION, INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
+};
 pub use safetensors::{build_header, crc_hex, parse_header, SafetensorsEntry};

@@ -53,7 +53,10 @@ pub fn build_header(entries: &[SafetensorsEntry], metadata: &Map<String, J>) -> 
 
 /// Parses the header of a data file from its first bytes. Returns the JSON and the size of
 /// the header (where the data section starts).
-pub fn parse_header(read: &mut dyn FnMut(u64, &mut [u8]) -> crate::Result<()>, file_size: u64) -> Result<(J, u64), String> {
+pub fn parse_header(
+    read: &mut dyn FnMut(u64, &mut [u8]) -> crate::Result<()>,
+    file_size: u64,
+) -> Result<(J, u64), String> {
     if file_size < 8 {
         return Err(format!("{file_size} bytes: too short for a safetensors header"));
     }

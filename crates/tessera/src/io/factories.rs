@@ -49,7 +49,9 @@ fn take_path<'a>(tree: &mut StateTree<'a>, path: &[PathSeg]) -> Option<StateTree
     }
     match (node, last) {
         (StateTree::Map(m), PathSeg::Key(k)) => m.remove(k),
-        (StateTree::List(l), PathSeg::Index(i)) => l.get_mut(*i as usize).map(|x| std::mem::replace(x, StateTree::map())),
+        (StateTree::List(l), PathSeg::Index(i)) => {
+            l.get_mut(*i as usize).map(|x| std::mem::replace(x, StateTree::map()))
+        }
         _ => None,
     }
 }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::comm::Communicator;
 use crate::format::CheckpointIndex;
 use crate::io::factories::{apply_factories, apply_merges, remove_paths};
-use crate::io::read::{execute, Target};
+use crate::io::read::{execute, verify_headers, Target};
 use crate::io::strategy::open_index;
 use crate::plan::load::{plan_reads, plan_request, ReadTuning, Request};
 use crate::state::{StatePath, StateTree, TensorData, Value};
@@ -87,8 +87,10 @@ impl Default for LoadOptions {
 pub struct LoadStats {
     /// Bytes the requested tensors needed.
     pub bytes_needed: u64,
-    /// Bytes read from storage (tensors; objects excluded).
+    /// Bytes of tensor data read from storage (whole checksum blocks when verifying).
     pub bytes_read: u64,
+    /// Bytes of data-file headers read to verify them (verified loads only).
+    pub header_bytes_read: u64,
     /// Ranged reads issued.
     pub reads: usize,
 }
@@ -109,7 +111,12 @@ pub struct LoadResult<'a> {
 }
 
 /// Loads the state described by `tree` from the checkpoint in `storage`.
-pub fn load<'a>(tree: StateTree<'a>, storage: &dyn Storage, comm: &dyn Communicator, opts: &LoadOptions) -> Result<LoadResult<'a>> {
+pub fn load<'a>(
+    tree: StateTree<'a>,
+    storage: &dyn Storage,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<LoadResult<'a>> {
     let index = open_index(storage)?;
     load_from_index(&index, tree, storage, comm, opts)
 }
@@ -186,7 +193,10 @@ pub fn load_from_index<'a>(
                     t.data = TensorData::Owned(vec![0u8; t.data_nbytes() as usize]);
                 }
                 let buf = t.data.bytes_mut().ok_or_else(|| {
-                    Error::invalid(format!("{:?}: load needs a writable buffer (TensorData::Mut or Owned), got a read-only one", t.key))
+                    Error::invalid(format!(
+                        "{:?}: load needs a writable buffer (TensorData::Mut or Owned), got a read-only one",
+                        t.key
+                    ))
                 })?;
                 targets.push(Target::new(buf));
                 requests.push(Request {
@@ -221,7 +231,18 @@ pub fn load_from_index<'a>(
     }
     let plan = plan_reads(index, segs, opts.verify_checksums, opts.tuning);
     execute(storage, index, &plan, &targets, opts.threads)?;
-    let stats = LoadStats { bytes_needed: plan.bytes_needed, bytes_read: plan.bytes_read, reads: plan.spans.len() };
+    let mut header_bytes_read = 0;
+    if opts.verify_checksums {
+        let mut files: Vec<u32> = plan.spans.iter().map(|s| s.file).collect();
+        files.dedup();
+        header_bytes_read = verify_headers(storage, index, &files)?;
+    }
+    let stats = LoadStats {
+        bytes_needed: plan.bytes_needed,
+        bytes_read: plan.bytes_read,
+        header_bytes_read,
+        reads: plan.spans.len(),
+    };
 
     if objects_wanted > 0 {
         tree = tree.map_leaves(&mut |_, leaf| match leaf {
@@ -235,7 +256,8 @@ pub fn load_from_index<'a>(
 
     // Common values form the base; sharded leaves loaded above stay where they are.
     for (path, v) in &index.common {
-        let keep = matches!(tree.get(path), Some(StateTree::Tensor(_) | StateTree::Object(_) | StateTree::NonPersistent(_)));
+        let keep =
+            matches!(tree.get(path), Some(StateTree::Tensor(_) | StateTree::Object(_) | StateTree::NonPersistent(_)));
         if !keep {
             tree.set_path(path, StateTree::Value(v.clone()));
         }
@@ -249,8 +271,16 @@ pub fn load_from_index<'a>(
     Ok(LoadResult { state, unexpected_keys, missing_keys, stats })
 }
 
-pub(crate) fn read_object(index: &CheckpointIndex, storage: &dyn Storage, key: &str, offset: &[u64], verify: bool) -> Result<Vec<u8>> {
-    let entry = index.object(key).ok_or_else(|| Error::NotCovered { key: key.into(), region: "(object not in checkpoint)".into() })?;
+pub(crate) fn read_object(
+    index: &CheckpointIndex,
+    storage: &dyn Storage,
+    key: &str,
+    offset: &[u64],
+    verify: bool,
+) -> Result<Vec<u8>> {
+    let entry = index
+        .object(key)
+        .ok_or_else(|| Error::NotCovered { key: key.into(), region: "(object not in checkpoint)".into() })?;
     let shard = entry
         .shards
         .iter()
@@ -260,7 +290,10 @@ pub(crate) fn read_object(index: &CheckpointIndex, storage: &dyn Storage, key: &
     let mut buf = vec![0u8; shard.len as usize];
     storage.read_at(name, shard.byte_offset, &mut buf)?;
     if verify && crc32c::crc32c(&buf) != shard.crc {
-        return Err(Error::corrupt(format!("{}/{name}", storage.location()), format!("checksum mismatch in object {key:?} shard {offset:?}")));
+        return Err(Error::corrupt(
+            format!("{}/{name}", storage.location()),
+            format!("checksum mismatch in object {key:?} shard {offset:?}"),
+        ));
     }
     Ok(buf)
 }
@@ -303,7 +336,10 @@ pub fn load_plain_tensors(storage: &dyn Storage, keys: Option<&[&str]>) -> Resul
         if keys.is_some_and(|ks| !ks.contains(&t.key.as_str())) {
             continue;
         }
-        tree.insert(t.key.clone(), StateTree::Tensor(crate::ShardedTensor::full(&t.key, t.dtype, &t.global_shape, TensorData::None)));
+        tree.insert(
+            t.key.clone(),
+            StateTree::Tensor(crate::ShardedTensor::full(&t.key, t.dtype, &t.global_shape, TensorData::None)),
+        );
     }
     if let Some(ks) = keys {
         if let Some(k) = ks.iter().find(|k| index.tensor(k).is_none()) {

@@ -29,7 +29,7 @@ impl Target {
 
     /// # Safety
     /// No other live reference may cover `[off, off + len)`.
-    unsafe fn slice(&self, off: u64, len: u64) -> Result<&mut [u8]> {
+    unsafe fn slice<'t>(self, off: u64, len: u64) -> Result<&'t mut [u8]> {
         let end = off.checked_add(len).filter(|&e| e <= self.len as u64);
         if end.is_none() {
             return Err(Error::invalid(format!("copy of {len} bytes at {off} past a {}-byte buffer", self.len)));
@@ -39,11 +39,18 @@ impl Target {
 }
 
 /// Runs every read of `plan` with `threads` workers.
-pub(crate) fn execute(storage: &dyn Storage, index: &CheckpointIndex, plan: &ReadPlan, targets: &[Target], threads: usize) -> Result<()> {
+pub(crate) fn execute(
+    storage: &dyn Storage,
+    index: &CheckpointIndex,
+    plan: &ReadPlan,
+    targets: &[Target],
+    threads: usize,
+) -> Result<()> {
     let next = AtomicUsize::new(0);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
     let workers = threads.clamp(1, plan.spans.len().max(1));
-    let path_of = |file: u32| -> PathBuf { format!("{}/{}", storage.location(), index.files[file as usize].name).into() };
+    let path_of =
+        |file: u32| -> PathBuf { format!("{}/{}", storage.location(), index.files[file as usize].name).into() };
     std::thread::scope(|scope| {
         for _ in 0..workers {
             scope.spawn(|| {
@@ -104,4 +111,23 @@ pub(crate) fn execute(storage: &dyn Storage, index: &CheckpointIndex, plan: &Rea
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Checks the safetensors header of each file in `files` against the index; returns bytes read.
+pub(crate) fn verify_headers(storage: &dyn Storage, index: &CheckpointIndex, files: &[u32]) -> Result<u64> {
+    let mut total = 0;
+    let mut buf = Vec::new();
+    for &fi in files {
+        let f = &index.files[fi as usize];
+        buf.resize(f.header_len as usize, 0);
+        storage.read_at(&f.name, 0, &mut buf)?;
+        total += f.header_len;
+        if crc32c::crc32c(&buf) != f.header_crc {
+            return Err(Error::corrupt(
+                format!("{}/{}", storage.location(), f.name),
+                "checksum mismatch in the safetensors header",
+            ));
+        }
+    }
+    Ok(total)
 }

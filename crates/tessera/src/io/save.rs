@@ -7,7 +7,10 @@ use crate::comm::Communicator;
 use crate::format::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
 use crate::io::factories::apply_factories;
 use crate::io::write::{write_sources, Source};
-use crate::plan::save::{build_index, data_file_name, file_header, layout_file, validate_global, ObjectMeta, RankPlan, ShardMeta, WrittenFile};
+use crate::plan::save::{
+    build_index, data_file_name, file_header, layout_file, validate_global, ObjectMeta, RankPlan, ShardMeta,
+    WrittenFile,
+};
 use crate::state::{StatePath, StateTree, Value};
 use crate::storage::Storage;
 use crate::{Error, Result};
@@ -70,7 +73,13 @@ struct Collected<'t> {
 }
 
 fn collect<'t>(tree: &'t StateTree<'_>, rank: usize) -> Collected<'t> {
-    let mut c = Collected { plan: RankPlan::default(), local_error: None, tensor_data: Vec::new(), object_data: Vec::new(), common: Vec::new() };
+    let mut c = Collected {
+        plan: RankPlan::default(),
+        local_error: None,
+        tensor_data: Vec::new(),
+        object_data: Vec::new(),
+        common: Vec::new(),
+    };
     let mut error: Option<Error> = None;
     tree.for_each_leaf(&mut |path, leaf| match leaf {
         StateTree::Tensor(t) => {
@@ -83,7 +92,10 @@ fn collect<'t>(tree: &'t StateTree<'_>, rank: usize) -> Collected<'t> {
                 match t.data.bytes() {
                     Some(b) => c.tensor_data.push(b),
                     None => {
-                        error.get_or_insert(Error::invalid(format!("{:?}: the main replica has no data to save", t.key)));
+                        error.get_or_insert(Error::invalid(format!(
+                            "{:?}: the main replica has no data to save",
+                            t.key
+                        )));
                         return;
                     }
                 }
@@ -105,7 +117,10 @@ fn collect<'t>(tree: &'t StateTree<'_>, rank: usize) -> Collected<'t> {
                 match &o.data {
                     Some(d) => c.object_data.push(d),
                     None => {
-                        error.get_or_insert(Error::invalid(format!("{:?}: the main replica of the object has no data", o.key)));
+                        error.get_or_insert(Error::invalid(format!(
+                            "{:?}: the main replica of the object has no data",
+                            o.key
+                        )));
                         return;
                     }
                 }
@@ -155,7 +170,12 @@ fn new_save_id() -> u64 {
 
 /// Saves this rank's part of the state. Every rank of `comm` must call it with its own tree.
 /// Errors (invalid sharding, an existing checkpoint, a failed write) are returned on every rank.
-pub fn save(tree: StateTree<'_>, storage: &dyn Storage, comm: &dyn Communicator, opts: &SaveOptions) -> Result<SaveReport> {
+pub fn save(
+    tree: StateTree<'_>,
+    storage: &dyn Storage,
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
     let rank = comm.rank();
     let (tree, factory_error) = match apply_factories(tree) {
         Ok((t, _)) => (t, None),
@@ -212,15 +232,39 @@ pub fn save(tree: StateTree<'_>, storage: &dyn Storage, comm: &dyn Communicator,
             let writer = storage.create(&name, layout.size)?;
             let mut sources = Vec::with_capacity(layout.entries.len());
             for (n, data) in c.tensor_data.iter().enumerate() {
-                sources.push(Source { data, file_off: layout.header_len + layout.entries[n].start, block: opts.block_size });
+                sources.push(Source {
+                    data,
+                    file_off: layout.header_len + layout.entries[n].start,
+                    block: opts.block_size,
+                });
             }
             for (n, data) in c.object_data.iter().enumerate() {
                 let e = &layout.entries[layout.tensor_entries.len() + n];
                 sources.push(Source { data, file_off: layout.header_len + e.start, block: u64::MAX });
             }
-            let crcs = write_sources(writer.as_ref(), &sources, opts.threads)?;
-            let header = file_header(rank, &plans[rank], opts.block_size, &layout.entries, &layout.tensor_entries, &layout.object_entries, &crcs);
-            debug_assert_eq!(header.len() as u64, layout.header_len);
+            let mut crcs = write_sources(writer.as_ref(), &sources, opts.threads)?;
+            // An object has exactly one checksum, even when empty.
+            for c in crcs.iter_mut().skip(layout.tensor_entries.len()) {
+                if c.is_empty() {
+                    c.push(crc32c::crc32c(&[]));
+                }
+            }
+            let header = file_header(
+                rank,
+                &plans[rank],
+                opts.block_size,
+                &layout.entries,
+                &layout.tensor_entries,
+                &layout.object_entries,
+                &crcs,
+            );
+            if header.len() as u64 != layout.header_len {
+                return Err(Error::invalid(format!(
+                    "data-file header is {} bytes, {} were laid out",
+                    header.len(),
+                    layout.header_len
+                )));
+            }
             writer.write_at(0, &header)?;
             writer.finish()?;
             let nt = layout.tensor_entries.len();
@@ -228,6 +272,8 @@ pub fn save(tree: StateTree<'_>, storage: &dyn Storage, comm: &dyn Communicator,
                 error: None,
                 name: name.clone(),
                 size: layout.size,
+                header_len: layout.header_len,
+                header_crc: crc32c::crc32c(&header),
                 tensors: (0..nt).map(|n| (layout.header_len + layout.entries[n].start, crcs[n].clone())).collect(),
                 objects: (0..layout.object_entries.len())
                     .map(|n| {
@@ -243,7 +289,9 @@ pub fn save(tree: StateTree<'_>, storage: &dyn Storage, comm: &dyn Communicator,
     let written_all: Vec<WrittenFile> = reports
         .iter()
         .enumerate()
-        .map(|(r, b)| WrittenFile::decode(b).map_err(|e| Error::Comm { reason: format!("bad write report from rank {r}: {e}") }))
+        .map(|(r, b)| {
+            WrittenFile::decode(b).map_err(|e| Error::Comm { reason: format!("bad write report from rank {r}: {e}") })
+        })
         .collect::<Result<_>>()?;
     if let Some((r, msg)) = written_all.iter().enumerate().find_map(|(r, w)| w.error.as_ref().map(|m| (r, m))) {
         return Err(decode_peer_error(r, msg));
@@ -254,7 +302,8 @@ pub fn save(tree: StateTree<'_>, storage: &dyn Storage, comm: &dyn Communicator,
     let mut index_bytes = 0u64;
     if rank == 0 {
         let r = (|| -> Result<CheckpointIndex> {
-            let index = build_index(&plans, &written_all, opts.block_size, c.common.clone(), opts.content_metadata.clone())?;
+            let index =
+                build_index(&plans, &written_all, opts.block_size, c.common.clone(), opts.content_metadata.clone())?;
             let bytes = index.encode();
             storage.put_atomic(INDEX_FILE, &bytes)?;
             index_bytes = bytes.len() as u64;
@@ -280,7 +329,10 @@ pub fn save(tree: StateTree<'_>, storage: &dyn Storage, comm: &dyn Communicator,
     }
     let verdict = comm.broadcast(&verdict, 0)?;
     if verdict.first() != Some(&0) {
-        return Err(Error::PeerFailed { rank: 0, message: String::from_utf8_lossy(verdict.get(1..).unwrap_or(&[])).into_owned() });
+        return Err(Error::PeerFailed {
+            rank: 0,
+            message: String::from_utf8_lossy(verdict.get(1..).unwrap_or(&[])).into_owned(),
+        });
     }
     let mut d = crate::format::codec::Decoder::new(&verdict[1..]);
     let mut next = || d.var().map_err(|e| Error::Comm { reason: e });
@@ -313,5 +365,8 @@ fn remove_unreferenced(storage: &dyn Storage, index: &CheckpointIndex) {
 pub(crate) fn is_data_file_name(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(".safetensors") else { return false };
     let Some((id, r)) = stem.split_once("-r") else { return false };
-    id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) && !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit())
+    id.len() == 16
+        && id.bytes().all(|b| b.is_ascii_hexdigit())
+        && !r.is_empty()
+        && r.bytes().all(|b| b.is_ascii_digit())
 }

@@ -36,7 +36,13 @@ pub trait SaveStrategy: Send + Sync {
     /// Version written.
     fn version(&self) -> u32;
     /// Saves this rank's state (collective over `comm`).
-    fn save(&self, tree: StateTree<'_>, storage: &dyn Storage, comm: &dyn Communicator, opts: &SaveOptions) -> Result<SaveReport>;
+    fn save(
+        &self,
+        tree: StateTree<'_>,
+        storage: &dyn Storage,
+        comm: &dyn Communicator,
+        opts: &SaveOptions,
+    ) -> Result<SaveReport>;
 }
 
 /// Reads checkpoints of one backend: recognises them and produces their index, which the
@@ -65,7 +71,13 @@ impl SaveStrategy for NativeStrategy {
     fn version(&self) -> u32 {
         FORMAT_VERSION
     }
-    fn save(&self, tree: StateTree<'_>, storage: &dyn Storage, comm: &dyn Communicator, opts: &SaveOptions) -> Result<SaveReport> {
+    fn save(
+        &self,
+        tree: StateTree<'_>,
+        storage: &dyn Storage,
+        comm: &dyn Communicator,
+        opts: &SaveOptions,
+    ) -> Result<SaveReport> {
         save(tree, storage, comm, opts)
     }
 }
@@ -150,10 +162,13 @@ pub fn detect_format(storage: &dyn Storage) -> Result<(FormatRecord, Arc<dyn Loa
     let loaders = global().read().unwrap().load.clone();
     for l in &loaders {
         if let Some(record) = l.detect(storage)? {
-            if let Some(s) = loaders.iter().find(|s| s.backend() == record.backend && s.supports_version(record.version)) {
+            if let Some(s) =
+                loaders.iter().find(|s| s.backend() == record.backend && s.supports_version(record.version))
+            {
                 return Ok((record, s.clone()));
             }
-            let supported: Vec<String> = loaders.iter().filter(|s| s.backend() == record.backend).map(|s| s.supported_versions()).collect();
+            let supported: Vec<String> =
+                loaders.iter().filter(|s| s.backend() == record.backend).map(|s| s.supported_versions()).collect();
             return Err(Error::IncompatibleVersion {
                 found: format!("{} v{}", record.backend, record.version),
                 supported: supported.join(", "),

@@ -55,13 +55,23 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
             let len = c.numel() * esize;
             for (b, &crc) in c.crcs.iter().enumerate() {
                 let off = b as u64 * index.block_size;
-                ranges[c.file as usize].push((c.byte_offset + off, index.block_size.min(len - off), crc, format!("tensor {:?}", t.key)));
+                ranges[c.file as usize].push((
+                    c.byte_offset + off,
+                    index.block_size.min(len - off),
+                    crc,
+                    format!("tensor {:?}", t.key),
+                ));
             }
         }
     }
     for o in &index.objects {
         for s in &o.shards {
-            ranges[s.file as usize].push((s.byte_offset, s.len, s.crc, format!("object {:?} shard {:?}", o.key, s.offset)));
+            ranges[s.file as usize].push((
+                s.byte_offset,
+                s.len,
+                s.crc,
+                format!("object {:?} shard {:?}", o.key, s.offset),
+            ));
         }
     }
     let problems = Mutex::new(Vec::new());
@@ -88,9 +98,18 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
                     }
                 }
                 let mut read = |off: u64, buf: &mut [u8]| storage.read_at(&f.name, off, buf);
-                if let Err(e) = parse_header(&mut read, f.size) {
-                    problems.lock().unwrap().push(format!("{path}: bad safetensors header: {e}"));
+                match parse_header(&mut read, f.size) {
+                    Err(e) => problems.lock().unwrap().push(format!("{path}: bad safetensors header: {e}")),
+                    Ok((_, len)) if len != f.header_len => problems
+                        .lock()
+                        .unwrap()
+                        .push(format!("{path}: safetensors header is {len} bytes, the index says {}", f.header_len)),
+                    Ok(_) => {}
                 }
+                if let Err(e) = crate::io::read::verify_headers(storage, &index, &[fi as u32]) {
+                    problems.lock().unwrap().push(e.to_string());
+                }
+                checked.fetch_add(f.header_len as usize, Ordering::Relaxed);
                 let mut buf = Vec::new();
                 for (off, len, crc, what) in &ranges[fi] {
                     buf.resize(*len as usize, 0);
@@ -100,7 +119,10 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
                     }
                     checked.fetch_add(*len as usize, Ordering::Relaxed);
                     if crc32c::crc32c(&buf) != *crc {
-                        problems.lock().unwrap().push(format!("{path}: checksum mismatch in {what} at bytes {off}..{}", off + len));
+                        problems
+                            .lock()
+                            .unwrap()
+                            .push(format!("{path}: checksum mismatch in {what} at bytes {off}..{}", off + len));
                     }
                 }
             });

@@ -28,7 +28,11 @@ enum Unit {
 }
 
 /// Writes every source and returns, per source, the crc32c of each of its blocks.
-pub(crate) fn write_sources(writer: &dyn ObjectWriter, sources: &[Source<'_>], threads: usize) -> Result<Vec<Vec<u32>>> {
+pub(crate) fn write_sources(
+    writer: &dyn ObjectWriter,
+    sources: &[Source<'_>],
+    threads: usize,
+) -> Result<Vec<Vec<u32>>> {
     let mut units = Vec::new();
     let mut i = 0;
     while i < sources.len() {
@@ -57,10 +61,8 @@ pub(crate) fn write_sources(writer: &dyn ObjectWriter, sources: &[Source<'_>], t
         }
         i += 1;
     }
-    let crcs: Vec<Mutex<Vec<u32>>> = sources
-        .iter()
-        .map(|s| Mutex::new(vec![0u32; (s.data.len() as u64).div_ceil(s.block) as usize]))
-        .collect();
+    let crcs: Vec<Mutex<Vec<u32>>> =
+        sources.iter().map(|s| Mutex::new(vec![0u32; (s.data.len() as u64).div_ceil(s.block) as usize])).collect();
     let next = AtomicUsize::new(0);
     let first_error: Mutex<Option<crate::Error>> = Mutex::new(None);
     let workers = threads.clamp(1, units.len().max(1));

@@ -24,10 +24,7 @@ pub struct Piece {
 impl Piece {
     /// A box.
     pub fn new(off: &[u64], shape: &[u64]) -> Self {
-        Piece {
-            off: off.into(),
-            shape: shape.into(),
-        }
+        Piece { off: off.into(), shape: shape.into() }
     }
 
     /// Elements in the box.
@@ -57,12 +54,7 @@ impl Piece {
 
     /// `[a:b, c:d]` rendering.
     pub fn describe(&self) -> String {
-        let parts: Vec<String> = self
-            .off
-            .iter()
-            .zip(&self.shape)
-            .map(|(o, s)| format!("{}:{}", o, o + s))
-            .collect();
+        let parts: Vec<String> = self.off.iter().zip(&self.shape).map(|(o, s)| format!("{}:{}", o, o + s)).collect();
         format!("[{}]", parts.join(", "))
     }
 }
@@ -146,8 +138,8 @@ pub struct Layout<'s> {
 impl Layout<'_> {
     fn position(&self, x: &[u64]) -> u64 {
         let mut pos = 0u64;
-        for d in 0..x.len() {
-            pos = pos * self.box_shape[d] + (x[d] - self.box_off[d]);
+        for ((&xd, &size), &off) in x.iter().zip(self.box_shape).zip(self.box_off) {
+            pos = pos * size + (xd - off);
         }
         pos - self.base
     }
@@ -255,7 +247,10 @@ fn tile(global: &[u64], pieces: &[&Piece], axis: usize, prefix: &mut Vec<u64>) -
                 return Err(format!("gap: elements at {:?} are not covered by any main replica", at(prefix, cursor)));
             }
             if lo < cursor {
-                return Err(format!("overlap: elements at {:?} are covered by more than one main replica", at(prefix, lo)));
+                return Err(format!(
+                    "overlap: elements at {:?} are covered by more than one main replica",
+                    at(prefix, lo)
+                ));
             }
             cursor = hi;
         }

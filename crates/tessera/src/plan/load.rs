@@ -76,10 +76,10 @@ pub struct RequestPlan {
 
 /// Plans one request against the index: every element must come from exactly one stored chunk.
 pub fn plan_request(index: &CheckpointIndex, req: &Request) -> Result<RequestPlan> {
-    let ti = index
-        .tensors
-        .binary_search_by(|t| t.key.as_str().cmp(&req.key))
-        .map_err(|_| Error::NotCovered { key: req.key.clone(), region: "(the whole tensor: key not in checkpoint)".into() })?;
+    let ti = index.tensors.binary_search_by(|t| t.key.as_str().cmp(&req.key)).map_err(|_| Error::NotCovered {
+        key: req.key.clone(),
+        region: "(the whole tensor: key not in checkpoint)".into(),
+    })?;
     let entry = &index.tensors[ti];
     if entry.dtype != req.dtype {
         return Err(Error::Mismatch {
@@ -192,7 +192,8 @@ pub struct Span {
 /// Knobs of read grouping.
 #[derive(Debug, Clone, Copy)]
 pub struct ReadTuning {
-    /// Largest single read through a scratch buffer (bounds extra memory per thread).
+    /// Largest single read through a scratch buffer (bounds extra memory per thread);
+    /// values below 4096 are raised to 4096.
     pub max_span: u64,
     /// Gaps up to this size between needed ranges are read through rather than split.
     pub max_gap: u64,
@@ -221,6 +222,7 @@ pub struct ReadPlan {
 
 /// Groups segments into reads. With `verify`, every block touched is read whole and checked.
 pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool, tuning: ReadTuning) -> ReadPlan {
+    let tuning = ReadTuning { max_span: tuning.max_span.max(4096), ..tuning };
     segs.sort_unstable();
     let bytes_needed = segs.iter().map(|s| s.len).sum();
     // Units: byte ranges that must be read whole (blocks when verifying, else segments).
@@ -237,7 +239,13 @@ pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool,
             for b in first..=last {
                 let boff = c.byte_offset + b * bs;
                 let blen = bs.min(clen - b * bs);
-                blocks.push(Block { file: s.file, file_off: boff, len: blen, crc: c.crcs[b as usize], tensor: s.tensor });
+                blocks.push(Block {
+                    file: s.file,
+                    file_off: boff,
+                    len: blen,
+                    crc: c.crcs[b as usize],
+                    tensor: s.tensor,
+                });
             }
         }
         blocks.sort_unstable();

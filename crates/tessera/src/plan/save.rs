@@ -412,7 +412,13 @@ pub fn layout_file(rank: usize, plan: &RankPlan, block_size: u64) -> FileLayout 
             Some((s, e)) => vec![e - s],
             None => t.shape.to_vec(),
         };
-        entries.push(SafetensorsEntry { name: format!("{}:{}", entries.len(), t.key), dtype: t.dtype, shape, start, len });
+        entries.push(SafetensorsEntry {
+            name: format!("{}:{}", entries.len(), t.key),
+            dtype: t.dtype,
+            shape,
+            start,
+            len,
+        });
         tensor_entries.push(i);
         start += len;
     }
@@ -437,7 +443,8 @@ pub fn layout_file(rank: usize, plan: &RankPlan, block_size: u64) -> FileLayout 
 }
 
 fn placeholder_crcs(plan: &RankPlan, tensors: &[usize], objects: &[usize], block_size: u64) -> Vec<Vec<u32>> {
-    let mut out: Vec<Vec<u32>> = tensors.iter().map(|&i| vec![0; plan.tensors[i].nbytes().div_ceil(block_size) as usize]).collect();
+    let mut out: Vec<Vec<u32>> =
+        tensors.iter().map(|&i| vec![0; plan.tensors[i].nbytes().div_ceil(block_size) as usize]).collect();
     out.extend(objects.iter().map(|_| vec![0u32]));
     out
 }
@@ -497,6 +504,10 @@ pub struct WrittenFile {
     pub name: String,
     /// File size.
     pub size: u64,
+    /// Header size.
+    pub header_len: u64,
+    /// crc32c of the header.
+    pub header_crc: u32,
     /// Per main tensor shard (plan order): byte offset in the file and block checksums.
     pub tensors: Vec<(u64, Vec<u32>)>,
     /// Per main object shard (plan order): byte offset, length, checksum.
@@ -516,6 +527,8 @@ impl WrittenFile {
         }
         e.str(&self.name);
         e.var(self.size);
+        e.var(self.header_len);
+        e.u32_le(self.header_crc);
         e.var(self.tensors.len() as u64);
         for (off, crcs) in &self.tensors {
             e.var(*off);
@@ -542,6 +555,8 @@ impl WrittenFile {
         };
         let name = d.str()?;
         let size = d.var()?;
+        let header_len = d.var()?;
+        let header_crc = d.u32_le()?;
         let n = d.count()?;
         let mut tensors = Vec::with_capacity(n);
         for _ in 0..n {
@@ -554,7 +569,7 @@ impl WrittenFile {
         for _ in 0..n {
             objects.push((d.var()?, d.var()?, d.u32_le()?));
         }
-        Ok(WrittenFile { error, name, size, tensors, objects })
+        Ok(WrittenFile { error, name, size, header_len, header_crc, tensors, objects })
     }
 }
 
@@ -579,7 +594,12 @@ pub fn build_index(
             continue;
         }
         let file = files.len() as u32;
-        files.push(FileEntry { name: w.name.clone(), size: w.size });
+        files.push(FileEntry {
+            name: w.name.clone(),
+            size: w.size,
+            header_len: w.header_len,
+            header_crc: w.header_crc,
+        });
         for (t, (byte_offset, crcs)) in main_tensors.into_iter().zip(&w.tensors) {
             let entry = tensors.entry(&*t.key).or_insert_with(|| TensorEntry {
                 key: t.key.to_string(),

@@ -182,7 +182,11 @@ impl<'a> StateTree<'a> {
 
     /// Visits every leaf with its path, depth first, maps in key order.
     pub fn for_each_leaf<'s>(&'s self, f: &mut dyn FnMut(&[PathSeg], &'s StateTree<'a>)) {
-        fn walk<'s, 'a>(node: &'s StateTree<'a>, path: &mut StatePath, f: &mut dyn FnMut(&[PathSeg], &'s StateTree<'a>)) {
+        fn walk<'s, 'a>(
+            node: &'s StateTree<'a>,
+            path: &mut StatePath,
+            f: &mut dyn FnMut(&[PathSeg], &'s StateTree<'a>),
+        ) {
             match node {
                 StateTree::Map(m) => {
                     for (k, v) in m {
@@ -346,11 +350,8 @@ impl TensorFactory for SplitFactory {
     fn build<'a>(&self, key: &str, data: TensorData<'a>, replica_id: &ReplicaId) -> Result<StateTree<'a>> {
         let mut rest = data;
         let mut out = BTreeMap::new();
-        let total: u64 = self
-            .parts
-            .iter()
-            .map(|(_, p)| p.local_shape.iter().product::<u64>() * p.dtype.size() as u64)
-            .sum();
+        let total: u64 =
+            self.parts.iter().map(|(_, p)| p.local_shape.iter().product::<u64>() * p.dtype.size() as u64).sum();
         if !matches!(rest, TensorData::None) && rest.len() as u64 != total {
             return Err(crate::Error::invalid(format!(
                 "factory {key:?}: tensor holds {} bytes, its parts need {total}",

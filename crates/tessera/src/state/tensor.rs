@@ -117,9 +117,7 @@ impl<'a> TensorData<'a> {
                     _ => unreachable!(),
                 })
                 .collect();
-            let adjacent = slices
-                .windows(2)
-                .all(|w| w[0].as_ptr_range().end == w[1].as_ptr());
+            let adjacent = slices.windows(2).all(|w| w[0].as_ptr_range().end == w[1].as_ptr());
             if adjacent {
                 let start = slices[0].as_mut_ptr();
                 let len: usize = slices.iter().map(|s| s.len()).sum();

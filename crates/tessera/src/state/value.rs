@@ -40,21 +40,16 @@ impl Value {
             Value::Null => J::Null,
             Value::Bool(b) => J::Bool(*b),
             Value::Int(i) => J::from(*i),
-            Value::Float(f) => serde_json::Number::from_f64(*f)
-                .map(J::Number)
-                .unwrap_or_else(|| J::String(f.to_string())),
+            Value::Float(f) => {
+                serde_json::Number::from_f64(*f).map(J::Number).unwrap_or_else(|| J::String(f.to_string()))
+            }
             Value::Str(s) => J::String(s.clone()),
             Value::Bytes(b) => {
                 let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
                 serde_json::json!({ "$bytes": hex })
             }
             Value::List(items) => J::Array(items.iter().map(Value::to_json).collect()),
-            Value::Map(entries) => J::Object(
-                entries
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.to_json()))
-                    .collect(),
-            ),
+            Value::Map(entries) => J::Object(entries.iter().map(|(k, v)| (k.clone(), v.to_json())).collect()),
         }
     }
 }

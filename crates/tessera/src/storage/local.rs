@@ -18,10 +18,7 @@ pub struct LocalStorage {
 impl LocalStorage {
     /// A checkpoint rooted at directory `root` (created on first write).
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        LocalStorage {
-            root: root.into(),
-            handles: Mutex::new(HashMap::new()),
-        }
+        LocalStorage { root: root.into(), handles: Mutex::new(HashMap::new()) }
     }
 
     /// The directory.
@@ -50,9 +47,7 @@ impl LocalStorage {
     }
 
     fn sync_dir(&self) -> Result<()> {
-        File::open(&self.root)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| Error::io(&self.root, e))
+        File::open(&self.root).and_then(|d| d.sync_all()).map_err(|e| Error::io(&self.root, e))
     }
 }
 
@@ -68,6 +63,12 @@ impl Storage for LocalStorage {
 
     fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
         let f = self.handle(name)?;
+        if offset.checked_add(buf.len() as u64).is_none_or(|end| end > i64::MAX as u64) {
+            return Err(Error::corrupt(
+                self.root.join(name),
+                format!("truncated: {} bytes at offset {offset} are past any possible end", buf.len()),
+            ));
+        }
         f.read_exact_at(buf, offset).map_err(|e| {
             let path = self.root.join(name);
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
@@ -82,12 +83,8 @@ impl Storage for LocalStorage {
         let path = self.path(name)?;
         fs::create_dir_all(&self.root).map_err(|e| Error::io(&self.root, e))?;
         self.forget(name);
-        let file = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(|e| Error::io(&path, e))?;
+        let file =
+            OpenOptions::new().create(true).write(true).truncate(true).open(&path).map_err(|e| Error::io(&path, e))?;
         file.set_len(size).map_err(|e| Error::io(&path, e))?;
         Ok(Box::new(LocalWriter { file, path }))
     }
@@ -95,10 +92,8 @@ impl Storage for LocalStorage {
     fn put_atomic(&self, name: &str, bytes: &[u8]) -> Result<()> {
         let path = self.path(name)?;
         fs::create_dir_all(&self.root).map_err(|e| Error::io(&self.root, e))?;
-        let nonce = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
+        let nonce =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         let tmp = self.root.join(format!(".{name}.tmp-{}-{nonce}", std::process::id()));
         let write = || -> std::io::Result<()> {
             let f = OpenOptions::new().create_new(true).write(true).open(&tmp)?;
@@ -150,9 +145,7 @@ struct LocalWriter {
 
 impl ObjectWriter for LocalWriter {
     fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.file
-            .write_all_at(data, offset)
-            .map_err(|e| Error::io(&self.path, e))
+        self.file.write_all_at(data, offset).map_err(|e| Error::io(&self.path, e))
     }
 
     fn finish(self: Box<Self>) -> Result<()> {

@@ -23,10 +23,7 @@ impl Default for MemoryStorage {
 impl MemoryStorage {
     /// A fresh, private store.
     pub fn new() -> Self {
-        MemoryStorage {
-            name: "anonymous".into(),
-            objects: Arc::default(),
-        }
+        MemoryStorage { name: "anonymous".into(), objects: Arc::default() }
     }
 
     /// The process-wide store called `name`.
@@ -34,10 +31,7 @@ impl MemoryStorage {
         static REGISTRY: OnceLock<Mutex<HashMap<String, Objects>>> = OnceLock::new();
         let mut reg = REGISTRY.get_or_init(Default::default).lock().unwrap();
         let objects = reg.entry(name.to_string()).or_default().clone();
-        MemoryStorage {
-            name: name.to_string(),
-            objects,
-        }
+        MemoryStorage { name: name.to_string(), objects }
     }
 
     fn get(&self, name: &str) -> Result<Arc<RwLock<Vec<u8>>>> {
@@ -47,9 +41,7 @@ impl MemoryStorage {
             .unwrap()
             .get(name)
             .cloned()
-            .ok_or_else(|| Error::NotFound {
-                path: format!("mem://{}/{name}", self.name).into(),
-            })
+            .ok_or_else(|| Error::NotFound { path: format!("mem://{}/{name}", self.name).into() })
     }
 }
 

@@ -83,16 +83,10 @@ impl Rng {
 /// The seeds a property test runs: `TESSERA_SEED=N` runs only seed N (to reproduce a failure),
 /// `TESSERA_SEEDS=K` runs K seeds instead of `default_count`.
 pub fn seeds(default_count: u64) -> Vec<u64> {
-    if let Some(s) = std::env::var("TESSERA_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
+    if let Some(s) = std::env::var("TESSERA_SEED").ok().and_then(|s| s.parse().ok()) {
         return vec![s];
     }
-    let n = std::env::var("TESSERA_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default_count);
+    let n = std::env::var("TESSERA_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(default_count);
     (0..n).collect()
 }
 
@@ -123,8 +117,7 @@ impl TempDir {
     pub fn new(tag: &str) -> Self {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let path =
-            std::env::temp_dir().join(format!("tessera-test-{tag}-{}-{n}", std::process::id()));
+        let path = std::env::temp_dir().join(format!("tessera-test-{tag}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
         TempDir { path }
     }
@@ -159,28 +152,18 @@ pub fn run_ranks<T: Send>(world: usize, f: impl Fn(&InProcessComm) -> T + Sync) 
     let comms = InProcessComm::group_with_timeout(world, Duration::from_secs(20));
     std::thread::scope(|s| {
         let handles: Vec<_> = comms.iter().map(|c| s.spawn(|| f(c))).collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
     })
 }
 
 /// Save options with a small checksum block, so multi-block chunks are common.
 pub fn small_blocks(block_size: u64) -> SaveOptions {
-    SaveOptions {
-        block_size,
-        threads: 2,
-        ..Default::default()
-    }
+    SaveOptions { block_size, threads: 2, ..Default::default() }
 }
 
 /// Load options with verification on and two threads.
 pub fn load_opts() -> LoadOptions {
-    LoadOptions {
-        threads: 2,
-        ..Default::default()
-    }
+    LoadOptions { threads: 2, ..Default::default() }
 }
 
 /// Number of elements of a shape (1 for a scalar).
@@ -217,13 +200,7 @@ pub fn for_each_in_box(global: &[u64], off: &[u64], shape: &[u64], f: &mut dyn F
 }
 
 /// The bytes of the box (`off`, `shape`) of a global tensor, row-major, brute force.
-pub fn box_bytes(
-    truth: &[u8],
-    global: &[u64],
-    esize: usize,
-    off: &[u64],
-    shape: &[u64],
-) -> Vec<u8> {
+pub fn box_bytes(truth: &[u8], global: &[u64], esize: usize, off: &[u64], shape: &[u64]) -> Vec<u8> {
     let mut out = Vec::with_capacity(numel(shape) as usize * esize);
     for_each_in_box(global, off, shape, &mut |lin| {
         let at = lin as usize * esize;
@@ -250,14 +227,7 @@ pub fn shard_bytes(
 
 /// What a (loaded) sharded tensor must hold, given the global truth of its key.
 pub fn expected_for(t: &ShardedTensor<'_>, truth: &[u8], global: &[u64]) -> Vec<u8> {
-    shard_bytes(
-        truth,
-        global,
-        t.dtype.size(),
-        &t.global_offset,
-        &t.box_shape(),
-        t.flattened_range.as_ref(),
-    )
+    shard_bytes(truth, global, t.dtype.size(), &t.global_offset, &t.box_shape(), t.flattened_range.as_ref())
 }
 
 /// A sharded tensor built field by field.
@@ -294,9 +264,7 @@ pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 /// f32 values from little-endian bytes.
 pub fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
+    b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
 /// Little-endian bytes of i64 values.
@@ -306,9 +274,7 @@ pub fn i64_bytes(v: &[i64]) -> Vec<u8> {
 
 /// bf16 bytes (truncation of f32; exact for the values the tests use).
 pub fn bf16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter()
-        .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
-        .collect()
+    v.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect()
 }
 
 /// A tree of plain values (maps, lists, `Value` leaves) as one [`Value`], for comparisons.
@@ -337,10 +303,7 @@ pub fn names(storage: &dyn Storage) -> Vec<String> {
 
 /// Names of tessera data files in a storage, sorted.
 pub fn data_files(storage: &dyn Storage) -> Vec<String> {
-    names(storage)
-        .into_iter()
-        .filter(|n| n.ends_with(".safetensors"))
-        .collect()
+    names(storage).into_iter().filter(|n| n.ends_with(".safetensors")).collect()
 }
 
 /// The tensor leaf at a dotted path of a loaded state.
@@ -353,8 +316,5 @@ pub fn tensor_at<'s, 'a>(state: &'s StateTree<'a>, dotted: &str) -> &'s ShardedT
 
 /// The bytes of the tensor leaf at a dotted path of a loaded state.
 pub fn bytes_at<'s>(state: &'s StateTree<'_>, dotted: &str) -> &'s [u8] {
-    tensor_at(state, dotted)
-        .data
-        .bytes()
-        .unwrap_or_else(|| panic!("tensor at {dotted:?} has no data"))
+    tensor_at(state, dotted).data.bytes().unwrap_or_else(|| panic!("tensor at {dotted:?} has no data"))
 }
