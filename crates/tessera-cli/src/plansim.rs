@@ -1,0 +1,271 @@
+//! `tessera bench --plan-only --ranks N --tensors T`: the metadata side of a save and a load
+//! at scale, with no IO. N simulated ranks in a TP×DP layout each hold a shard of each of T
+//! tensors: even tensors are parameters (split on axis 0 by TP, replicated over DP), odd ones
+//! optimizer state (each TP box flattened and cut across the DP ranks at arbitrary points).
+//!
+//! It runs the same pure functions as a real save: every rank's [`RankPlan`] is encoded (the
+//! all-gather message), decoded by the receiver, validated globally, laid out, reported as
+//! [`WrittenFile`]s, assembled into the index, encoded and opened again; then one rank of
+//! another layout (TP doubled) plans its load against that index.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use serde_json::json;
+use tessera::plan::dims::Dims;
+use tessera::plan::load::{plan_reads, plan_request, ReadTuning, Request};
+use tessera::plan::save::{
+    build_index, data_file_name, layout_file, validate_global, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
+};
+use tessera::{CheckpointIndex, DType, PathSeg, Value, DEFAULT_BLOCK_SIZE};
+
+use crate::model::{jittered_bounds, key_seed, split_range};
+use crate::sizes::{fmt_bytes, fmt_secs};
+use crate::system;
+
+/// Arguments of the planning benchmark.
+pub struct PlanArgs {
+    /// Simulated ranks.
+    pub ranks: usize,
+    /// Tensors per rank.
+    pub tensors: usize,
+    /// Print one JSON object.
+    pub json: bool,
+}
+
+const ROWS_PER_TP: u64 = 128;
+const OBJECT_LEN: u64 = 96;
+const SAVE_ID: u64 = 0x7e55_e7a0_0000_0001;
+
+struct TensorSpec {
+    key: Arc<str>,
+    dtype: DType,
+    global: [u64; 2],
+    /// Cut points across DP of each TP box's flattening (optimizer state), else `None`.
+    dp_bounds: Option<Vec<u64>>,
+}
+
+fn specs(tensors: usize, tp: u64, dp: u64) -> Vec<TensorSpec> {
+    (0..tensors)
+        .map(|i| {
+            let cols = 1024 + 256 * (i as u64 % 3);
+            let global = [tp * ROWS_PER_TP, cols];
+            if i % 2 == 0 {
+                TensorSpec {
+                    key: format!("model.layers.{:04}.weight", i / 2).into(),
+                    dtype: DType::BF16,
+                    global,
+                    dp_bounds: None,
+                }
+            } else {
+                let key: Arc<str> = format!("optimizer.exp_avg.model.layers.{:04}.weight", i / 2).into();
+                let bounds = jittered_bounds(ROWS_PER_TP * cols, dp, key_seed(&key));
+                TensorSpec { key, dtype: DType::F32, global, dp_bounds: Some(bounds) }
+            }
+        })
+        .collect()
+}
+
+fn rank_plan(rank: u64, tp: u64, dp: u64, specs: &[TensorSpec]) -> RankPlan {
+    let (t, d) = (rank % tp, rank / tp);
+    let tensors = specs
+        .iter()
+        .map(|s| {
+            let offset: Dims = [t * ROWS_PER_TP, 0].into();
+            let shape: Dims = [ROWS_PER_TP, s.global[1]].into();
+            let (flat, main) = match &s.dp_bounds {
+                Some(b) => (Some((b[d as usize], b[d as usize + 1])), true),
+                None => (None, d == 0),
+            };
+            ShardMeta { key: s.key.clone(), dtype: s.dtype, global_shape: s.global.into(), offset, shape, flat, main }
+        })
+        .collect();
+    let objects = vec![ObjectMeta {
+        key: "rng_state".into(),
+        global_shape: vec![tp, dp],
+        offset: vec![t, d],
+        main: true,
+        len: OBJECT_LEN,
+    }];
+    RankPlan { error: None, refuse_overwrite: false, save_id: if rank == 0 { SAVE_ID } else { 0 }, tensors, objects }
+}
+
+/// What rank `rank` would report after writing its file (offsets after a header of
+/// `header_len` bytes; checksums are placeholders: no bytes exist).
+fn written(rank: usize, plan: &RankPlan, header_len: u64) -> WrittenFile {
+    let mut at = header_len;
+    let mut tensors = Vec::new();
+    for t in plan.tensors.iter().filter(|t| t.main) {
+        let n = t.nbytes();
+        tensors.push((at, vec![0u32; n.div_ceil(DEFAULT_BLOCK_SIZE) as usize]));
+        at += n;
+    }
+    let mut objects = Vec::new();
+    for o in plan.objects.iter().filter(|o| o.main) {
+        objects.push((at, o.len, 0));
+        at += o.len;
+    }
+    WrittenFile {
+        error: None,
+        name: data_file_name(SAVE_ID, rank),
+        size: at,
+        header_len,
+        header_crc: 0,
+        tensors,
+        objects,
+    }
+}
+
+fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
+    let start = Instant::now();
+    let out = f();
+    (out, start.elapsed().as_secs_f64())
+}
+
+/// Runs the planning benchmark.
+pub fn run(args: PlanArgs) -> Result<()> {
+    anyhow::ensure!(args.ranks >= 1 && args.tensors >= 1, "--ranks and --tensors must be at least 1");
+    let begin = Instant::now();
+    let n = args.ranks as u64;
+    let tp = [8u64, 4, 2, 1].into_iter().find(|t| n % t == 0).unwrap_or(1);
+    let dp = n / tp;
+    let specs = specs(args.tensors, tp, dp);
+
+    // 1. Every rank describes its shards and encodes them: the message of the all-gather.
+    let (messages, t_encode_all) = timed(|| (0..n).map(|r| rank_plan(r, tp, dp, &specs).encode()).collect::<Vec<_>>());
+    let plan_bytes: u64 = messages.iter().map(|m| m.len() as u64).sum();
+    let plan_max = messages.iter().map(Vec::len).max().unwrap_or(0) as u64;
+    // 2. The receiver decodes all of them and validates the global sharding.
+    let (plans, t_decode) = timed(|| RankPlan::decode_all(&messages));
+    let plans = plans.map_err(|(r, e)| anyhow::anyhow!("decoding rank {r}'s plan: {e}"))?;
+    drop(messages);
+    let (valid, t_validate) = timed(|| validate_global(&plans));
+    valid.context("validation of the simulated layout")?;
+    // 3. Each rank lays out its own file (timed for rank 0) and reports what it wrote.
+    let (layout0, t_layout) = timed(|| layout_file(0, &plans[0], DEFAULT_BLOCK_SIZE));
+    let reports: Vec<Vec<u8>> =
+        plans.iter().enumerate().map(|(r, p)| written(r, p, layout0.header_len).encode()).collect();
+    let written_bytes: u64 = reports.iter().map(|m| m.len() as u64).sum();
+    let (files, t_written) = timed(|| reports.iter().map(|b| WrittenFile::decode(b)).collect::<Result<Vec<_>, _>>());
+    let files = files.map_err(|e| anyhow::anyhow!("decoding a write report: {e}"))?;
+    drop(reports);
+    // 4. Rank 0 assembles and encodes the index; a loader opens it.
+    let common = vec![(vec![PathSeg::Key("iteration".into())], Value::Int(1000))];
+    let meta = Value::Map(vec![("producer".into(), "tessera bench --plan-only".into())]);
+    let (index, t_build) = timed(|| build_index(&plans, &files, DEFAULT_BLOCK_SIZE, common, meta));
+    let index = index.context("building the index")?;
+    drop(plans);
+    drop(files);
+    let (encoded, t_index_encode) = timed(|| index.encode());
+    let chunks = index.chunk_count();
+    drop(index);
+    let (opened, t_open) = timed(|| CheckpointIndex::from_bytes(&encoded, "plan-only"));
+    let index = opened.context("opening the encoded index")?;
+
+    // 5. Rank 0 of another layout (TP doubled, no DP sharding) plans its load.
+    let new_tp = 2 * tp;
+    let (plan, t_load_plan) = timed(|| -> Result<_> {
+        let mut segs = Vec::new();
+        for (i, s) in specs.iter().enumerate() {
+            let (row, rows) = split_range(s.global[0], new_tp, 0);
+            let req = Request {
+                key: s.key.to_string(),
+                dtype: s.dtype,
+                global_shape: s.global.to_vec(),
+                offset: vec![row, 0],
+                shape: vec![rows, s.global[1]],
+                flat: None,
+                allow_shape_mismatch: false,
+                target: i,
+            };
+            segs.extend(plan_request(&index, &req)?.segs);
+        }
+        Ok(plan_reads(&index, segs, true, ReadTuning::default()))
+    });
+    let plan = plan?;
+    let total_secs = begin.elapsed().as_secs_f64();
+    let per_rank_encode = t_encode_all / n as f64;
+    let critical = per_rank_encode + t_decode + t_validate + t_layout + t_written + t_build + t_index_encode;
+    let peak = system::peak_rss().unwrap_or(0);
+    let per_rank_sent = (plan_bytes + written_bytes) as f64 / n as f64;
+
+    if args.json {
+        let out = json!({
+            "ranks": n,
+            "tensors": args.tensors,
+            "layout": {"tp": tp, "dp": dp},
+            "shards": n * args.tensors as u64,
+            "chunks": chunks,
+            "plan_bytes_per_rank": plan_bytes as f64 / n as f64,
+            "plan_bytes_max": plan_max,
+            "written_bytes_per_rank": written_bytes as f64 / n as f64,
+            "bytes_sent_per_rank": per_rank_sent,
+            "gathered_bytes_total": plan_bytes + written_bytes,
+            "rank_plan_encode_secs": per_rank_encode,
+            "simulate_all_ranks_secs": t_encode_all,
+            "decode_plans_secs": t_decode,
+            "validation_secs": t_validate,
+            "layout_file_secs": t_layout,
+            "decode_written_secs": t_written,
+            "build_index_secs": t_build,
+            "index_bytes": encoded.len(),
+            "index_bytes_per_chunk": encoded.len() as f64 / chunks.max(1) as f64,
+            "index_encode_secs": t_index_encode,
+            "index_open_secs": t_open,
+            "load_plan_secs": t_load_plan,
+            "load_plan_bytes_needed": plan.bytes_needed,
+            "load_plan_bytes_read": plan.bytes_read,
+            "load_plan_reads": plan.spans.len(),
+            "save_critical_path_secs": critical,
+            "end_to_end_secs": total_secs,
+            "peak_rss_bytes": peak,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!(
+            "plan-only: {n} ranks (TP={tp} × DP={dp}) × {} tensors = {} shards, {} stored chunks",
+            args.tensors,
+            n * args.tensors as u64,
+            chunks
+        );
+        println!(
+            "exchange    {} sent per rank (plan {} avg / {} max, write report {}); {} gathered in all",
+            fmt_bytes(per_rank_sent as u64),
+            fmt_bytes(plan_bytes / n),
+            fmt_bytes(plan_max),
+            fmt_bytes(written_bytes / n),
+            fmt_bytes(plan_bytes + written_bytes)
+        );
+        println!(
+            "rank plan   {} per rank to describe and encode ({} for all {n} simulated)",
+            fmt_secs(per_rank_encode),
+            fmt_secs(t_encode_all)
+        );
+        println!("decode      {} for all plans, {} for all write reports", fmt_secs(t_decode), fmt_secs(t_written));
+        println!("validate    {}", fmt_secs(t_validate));
+        println!("layout      {} (one rank's data file)", fmt_secs(t_layout));
+        println!(
+            "index       build {}, encode {}, {} ({:.1} bytes/chunk), open {}",
+            fmt_secs(t_build),
+            fmt_secs(t_index_encode),
+            fmt_bytes(encoded.len() as u64),
+            encoded.len() as f64 / chunks.max(1) as f64,
+            fmt_secs(t_open)
+        );
+        println!(
+            "load plan   {} for one rank at TP={new_tp}: {} needed, {} read in {} reads",
+            fmt_secs(t_load_plan),
+            fmt_bytes(plan.bytes_needed),
+            fmt_bytes(plan.bytes_read),
+            plan.spans.len()
+        );
+        println!(
+            "total       save critical path {} (one rank's view); end to end {}; peak RSS {}",
+            fmt_secs(critical),
+            fmt_secs(total_secs),
+            fmt_bytes(peak)
+        );
+    }
+    Ok(())
+}

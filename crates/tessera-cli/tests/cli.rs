@@ -1,0 +1,203 @@
+//! End-to-end tests of the `tessera` binary: demo, inspect, verify, gc, bench.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value as J;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tessera");
+
+/// A scratch directory removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("tessera-cli-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        Scratch(dir)
+    }
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tessera(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("run the tessera binary")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs and expects exit code `code`; returns stdout.
+fn expect(args: &[&str], code: i32) -> String {
+    let out = tessera(args);
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "tessera {args:?}\n--- stdout\n{}\n--- stderr\n{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+fn json(stdout: &str) -> J {
+    serde_json::from_str(stdout).unwrap_or_else(|e| panic!("not one JSON object ({e}):\n{stdout}"))
+}
+
+fn data_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn demo_then_inspect_verify_corrupt_and_gc() {
+    let scratch = Scratch::new("demo");
+    let dir = scratch.path().to_str().unwrap();
+    let out = expect(&["demo", "--size", "8MiB", "--dir", dir], 0);
+    assert!(out.contains("every byte matched"), "{out}");
+    assert!(out.contains("TP=2 × PP=2"), "{out}");
+    // Rerunning into the same directory overwrites the checkpoint.
+    expect(&["demo", "--size", "8MiB", "--dir", dir], 0);
+
+    // The JSON summary.
+    let s = json(&expect(&["inspect", dir, "--json"], 0));
+    assert_eq!(s["format"]["backend"], "tessera");
+    assert_eq!(s["format"]["version"], 1);
+    let tensors = s["tensors"].as_object().unwrap();
+    let emb = &tensors["embedding.word_embeddings.weight"];
+    assert_eq!(emb["dtype"], "bf16");
+    let shape: Vec<u64> = emb["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    assert_eq!(shape.len(), 2);
+    assert_eq!(emb["chunks"], 4, "split 4 ways by TP, DP replicas not stored");
+    assert_eq!(emb["bytes"].as_u64().unwrap(), shape[0] * shape[1] * 2);
+    let qkv = &tensors["decoder.layers.self_attention.linear_qkv.weight"];
+    assert_eq!(qkv["shape"][0], 8, "layers stacked on a prepended axis");
+    assert_eq!(qkv["chunks"], 8 * 4);
+    let opt = &tensors["optimizer.exp_avg.decoder.layers.self_attention.linear_qkv.weight"];
+    assert_eq!(opt["dtype"], "f32");
+    assert_eq!(opt["shape"], qkv["shape"]);
+    assert_eq!(opt["chunks"], 8 * 4 * 2, "each TP box cut in two flat ranges across DP");
+    for part in ["decoder.layers.mlp.fc1_w", "decoder.layers.mlp.fc1_v"] {
+        assert_eq!(tensors[part]["dtype"], "bf16", "{part}");
+    }
+    assert_eq!(tensors["decoder.layers.input_layernorm.weight"]["chunks"], 8, "replicated norms stored once per layer");
+    assert_eq!(s["objects"]["rng_state"]["shape"], serde_json::json!([4, 2]));
+    assert_eq!(s["objects"]["rng_state"]["shards"], 8);
+    assert_eq!(s["common"]["iteration"], 1000);
+    assert_eq!(s["common"]["config"]["layers"], 8);
+    assert_eq!(s["common"]["optimizer"]["param_groups"][0]["betas"][1], 0.95);
+    assert!(s["common"]["data"]["tokenizer_digest"]["$bytes"].is_string());
+    assert_eq!(s["content_metadata"]["producer"], "tessera demo");
+    let total: u64 = tensors.values().map(|t| t["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(s["totals"]["tensor_bytes"].as_u64().unwrap(), total);
+
+    // The text view and the full index dump.
+    let t = expect(&["inspect", dir], 0);
+    assert!(t.contains("tessera v1") && t.contains("rng_state") && t.contains("iteration = 1000"), "{t}");
+    let idx = json(&expect(&["inspect", dir, "--index-json"], 0));
+    let chunks = idx["tensors"][0]["chunks"].as_array().unwrap();
+    assert!(!chunks.is_empty());
+    let crc = chunks[0]["crc32c"][0].as_str().unwrap();
+    assert!(crc.len() == 8 && crc.chars().all(|c| c.is_ascii_hexdigit()), "{crc}");
+    assert!(chunks[0]["file"].as_str().unwrap().ends_with(".safetensors"));
+    let n_chunks: usize =
+        idx["tensors"].as_array().unwrap().iter().map(|t| t["chunks"].as_array().unwrap().len()).sum();
+    assert_eq!(n_chunks as u64, s["totals"]["chunks"].as_u64().unwrap());
+
+    let v = expect(&["verify", dir], 0);
+    assert!(v.contains("sound"), "{v}");
+
+    // gc keeps everything committed and removes a leftover of an interrupted save.
+    let g = expect(&["gc", dir], 0);
+    assert!(g.contains("0 leftover"), "{g}");
+    let leftover = scratch.path().join("0123456789abcdef-r00003.safetensors");
+    std::fs::write(&leftover, b"partial").unwrap();
+    let g = expect(&["gc", dir], 0);
+    assert!(g.contains("removed 0123456789abcdef-r00003.safetensors"), "{g}");
+    assert!(!leftover.exists());
+
+    // Flip one byte near the end of the largest data file (tensor data): verify fails and names it.
+    let victim = data_files(scratch.path()).into_iter().max_by_key(|p| std::fs::metadata(p).unwrap().len()).unwrap();
+    let mut bytes = std::fs::read(&victim).unwrap();
+    let at = bytes.len() - 1000;
+    bytes[at] ^= 0x40;
+    std::fs::write(&victim, &bytes).unwrap();
+    let out = expect(&["verify", dir], 1);
+    let name = victim.file_name().unwrap().to_str().unwrap();
+    assert!(out.contains("CORRUPT") && out.contains(name), "{out}");
+
+    // Without the index the directory is not a committed checkpoint.
+    std::fs::remove_file(scratch.path().join("tessera.index")).unwrap();
+    let out = tessera(&["verify", dir]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("not a committed checkpoint"), "{}", text(&out.stderr));
+    let out = tessera(&["inspect", dir, "--json"]);
+    assert_eq!(out.status.code(), Some(1));
+}
+
+#[test]
+fn demo_in_a_temporary_directory() {
+    let out = expect(&["demo", "--size", "2MiB"], 0);
+    assert!(out.contains("every byte matched") && out.contains("temporary"), "{out}");
+    let dir = out.lines().find_map(|l| l.strip_prefix("checkpoint: ")).unwrap().split(" (").next().unwrap();
+    assert!(!Path::new(dir).exists(), "{dir} was not removed");
+}
+
+#[test]
+fn verify_of_a_missing_directory_fails_naming_it() {
+    let scratch = Scratch::new("missing");
+    let dir = scratch.path().join("nothing-here");
+    let out = tessera(&["verify", dir.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("nothing-here"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn bad_sizes_are_refused() {
+    let out = tessera(&["demo", "--size", "12parsecs"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("unknown unit"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn bench_json_has_the_required_fields() {
+    let scratch = Scratch::new("bench");
+    let dir = scratch.path().to_str().unwrap();
+    let b = json(&expect(&["bench", "--dir", dir, "--size", "8MiB", "--ranks", "2", "--json"], 0));
+    for field in ["save_vs_raw", "load_vs_raw", "bytes_read_vs_needed", "peak_rss_bytes", "save_secs", "load_secs"] {
+        assert!(b[field].as_f64().is_some_and(|x| x > 0.0), "{field}: {b}");
+    }
+    assert!(b["bytes_read_vs_needed"].as_f64().unwrap() >= 1.0);
+    assert_eq!(b["bytes_needed"].as_u64(), b["load_target_bytes"].as_u64());
+    assert_eq!(b["verified"], true);
+    assert_eq!(b["load_ranks"], 1);
+    // The raw file and the checkpoint are cleaned up.
+    assert_eq!(std::fs::read_dir(scratch.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn bench_plan_only_simulates_many_ranks() {
+    let b = json(&expect(&["bench", "--plan-only", "--ranks", "64", "--tensors", "20", "--json"], 0));
+    assert_eq!(b["ranks"], 64);
+    assert_eq!(b["shards"], 64 * 20);
+    // 10 parameters stored once per TP rank, 10 optimizer tensors stored once per rank.
+    assert_eq!(b["chunks"], 10 * 8 + 10 * 64);
+    for field in ["index_bytes_per_chunk", "gathered_bytes_total", "bytes_sent_per_rank", "load_plan_bytes_needed"] {
+        assert!(b[field].as_f64().is_some_and(|x| x > 0.0), "{field}: {b}");
+    }
+    let text = expect(&["bench", "--plan-only", "--ranks", "8", "--tensors", "4"], 0);
+    assert!(text.contains("validate") && text.contains("bytes/chunk"), "{text}");
+}
