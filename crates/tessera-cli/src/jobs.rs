@@ -37,7 +37,9 @@ pub fn save(cfg: &ModelConfig, layout: Layout, dir: &Path, opts: &SaveOptions, h
         let rank = comm.rank();
         let leaves = &all[rank];
         let bufs = model::generate(leaves, Some(&generating));
-        comm.barrier()?;
+        let tree = model::build_tree(leaves, bufs.iter().map(|b| TensorData::Ref(b)).collect(), true);
+        ranks::all_ok(comm, tree.is_ok())?;
+        let tree = tree?;
         if rank == 0 {
             generating.finish();
             hook(true);
@@ -45,7 +47,6 @@ pub fn save(cfg: &ModelConfig, layout: Layout, dir: &Path, opts: &SaveOptions, h
         comm.barrier()?;
         let bar = (rank == 0).then(|| Progress::writes(&format!("saving {}", layout.describe()), state_bytes));
         let start = Instant::now();
-        let tree = model::build_tree(leaves, bufs.iter().map(|b| TensorData::Ref(b)).collect(), true);
         let report = tessera::save(tree, &storage, comm, opts);
         ranks::all_ok(comm, report.is_ok())?;
         let secs = start.elapsed().as_secs_f64();
@@ -96,14 +97,15 @@ pub fn load(
         let rank = comm.rank();
         let leaves = &all[rank];
         let mut bufs = model::alloc_targets(leaves);
-        comm.barrier()?;
+        let tree = model::build_tree(leaves, bufs.iter_mut().map(|b| TensorData::Mut(b)).collect(), false);
+        ranks::all_ok(comm, tree.is_ok())?;
+        let tree = tree?;
         if rank == 0 {
             hook(true);
         }
         comm.barrier()?;
         let bar = (rank == 0).then(|| Progress::reads(&format!("loading {}", layout.describe()), target_bytes));
         let start = Instant::now();
-        let tree = model::build_tree(leaves, bufs.iter_mut().map(|b| TensorData::Mut(b)).collect(), false);
         let loaded = tessera::load(tree, &storage, comm, opts);
         ranks::all_ok(comm, loaded.is_ok())?;
         let secs = start.elapsed().as_secs_f64();

@@ -174,30 +174,43 @@ impl Region {
         format!("{}[{}]{flat}", self.key, ranges.join(", "))
     }
 
-    /// A sharded tensor describing this region over `data`.
-    pub fn tensor<'a>(&self, data: TensorData<'a>, replica: ReplicaId) -> ShardedTensor<'a> {
-        // Declare the fragmentation when the box is an even, aligned tile of every axis.
-        let even = self.flat.is_none()
-            && self
-                .shape
-                .iter()
-                .zip(&self.global_shape)
-                .zip(&self.offset)
-                .all(|((&b, &g), &o)| b > 0 && g % b == 0 && o % b == 0);
-        let frags = even.then(|| self.global_shape.iter().zip(&self.shape).map(|(g, b)| g / b).collect());
-        ShardedTensor {
-            key: self.key.clone(),
-            data,
-            dtype: self.dtype,
-            local_shape: self.local_shape().to_vec(),
-            global_shape: self.global_shape.clone(),
-            global_offset: self.offset.clone(),
-            axis_fragmentations: frags,
-            replica_id: replica,
-            prepend_axis_num: self.prepend,
-            allow_shape_mismatch: false,
-            flattened_range: self.flat.map(|(s, e)| s..e),
-        }
+    /// A sharded tensor describing this region over `data`. Even, aligned tilings are
+    /// described with `from_rank_offsets` (their fragmentation is then validated); uneven ones
+    /// (possible in `bench` with odd TP degrees) as a plain box. Flattened ranges are applied
+    /// with `with_flattened_range`.
+    pub fn tensor<'a>(&self, data: TensorData<'a>, replica: ReplicaId) -> tessera::Result<ShardedTensor<'a>> {
+        let even = self
+            .shape
+            .iter()
+            .zip(&self.global_shape)
+            .zip(&self.offset)
+            .all(|((&b, &g), &o)| b > 0 && g % b == 0 && o % b == 0);
+        let tensor = if even {
+            let offsets: Vec<(usize, u64, u64)> = (0..self.shape.len())
+                .filter(|&d| self.shape[d] != self.global_shape[d])
+                .map(|d| (d, self.offset[d] / self.shape[d], self.global_shape[d] / self.shape[d]))
+                .collect();
+            ShardedTensor::from_rank_offsets(&self.key, self.dtype, self.local_shape(), data, &offsets, self.prepend)?
+        } else {
+            ShardedTensor {
+                key: self.key.clone(),
+                data,
+                dtype: self.dtype,
+                local_shape: self.local_shape().to_vec(),
+                global_shape: self.global_shape.clone(),
+                global_offset: self.offset.clone(),
+                axis_fragmentations: None,
+                replica_id: ReplicaId::main(),
+                prepend_axis_num: self.prepend,
+                allow_shape_mismatch: false,
+                flattened_range: None,
+            }
+        };
+        let tensor = tensor.with_replica_id(replica);
+        Ok(match self.flat {
+            Some((s, e)) => tensor.with_flattened_range(s..e),
+            None => tensor,
+        })
     }
 }
 
@@ -320,8 +333,8 @@ impl Layout {
     /// `TP=4 × DP=2 (8 ranks)`.
     pub fn describe(&self) -> String {
         match *self {
-            Layout::Train { tp, dp } => format!("TP={tp} × DP={dp} ({} ranks)", self.world()),
-            Layout::TpPp { tp, pp } => format!("TP={tp} × PP={pp} ({} ranks)", self.world()),
+            Layout::Train { tp, dp } => format!("TP={tp} × DP={dp} ({})", ranks(self.world())),
+            Layout::TpPp { tp, pp } => format!("TP={tp} × PP={pp} ({})", ranks(self.world())),
             Layout::Whole => "1 rank, whole tensors".to_string(),
         }
     }
@@ -333,6 +346,14 @@ impl Layout {
             Layout::TpPp { tp, pp } => vec![tp, pp],
             Layout::Whole => vec![1, 1],
         }
+    }
+}
+
+fn ranks(n: usize) -> String {
+    if n == 1 {
+        "1 rank".into()
+    } else {
+        format!("{n} ranks")
     }
 }
 
@@ -721,13 +742,13 @@ fn segs(dotted: &str) -> Vec<PathSeg> {
 /// Builds the state tree of `leaves` over `datas` (one per data leaf, in order). For a save,
 /// objects carry their bytes and common values are included; for a load, objects are requests
 /// and common values are left for the checkpoint to supply.
-pub fn build_tree<'a>(leaves: &[Leaf], datas: Vec<TensorData<'a>>, save: bool) -> StateTree<'a> {
+pub fn build_tree<'a>(leaves: &[Leaf], datas: Vec<TensorData<'a>>, save: bool) -> tessera::Result<StateTree<'a>> {
     let mut tree = StateTree::map();
     let mut datas = datas.into_iter();
     for leaf in leaves {
         let node = match leaf {
             Leaf::Tensor { region, replica, .. } => {
-                StateTree::Tensor(region.tensor(datas.next().expect("one buffer per data leaf"), replica.clone()))
+                StateTree::Tensor(region.tensor(datas.next().expect("one buffer per data leaf"), replica.clone())?)
             }
             Leaf::Fused { key, replica, parts, .. } => {
                 let mut fused_shape = parts[0].local_shape().to_vec();
@@ -768,7 +789,7 @@ pub fn build_tree<'a>(leaves: &[Leaf], datas: Vec<TensorData<'a>>, save: bool) -
         };
         tree.set_path(&segs(leaf.path()), node);
     }
-    tree
+    Ok(tree)
 }
 
 /// What a check found.
