@@ -131,8 +131,8 @@ pub fn index_json(index: &CheckpointIndex) -> J {
                         "file": file_name(c.file),
                         "file_index": c.file,
                         "byte_offset": c.byte_offset,
-                        "offset": c.offset,
-                        "shape": c.shape,
+                        "offset": c.offset.as_slice(),
+                        "shape": c.shape.as_slice(),
                         "flat": c.flat.map(|(s, e)| [s, e]),
                         "crc32c": hex(&c.crcs),
                     })

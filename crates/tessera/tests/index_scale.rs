@@ -37,7 +37,14 @@ fn synthetic_index(tensors: u64, chunks_per_tensor: u64) -> CheckpointIndex {
                         (vec![c, 0], vec![1, cols], None)
                     };
                     let crc = (t * chunks_per_tensor + c).wrapping_mul(0x9e37_79b9) as u32;
-                    StoredChunk { file: file as u32, byte_offset, offset, shape, flat, crcs: vec![crc] }
+                    StoredChunk {
+                        file: file as u32,
+                        byte_offset,
+                        offset: offset.into(),
+                        shape: shape.into(),
+                        flat,
+                        crcs: vec![crc],
+                    }
                 })
                 .collect();
             TensorEntry {

@@ -3,6 +3,7 @@
 //! Layout (see FORMAT.md): `magic[8] | version u32le | body_len u64le | body | crc32c(body) u32le`.
 
 use super::codec::{Decoder, Encoder};
+use crate::plan::dims::Dims;
 use crate::plan::geometry::numel;
 use crate::state::{PathSeg, StatePath};
 use crate::{DType, Value};
@@ -39,9 +40,9 @@ pub struct StoredChunk {
     /// Byte offset of the chunk data in the file.
     pub byte_offset: u64,
     /// Offset of the chunk's box in the global tensor.
-    pub offset: Vec<u64>,
+    pub offset: Dims,
     /// Shape of the chunk's box.
-    pub shape: Vec<u64>,
+    pub shape: Dims,
     /// The chunk holds only this range of the box's flattening.
     pub flat: Option<(u64, u64)>,
     /// crc32c of each `block_size` block of the chunk's bytes (the last may be shorter).
@@ -305,8 +306,8 @@ impl CheckpointIndex {
             for _ in 0..nchunks {
                 let file = d.var()?;
                 let byte_offset = d.var()?;
-                let mut offset = Vec::with_capacity(ndim);
-                let mut shape = Vec::with_capacity(ndim);
+                let mut offset = Dims::with_capacity(ndim);
+                let mut shape = Dims::with_capacity(ndim);
                 for _ in 0..ndim {
                     offset.push(d.var()?);
                 }

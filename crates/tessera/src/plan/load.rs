@@ -195,13 +195,14 @@ pub struct ReadTuning {
     /// Largest single read through a scratch buffer (bounds extra memory per thread);
     /// values below 4096 are raised to 4096.
     pub max_span: u64,
-    /// Gaps up to this size between needed ranges are read through rather than split.
+    /// Gaps up to this size between needed ranges are read through rather than split, as long
+    /// as they stay under 1/32 of the read (so read-through costs at most ~3% extra bytes).
     pub max_gap: u64,
 }
 
 impl Default for ReadTuning {
     fn default() -> Self {
-        ReadTuning { max_span: 8 << 20, max_gap: 64 << 10 }
+        ReadTuning { max_span: 4 << 20, max_gap: 64 << 10 }
     }
 }
 
@@ -273,9 +274,11 @@ pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool,
     for (i, &(f, off, len)) in units.iter().enumerate() {
         let extend = match spans.last() {
             Some(sp) => {
+                let gap = off.wrapping_sub(sp.off + sp.len);
                 sp.file == f
                     && off >= sp.off + sp.len
-                    && off - (sp.off + sp.len) <= tuning.max_gap
+                    && gap <= tuning.max_gap
+                    && gap * 32 <= off + len - sp.off
                     && off + len - sp.off <= tuning.max_span
             }
             None => false,

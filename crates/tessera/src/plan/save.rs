@@ -582,36 +582,59 @@ pub fn build_index(
     content_metadata: Value,
 ) -> Result<CheckpointIndex> {
     let mut files = Vec::new();
-    let mut tensors: HashMap<&str, TensorEntry> = HashMap::new();
+    let mut tensors: Vec<TensorEntry> = Vec::new();
+    // Keys are interned per decoding thread: look up by pointer first, by text on a miss.
+    let mut by_ptr: FastMap<usize, usize> = FastMap::default();
+    let mut by_key: FastMap<&str, usize> = FastMap::default();
     let mut objects: HashMap<&str, ObjectEntry> = HashMap::new();
     for (rank, (plan, w)) in plans.iter().zip(written).enumerate() {
-        let main_tensors: Vec<&ShardMeta> = plan.tensors.iter().filter(|t| t.main).collect();
+        let mains = plan.tensors.iter().filter(|t| t.main).count();
         let main_objects: Vec<&ObjectMeta> = plan.objects.iter().filter(|o| o.main).collect();
-        if main_tensors.len() != w.tensors.len() || main_objects.len() != w.objects.len() {
+        if mains != w.tensors.len() || main_objects.len() != w.objects.len() {
             return Err(Error::Comm { reason: format!("rank {rank} reported a file that does not match its plan") });
         }
-        if main_tensors.is_empty() && main_objects.is_empty() {
-            continue;
-        }
         let file = files.len() as u32;
-        files.push(FileEntry {
-            name: w.name.clone(),
-            size: w.size,
-            header_len: w.header_len,
-            header_crc: w.header_crc,
-        });
-        for (t, (byte_offset, crcs)) in main_tensors.into_iter().zip(&w.tensors) {
-            let entry = tensors.entry(&*t.key).or_insert_with(|| TensorEntry {
-                key: t.key.to_string(),
-                dtype: t.dtype,
-                global_shape: t.global_shape.to_vec(),
-                chunks: Vec::new(),
+        if mains > 0 || !main_objects.is_empty() {
+            files.push(FileEntry {
+                name: w.name.clone(),
+                size: w.size,
+                header_len: w.header_len,
+                header_crc: w.header_crc,
             });
-            entry.chunks.push(StoredChunk {
+        }
+        let mut written_chunks = w.tensors.iter();
+        if rank == 0 {
+            // Every rank usually holds a shard of every key: size the chunk lists once.
+            tensors.reserve(plan.tensors.len());
+        }
+        for t in &plan.tensors {
+            let ptr = Arc::as_ptr(&t.key) as *const u8 as usize;
+            let ti = match by_ptr.get(&ptr) {
+                Some(&i) => i,
+                None => {
+                    let i = *by_key.entry(&*t.key).or_insert_with(|| {
+                        tensors.push(TensorEntry {
+                            key: t.key.to_string(),
+                            dtype: t.dtype,
+                            global_shape: t.global_shape.to_vec(),
+                            chunks: Vec::with_capacity(plans.len()),
+                        });
+                        tensors.len() - 1
+                    });
+                    by_ptr.insert(ptr, i);
+                    i
+                }
+            };
+            // Keys whose every shard is a replica or empty still belong to the checkpoint.
+            if !t.main {
+                continue;
+            }
+            let (byte_offset, crcs) = written_chunks.next().expect("counted above");
+            tensors[ti].chunks.push(StoredChunk {
                 file,
                 byte_offset: *byte_offset,
-                offset: t.offset.to_vec(),
-                shape: t.shape.to_vec(),
+                offset: t.offset.clone(),
+                shape: t.shape.clone(),
                 flat: t.flat,
                 crcs: crcs.clone(),
             });
@@ -625,18 +648,6 @@ pub fn build_index(
             entry.shards.push(StoredObject { offset: o.offset.clone(), file, byte_offset, len, crc });
         }
     }
-    // Keys whose every shard is empty (zero-size tensors) still belong to the checkpoint.
-    for plan in plans {
-        for t in &plan.tensors {
-            tensors.entry(&*t.key).or_insert_with(|| TensorEntry {
-                key: t.key.to_string(),
-                dtype: t.dtype,
-                global_shape: t.global_shape.to_vec(),
-                chunks: Vec::new(),
-            });
-        }
-    }
-    let mut tensors: Vec<TensorEntry> = tensors.into_values().collect();
     tensors.sort_by(|a, b| a.key.cmp(&b.key));
     for t in &mut tensors {
         t.chunks.sort_by(|a, b| (&a.offset, a.flat).cmp(&(&b.offset, b.flat)));
