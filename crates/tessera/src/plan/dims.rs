@@ -1,15 +1,15 @@
-//! A small vector of dimensions that stays inline up to 4 axes: planning handles millions of
+//! A small vector of dimensions that stays inline up to 3 axes: planning handles millions of
 //! shards, and three heap allocations per shard would dominate the cost.
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
-const INLINE: usize = 4;
+const INLINE: usize = 3;
 
 /// Dimensions (shape, offset) of a box; derefs to `[u64]`.
 #[derive(Clone)]
 pub enum Dims {
-    /// Up to four axes, stored inline.
+    /// Up to three axes, stored inline.
     Inline(u8, [u64; INLINE]),
     /// More axes.
     Heap(Vec<u64>),
