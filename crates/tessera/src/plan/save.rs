@@ -259,19 +259,10 @@ fn validate_key(key: &str, shards: &[(usize, &ShardMeta)]) -> Result<()> {
     let mut pieces = Vec::new();
     for &(rank, t) in shards {
         if t.dtype != first.dtype {
-            return Err(Error::sharding(
-                key,
-                format!("dtype differs across ranks: rank {r0} has {}, rank {rank} has {}", first.dtype, t.dtype),
-            ));
+            return Err(differs(key, "dtype", (r0, &first.dtype), (rank, &t.dtype)));
         }
         if t.global_shape != first.global_shape {
-            return Err(Error::sharding(
-                key,
-                format!(
-                    "global shape differs across ranks: rank {r0} has {:?}, rank {rank} has {:?}",
-                    first.global_shape, t.global_shape
-                ),
-            ));
+            return Err(differs(key, "global shape", (r0, &first.global_shape), (rank, &t.global_shape)));
         }
         if t.offset.len() != t.global_shape.len() || t.shape.len() != t.global_shape.len() {
             return Err(Error::sharding(key, format!("rank {rank}: box rank differs from the global shape's")));
@@ -300,6 +291,10 @@ fn validate_key(key: &str, shards: &[(usize, &ShardMeta)]) -> Result<()> {
     check_tiling(&first.global_shape, &pieces).map_err(|reason| Error::sharding(key, reason))
 }
 
+fn differs(key: &str, what: &str, a: (usize, &dyn std::fmt::Debug), b: (usize, &dyn std::fmt::Debug)) -> Error {
+    Error::sharding(key, format!("{what} differs across ranks: rank {} has {:?}, rank {} has {:?}", a.0, a.1, b.0, b.1))
+}
+
 fn validate_objects(plans: &[RankPlan]) -> Result<()> {
     let mut objects: HashMap<&str, Vec<(usize, &ObjectMeta)>> = HashMap::new();
     for (rank, p) in plans.iter().enumerate() {
@@ -315,13 +310,7 @@ fn validate_objects(plans: &[RankPlan]) -> Result<()> {
         let mut offsets: Vec<&Vec<u64>> = Vec::new();
         for &(rank, o) in shards {
             if o.global_shape != first.global_shape {
-                return Err(Error::sharding(
-                    key,
-                    format!(
-                        "object grid differs across ranks: rank {r0} has {:?}, rank {rank} has {:?}",
-                        first.global_shape, o.global_shape
-                    ),
-                ));
+                return Err(differs(key, "object grid", (r0, &first.global_shape), (rank, &o.global_shape)));
             }
             if o.offset.len() != o.global_shape.len() || o.offset.iter().zip(&o.global_shape).any(|(a, b)| a >= b) {
                 return Err(Error::sharding(
