@@ -1,12 +1,17 @@
-//! `tessera bench --dir D --size S [--ranks N] [--json]`: tessera against the raw device.
+//! `tessera bench --dir D --size S [--ranks N] [--rounds R] [--json]`: tessera against the raw device.
 //!
-//! In one run: (a) the reference, a raw sequential write + fsync of S bytes into a file in D,
+//! Disk timings are noisy, so the benchmark runs in R rounds (default 3). Each round runs, back
+//! to back: (a) the reference, a raw sequential write + fsync of S bytes into a file in D,
 //! dropped from the page cache, then read back sequentially; (b) a tessera save of a model of
 //! about S bytes from N in-process ranks (TP=N) into D/ckpt, whose files are then dropped from
 //! the page cache; (c) a resharded load of it under TP=N/2 (N/2 ranks; every saved chunk is
-//! read whole by exactly one rank, so reads stay contiguous). Throughputs are compared with
-//! the raw ones; memory is the peak RSS of each phase over the RSS when it started (the state
-//! or the load targets, already resident).
+//! read whole by exactly one rank, so reads stay contiguous), whose bytes are all checked.
+//! Each round compares its own save and load throughputs with its own raw ones; the report
+//! gives every round's ratios and their median with the min–max range. The other times and
+//! rates are medians over rounds too (each taken on its own). Memory is the peak RSS of each
+//! phase over the RSS when it started (the state or the load targets, already resident),
+//! the largest over rounds. The checkpoint is removed after every round (kept after the last
+//! with `--keep`); the exit code is 1 if any round loaded a wrong byte.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -33,6 +38,8 @@ pub struct BenchArgs {
     pub size: u64,
     /// Saving ranks.
     pub ranks: usize,
+    /// Measurement rounds (raw reference, save, load each).
+    pub rounds: usize,
     /// Print one JSON object.
     pub json: bool,
     /// Keep the checkpoint (D/ckpt) afterwards.
@@ -125,139 +132,301 @@ fn raw_reference(dir: &Path, size: u64) -> Result<Raw> {
     Ok(Raw { write_secs, read_secs })
 }
 
+/// What every round shares.
+struct Setup {
+    cfg: ModelConfig,
+    save_layout: Layout,
+    load_layout: Layout,
+    ckpt: PathBuf,
+}
+
+/// One round: the raw reference, then tessera's save and resharded load.
+struct Round {
+    raw: Raw,
+    save: jobs::Saved,
+    load: jobs::Loaded,
+    save_mem: Phase,
+    load_mem: Phase,
+    /// Peak RSS over the round (counted from the last reset of the kernel's peak before it).
+    peak_rss: u64,
+    /// Whether the kernel's peak could be reset for each phase.
+    per_phase: bool,
+    // Throughputs in GB/s, and tessera's over the raw ones of this round.
+    raw_write_gbps: f64,
+    raw_read_gbps: f64,
+    save_gbps: f64,
+    load_gbps: f64,
+    save_vs_raw: f64,
+    load_vs_raw: f64,
+}
+
+impl Round {
+    fn verified(&self) -> bool {
+        self.load.check.problems.is_empty()
+    }
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+/// Runs one round; removes the checkpoint afterwards unless `keep`.
+fn run_round(args: &BenchArgs, setup: &Setup, keep: bool) -> Result<Round> {
+    // Give back what the previous round freed, so it does not count in this round's memory.
+    system::trim_heap();
+    let raw = raw_reference(&args.dir, args.size)?;
+    let mem = Mutex::new(Memory::default());
+    let opts = SaveOptions { overwrite: true, ..SaveOptions::default() };
+    let save_mem = Mutex::new(Phase::default());
+    let save = jobs::save(&setup.cfg, setup.save_layout, &setup.ckpt, &opts, &|start| {
+        mem.lock().unwrap().mark(start, &save_mem)
+    })?;
+    // The state is freed: give its memory back before the load allocates its targets.
+    system::trim_heap();
+    system::drop_dir_cache(&setup.ckpt)?;
+    let load_mem = Mutex::new(Phase::default());
+    let rng_grid = setup.save_layout.rng_grid();
+    let load = jobs::load(&setup.cfg, setup.load_layout, &rng_grid, &setup.ckpt, &LoadOptions::default(), &|start| {
+        mem.lock().unwrap().mark(start, &load_mem)
+    })?;
+    if !keep {
+        std::fs::remove_dir_all(&setup.ckpt).with_context(|| format!("removing {}", setup.ckpt.display()))?;
+    }
+    let mem = mem.into_inner().unwrap();
+    let raw_write_gbps = gbps(args.size, raw.write_secs);
+    let raw_read_gbps = gbps(args.size, raw.read_secs);
+    let save_gbps = gbps(save.report.total_tensor_bytes, save.secs);
+    let load_gbps = gbps(load.stats.bytes_needed, load.secs);
+    Ok(Round {
+        raw,
+        save,
+        load,
+        save_mem: save_mem.into_inner().unwrap(),
+        load_mem: load_mem.into_inner().unwrap(),
+        peak_rss: mem.overall_peak,
+        per_phase: mem.resettable,
+        raw_write_gbps,
+        raw_read_gbps,
+        save_gbps,
+        load_gbps,
+        save_vs_raw: ratio(save_gbps, raw_write_gbps),
+        load_vs_raw: ratio(load_gbps, raw_read_gbps),
+    })
+}
+
+/// Median, minimum and maximum of one figure over the rounds.
+#[derive(Debug, PartialEq)]
+struct Spread {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Spread {
+    /// The spread of `values` (not empty); the median of an even count is the mean of the middle two.
+    fn of(values: &[f64]) -> Spread {
+        let mut v = values.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+        Spread { median, min: v[0], max: v[n - 1] }
+    }
+}
+
+/// One figure of every round.
+fn per_round(rounds: &[Round], figure: impl Fn(&Round) -> f64) -> Vec<f64> {
+    rounds.iter().map(figure).collect()
+}
+
+fn median(rounds: &[Round], figure: impl Fn(&Round) -> f64) -> f64 {
+    Spread::of(&per_round(rounds, figure)).median
+}
+
+fn max<T: Ord + Default>(rounds: &[Round], figure: impl Fn(&Round) -> T) -> T {
+    rounds.iter().map(figure).max().unwrap_or_default()
+}
+
+fn print_header(args: &BenchArgs, setup: &Setup, first: &Round) {
+    println!(
+        "bench in {}: {} reference, model of {} ({} layers, hidden {}); save {}, load {}; {} round(s)",
+        args.dir.display(),
+        fmt_bytes(args.size),
+        fmt_bytes(first.save.state_bytes),
+        setup.cfg.layers,
+        setup.cfg.hidden,
+        setup.save_layout.describe(),
+        setup.load_layout.describe(),
+        args.rounds
+    );
+}
+
+fn print_round(index: usize, count: usize, r: &Round) {
+    println!(
+        "round {:<4} raw write {:>7} {:>5.2} GB/s  read {:>7} {:>5.2} GB/s  save {:>7} {:>5.2} GB/s {:.3}× raw  load {:>7} {:>5.2} GB/s {:.3}× raw{}",
+        format!("{}/{count}", index + 1),
+        fmt_secs(r.raw.write_secs),
+        r.raw_write_gbps,
+        fmt_secs(r.raw.read_secs),
+        r.raw_read_gbps,
+        fmt_secs(r.save.secs),
+        r.save_gbps,
+        r.save_vs_raw,
+        fmt_secs(r.load.secs),
+        r.load_gbps,
+        r.load_vs_raw,
+        if r.verified() { "" } else { "  MISMATCH" }
+    );
+}
+
 /// Runs the IO benchmark.
 pub fn run(args: BenchArgs) -> Result<ExitCode> {
     anyhow::ensure!(args.ranks >= 1, "--ranks must be at least 1");
+    anyhow::ensure!(args.rounds >= 1, "--rounds must be at least 1");
     anyhow::ensure!(args.size > 0, "--size must be positive");
     std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
-    let mem = Mutex::new(Memory::default());
+    let setup = Setup {
+        cfg: ModelConfig::for_bytes(args.size),
+        save_layout: Layout::Train { tp: args.ranks as u64, dp: 1 },
+        load_layout: if args.ranks >= 2 { Layout::TpPp { tp: args.ranks as u64 / 2, pp: 1 } } else { Layout::Whole },
+        ckpt: args.dir.join("ckpt"),
+    };
 
-    let raw = raw_reference(&args.dir, args.size)?;
-    let raw_write = gbps(args.size, raw.write_secs);
-    let raw_read = gbps(args.size, raw.read_secs);
-
-    let cfg = ModelConfig::for_bytes(args.size);
-    let save_layout = Layout::Train { tp: args.ranks as u64, dp: 1 };
-    let load_layout = if args.ranks >= 2 { Layout::TpPp { tp: args.ranks as u64 / 2, pp: 1 } } else { Layout::Whole };
-    let ckpt = args.dir.join("ckpt");
-    let opts = SaveOptions { overwrite: true, ..SaveOptions::default() };
-    let save_mem = Mutex::new(Phase::default());
-    let save = jobs::save(&cfg, save_layout, &ckpt, &opts, &|start| mem.lock().unwrap().mark(start, &save_mem))?;
-    let save_mem = save_mem.into_inner().unwrap();
-    // The state is freed: give its memory back before the load allocates its targets.
-    system::trim_heap();
-    system::drop_dir_cache(&ckpt)?;
-    let load_mem = Mutex::new(Phase::default());
-    let load = jobs::load(&cfg, load_layout, &save_layout.rng_grid(), &ckpt, &LoadOptions::default(), &|start| {
-        mem.lock().unwrap().mark(start, &load_mem)
-    })?;
-    let load_mem = load_mem.into_inner().unwrap();
-    let mem = mem.into_inner().unwrap();
-    if !args.keep {
-        std::fs::remove_dir_all(&ckpt).with_context(|| format!("removing {}", ckpt.display()))?;
+    let mut rounds = Vec::with_capacity(args.rounds);
+    for i in 0..args.rounds {
+        let round = run_round(&args, &setup, args.keep && i + 1 == args.rounds)?;
+        if !args.json {
+            if i == 0 {
+                print_header(&args, &setup, &round);
+            }
+            print_round(i, args.rounds, &round);
+        }
+        rounds.push(round);
     }
 
-    let save_rate = gbps(save.report.total_tensor_bytes, save.secs);
-    let load_rate = gbps(load.stats.bytes_needed, load.secs);
-    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
-    let read_vs_needed = load.stats.bytes_read as f64 / load.stats.bytes_needed.max(1) as f64;
-    let verified = load.check.problems.is_empty();
+    // Files, chunks and the bytes needed are the same every round; reads are the worst round's.
+    let first = &rounds[0];
+    let save_ratios = per_round(&rounds, |r| r.save_vs_raw);
+    let load_ratios = per_round(&rounds, |r| r.load_vs_raw);
+    let save_vs_raw = Spread::of(&save_ratios);
+    let load_vs_raw = Spread::of(&load_ratios);
+    let state_bytes = first.save.state_bytes;
+    let bytes_needed = first.load.stats.bytes_needed;
+    let bytes_read = max(&rounds, |r| r.load.stats.bytes_read);
+    let reads = max(&rounds, |r| r.load.stats.reads);
+    let read_vs_needed = bytes_read as f64 / bytes_needed.max(1) as f64;
+    let peak_rss = max(&rounds, |r| r.peak_rss);
+    let per_phase = rounds.iter().all(|r| r.per_phase);
+    let save_extra = max(&rounds, |r| r.save_mem.extra());
+    let load_extra = max(&rounds, |r| r.load_mem.extra());
+    let failed: Vec<usize> = (0..rounds.len()).filter(|&i| !rounds[i].verified()).map(|i| i + 1).collect();
+    let problems: Vec<String> = rounds
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| r.load.check.problems.iter().map(move |p| format!("round {}: {p}", i + 1)))
+        .collect();
+    let verified = failed.is_empty();
+
     if args.json {
         let out = json!({
             "dir": args.dir.display().to_string(),
             "size_bytes": args.size,
             "ranks": args.ranks,
-            "save_layout": save_layout.describe(),
-            "load_layout": load_layout.describe(),
-            "load_ranks": load_layout.world(),
-            "raw_write_secs": raw.write_secs,
-            "raw_write_gbps": raw_write,
-            "raw_read_secs": raw.read_secs,
-            "raw_read_gbps": raw_read,
-            "state_bytes": save.state_bytes,
-            "checkpoint_bytes": save.report.total_tensor_bytes,
-            "files": save.report.files,
-            "chunks": save.report.chunks,
-            "index_bytes": save.report.index_bytes,
-            "save_secs": save.secs,
-            "save_gbps": save_rate,
-            "load_secs": load.secs,
-            "load_gbps": load_rate,
-            "save_vs_raw": ratio(save_rate, raw_write),
-            "load_vs_raw": ratio(load_rate, raw_read),
-            "bytes_needed": load.stats.bytes_needed,
-            "bytes_read": load.stats.bytes_read,
+            "rounds": args.rounds,
+            "save_layout": setup.save_layout.describe(),
+            "load_layout": setup.load_layout.describe(),
+            "load_ranks": setup.load_layout.world(),
+            "raw_write_secs": median(&rounds, |r| r.raw.write_secs),
+            "raw_write_gbps": median(&rounds, |r| r.raw_write_gbps),
+            "raw_read_secs": median(&rounds, |r| r.raw.read_secs),
+            "raw_read_gbps": median(&rounds, |r| r.raw_read_gbps),
+            "state_bytes": state_bytes,
+            "checkpoint_bytes": first.save.report.total_tensor_bytes,
+            "files": first.save.report.files,
+            "chunks": first.save.report.chunks,
+            "index_bytes": first.save.report.index_bytes,
+            "save_secs": median(&rounds, |r| r.save.secs),
+            "save_gbps": median(&rounds, |r| r.save_gbps),
+            "load_secs": median(&rounds, |r| r.load.secs),
+            "load_gbps": median(&rounds, |r| r.load_gbps),
+            "save_vs_raw": save_vs_raw.median,
+            "save_vs_raw_rounds": save_ratios,
+            "load_vs_raw": load_vs_raw.median,
+            "load_vs_raw_rounds": load_ratios,
+            "bytes_needed": bytes_needed,
+            "bytes_read": bytes_read,
             "bytes_read_vs_needed": read_vs_needed,
-            "reads": load.stats.reads,
-            "peak_rss_bytes": mem.overall_peak,
-            "peak_rss_minus_state_bytes": mem.overall_peak.saturating_sub(save.state_bytes),
-            "peak_rss_per_phase": mem.resettable,
-            "save_rss_start_bytes": save_mem.rss_start,
-            "save_peak_rss_bytes": save_mem.peak,
-            "save_extra_bytes": save_mem.extra(),
-            "load_target_bytes": load.target_bytes,
-            "load_rss_start_bytes": load_mem.rss_start,
-            "load_peak_rss_bytes": load_mem.peak,
-            "load_extra_bytes": load_mem.extra(),
+            "reads": reads,
+            "peak_rss_bytes": peak_rss,
+            "peak_rss_minus_state_bytes": peak_rss.saturating_sub(state_bytes),
+            "peak_rss_per_phase": per_phase,
+            "save_rss_start_bytes": max(&rounds, |r| r.save_mem.rss_start),
+            "save_peak_rss_bytes": max(&rounds, |r| r.save_mem.peak),
+            "save_extra_bytes": save_extra,
+            "load_target_bytes": first.load.target_bytes,
+            "load_rss_start_bytes": max(&rounds, |r| r.load_mem.rss_start),
+            "load_peak_rss_bytes": max(&rounds, |r| r.load_mem.peak),
+            "load_extra_bytes": load_extra,
             "verified": verified,
-            "problems": load.check.problems.iter().take(20).collect::<Vec<_>>(),
+            "failed_rounds": failed,
+            "problems": problems.iter().take(20).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!(
-            "bench in {}: {} reference, model of {} ({} layers, hidden {})",
-            args.dir.display(),
-            fmt_bytes(args.size),
-            fmt_bytes(save.state_bytes),
-            cfg.layers,
-            cfg.hidden
+            "median     save {:.3}× raw write (min–max {:.3}–{:.3})   load {:.3}× raw read (min–max {:.3}–{:.3})",
+            save_vs_raw.median, save_vs_raw.min, save_vs_raw.max, load_vs_raw.median, load_vs_raw.min, load_vs_raw.max
         );
         println!(
-            "raw    sequential write+fsync {:>9}  {:>7.2} GB/s   read {:>9}  {:>7.2} GB/s",
-            fmt_secs(raw.write_secs),
-            raw_write,
-            fmt_secs(raw.read_secs),
-            raw_read
+            "save   {} files, {} chunks, index {}",
+            first.save.report.files,
+            first.save.report.chunks,
+            fmt_bytes(first.save.report.index_bytes)
         );
         println!(
-            "save   {:<26} {:>9}  {:>7.2} GB/s   {:.3}× raw write   ({} files, {} chunks, index {})",
-            save_layout.describe(),
-            fmt_secs(save.secs),
-            save_rate,
-            ratio(save_rate, raw_write),
-            save.report.files,
-            save.report.chunks,
-            fmt_bytes(save.report.index_bytes)
-        );
-        println!(
-            "load   {:<26} {:>9}  {:>7.2} GB/s   {:.3}× raw read    (read {} for {} needed: {:.3}×, {} reads)",
-            load_layout.describe(),
-            fmt_secs(load.secs),
-            load_rate,
-            ratio(load_rate, raw_read),
-            fmt_bytes(load.stats.bytes_read),
-            fmt_bytes(load.stats.bytes_needed),
+            "load   read {} for {} needed: {:.3}×, {} reads",
+            fmt_bytes(bytes_read),
+            fmt_bytes(bytes_needed),
             read_vs_needed,
-            load.stats.reads
+            reads
         );
-        let per_phase = if mem.resettable { "" } else { " (per-phase peaks unavailable: whole-run peak)" };
+        let per_phase = if per_phase { "" } else { " (per-phase peaks unavailable: whole-run peak)" };
         println!(
             "memory peak RSS {} ({} over the {} state); save: +{} over its start; load: +{} over its {} targets{per_phase}",
-            fmt_bytes(mem.overall_peak),
-            fmt_bytes(mem.overall_peak.saturating_sub(save.state_bytes)),
-            fmt_bytes(save.state_bytes),
-            fmt_bytes(save_mem.extra()),
-            fmt_bytes(load_mem.extra()),
-            fmt_bytes(load.target_bytes)
+            fmt_bytes(peak_rss),
+            fmt_bytes(peak_rss.saturating_sub(state_bytes)),
+            fmt_bytes(state_bytes),
+            fmt_bytes(save_extra),
+            fmt_bytes(load_extra),
+            fmt_bytes(first.load.target_bytes)
         );
         if verified {
-            println!("check  every loaded byte matched ({})", fmt_bytes(load.check.bytes));
+            println!(
+                "check  every loaded byte matched in every round ({} per round)",
+                fmt_bytes(first.load.check.bytes)
+            );
         } else {
-            println!("check  FAILED: {} problem(s)", load.check.problems.len());
-            for p in load.check.problems.iter().take(20) {
+            let failed: Vec<String> = failed.iter().map(usize::to_string).collect();
+            println!("check  FAILED in round(s) {}: {} problem(s)", failed.join(", "), problems.len());
+            for p in problems.iter().take(20) {
                 println!("  {p}");
             }
         }
     }
     Ok(if verified { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Spread;
+
+    #[test]
+    fn spread_of_odd_and_even_counts() {
+        assert_eq!(Spread::of(&[0.9, 0.5, 1.2]), Spread { median: 0.9, min: 0.5, max: 1.2 });
+        assert_eq!(Spread::of(&[2.0, 1.0, 4.0, 3.0]), Spread { median: 2.5, min: 1.0, max: 4.0 });
+        assert_eq!(Spread::of(&[0.7]), Spread { median: 0.7, min: 0.7, max: 0.7 });
+    }
 }

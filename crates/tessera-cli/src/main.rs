@@ -70,6 +70,10 @@ enum Command {
         /// No IO: simulate the planning of a save and a load.
         #[arg(long)]
         plan_only: bool,
+        /// Rounds of raw reference + save + load; each round's ratios to raw IO are reported,
+        /// with their median and range.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
         /// Tensors per simulated rank (--plan-only).
         #[arg(long, default_value_t = 1000)]
         tensors: usize,
@@ -100,13 +104,14 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Verify { dir } => verify::run(&dir),
-        Command::Bench { dir, size, ranks, plan_only, tensors, json, keep } => {
+        Command::Bench { dir, size, ranks, rounds, plan_only, tensors, json, keep } => {
             if plan_only {
                 plansim::run(plansim::PlanArgs { ranks: ranks.unwrap_or(10_000), tensors, json })?;
                 return Ok(ExitCode::SUCCESS);
             }
             let Some(dir) = dir else { bail!("--dir is required (or use --plan-only)") };
-            bench::run(bench::BenchArgs { dir, size: sizes::parse_size(&size)?, ranks: ranks.unwrap_or(4), json, keep })
+            let size = sizes::parse_size(&size)?;
+            bench::run(bench::BenchArgs { dir, size, ranks: ranks.unwrap_or(4), rounds, json, keep })
         }
         Command::Gc { dir } => {
             gc::run(&dir)?;

@@ -176,16 +176,49 @@ fn bad_sizes_are_refused() {
 fn bench_json_has_the_required_fields() {
     let scratch = Scratch::new("bench");
     let dir = scratch.path().to_str().unwrap();
-    let b = json(&expect(&["bench", "--dir", dir, "--size", "8MiB", "--ranks", "2", "--json"], 0));
+    let b = json(&expect(&["bench", "--dir", dir, "--size", "8MiB", "--ranks", "2", "--rounds", "2", "--json"], 0));
     for field in ["save_vs_raw", "load_vs_raw", "bytes_read_vs_needed", "peak_rss_bytes", "save_secs", "load_secs"] {
         assert!(b[field].as_f64().is_some_and(|x| x > 0.0), "{field}: {b}");
     }
+    assert_eq!(b["rounds"], 2);
+    // Every round's ratios, and the summary is their median (the mean of the two).
+    for (field, rounds) in [("save_vs_raw", "save_vs_raw_rounds"), ("load_vs_raw", "load_vs_raw_rounds")] {
+        let per_round: Vec<f64> = b[rounds].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        assert_eq!(per_round.len(), 2, "{rounds}: {b}");
+        assert!(per_round.iter().all(|&x| x > 0.0), "{rounds}: {b}");
+        let median = b[field].as_f64().unwrap();
+        assert!((median - (per_round[0] + per_round[1]) / 2.0).abs() <= 1e-9 * median, "{field}: {b}");
+    }
+    for field in ["save_peak_rss_bytes", "save_extra_bytes", "load_peak_rss_bytes", "load_extra_bytes"] {
+        assert!(b[field].as_u64().is_some_and(|x| x > 0), "{field}: {b}");
+    }
+    assert!(b["peak_rss_bytes"].as_u64() >= b["load_peak_rss_bytes"].as_u64());
     assert!(b["bytes_read_vs_needed"].as_f64().unwrap() >= 1.0);
     assert_eq!(b["bytes_needed"].as_u64(), b["load_target_bytes"].as_u64());
     assert_eq!(b["verified"], true);
+    assert_eq!(b["failed_rounds"], serde_json::json!([]));
     assert_eq!(b["load_ranks"], 1);
     // The raw file and the checkpoint are cleaned up.
     assert_eq!(std::fs::read_dir(scratch.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn bench_text_reports_every_round_and_keeps_the_last_checkpoint() {
+    let scratch = Scratch::new("bench-text");
+    let dir = scratch.path().to_str().unwrap();
+    let out = expect(&["bench", "--dir", dir, "--size", "4MiB", "--ranks", "2", "--rounds", "2", "--keep"], 0);
+    for round in ["round 1/2", "round 2/2"] {
+        assert_eq!(out.lines().filter(|l| l.starts_with(round)).count(), 1, "{round}:\n{out}");
+    }
+    assert!(out.lines().any(|l| l.starts_with("median") && l.contains("min–max")), "{out}");
+    assert!(out.contains("every loaded byte matched in every round"), "{out}");
+    // --keep leaves the last round's checkpoint, sound, and nothing else.
+    let names: Vec<_> = std::fs::read_dir(scratch.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["ckpt"]);
+    expect(&["verify", scratch.path().join("ckpt").to_str().unwrap()], 0);
+    let out = tessera(&["bench", "--dir", dir, "--size", "4MiB", "--rounds", "0"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("--rounds"), "{}", text(&out.stderr));
 }
 
 #[test]
