@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Produces the headline figures: the demo, the IO benchmark against raw disk (3 rounds,
+# Produces the headline figures: the demo, the IO benchmark against raw disk (5 rounds,
 # medians), and the planning simulation at 10,000 ranks. Output goes to target/figures.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +23,6 @@ run() {
 
 {
   run demo --size 1GiB
-  run bench --dir "$bench_dir" --size 1GiB --ranks 4 --rounds 3
+  run bench --dir "$bench_dir" --size 1GiB --ranks 4 --rounds 5
   run bench --plan-only --ranks 10000 --tensors 1000
 } 2>&1 | tee "$out"
