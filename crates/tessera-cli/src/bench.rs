@@ -1,11 +1,12 @@
 //! `tessera bench --dir D --size S [--ranks N] [--rounds R] [--json]`: tessera against the raw device.
 //!
 //! Disk timings are noisy, so the benchmark runs in R rounds (default 3). Each round runs, back
-//! to back: (a) the reference, a raw sequential write + fsync of S bytes into a file in D,
-//! dropped from the page cache, then read back sequentially; (b) a tessera save of a model of
-//! about S bytes from N in-process ranks (TP=N) into D/ckpt, whose files are then dropped from
-//! the page cache; (c) a resharded load of it under TP=N/2 (N/2 ranks; every saved chunk is
-//! read whole by exactly one rank, so reads stay contiguous), whose bytes are all checked.
+//! to back: (a) the write reference, a raw sequential write + fsync of S bytes into a file in D;
+//! (b) a tessera save of a model of about S bytes from N in-process ranks (TP=N) into D/ckpt;
+//! (c) the read reference, a plain sequential `read` of every file of D/ckpt (the same bytes
+//! on the same disk blocks as the load reads), and a resharded load of it under TP=N/2 (N/2
+//! ranks), whose bytes are all checked; the page cache is dropped before each of the two, and
+//! their order alternates from round to round.
 //! Each round compares its own save and load throughputs with its own raw ones; the report
 //! gives every round's ratios and their median with the min–max range. The other times and
 //! rates are medians over rounds too (each taken on its own). Memory is the peak RSS of each
@@ -87,10 +88,11 @@ impl Memory {
 struct Raw {
     write_secs: f64,
     read_secs: f64,
+    read_bytes: u64,
 }
 
-/// Sequential write + fsync of `size` bytes, page cache dropped, sequential read.
-fn raw_reference(dir: &Path, size: u64) -> Result<Raw> {
+/// Sequential write + fsync of `size` bytes into a fresh file in `dir` (removed afterwards).
+fn raw_write(dir: &Path, size: u64) -> Result<f64> {
     let path = dir.join(RAW_FILE);
     let mut block = vec![0u8; RAW_BLOCK];
     for (i, chunk) in block.chunks_exact_mut(8).enumerate() {
@@ -109,27 +111,34 @@ fn raw_reference(dir: &Path, size: u64) -> Result<Raw> {
     f.sync_all().with_context(|| format!("fsync of {}", path.display()))?;
     let write_secs = start.elapsed().as_secs_f64();
     bar.finish();
-    system::drop_file_cache(&f).with_context(|| format!("dropping {} from the page cache", path.display()))?;
-    drop(f);
-
-    let bar = Progress::new("raw read", size);
-    let start = Instant::now();
-    let mut f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-    let mut total = 0u64;
-    loop {
-        let n = f.read(&mut block).with_context(|| format!("reading {}", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        total += n as u64;
-        bar.add(n as u64);
-    }
-    let read_secs = start.elapsed().as_secs_f64();
-    bar.finish();
     drop(f);
     std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
-    anyhow::ensure!(total == size, "read {total} bytes of {} back from {}", size, path.display());
-    Ok(Raw { write_secs, read_secs })
+    Ok(write_secs)
+}
+
+/// Sequential read, with a plain `read` loop and the page cache dropped first, of every file of
+/// the checkpoint: the same bytes, on the same disk blocks, as the load reads.
+fn raw_read(ckpt: &Path) -> Result<(u64, f64)> {
+    system::drop_dir_cache(ckpt)?;
+    let mut block = vec![0u8; RAW_BLOCK];
+    let mut names: Vec<PathBuf> = std::fs::read_dir(ckpt)
+        .with_context(|| format!("listing {}", ckpt.display()))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    names.sort();
+    let start = Instant::now();
+    let mut total = 0u64;
+    for path in names {
+        let mut f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        loop {
+            let n = f.read(&mut block).with_context(|| format!("reading {}", path.display()))?;
+            if n == 0 {
+                break;
+            }
+            total += n as u64;
+        }
+    }
+    Ok((total, start.elapsed().as_secs_f64()))
 }
 
 /// What every round shares.
@@ -175,10 +184,10 @@ fn ratio(a: f64, b: f64) -> f64 {
 }
 
 /// Runs one round; removes the checkpoint afterwards unless `keep`.
-fn run_round(args: &BenchArgs, setup: &Setup, keep: bool) -> Result<Round> {
+fn run_round(args: &BenchArgs, setup: &Setup, round: usize, keep: bool) -> Result<Round> {
     // Give back what the previous round freed, so it does not count in this round's memory.
     system::trim_heap();
-    let raw = raw_reference(&args.dir, args.size)?;
+    let write_secs = raw_write(&args.dir, args.size)?;
     let mem = Mutex::new(Memory::default());
     let opts = SaveOptions { overwrite: true, ..SaveOptions::default() };
     let save_mem = Mutex::new(Phase::default());
@@ -187,18 +196,29 @@ fn run_round(args: &BenchArgs, setup: &Setup, keep: bool) -> Result<Round> {
     })?;
     // The state is freed: give its memory back before the load allocates its targets.
     system::trim_heap();
+    // The raw read goes first in odd rounds and second in even ones, so that whatever the disk
+    // does to a first (or second) read after a write weighs on both sides alike.
+    let mut reference = None;
+    if round % 2 == 0 {
+        reference = Some(raw_read(&setup.ckpt)?);
+    }
     system::drop_dir_cache(&setup.ckpt)?;
     let load_mem = Mutex::new(Phase::default());
     let rng_grid = setup.save_layout.rng_grid();
     let load = jobs::load(&setup.cfg, setup.load_layout, &rng_grid, &setup.ckpt, &LoadOptions::default(), &|start| {
         mem.lock().unwrap().mark(start, &load_mem)
     })?;
+    let (read_bytes, read_secs) = match reference {
+        Some(r) => r,
+        None => raw_read(&setup.ckpt)?,
+    };
+    let raw = Raw { write_secs, read_secs, read_bytes };
     if !keep {
         std::fs::remove_dir_all(&setup.ckpt).with_context(|| format!("removing {}", setup.ckpt.display()))?;
     }
     let mem = mem.into_inner().unwrap();
     let raw_write_gbps = gbps(args.size, raw.write_secs);
-    let raw_read_gbps = gbps(args.size, raw.read_secs);
+    let raw_read_gbps = gbps(raw.read_bytes, raw.read_secs);
     let save_gbps = gbps(save.report.total_tensor_bytes, save.secs);
     let load_gbps = gbps(load.stats.bytes_needed, load.secs);
     Ok(Round {
@@ -297,7 +317,7 @@ pub fn run(args: BenchArgs) -> Result<ExitCode> {
 
     let mut rounds = Vec::with_capacity(args.rounds);
     for i in 0..args.rounds {
-        let round = run_round(&args, &setup, args.keep && i + 1 == args.rounds)?;
+        let round = run_round(&args, &setup, i, args.keep && i + 1 == args.rounds)?;
         if !args.json {
             if i == 0 {
                 print_header(&args, &setup, &round);
