@@ -31,7 +31,7 @@ pub use io::load::{
     load_tensors_metadata, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling, TensorMeta,
 };
 pub use io::maintenance::{gc, remove_sharded_tensors};
-pub use io::save::{save, SaveOptions, SaveReport};
+pub use io::save::{save, validate_sharding_integrity, SaveOptions, SaveReport};
 pub use io::strategy::{
     detect_format, get_save_strategy, open_index, register_load_strategy, register_save_strategy, FormatRecord,
     LoadStrategy, NativeStrategy, SaveStrategy, StrategyAction,

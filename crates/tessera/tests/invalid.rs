@@ -453,3 +453,16 @@ fn loading_a_region_an_unvalidated_checkpoint_lacks_names_the_key_and_region() {
     }
     assert!(!verify(&storage, 1).unwrap().problems.is_empty());
 }
+
+#[test]
+fn validate_sharding_integrity_checks_without_writing() {
+    let ok = run_ranks(3, |c| validate_sharding_integrity(tree_with(c.rank(), 3, vec![]), c));
+    assert!(ok.iter().all(Result::is_ok), "{ok:?}");
+    let bad = run_ranks(3, |c| {
+        let overlap = StateTree::Tensor(rows("w", &[4, 2], 0..3 - c.rank() as u64));
+        validate_sharding_integrity(tree_with(c.rank(), 3, vec![overlap]), c)
+    });
+    for r in &bad {
+        assert!(matches!(r, Err(Error::InvalidSharding { key, .. }) if key == "w"), "{r:?}");
+    }
+}

@@ -168,6 +168,40 @@ fn new_save_id() -> u64 {
     z ^ (z >> 31)
 }
 
+/// The one metadata exchange: every rank's plan, or the first error any rank reported
+/// (this rank's own error keeps its type; another rank's sharding error stays `InvalidSharding`).
+fn exchange_plans(comm: &dyn Communicator, c: &mut Collected<'_>) -> Result<Vec<RankPlan>> {
+    c.plan.error = c.local_error.as_ref().map(encode_local_error);
+    let gathered = comm.all_gather(&c.plan.encode())?;
+    let plans = RankPlan::decode_all(&gathered)
+        .map_err(|(r, e)| Error::Comm { reason: format!("bad plan from rank {r}: {e}") })?;
+    if let Some((r, msg)) = plans.iter().enumerate().find_map(|(r, p)| p.error.as_ref().map(|m| (r, m))) {
+        if r == comm.rank() {
+            if let Some(e) = c.local_error.take() {
+                return Err(e);
+            }
+        }
+        return Err(decode_peer_error(r, msg));
+    }
+    Ok(plans)
+}
+
+/// Checks, collectively and without writing anything, that the ranks' trees describe a valid
+/// global state (Megatron's `validate_sharding_integrity`): the same exchange and validation a
+/// save does first. Every rank must call it; every rank gets the same verdict.
+pub fn validate_sharding_integrity(tree: StateTree<'_>, comm: &dyn Communicator) -> Result<()> {
+    let (tree, factory_error) = match apply_factories(tree) {
+        Ok((t, _)) => (t, None),
+        Err(e) => (StateTree::map(), Some(e)),
+    };
+    let mut c = collect(&tree, comm.rank());
+    if let Some(e) = factory_error {
+        c.local_error = Some(e);
+    }
+    let plans = exchange_plans(comm, &mut c)?;
+    validate_global(&plans)
+}
+
 /// Saves this rank's part of the state. Every rank of `comm` must call it with its own tree.
 /// Errors (invalid sharding, an existing checkpoint, a failed write) are returned on every rank.
 pub fn save(
@@ -200,21 +234,7 @@ pub fn save(
             }
         }
     }
-    c.plan.error = c.local_error.as_ref().map(encode_local_error);
-    let gathered = comm.all_gather(&c.plan.encode())?;
-    let plans: Vec<RankPlan> = gathered
-        .iter()
-        .enumerate()
-        .map(|(r, b)| RankPlan::decode(b).map_err(|e| Error::Comm { reason: format!("bad plan from rank {r}: {e}") }))
-        .collect::<Result<_>>()?;
-    if let Some((r, msg)) = plans.iter().enumerate().find_map(|(r, p)| p.error.as_ref().map(|m| (r, m))) {
-        if r == rank {
-            if let Some(e) = c.local_error.take() {
-                return Err(e);
-            }
-        }
-        return Err(decode_peer_error(r, msg));
-    }
+    let plans = exchange_plans(comm, &mut c)?;
     if plans[0].refuse_overwrite {
         return Err(Error::AlreadyExists { path: storage.location().into() });
     }
