@@ -216,6 +216,15 @@ mod tests {
     }
 
     #[test]
+    fn value_bytes_round_trip_and_reject_trailing_bytes() {
+        let v = Value::List(vec![Value::Str("a".into()), Value::Map(vec![("k".into(), Value::Float(2.5))])]);
+        assert_eq!(Value::from_bytes(&v.to_bytes()).unwrap(), v);
+        let mut b = v.to_bytes();
+        b.push(0);
+        assert!(Value::from_bytes(&b).is_err());
+    }
+
+    #[test]
     fn hostile_input_is_an_error() {
         assert!(Decoder::new(&[7, 0xff, 0xff, 0xff, 0x0f]).value().is_err());
         assert!(Decoder::new(&[0xff; 11]).var().is_err());
