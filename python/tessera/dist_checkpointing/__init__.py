@@ -1,0 +1,89 @@
+"""Distributed checkpointing with Megatron-Core's API: ``from tessera import dist_checkpointing``.
+
+Wrap the tensors of a state dict in ``ShardedTensor`` (``mapping``), derive optimizer sharding
+from the model's (``optimizer``), and save / load with ``save`` and ``load``: a checkpoint
+saved in one parallel layout loads in any other.
+
+The mapping, dict and strategy modules are pure Python; the entry points of ``serialization``
+need the native extension and are exported only when it is available.
+"""
+
+from . import core, dict_utils, dtypes, mapping, optimizer, strategies, utils
+from .core import (
+    CheckpointingConfig,
+    CheckpointingException,
+    CheckpointingValueError,
+    check_is_distributed_checkpoint,
+    maybe_load_config,
+)
+from .dict_utils import (
+    dict_list_map_inplace,
+    dict_list_map_outplace,
+    dict_map,
+    dict_map_with_key,
+    diff,
+    extract_matching_values,
+    inspect_types,
+    map_reduce,
+    merge,
+    nested_items_iter,
+    nested_values,
+)
+from .dtypes import (
+    numpy_dtype_to_tessera,
+    tessera_dtype_to_numpy,
+    tessera_dtype_to_torch,
+    to_tessera_dtype,
+    torch_dtype_to_tessera,
+)
+from .mapping import (
+    LocalNonpersistentObject,
+    LocalNonpersitentObject,
+    ReplicaId,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+    is_main_replica,
+)
+from .optimizer import (
+    get_optim_param_to_id_map,
+    get_param_id_to_sharded_param_map,
+    make_sharded_optimizer_tensor,
+    optim_state_to_sharding_state,
+)
+from .strategies import (
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    TesseraLoadCommonStrategy,
+    TesseraLoadShardedStrategy,
+    TesseraSaveShardedStrategy,
+    get_default_strategy,
+    register_default_strategy,
+)
+from .utils import (
+    add_prefix_for_sharding,
+    apply_prefix_mapping,
+    extract_nonpersistent,
+    extract_sharded_base,
+    extract_sharded_tensors,
+    extract_sharded_tensors_and_factories,
+    extract_sharded_tensors_or_nonpersistent,
+    replace_prefix_for_sharding,
+)
+
+try:
+    # save/load and friends: they drive tessera._native, which may not be built.
+    from . import serialization
+    from .serialization import *  # noqa: F401,F403
+except ImportError:
+    # Left unset so that `from tessera.dist_checkpointing import serialization` retries the
+    # import and shows the real reason.
+    pass

@@ -1,0 +1,97 @@
+"""Checkpoint-level metadata: the package's base exception and the checkpoint config.
+
+Megatron-Core keeps a ``metadata.json`` next to the data to say which backend wrote a
+checkpoint. A tessera checkpoint describes itself through its committed index, so the config is
+derived from what the native reader recognises (``tessera._native.detect``) instead of a
+separate file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple, Union
+
+__all__ = [
+    "CheckpointingException",
+    "CheckpointingValueError",
+    "CheckpointingConfig",
+    "maybe_load_config",
+    "check_is_distributed_checkpoint",
+]
+
+try:
+    # One base class for every error of the package, native or Python: catching
+    # CheckpointingException also catches what the Rust core raises (NotFoundError, ...).
+    from tessera.errors import TesseraError as CheckpointingException
+except ImportError:  # native extension not built: the pure-Python parts still work.
+
+    class CheckpointingException(Exception):  # type: ignore[no-redef]
+        """Base checkpointing related exception."""
+
+
+class CheckpointingValueError(CheckpointingException, ValueError):
+    """An invalid value in a (sharded) state dict.
+
+    Also a ValueError because Megatron-Core raises ValueError in the same places (merging
+    dicts, replacing key prefixes), and code written against it catches that.
+    """
+
+
+@dataclass
+class CheckpointingConfig:
+    """Documents the backends used in a checkpoint.
+
+    ``sharded_backend`` stores the sharded tensors and objects, ``common_backend`` the other
+    values. Versions describe the checkpoint format, not its (application specific) content.
+    """
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+    common_backend: str = "tessera"
+    common_backend_version: int = 1
+
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _detect(checkpoint_dir: PathLike) -> Optional[Tuple[str, int]]:
+    try:
+        from tessera import _native
+    except ImportError as e:
+        raise ImportError(
+            "tessera's native extension (tessera._native) is not available; build and install the "
+            "package (`pip install .` or `maturin develop`) to inspect checkpoints"
+        ) from e
+    try:
+        detected: Any = _native.detect(os.fspath(checkpoint_dir))
+    except FileNotFoundError:
+        # Megatron answers "not a distributed checkpoint" for a missing directory, not an error.
+        return None
+    if detected is None:
+        return None
+    backend, version = detected
+    return str(backend), int(version)
+
+
+def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
+    """The config of the checkpoint at ``checkpoint_dir``, or None if it is not a distributed
+    checkpoint that tessera recognises."""
+    detected = _detect(checkpoint_dir)
+    if detected is None:
+        return None
+    backend, version = detected
+    # tessera commits the common state in the same index as the shards; other formats keep
+    # Megatron's torch-pickled common state.
+    common_backend = "tessera" if backend == "tessera" else "torch"
+    return CheckpointingConfig(
+        sharded_backend=backend,
+        sharded_backend_version=version,
+        common_backend=common_backend,
+        common_backend_version=1,
+    )
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: PathLike) -> bool:
+    """True if ``checkpoint_dir`` holds a committed distributed checkpoint."""
+    return maybe_load_config(checkpoint_dir) is not None

@@ -1,0 +1,404 @@
+"""Classes that describe how local data maps onto global checkpoint entries.
+
+The main use is wrapping the tensors of a state dict in ``ShardedTensor`` (mostly through
+``ShardedTensor.from_rank_offsets``) so that a checkpoint saved in one parallel layout can be
+loaded in another. Names, fields and semantics follow Megatron-Core's ``mapping`` module, which
+is also where every other mapping class is importable from.
+
+torch is not needed to import this module: data may be a torch tensor or a numpy array, and
+``dtype`` is whatever ``data.dtype`` is (a ``torch.dtype`` for torch tensors).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Tuple, Union
+
+from .base import (
+    LocalNonpersistentObject,
+    LocalNonpersitentObject,
+    ReplicaId,
+    ShardedBase,
+    ShardedStateDict,
+    StateDict,
+    _check_replica_id,
+    _int_tuple,
+    is_main_replica,
+)
+from .core import CheckpointingException
+from .dtypes import tessera_dtype_to_torch, to_tessera_dtype, torch_dtype_to_tessera
+from .factories import FactoryBuildFn, FactoryMergeFn, ShardedTensorFactory, apply_factories, apply_factory_merges
+
+__all__ = [
+    "ReplicaId",
+    "StateDict",
+    "ShardedStateDict",
+    "ShardedBase",
+    "ShardedTensor",
+    "ShardedObject",
+    "ShardedTensorFactory",
+    "FactoryBuildFn",
+    "FactoryMergeFn",
+    "LocalNonpersistentObject",
+    "LocalNonpersitentObject",
+    "is_main_replica",
+    "apply_factories",
+    "apply_factory_merges",
+    "torch_dtype_to_tessera",
+    "tessera_dtype_to_torch",
+]
+
+
+@dataclass
+class ShardedTensor(ShardedBase):
+    """One process's piece of a global tensor.
+
+    ``global_offset`` is in elements; the first ``prepend_axis_num`` global axes have no local
+    counterpart (the local tensor is as if unsqueezed there, e.g. a layer index of stacked
+    layers). ``axis_fragmentations`` (None for uneven sharding) says into how many equal chunks
+    each global axis is cut. ``flattened_range`` selects the part of the flattened local box
+    that ``data`` (then 1-D) holds. With ``allow_shape_mismatch`` the stored global shape may
+    differ on load (the loaded data is padded or truncated).
+    """
+
+    key: str
+    data: Optional[Any] = field(repr=False)
+    dtype: Any
+    local_shape: Tuple[int, ...]
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    axis_fragmentations: Optional[Tuple[int, ...]]
+    replica_id: ReplicaId = 0
+    prepend_axis_num: int = 0
+    allow_shape_mismatch: bool = False
+    flattened_range: Optional[slice] = None
+
+    def __post_init__(self) -> None:
+        # torch.Size and lists are accepted but stored as plain tuples so metadata compares equal.
+        self.local_shape = _int_tuple(self.local_shape, "local_shape", self.key)
+        self.global_shape = _int_tuple(self.global_shape, "global_shape", self.key)
+        self.global_offset = _int_tuple(self.global_offset, "global_offset", self.key)
+        if self.axis_fragmentations is not None:
+            self.axis_fragmentations = _int_tuple(self.axis_fragmentations, "axis_fragmentations", self.key)
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        """Checks that shapes, offsets, the flattened range and the data agree."""
+        if not isinstance(self.key, str):
+            raise CheckpointingException(f"ShardedTensor key must be a str, got {self.key!r}")
+        key, ndim, prepend = self.key, len(self.global_shape), self.prepend_axis_num
+        _check_replica_id(self.replica_id, key)
+        if prepend < 0:
+            raise CheckpointingException(f"{key!r}: prepend_axis_num must be >= 0, got {prepend}")
+        if len(self.global_offset) != ndim or len(self.local_shape) + prepend != ndim:
+            raise CheckpointingException(
+                f"{key!r}: rank mismatch: global_shape {self.global_shape} and global_offset "
+                f"{self.global_offset} must both have len(local_shape {self.local_shape}) + "
+                f"prepend_axis_num ({prepend}) axes"
+            )
+        if any(s < 0 for s in self.local_shape + self.global_shape) or any(o < 0 for o in self.global_offset):
+            raise CheckpointingException(
+                f"{key!r}: negative size or offset: local_shape {self.local_shape}, global_shape "
+                f"{self.global_shape}, global_offset {self.global_offset}"
+            )
+        if self.axis_fragmentations is not None:
+            if len(self.axis_fragmentations) != ndim or any(f < 1 for f in self.axis_fragmentations):
+                raise CheckpointingException(
+                    f"{key!r}: axis_fragmentations {self.axis_fragmentations} must give a count >= 1 for "
+                    f"each of the {ndim} global axes"
+                )
+        box = self.box_shape()
+        if not self.allow_shape_mismatch:
+            for axis, (off, size, glob) in enumerate(zip(self.global_offset, box, self.global_shape)):
+                if off + size > glob:
+                    raise CheckpointingException(
+                        f"{key!r}: local box at offset {self.global_offset} with shape {box} exceeds the "
+                        f"global shape {self.global_shape} on axis {axis}"
+                    )
+        if self.axis_fragmentations is not None:
+            for axis in range(prepend, ndim):
+                off, size = self.global_offset[axis], box[axis]
+                if size > 0 and off % size != 0:
+                    raise CheckpointingException(
+                        f"{key!r}: global offset {off} on axis {axis} is not a multiple of the local size "
+                        f"{size}, so it is not a chunk boundary (use axis_fragmentations=None for uneven shards)"
+                    )
+        self._validate_flattened_range()
+        self._validate_data()
+        try:
+            to_tessera_dtype(self.dtype)
+        except CheckpointingException as e:
+            raise CheckpointingException(f"{key!r}: {e}") from None
+
+    def _validate_flattened_range(self) -> None:
+        r = self.flattened_range
+        if r is None:
+            return
+        numel = math.prod(self.local_shape)
+        if not isinstance(r, slice) or not isinstance(r.start, int) or not isinstance(r.stop, int):
+            raise CheckpointingException(f"{self.key!r}: flattened_range must be a slice of ints, got {r!r}")
+        if r.step not in (None, 1):
+            raise CheckpointingException(f"{self.key!r}: flattened_range {r} must not have a step")
+        if not 0 <= r.start <= r.stop <= numel:
+            raise CheckpointingException(
+                f"{self.key!r}: flattened_range [{r.start}, {r.stop}) is outside the {numel} elements of "
+                f"the local shape {self.local_shape}"
+            )
+
+    def _validate_data(self) -> None:
+        if self.data is None:
+            return
+        data_shape = tuple(self.data.shape)
+        if self.data.dtype != self.dtype:
+            raise CheckpointingException(f"{self.key!r}: data dtype {self.data.dtype} differs from dtype {self.dtype}")
+        if self.flattened_range is None:
+            if data_shape != self.local_shape:
+                raise CheckpointingException(
+                    f"{self.key!r}: data shape {data_shape} differs from local_shape {self.local_shape}"
+                )
+            return
+        expected = self.flattened_range.stop - self.flattened_range.start
+        if len(data_shape) != 1 or data_shape[0] != expected:
+            raise CheckpointingException(
+                f"{self.key!r}: with flattened_range {self.flattened_range} data must be 1-D with {expected} "
+                f"elements, got shape {data_shape}"
+            )
+
+    def box_shape(self) -> Tuple[int, ...]:
+        """Shape of the local box in global coordinates (1 on each prepended axis)."""
+        return (1,) * self.prepend_axis_num + self.local_shape
+
+    def global_slice(self) -> Tuple[Union[int, slice], ...]:
+        """Index of the local box in the global tensor: ints on prepended axes, slices after."""
+        prepend = self.prepend_axis_num
+        return tuple(self.global_offset[:prepend]) + tuple(
+            slice(off, off + size) for off, size in zip(self.global_offset[prepend:], self.local_shape)
+        )
+
+    def local_coordinates(self) -> Tuple[Any, ...]:
+        """Per-axis numpy index arrays of the local elements selected by ``flattened_range``."""
+        if self.flattened_range is None:
+            raise CheckpointingException(
+                f"local_coordinates is undefined for {self} without flattened_range"
+            )
+        import numpy as np
+
+        mask = np.zeros(math.prod(self.local_shape), dtype=bool)
+        mask[self.flattened_range.start : self.flattened_range.stop] = True
+        return np.nonzero(mask.reshape(self.local_shape))
+
+    def global_coordinates(self) -> Tuple[Any, ...]:
+        """Per-axis numpy index arrays, in the global tensor, of the elements ``data`` holds."""
+        if self.flattened_range is None:
+            raise CheckpointingException(
+                f"global_coordinates is undefined for {self} without flattened_range"
+            )
+        import numpy as np
+
+        local = self.local_coordinates()
+        count = len(local[0]) if local else 0
+        prepended = tuple(np.zeros(count, dtype=np.int64) for _ in range(self.prepend_axis_num))
+        return tuple(c + off for c, off in zip(prepended + tuple(local), self.global_offset))
+
+    def local_chunk_offset_in_global(self) -> Tuple[int, ...]:
+        """Offset of the local box counted in chunks (box sizes) rather than elements."""
+        return tuple(off // max(size, 1) for off, size in zip(self.global_offset, self.box_shape()))
+
+    def max_allowed_chunks(self) -> Tuple[int, ...]:
+        """Chunk size along each global axis implied by ``axis_fragmentations``."""
+        if self.axis_fragmentations is None:
+            raise CheckpointingException(f"{self} has no axis_fragmentations (uneven sharding)")
+        chunks = []
+        for axis, (size, fragments) in enumerate(zip(self.global_shape, self.axis_fragmentations)):
+            if not self.allow_shape_mismatch and size % fragments != 0:
+                raise CheckpointingException(
+                    f"{self.key!r}: axis {axis} of size {size} is not divisible into {fragments} fragments"
+                )
+            chunks.append(size // fragments)
+        return tuple(chunks)
+
+    def without_data(self) -> "ShardedTensor":
+        return replace(self, data=None)
+
+    def init_data(self, device: Any, init_fn: Optional[Callable[..., Any]] = None) -> None:
+        """Allocates ``data`` (``init_fn``, default ``torch.empty``) if it is None."""
+        if self.data is not None:
+            return
+        if init_fn is None:
+            import torch
+
+            init_fn = torch.empty
+        data = init_fn(self.local_shape, dtype=self.dtype, device=device)
+        if self.flattened_range is not None:
+            data = data.flatten()[self.flattened_range.start : self.flattened_range.stop]
+        self.data = data
+
+    @classmethod
+    def from_rank_offsets(
+        cls,
+        key: str,
+        data: Any,
+        *rank_offsets: Tuple[int, int, int],
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        flattened_range: None = None,
+        **init_kwargs: Any,
+    ) -> "ShardedTensor":
+        """Builds the ShardedTensor from offsets given in ranks.
+
+        Each ``(axis, axis_rank_offset, axis_fragm)`` says: cut the global tensor into
+        ``axis_fragm`` equal chunks along global ``axis``; ``data`` is chunk
+        ``axis_rank_offset``. Axes ``< prepend_axis_num`` are the prepended ones (local size 1).
+        """
+        if flattened_range is not None:
+            raise CheckpointingException(
+                f"{key!r}: from_rank_offsets does not take flattened_range; use from_rank_offsets_flat"
+            )
+        shape = tuple(data.shape)
+        global_shape, global_offset, fragmentations = _geometry_from_rank_offsets(
+            key, shape, prepend_axis_num, rank_offsets
+        )
+        return cls(
+            key,
+            data,
+            data.dtype,
+            shape,
+            global_shape,
+            global_offset,
+            fragmentations,
+            replica_id,
+            prepend_axis_num,
+            **init_kwargs,
+        )
+
+    @classmethod
+    def from_rank_offsets_flat(
+        cls,
+        key: str,
+        data: Any,
+        non_flat_local_shape: Tuple[int, ...],
+        *rank_offsets: Tuple[int, int, int],
+        flattened_range: slice,
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        **init_kwargs: Any,
+    ) -> "ShardedTensor":
+        """Like from_rank_offsets for 1-D ``data`` holding ``flattened_range`` of a local
+        tensor of shape ``non_flat_local_shape`` (e.g. a distributed-optimizer slice)."""
+        if flattened_range is None:
+            raise CheckpointingException(f"{key!r}: from_rank_offsets_flat needs a flattened_range")
+        local_shape = _int_tuple(non_flat_local_shape, "non_flat_local_shape", key)
+        global_shape, global_offset, fragmentations = _geometry_from_rank_offsets(
+            key, local_shape, prepend_axis_num, rank_offsets
+        )
+        return cls(
+            key,
+            data,
+            data.dtype,
+            local_shape,
+            global_shape,
+            global_offset,
+            fragmentations,
+            replica_id,
+            prepend_axis_num,
+            flattened_range=flattened_range,
+            **init_kwargs,
+        )
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}(key={self.key!r})"
+
+
+def _geometry_from_rank_offsets(
+    key: str, local_shape: Tuple[int, ...], prepend_axis_num: int, rank_offsets: Tuple[Tuple[int, int, int], ...]
+) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
+    """(global_shape, global_offset, axis_fragmentations) from rank offsets."""
+    if prepend_axis_num < 0:
+        raise CheckpointingException(f"{key!r}: prepend_axis_num must be >= 0, got {prepend_axis_num}")
+    ndim = len(local_shape) + prepend_axis_num
+    box = (1,) * prepend_axis_num + tuple(local_shape)
+    global_shape, global_offset, fragmentations = list(box), [0] * ndim, [1] * ndim
+    seen_axes = set()
+    for entry in rank_offsets:
+        if len(entry) != 3:
+            raise CheckpointingException(f"{key!r}: rank offset {entry!r} must be (axis, axis_rank_offset, axis_fragm)")
+        axis, rank_offset, fragments = (int(v) for v in entry)
+        if not 0 <= axis < ndim:
+            raise CheckpointingException(
+                f"{key!r}: rank offset axis {axis} out of range for {ndim} global axes "
+                f"({len(local_shape)} local + {prepend_axis_num} prepended)"
+            )
+        if axis in seen_axes:
+            raise CheckpointingException(f"{key!r}: axis {axis} given twice in rank offsets")
+        seen_axes.add(axis)
+        if fragments < 1 or not 0 <= rank_offset < fragments:
+            raise CheckpointingException(
+                f"{key!r}: rank offset {rank_offset} on axis {axis} must be in [0, {fragments}) with "
+                f"axis_fragm >= 1"
+            )
+        global_shape[axis] = box[axis] * fragments
+        global_offset[axis] = box[axis] * rank_offset
+        fragmentations[axis] = fragments
+    return tuple(global_shape), tuple(global_offset), tuple(fragmentations)
+
+
+@dataclass
+class ShardedObject(ShardedBase):
+    """One process's piece of a global object that cannot be resharded.
+
+    Conceptually a fully sharded ShardedTensor whose elements are arbitrary objects:
+    ``global_offset`` counts shards, not elements, and loading needs the same sharding.
+    """
+
+    key: str
+    data: object
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    replica_id: ReplicaId = 0
+
+    def __post_init__(self) -> None:
+        self.global_shape = _int_tuple(self.global_shape, "global_shape", self.key)
+        self.global_offset = _int_tuple(self.global_offset, "global_offset", self.key)
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        if not isinstance(self.key, str):
+            raise CheckpointingException(f"ShardedObject key must be a str, got {self.key!r}")
+        _check_replica_id(self.replica_id, self.key)
+        if len(self.global_shape) != len(self.global_offset):
+            raise CheckpointingException(
+                f"{self.key!r}: global_shape {self.global_shape} and global_offset {self.global_offset} "
+                "have different ranks"
+            )
+        for off, size in zip(self.global_offset, self.global_shape):
+            if not 0 <= off < size:
+                raise CheckpointingException(
+                    f"{self.key!r}: object offset {self.global_offset} is outside the shard grid {self.global_shape}"
+                )
+
+    def without_data(self) -> "ShardedObject":
+        return replace(self, data=None)
+
+    @property
+    def unique_key(self) -> str:
+        """Key of this particular shard: ``key/shard_<offset>_<shape>`` (dot-separated)."""
+        offset = ".".join(map(str, self.global_offset))
+        shape = ".".join(map(str, self.global_shape))
+        return f"{self.key}/shard_{offset}_{shape}"
+
+    @classmethod
+    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> "ShardedObject":
+        """The data-less ShardedObject a ``unique_key`` names."""
+        key, _, shard = unique_key.rpartition("/")
+        parts = shard.split("_")
+        if not key or len(parts) != 3 or parts[0] != "shard":
+            raise CheckpointingException(f"{unique_key!r} is not a ShardedObject unique key")
+
+        def numbers(text: str) -> Tuple[int, ...]:
+            return tuple(int(x) for x in text.split(".")) if text else ()
+
+        return cls(key, None, numbers(parts[2]), numbers(parts[1]), replica_id)
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}(key={self.key!r})"

@@ -1,0 +1,279 @@
+"""Strategies: which backend writes and reads a checkpoint, with a registry of defaults.
+
+The interfaces mirror Megatron-Core's ``strategies.base``. tessera has one native backend,
+``("tessera", 1)``, which saves the sharded tensors, sharded objects and common state in a
+single commit; its strategy classes carry no algorithm of their own: ``serialization``
+recognises them and runs the native engine, and calling their methods directly goes through the
+same entry points.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from enum import Enum
+from types import ModuleType
+from typing import Any, Dict, Optional, Tuple, Union
+
+from .core import CheckpointingException
+from .mapping import ShardedStateDict, ShardedTensor, StateDict
+
+__all__ = [
+    "StrategyAction",
+    "SaveStrategyBase",
+    "LoadStrategyBase",
+    "SaveShardedStrategy",
+    "SaveCommonStrategy",
+    "LoadShardedStrategy",
+    "LoadCommonStrategy",
+    "TesseraSaveShardedStrategy",
+    "TesseraLoadShardedStrategy",
+    "TesseraLoadCommonStrategy",
+    "TESSERA_BACKEND",
+    "TESSERA_BACKEND_VERSION",
+    "get_default_strategy",
+    "register_default_strategy",
+]
+
+TESSERA_BACKEND = "tessera"
+TESSERA_BACKEND_VERSION = 1
+
+
+class StrategyAction(Enum):
+    """Save vs load, sharded vs common."""
+
+    LOAD_COMMON = "load_common"
+    LOAD_SHARDED = "load_sharded"
+    SAVE_COMMON = "save_common"
+    SAVE_SHARDED = "save_sharded"
+
+
+class SaveStrategyBase(ABC):
+    """A save strategy writes one format (backend) in one version."""
+
+    def __init__(self, backend: str, version: int) -> None:
+        self.backend = backend
+        self.version = version
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether this strategy also saves ShardedObjects."""
+        return False
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}({self.backend}, {self.version})"
+
+
+class LoadStrategyBase(ABC):
+    """A load strategy checks that it can read a checkpoint's backend and version."""
+
+    # Known for tessera's own strategies; Megatron-style subclasses may leave them unset.
+    backend: Optional[str] = None
+    version: Optional[int] = None
+
+    @abstractmethod
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Raises CheckpointingException if this strategy cannot read ``loaded_backend``."""
+
+    @abstractmethod
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """Raises CheckpointingException if this strategy cannot read ``loaded_version``."""
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether this strategy also loads ShardedObjects."""
+        return False
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}({self.backend}, {self.version})"
+
+
+class SaveShardedStrategy(SaveStrategyBase):
+    """Saves the sharded part of a state dict."""
+
+    @abstractmethod
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        """Saves the sharded part of the state dict."""
+
+
+class SaveCommonStrategy(SaveStrategyBase):
+    """Saves the common (non-sharded) part of a state dict."""
+
+    @abstractmethod
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Any) -> None:
+        """Saves the common part of the state dict."""
+
+    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> None:
+        """Saves ShardedObjects; only strategies that can_handle_sharded_objects implement it."""
+        raise NotImplementedError(f"{self} does not save sharded objects")
+
+
+class LoadShardedStrategy(LoadStrategyBase):
+    """Loads the sharded part of a checkpoint."""
+
+    @abstractmethod
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> StateDict:
+        """Loads the sharded part of the checkpoint."""
+
+    @abstractmethod
+    def load_tensors_metadata(self, checkpoint_dir: Any) -> Dict[str, ShardedTensor]:
+        """Key -> ShardedTensor without data or sharding (global shape and dtype only)."""
+
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
+        """Key -> metadata of every sharded entry (tensors, and objects where supported)."""
+        if not self.can_handle_sharded_objects:
+            return self.load_tensors_metadata(checkpoint_dir)
+        raise NotImplementedError(f"{self} does not list sharded object metadata")
+
+    def remove_sharded_tensors(self, checkpoint_dir: Any, key_prefix: str) -> Any:
+        """Removes every tensor whose key starts with ``key_prefix``."""
+        raise NotImplementedError(f"{self} cannot remove tensors from a checkpoint")
+
+
+class LoadCommonStrategy(LoadStrategyBase):
+    """Loads the common (non-sharded) part of a checkpoint."""
+
+    @abstractmethod
+    def load_common(self, checkpoint_dir: Any) -> StateDict:
+        """Loads the common part of the checkpoint."""
+
+    @abstractmethod
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        """Loads the ShardedObjects of ``sharded_objects_state_dict``."""
+
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
+        """Metadata of the sharded objects (none unless can_handle_sharded_objects)."""
+        if not self.can_handle_sharded_objects:
+            return {}
+        raise NotImplementedError(f"{self} does not list sharded object metadata")
+
+
+def _serialization() -> ModuleType:
+    """The entry points, imported late: they need the native extension, this module does not."""
+    try:
+        from . import serialization
+    except ImportError as e:
+        raise ImportError(
+            "running a tessera strategy needs tessera's native extension (tessera._native); build and "
+            "install the package (`pip install .` or `maturin develop`)"
+        ) from e
+    return serialization
+
+
+def _check_tessera(backend: Any, version: Any) -> None:
+    if backend != TESSERA_BACKEND:
+        raise CheckpointingException(f"tessera strategies read and write backend {TESSERA_BACKEND!r}, not {backend!r}")
+    if version != TESSERA_BACKEND_VERSION:
+        raise CheckpointingException(
+            f"tessera {TESSERA_BACKEND!r} format version {version} is not supported (this version handles "
+            f"{TESSERA_BACKEND_VERSION})"
+        )
+
+
+class TesseraSaveShardedStrategy(SaveShardedStrategy):
+    """tessera's native save: tensors, objects and common state in one commit."""
+
+    def __init__(self, backend: str = TESSERA_BACKEND, version: int = TESSERA_BACKEND_VERSION) -> None:
+        _check_tessera(backend, version)
+        super().__init__(backend, version)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        """Same as ``dist_checkpointing.save(sharded_state_dict, checkpoint_dir, self)``."""
+        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
+
+
+class TesseraLoadShardedStrategy(LoadShardedStrategy):
+    """tessera's native load, into any layout."""
+
+    backend = TESSERA_BACKEND
+    version = TESSERA_BACKEND_VERSION
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        _check_tessera(loaded_backend, self.version)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        _check_tessera(self.backend, loaded_version)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> StateDict:
+        """Same as ``dist_checkpointing.load(sharded_state_dict, checkpoint_dir, self)``."""
+        return _serialization().load(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
+
+    def load_tensors_metadata(self, checkpoint_dir: Any) -> Dict[str, ShardedTensor]:
+        return _serialization().load_tensors_metadata(checkpoint_dir, self)
+
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
+        """Tensor metadata; the index does not describe object shards beyond their keys, so
+        objects are loaded through a sharded state dict that names them."""
+        return self.load_tensors_metadata(checkpoint_dir)
+
+    def remove_sharded_tensors(self, checkpoint_dir: Any, key_prefix: str) -> Any:
+        return _serialization().remove_sharded_tensors(checkpoint_dir, key_prefix)
+
+
+class TesseraLoadCommonStrategy(LoadCommonStrategy):
+    """Reads the common state and sharded objects of a tessera checkpoint."""
+
+    backend = TESSERA_BACKEND
+    version = TESSERA_BACKEND_VERSION
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        _check_tessera(loaded_backend, self.version)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        _check_tessera(self.backend, loaded_version)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def load_common(self, checkpoint_dir: Any) -> StateDict:
+        return _serialization().load_common_state_dict(checkpoint_dir)
+
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        return _serialization().load_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
+
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
+        """Objects are listed with the tensors by the sharded strategy: nothing extra here."""
+        return {}
+
+
+AnyStrategy = Union[SaveStrategyBase, LoadStrategyBase]
+
+# action value -> (backend, version) -> strategy
+_default_strategies: Dict[str, Dict[Tuple[str, int], AnyStrategy]] = defaultdict(dict)
+
+
+def register_default_strategy(action: StrategyAction, backend: str, version: int, strategy: AnyStrategy) -> None:
+    """Makes ``strategy`` the default for ``action`` on ``(backend, version)``."""
+    _default_strategies[StrategyAction(action).value][(backend, version)] = strategy
+
+
+def get_default_strategy(action: StrategyAction, backend: str, version: int) -> AnyStrategy:
+    """The default strategy for ``action`` on ``(backend, version)``."""
+    action = StrategyAction(action)
+    try:
+        return _default_strategies[action.value][(backend, version)]
+    except KeyError:
+        known = sorted(_default_strategies[action.value])
+        raise CheckpointingException(
+            f"no default {action.value} strategy for backend {backend!r} version {version}; registered: {known}"
+        ) from None
+
+
+register_default_strategy(
+    StrategyAction.SAVE_SHARDED, TESSERA_BACKEND, TESSERA_BACKEND_VERSION, TesseraSaveShardedStrategy()
+)
+register_default_strategy(
+    StrategyAction.LOAD_SHARDED, TESSERA_BACKEND, TESSERA_BACKEND_VERSION, TesseraLoadShardedStrategy()
+)
+register_default_strategy(
+    StrategyAction.LOAD_COMMON, TESSERA_BACKEND, TESSERA_BACKEND_VERSION, TesseraLoadCommonStrategy()
+)
