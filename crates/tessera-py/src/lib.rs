@@ -1,0 +1,345 @@
+//! `tessera._native`: the Python bindings of tessera. Thin by design: conversions (`convert`),
+//! error mapping (`errors`), the Python communicator (`comm`) and GIL handling; every decision
+//! is the library's. The GIL is released around every call into the library.
+//!
+//! Tensors and objects are handed over as positional tuples (see `python/tessera/_native.pyi`)
+//! and put in a flat state tree under a reserved top-level key, indexed by position, so results
+//! map back to the caller's lists by position; the Python layer keeps its own structure.
+
+mod comm;
+mod convert;
+mod errors;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use tessera::{
+    Communicator, LoadOptions, PathSeg, SaveOptions, ShardedObject, SoloComm, StateTree, Storage, StrictHandling,
+};
+
+use crate::comm::PyComm;
+use crate::convert::{common_to_py, value_from_py, value_to_py, TensorSpec};
+use crate::errors::{invalid_argument, to_pyerr};
+
+/// Top-level key of the tree under which the tensors and objects of a call live; the common
+/// values of `save` take the other top-level keys.
+const ROOT: &str = "__tessera_native__";
+
+fn tensor_slot(i: usize) -> String {
+    format!("t{i:08}")
+}
+
+fn object_slot(i: usize) -> String {
+    format!("o{i:08}")
+}
+
+/// A library result as a Python result.
+fn lib<T>(py: Python<'_>, result: tessera::Result<T>) -> PyResult<T> {
+    result.map_err(|e| to_pyerr(py, e))
+}
+
+fn open(py: Python<'_>, location: &str) -> PyResult<Arc<dyn Storage>> {
+    lib(py, tessera::open_location(location))
+}
+
+fn communicator(comm: Option<&Bound<'_, PyAny>>) -> PyResult<Box<dyn Communicator>> {
+    Ok(match comm {
+        Some(obj) if !obj.is_none() => Box::new(PyComm::new(obj)?),
+        _ => Box::new(SoloComm),
+    })
+}
+
+/// The tree of a call: `ROOT -> {t<i>: tensor, o<i>: object}`.
+fn slots<'a>(tensors: Vec<tessera::ShardedTensor<'a>>, objects: Vec<ShardedObject>) -> StateTree<'a> {
+    let mut inner = BTreeMap::new();
+    for (i, t) in tensors.into_iter().enumerate() {
+        inner.insert(tensor_slot(i), StateTree::Tensor(t));
+    }
+    for (i, o) in objects.into_iter().enumerate() {
+        inner.insert(object_slot(i), StateTree::Object(o));
+    }
+    StateTree::map().with(ROOT, StateTree::Map(inner))
+}
+
+fn each<'py, T>(items: &[Bound<'py, PyAny>], f: impl Fn(&Bound<'py, PyAny>, usize) -> PyResult<T>) -> PyResult<Vec<T>> {
+    items.iter().enumerate().map(|(i, x)| f(x, i)).collect()
+}
+
+/// Saves this rank's tensors, objects and (from rank 0) common values; collective over `comm`.
+#[pyfunction]
+#[pyo3(signature = (tensors, objects, common, location, comm=None, overwrite=false, validate=true,
+                    content_metadata=None, threads=None))]
+#[allow(clippy::too_many_arguments)]
+fn save<'py>(
+    py: Python<'py>,
+    tensors: Vec<Bound<'py, PyAny>>,
+    objects: Vec<Bound<'py, PyAny>>,
+    common: Vec<Bound<'py, PyAny>>,
+    location: &str,
+    comm: Option<Bound<'py, PyAny>>,
+    overwrite: bool,
+    validate: bool,
+    content_metadata: Option<Bound<'py, PyAny>>,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let specs = each(&tensors, TensorSpec::save_from_py)?;
+    let objects = each(&objects, convert::save_object)?;
+    let common = each(&common, convert::common_entry)?;
+    let content_metadata = match &content_metadata {
+        Some(v) => value_from_py(v).map_err(|e| PyTypeError::new_err(format!("content_metadata: {e}")))?,
+        None => tessera::Value::Null,
+    };
+    let tensors = specs
+        .into_iter()
+        // SAFETY: the contract of `save`: the Python caller keeps every tensor's memory alive,
+        // C-contiguous and unmodified until `save` returns; the tree is dropped before that.
+        .map(|s| unsafe { s.read_only(py) })
+        .collect::<PyResult<Vec<_>>>()?;
+    let mut tree = slots(tensors, objects);
+    for (path, value) in common {
+        if path.is_empty() || path[0] == PathSeg::Key(ROOT.into()) {
+            let shown = tessera::path_string(&path);
+            return Err(invalid_argument(py, format!("common value path {shown:?} is empty or reserved")));
+        }
+        tree.set_path(&path, StateTree::Value(value));
+    }
+    let defaults = SaveOptions::default();
+    let opts =
+        SaveOptions { overwrite, validate, content_metadata, threads: threads.unwrap_or(defaults.threads), ..defaults };
+    let comm = communicator(comm.as_ref())?;
+    let storage = open(py, location)?;
+    let report = lib(py, py.detach(|| tessera::save(tree, &*storage, &*comm, &opts)))?;
+    let out = PyDict::new(py);
+    out.set_item("file", report.file)?;
+    out.set_item("bytes_written", report.bytes_written)?;
+    out.set_item("total_tensor_bytes", report.total_tensor_bytes)?;
+    out.set_item("files", report.files)?;
+    out.set_item("chunks", report.chunks)?;
+    out.set_item("index_bytes", report.index_bytes)?;
+    Ok(out)
+}
+
+/// Checks collectively, writing nothing, that the ranks' shards form a valid global state.
+#[pyfunction]
+#[pyo3(signature = (tensors, objects, comm=None))]
+fn validate_sharding<'py>(
+    py: Python<'py>,
+    tensors: Vec<Bound<'py, PyAny>>,
+    objects: Vec<Bound<'py, PyAny>>,
+    comm: Option<Bound<'py, PyAny>>,
+) -> PyResult<()> {
+    let specs = each(&tensors, TensorSpec::save_from_py)?;
+    let objects = each(&objects, convert::validate_object)?;
+    let tensors = specs
+        .into_iter()
+        .map(|s| match (s.data_ptr, s.nbytes) {
+            (0, 0) => Ok(s.metadata_only()),
+            // SAFETY: as in `save`: the caller keeps the memory alive and unmodified for the call.
+            _ => unsafe { s.read_only(py) },
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let tree = slots(tensors, objects);
+    let comm = communicator(comm.as_ref())?;
+    lib(py, py.detach(|| tessera::validate_sharding_integrity(tree, &*comm)))
+}
+
+/// Loads tensors in place (into the caller's memory) and objects; collective over `comm`.
+#[pyfunction]
+#[pyo3(signature = (tensors, objects, location, comm=None, strict="assume_ok_unexpected", verify=true, threads=None))]
+#[allow(clippy::too_many_arguments)]
+fn load<'py>(
+    py: Python<'py>,
+    tensors: Vec<Bound<'py, PyAny>>,
+    objects: Vec<Bound<'py, PyAny>>,
+    location: &str,
+    comm: Option<Bound<'py, PyAny>>,
+    strict: &str,
+    verify: bool,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let specs = each(&tensors, TensorSpec::load_from_py)?;
+    let objects = each(&objects, convert::load_object)?;
+    let (n_tensors, n_objects) = (specs.len(), objects.len());
+    convert::check_disjoint(py, &specs)?;
+    let tensors = specs
+        .into_iter()
+        // SAFETY: the contract of `load`: the Python caller keeps every tensor's memory alive,
+        // C-contiguous and untouched by anyone else until `load` returns; no two buffers overlap
+        // (checked above); the tree, and with it every borrow, is dropped before returning.
+        .map(|s| unsafe { s.writable(py) })
+        .collect::<PyResult<Vec<_>>>()?;
+    let tree = slots(tensors, objects);
+    let defaults = LoadOptions::default();
+    let opts = LoadOptions {
+        verify_checksums: verify,
+        strict: lib(py, StrictHandling::parse(strict))?,
+        threads: threads.unwrap_or(defaults.threads),
+        ..defaults
+    };
+    let comm = communicator(comm.as_ref())?;
+    let storage = open(py, location)?;
+    let (common, result) = lib(
+        py,
+        py.detach(|| {
+            let index = tessera::open_index(&*storage)?;
+            let result = tessera::load_from_index(&index, tree, &*storage, &*comm, &opts)?;
+            Ok((index.common, result))
+        }),
+    )?;
+
+    let mut loaded = BTreeMap::new();
+    if let StateTree::Map(mut root) = result.state {
+        if let Some(StateTree::Map(inner)) = root.remove(ROOT) {
+            loaded = inner;
+        }
+    }
+    let flags = (0..n_tensors).map(|i| matches!(loaded.get(&tensor_slot(i)), Some(StateTree::Tensor(_))));
+    let objects = (0..n_objects)
+        .map(|i| match loaded.get(&object_slot(i)) {
+            Some(StateTree::Object(ShardedObject { data: Some(d), .. })) => PyBytes::new(py, d).into_any(),
+            _ => py.None().into_bound(py),
+        })
+        .collect::<Vec<_>>();
+    let stats = PyDict::new(py);
+    stats.set_item("bytes_needed", result.stats.bytes_needed)?;
+    stats.set_item("bytes_read", result.stats.bytes_read)?;
+    stats.set_item("header_bytes_read", result.stats.header_bytes_read)?;
+    stats.set_item("reads", result.stats.reads)?;
+    let out = PyDict::new(py);
+    out.set_item("objects", PyList::new(py, objects)?)?;
+    out.set_item("loaded", PyList::new(py, flags)?)?;
+    out.set_item("common", common_to_py(py, &common)?)?;
+    out.set_item("missing_keys", result.missing_keys)?;
+    out.set_item("unexpected_keys", result.unexpected_keys)?;
+    out.set_item("stats", stats)?;
+    Ok(out)
+}
+
+/// Key -> (dtype, global shape) of every stored tensor.
+#[pyfunction]
+fn load_tensors_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyDict>> {
+    let storage = open(py, location)?;
+    let metas = lib(py, py.detach(|| tessera::load_tensors_metadata(&*storage)))?;
+    let out = PyDict::new(py);
+    for (key, meta) in metas {
+        out.set_item(key, (meta.dtype.name(), PyTuple::new(py, meta.global_shape)?))?;
+    }
+    Ok(out)
+}
+
+/// The common state as `(path, value)` pairs, as stored (maps in key order).
+#[pyfunction]
+fn load_common<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyList>> {
+    let storage = open(py, location)?;
+    let index = lib(py, py.detach(|| tessera::open_index(&*storage)))?;
+    common_to_py(py, &index.common)
+}
+
+/// The content metadata given at save (None if none).
+#[pyfunction]
+fn load_content_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyAny>> {
+    let storage = open(py, location)?;
+    let value = lib(py, py.detach(|| tessera::load_content_metadata(&*storage)))?;
+    value_to_py(py, &value)
+}
+
+/// The bytes of the given object shards, in order.
+#[pyfunction]
+fn load_objects<'py>(
+    py: Python<'py>,
+    objects: Vec<Bound<'py, PyAny>>,
+    location: &str,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let objects = each(&objects, convert::load_object)?;
+    let n = objects.len();
+    let storage = open(py, location)?;
+    let tree = slots(Vec::new(), objects);
+    let StateTree::Map(mut root) = lib(py, py.detach(|| tessera::load_sharded_objects(tree, &*storage)))? else {
+        unreachable!("load_sharded_objects keeps the tree's shape")
+    };
+    let Some(StateTree::Map(inner)) = root.remove(ROOT) else { unreachable!("the tree holds ROOT") };
+    (0..n)
+        .map(|i| match inner.get(&object_slot(i)) {
+            Some(StateTree::Object(ShardedObject { data: Some(d), .. })) => Ok(PyBytes::new(py, d)),
+            _ => Err(pyo3::exceptions::PyRuntimeError::new_err(format!("object {i} was not loaded"))),
+        })
+        .collect()
+}
+
+/// Removes every tensor whose key starts with `key_prefix`; returns the keys removed.
+#[pyfunction]
+fn remove_sharded_tensors(py: Python<'_>, location: &str, key_prefix: &str) -> PyResult<Vec<String>> {
+    let storage = open(py, location)?;
+    lib(py, py.detach(|| tessera::remove_sharded_tensors(&*storage, key_prefix)))
+}
+
+/// Re-reads every file and checks every checksum.
+#[pyfunction]
+#[pyo3(signature = (location, threads=None))]
+fn verify<'py>(py: Python<'py>, location: &str, threads: Option<usize>) -> PyResult<Bound<'py, PyDict>> {
+    let storage = open(py, location)?;
+    let threads = threads.unwrap_or(LoadOptions::default().threads);
+    let report = lib(py, py.detach(|| tessera::verify(&*storage, threads)))?;
+    let out = PyDict::new(py);
+    out.set_item("files", report.files)?;
+    out.set_item("chunks", report.chunks)?;
+    out.set_item("bytes_checked", report.bytes_checked)?;
+    out.set_item("problems", report.problems)?;
+    Ok(out)
+}
+
+/// Removes leftovers of saves that never committed; returns the names removed.
+#[pyfunction]
+fn gc(py: Python<'_>, location: &str) -> PyResult<Vec<String>> {
+    let storage = open(py, location)?;
+    lib(py, py.detach(|| tessera::gc(&*storage)))
+}
+
+/// `(backend, version)` of the checkpoint at `location`, or None when there is none.
+#[pyfunction]
+fn detect(py: Python<'_>, location: &str) -> PyResult<Option<(String, u32)>> {
+    let storage = open(py, location)?;
+    match py.detach(|| tessera::detect_format(&*storage)) {
+        Ok((record, _)) => Ok(Some((record.backend, record.version))),
+        Err(tessera::Error::NotFound { .. } | tessera::Error::NotCommitted { .. }) => Ok(None),
+        Err(e) => Err(to_pyerr(py, e)),
+    }
+}
+
+/// A plain value in the library's safe tagged encoding (FORMAT.md "value"): data only, no code.
+#[pyfunction]
+fn encode_value<'py>(py: Python<'py>, value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    let value = value_from_py(value)?;
+    Ok(PyBytes::new(py, &py.detach(|| value.to_bytes())))
+}
+
+/// The plain value of what [`encode_value`] wrote; malformed bytes are an `InvalidArgumentError`.
+#[pyfunction]
+fn decode_value<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    value_to_py(py, &lib(py, py.detach(|| tessera::Value::from_bytes(data)))?)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(validate_sharding, m)?)?;
+    m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(load_tensors_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(load_common, m)?)?;
+    m.add_function(wrap_pyfunction!(load_content_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(load_objects, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_sharded_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(verify, m)?)?;
+    m.add_function(wrap_pyfunction!(gc, m)?)?;
+    m.add_function(wrap_pyfunction!(detect, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_value, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_value, m)?)?;
+    errors::register(m)?;
+    m.add("DTYPES", tessera::ALL_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>())?;
+    m.add("FORMAT_VERSION", tessera::FORMAT_VERSION)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

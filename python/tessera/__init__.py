@@ -1,0 +1,8 @@
+"""tessera: distributed checkpointing for large-model training (Python package)."""
+
+from . import _native, errors
+from .errors import TesseraError
+
+__version__ = _native.__version__
+
+__all__ = ["TesseraError", "errors", "__version__"]

@@ -1,0 +1,198 @@
+"""Type stubs of ``tessera._native``, the Rust extension (crates/tessera-py).
+
+A thin layer over the Rust library: every function releases the GIL while it works (it
+re-acquires it only to call the Python communicator). Locations are strings: a local path,
+``file://...`` or ``mem://name`` (process-wide in-memory store, for tests).
+
+Tensor memory crosses as ``(data_ptr, nbytes)``: the address of C-contiguous CPU memory
+(``tensor.data_ptr()``, ``array.ctypes.data``) that the caller keeps alive, and does not touch
+from other threads, for the duration of the call. ``data_ptr == 0`` with ``nbytes > 0`` raises
+:class:`InvalidArgumentError`; on load, overlapping buffers raise it too.
+
+dtype names: ``"f64" "f32" "f16" "bf16" "f8_e4m3fn" "f8_e5m2" "i64" "i32" "i16" "i8" "u8"
+"u16" "u32" "u64" "bool"`` (safetensors names such as ``"BF16"`` are accepted as well).
+
+Plain values (common state, content metadata) are exactly ``None``, ``bool``, ``int``
+(64-bit), ``float``, ``str``, ``bytes``, ``list`` and ``dict`` with ``str`` keys, nested;
+anything else (tuples, subclasses) raises ``TypeError``. Paths are lists of ``str`` (dict keys)
+and ``int`` (list indices). Values at list indices are stored in lists; a list index skipped
+by the paths given to :func:`save` is stored as ``None``.
+"""
+
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple, Union
+
+PlainValue = Union[None, bool, int, float, str, bytes, List["PlainValue"], Dict[str, "PlainValue"]]
+Path = List[Union[str, int]]
+Shape = Sequence[int]
+ReplicaId = Union[int, Sequence[int]]
+
+SaveTensor = Tuple[
+    str,  # key
+    str,  # dtype
+    Shape,  # local_shape
+    Shape,  # global_shape
+    Shape,  # global_offset
+    int,  # prepend_axis_num
+    ReplicaId,  # replica_id
+    Optional[Tuple[int, int]],  # flattened_range
+    Optional[Shape],  # axis_fragmentations
+    int,  # data_ptr
+    int,  # nbytes
+]
+LoadTensor = Tuple[
+    str,  # key
+    str,  # dtype
+    Shape,  # local_shape
+    Shape,  # global_shape
+    Shape,  # global_offset
+    int,  # prepend_axis_num
+    Optional[Tuple[int, int]],  # flattened_range
+    bool,  # allow_shape_mismatch
+    int,  # data_ptr
+    int,  # nbytes
+]
+SaveObject = Tuple[str, bytes, Shape, Shape, ReplicaId]  # key, data, global_shape, global_offset, replica_id
+ValidateObject = Tuple[str, Shape, Shape, ReplicaId]  # key, global_shape, global_offset, replica_id
+LoadObject = Tuple[str, Shape, Shape]  # key, global_shape, global_offset
+
+class Communicator(Protocol):
+    """What ``comm`` must provide. Every rank calls the same collectives in the same order."""
+
+    def rank(self) -> int: ...
+    def world_size(self) -> int: ...
+    def all_gather(self, data: bytes) -> List[bytes]: ...
+    def broadcast(self, data: bytes, root: int) -> bytes: ...
+
+__version__: str
+FORMAT_VERSION: int
+DTYPES: List[str]
+
+def save(
+    tensors: Sequence[SaveTensor],
+    objects: Sequence[SaveObject],
+    common: Sequence[Tuple[Path, PlainValue]],
+    location: str,
+    comm: Optional[Communicator] = None,
+    overwrite: bool = False,
+    validate: bool = True,
+    content_metadata: PlainValue = None,
+    threads: Optional[int] = None,
+) -> Dict[str, Union[int, Optional[str]]]:
+    """Saves this rank's part (collective). Common values are written from rank 0.
+
+    Returns ``{"file", "bytes_written", "total_tensor_bytes", "files", "chunks", "index_bytes"}``.
+    """
+
+def validate_sharding(
+    tensors: Sequence[SaveTensor],
+    objects: Sequence[ValidateObject],
+    comm: Optional[Communicator] = None,
+) -> None:
+    """Checks collectively, writing nothing, that the shards of all ranks form a valid state."""
+
+def load(
+    tensors: Sequence[LoadTensor],
+    objects: Sequence[LoadObject],
+    location: str,
+    comm: Optional[Communicator] = None,
+    strict: str = "assume_ok_unexpected",
+    verify: bool = True,
+    threads: Optional[int] = None,
+) -> Dict[str, object]:
+    """Loads into the tensors' memory and returns::
+
+        {"objects": List[Optional[bytes]],   # by position; None if skipped as unexpected
+         "loaded": List[bool],               # by position; False if skipped as unexpected
+         "common": List[Tuple[Path, PlainValue]],
+         "missing_keys": List[str], "unexpected_keys": List[str],
+         "stats": {"bytes_needed", "bytes_read", "header_bytes_read", "reads"}}
+
+    ``strict`` is a Megatron StrictHandling name: ``assume_ok_unexpected``, ``log_unexpected``,
+    ``log_all``, ``raise_unexpected``, ``raise_all``, ``return_unexpected``, ``return_all``,
+    ``ignore_all``.
+    """
+
+def load_tensors_metadata(location: str) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+    """Key -> (dtype, global shape) of every stored tensor."""
+
+def load_common(location: str) -> List[Tuple[Path, PlainValue]]:
+    """The common state as (path, value) pairs (maps in key order)."""
+
+def load_content_metadata(location: str) -> PlainValue:
+    """The ``content_metadata`` given at save (None if none)."""
+
+def load_objects(objects: Sequence[LoadObject], location: str) -> List[bytes]:
+    """The bytes of the given object shards, in order."""
+
+def remove_sharded_tensors(location: str, key_prefix: str) -> List[str]:
+    """Removes every tensor whose key starts with ``key_prefix``; returns the keys removed."""
+
+def verify(location: str, threads: Optional[int] = None) -> Dict[str, Union[int, List[str]]]:
+    """Re-reads every file: ``{"files", "chunks", "bytes_checked", "problems": List[str]}``."""
+
+def gc(location: str) -> List[str]:
+    """Removes leftovers of saves that never committed; returns the names removed."""
+
+def detect(location: str) -> Optional[Tuple[str, int]]:
+    """``(backend, version)`` of the checkpoint at ``location``, or None if there is none."""
+
+def encode_value(value: PlainValue) -> bytes:
+    """``value`` in the library's safe tagged encoding (data only, never code)."""
+
+def decode_value(data: bytes) -> PlainValue:
+    """The value :func:`encode_value` encoded; malformed bytes raise :class:`InvalidArgumentError`."""
+
+class TesseraError(Exception):
+    """Base class of every tessera error."""
+
+class NotFoundError(TesseraError, FileNotFoundError):
+    path: str
+
+class NotCommittedError(TesseraError, FileNotFoundError):
+    path: str
+
+class AlreadyExistsError(TesseraError, FileExistsError):
+    path: str
+
+class CorruptError(TesseraError, ValueError):
+    path: str
+    reason: str
+
+class IncompatibleVersionError(TesseraError, ValueError):
+    found: str
+    supported: str
+
+class InvalidShardingError(TesseraError, ValueError):
+    key: str
+    reason: str
+
+class NotCoveredError(TesseraError, KeyError):
+    key: str
+    region: str
+
+class MismatchError(TesseraError, ValueError):
+    key: str
+    reason: str
+
+class KeyMismatchError(TesseraError, KeyError):
+    unexpected: List[str]
+    missing: List[str]
+
+class UnknownStrategyError(TesseraError, LookupError):
+    backend: str
+    version: int
+    action: str
+
+class InvalidArgumentError(TesseraError, ValueError):
+    reason: str
+
+class PeerFailedError(TesseraError, RuntimeError):
+    rank: int
+    message: str
+
+class CommError(TesseraError, RuntimeError):
+    reason: str
+
+class StorageIOError(TesseraError, OSError):
+    path: str
+    reason: str
