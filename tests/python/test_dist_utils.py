@@ -616,10 +616,6 @@ def test_adamw_state_roundtrip_through_a_checkpoint(tmp_path):
     assert loaded["optimizer"]["param_groups"][0]["params"] == [0, 1, 2, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serialization._set_path rebuilds the int-keyed optimizer 'state' dict as a list",
-)
 def test_loaded_adamw_state_is_accepted_by_torch(tmp_path):
     pytest.importorskip("tessera._native")
     optim, fresh, loaded = save_and_load_adamw(tmp_path)

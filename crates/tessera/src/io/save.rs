@@ -72,7 +72,8 @@ struct Collected<'t> {
     common: Vec<(StatePath, Value)>,
 }
 
-fn collect<'t>(tree: &'t StateTree<'_>, rank: usize) -> Collected<'t> {
+/// `require_data`: main replicas must carry their bytes (save); validation alone needs none.
+fn collect<'t>(tree: &'t StateTree<'_>, rank: usize, require_data: bool) -> Collected<'t> {
     let mut c = Collected {
         plan: RankPlan::default(),
         local_error: None,
@@ -88,7 +89,7 @@ fn collect<'t>(tree: &'t StateTree<'_>, rank: usize) -> Collected<'t> {
                 error.get_or_insert(e);
                 return;
             }
-            if main {
+            if main && require_data {
                 match t.data.bytes() {
                     Some(b) => c.tensor_data.push(b),
                     None => {
@@ -113,7 +114,7 @@ fn collect<'t>(tree: &'t StateTree<'_>, rank: usize) -> Collected<'t> {
         StateTree::Object(o) => {
             let main = o.replica_id.is_main();
             let len = o.data.as_ref().map_or(0, |d| d.len() as u64);
-            if main {
+            if main && require_data {
                 match &o.data {
                     Some(d) => c.object_data.push(d),
                     None => {
@@ -194,7 +195,7 @@ pub fn validate_sharding_integrity(tree: StateTree<'_>, comm: &dyn Communicator)
         Ok((t, _)) => (t, None),
         Err(e) => (StateTree::map(), Some(e)),
     };
-    let mut c = collect(&tree, comm.rank());
+    let mut c = collect(&tree, comm.rank(), false);
     if let Some(e) = factory_error {
         c.local_error = Some(e);
     }
@@ -215,7 +216,7 @@ pub fn save(
         Ok((t, _)) => (t, None),
         Err(e) => (StateTree::map(), Some(e)),
     };
-    let mut c = collect(&tree, rank);
+    let mut c = collect(&tree, rank, true);
     if let Some(e) = factory_error {
         c.local_error = Some(e);
     }

@@ -1,0 +1,76 @@
+"""The communicator tessera's native layer calls for its small metadata exchanges.
+
+Under ``torch.distributed`` the exchanges are torch collectives on the given (or default)
+process group; with no initialized process group a single process needs none.
+Messages travel as uint8 tensors (no pickling): sizes are gathered first, then the payloads
+padded to the largest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+
+class TorchComm:
+    """tessera communicator over a ``torch.distributed`` process group."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._group = group
+        # gloo moves CPU tensors; NCCL needs them on the current device.
+        backend = dist.get_backend(group)
+        self._device = "cpu"
+        if backend == "nccl":
+            import torch
+
+            self._device = f"cuda:{torch.cuda.current_device()}"
+
+    def rank(self) -> int:
+        return self._dist.get_rank(self._group)
+
+    def world_size(self) -> int:
+        return self._dist.get_world_size(self._group)
+
+    def all_gather(self, data: bytes) -> List[bytes]:
+        import torch
+
+        world = self.world_size()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self._device) for _ in range(world)]
+        self._dist.all_gather(sizes, size, group=self._group)
+        lengths = [int(s.item()) for s in sizes]
+        longest = max(lengths) if lengths else 0
+        mine = torch.zeros(max(longest, 1), dtype=torch.uint8, device=self._device)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(world)]
+        self._dist.all_gather(out, mine, group=self._group)
+        return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, lengths)]
+
+    def broadcast(self, data: bytes, root: int) -> bytes:
+        import torch
+
+        src = self._dist.get_global_rank(self._group, root) if self._group is not None else root
+        size = torch.tensor([len(data) if self.rank() == root else 0], dtype=torch.int64, device=self._device)
+        self._dist.broadcast(size, src=src, group=self._group)
+        n = int(size.item())
+        buf = torch.zeros(max(n, 1), dtype=torch.uint8, device=self._device)
+        if self.rank() == root and n:
+            buf[:n] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._dist.broadcast(buf, src=src, group=self._group)
+        return bytes(buf[:n].cpu().numpy().tobytes())
+
+
+def default_comm(process_group: Any = None, no_dist: bool = False) -> Optional[TorchComm]:
+    """The communicator for ``process_group`` (default group), or None for a single process."""
+    if no_dist:
+        return None
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return TorchComm(process_group)

@@ -1,0 +1,525 @@
+"""Save and load entry points of ``tessera.dist_checkpointing`` (Megatron-Core names and semantics).
+
+This module is glue: it walks sharded state dicts, turns their leaves into the flat tuples of
+``tessera._native`` (data pointers of CPU tensors, kept alive for the call), and puts the
+results back. Planning, validation and IO happen in Rust.
+
+Values that are not plain (None/bool/int/float/str/bytes and lists/str-keyed dicts of them)
+go through ``torch.save`` and come back through ``torch.load(weights_only=True)``, with
+``argparse.Namespace`` allowed: loading never runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+from enum import Enum
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+from .. import _native
+from .._comm import default_comm
+from ..errors import TesseraError
+from .dict_utils import extract_matching_values
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    apply_factories,
+    apply_factory_merges,
+)
+
+__all__ = [
+    "StrictHandling",
+    "save",
+    "load",
+    "load_tensors_metadata",
+    "load_plain_tensors",
+    "load_common_state_dict",
+    "load_sharded_objects",
+    "load_content_metadata",
+    "remove_sharded_tensors",
+    "validate_sharding_integrity",
+]
+
+_TORCH_SAVE_KEY = "__tessera_torch_save__"
+# Object shards are opaque bytes to tessera; this prefix says how the Python layer encoded them.
+_PLAIN_OBJECT = b"TSV1"
+_TORCH_OBJECT = b"TPT1"
+
+
+class StrictHandling(Enum):
+    """What load does about keys that differ between the request and the checkpoint."""
+
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
+    LOG_UNEXPECTED = "log_unexpected"
+    LOG_ALL = "log_all"
+    RAISE_UNEXPECTED = "raise_unexpected"
+    RAISE_ALL = "raise_all"
+    RETURN_UNEXPECTED = "return_unexpected"
+    RETURN_ALL = "return_all"
+    IGNORE_ALL = "ignore_all"
+
+    @staticmethod
+    def requires_explicit_ckpt_mismatch_check(val: "StrictHandling") -> bool:
+        return val != StrictHandling.ASSUME_OK_UNEXPECTED
+
+    @staticmethod
+    def requires_global_app_metadata(val: "StrictHandling") -> bool:
+        return val in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
+
+    @staticmethod
+    def requires_returning_mismatch_keys(val: "StrictHandling") -> bool:
+        return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
+
+
+def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
+    """Accepts a StrictHandling or its value (``"raise_all"``)."""
+    if isinstance(strict, StrictHandling):
+        return strict
+    try:
+        return StrictHandling(strict)
+    except ValueError as e:
+        raise ValueError(f"unknown strict handling {strict!r}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain values and their torch.save fallback
+
+
+def _is_plain(value: Any) -> bool:
+    """Exact types only: a subclass (OrderedDict, IntEnum, numpy scalars) would come back as
+    its base type, so it takes the torch.save path and keeps its type."""
+    kind = type(value)
+    if value is None or kind in (bool, str, bytes, float):
+        return True
+    if kind is int:
+        return -(2**63) <= value < 2**63
+    if kind is list:
+        return all(_is_plain(v) for v in value)
+    if kind is dict:
+        return all(type(k) is str and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def _torch_save_bytes(value: Any) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _torch_load_bytes(data: bytes) -> Any:
+    import torch
+
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def _to_plain(value: Any) -> Any:
+    """A plain value, or the torch.save wrapper for anything else."""
+    if _is_plain(value) and not (isinstance(value, dict) and set(value) == {_TORCH_SAVE_KEY}):
+        return value
+    return {_TORCH_SAVE_KEY: _torch_save_bytes(value)}
+
+
+def _from_plain(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {_TORCH_SAVE_KEY} and isinstance(value[_TORCH_SAVE_KEY], bytes):
+        return _torch_load_bytes(value[_TORCH_SAVE_KEY])
+    return value
+
+
+def _encode_object(value: Any) -> bytes:
+    if _is_plain(value):
+        return _PLAIN_OBJECT + _native.encode_value(value)
+    return _TORCH_OBJECT + _torch_save_bytes(value)
+
+
+def _decode_object(data: bytes) -> Any:
+    head, body = data[:4], data[4:]
+    if head == _PLAIN_OBJECT:
+        return _native.decode_value(body)
+    if head == _TORCH_OBJECT:
+        return _torch_load_bytes(body)
+    raise TesseraError(f"sharded object payload has an unknown encoding tag {head!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Walking state dicts
+
+
+# A path segment is ("k", key) for a dict key or ("i", index) for a list position. Dict keys
+# may be ints (optimizer state), so the kind must travel with the segment.
+Seg = Tuple[str, Any]
+_INT_KEY = "\x00int:"
+
+
+def _leaves(tree: Any, path: Tuple[Seg, ...] = ()) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
+    """(path, leaf) for every leaf; empty dicts and lists are leaves so that they survive."""
+    if isinstance(tree, dict) and tree:
+        for k, v in tree.items():
+            yield from _leaves(v, path + (("k", k),))
+    elif isinstance(tree, list) and tree:
+        for i, v in enumerate(tree):
+            yield from _leaves(v, path + (("i", i),))
+    else:
+        yield path, tree
+
+
+def _to_native_path(path: Tuple[Seg, ...]) -> List[Union[str, int]]:
+    out: List[Union[str, int]] = []
+    for kind, k in path:
+        if kind == "i":
+            out.append(k)
+        elif isinstance(k, str):
+            out.append(k)
+        elif isinstance(k, int) and not isinstance(k, bool):
+            out.append(f"{_INT_KEY}{k}")
+        else:
+            raise TypeError(f"state dict key {k!r} ({type(k).__name__}) is neither str nor int")
+    return out
+
+
+def _from_native_path(path: Iterable[Union[str, int]]) -> Tuple[Seg, ...]:
+    out = []
+    for seg in path:
+        if isinstance(seg, int):
+            out.append(("i", seg))
+        elif seg.startswith(_INT_KEY):
+            out.append(("k", int(seg[len(_INT_KEY) :])))
+        else:
+            out.append(("k", seg))
+    return tuple(out)
+
+
+def _set_path(root: Any, path: Tuple[Seg, ...], value: Any) -> None:
+    node: Any = root
+    for (kind, seg), (next_kind, _) in zip(path[:-1], path[1:]):
+        child_kind = list if next_kind == "i" else dict
+        if kind == "i":
+            while len(node) <= seg:
+                node.append(None)
+            if not isinstance(node[seg], child_kind):
+                node[seg] = child_kind()
+            node = node[seg]
+        else:
+            if not isinstance(node.get(seg), child_kind):
+                node[seg] = child_kind()
+            node = node[seg]
+    kind, last = path[-1]
+    if kind == "i":
+        while len(node) <= last:
+            node.append(None)
+    node[last] = value
+
+
+def _replica_tuple(replica_id: Any) -> Tuple[int, ...]:
+    if isinstance(replica_id, int):
+        return (replica_id,)
+    return tuple(int(x) for x in replica_id)
+
+
+def _flat_range(sh: ShardedTensor) -> Optional[Tuple[int, int]]:
+    r = sh.flattened_range
+    if r is None:
+        return None
+    return (int(r.start), int(r.stop))
+
+
+def _cpu_contiguous(t: Any, key: str) -> Any:
+    """The tensor as CPU C-contiguous memory: CUDA tensors are staged to host (a copy), and
+    non-contiguous tensors are copied into a contiguous one."""
+    if t.device.type != "cpu":
+        t = t.detach().to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.detach()
+
+
+def _tessera_dtype(dtype: Any) -> str:
+    from .mapping import torch_dtype_to_tessera
+
+    return torch_dtype_to_tessera(dtype)
+
+
+def _save_tuple(sh: ShardedTensor, keep_alive: List[Any]) -> tuple:
+    if sh.data is None:
+        ptr, nbytes = 0, 0
+    else:
+        data = _cpu_contiguous(sh.data, sh.key)
+        keep_alive.append(data)
+        ptr, nbytes = data.data_ptr(), data.numel() * data.element_size()
+    fr = tuple(sh.axis_fragmentations) if sh.axis_fragmentations is not None else None
+    return (
+        sh.key,
+        _tessera_dtype(sh.dtype),
+        tuple(int(x) for x in sh.local_shape),
+        tuple(int(x) for x in sh.global_shape),
+        tuple(int(x) for x in sh.global_offset),
+        int(sh.prepend_axis_num),
+        _replica_tuple(sh.replica_id),
+        _flat_range(sh),
+        fr,
+        ptr,
+        nbytes,
+    )
+
+
+def _split(sharded_state_dict: Dict[str, Any]) -> Tuple[list, list, list]:
+    """Sharded tensors, sharded objects and common (path, value) leaves of a state dict."""
+    tensors, objects, common = [], [], []
+    for path, leaf in _leaves(sharded_state_dict):
+        if isinstance(leaf, ShardedTensor):
+            tensors.append((path, leaf))
+        elif isinstance(leaf, ShardedObject):
+            objects.append((path, leaf))
+        elif isinstance(leaf, LocalNonpersistentObject):
+            continue
+        elif isinstance(leaf, ShardedTensorFactory):
+            raise TesseraError(f"factory {leaf.key!r} was not applied")
+        else:
+            common.append((path, leaf))
+    return tensors, objects, common
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def save(
+    sharded_state_dict: Dict[str, Any],
+    checkpoint_dir: Any,
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    content_metadata: Optional[dict] = None,
+    *,
+    overwrite: bool = False,
+    process_group: Any = None,
+) -> Any:
+    """Saves a sharded state dict; every rank of the process group calls it.
+
+    ``sharded_strategy`` / ``common_strategy`` may be None, a strategy object or a
+    ``(backend, version)`` tuple; only the native backend ("tessera", 1) writes.
+    ``async_sharded_save=True`` returns a finished request object (the save completes before
+    returning, until asynchronous saving lands).
+    """
+    _check_save_strategy(sharded_strategy)
+    _check_save_strategy(common_strategy)
+    apply_factories(sharded_state_dict)
+    tensors, objects, common = _split(sharded_state_dict)
+    comm = default_comm(process_group)
+    rank = comm.rank() if comm is not None else 0
+    keep_alive: List[Any] = []
+    native_tensors = [_save_tuple(sh, keep_alive) for _, sh in tensors]
+    native_objects = [
+        (o.key, _encode_object(o.data), tuple(o.global_shape), tuple(o.global_offset), _replica_tuple(o.replica_id))
+        for _, o in objects
+    ]
+    native_common = [(_to_native_path(p), _to_plain(v)) for p, v in common] if rank == 0 else []
+    report = _native.save(
+        native_tensors,
+        native_objects,
+        native_common,
+        str(checkpoint_dir),
+        comm,
+        overwrite=overwrite,
+        validate=validate_access_integrity,
+        content_metadata=_to_plain(content_metadata) if content_metadata is not None else None,
+    )
+    del keep_alive
+    if async_sharded_save:
+        return _FinishedRequest(report)
+    return None
+
+
+class _FinishedRequest:
+    """Stands in for an async request until asynchronous saving exists: already done."""
+
+    def __init__(self, report: dict) -> None:
+        self.report = report
+
+    def execute_sync(self) -> None:
+        return None
+
+    def is_done(self) -> bool:
+        return True
+
+    def finalize(self) -> dict:
+        return self.report
+
+
+def _check_save_strategy(strategy: Any) -> None:
+    if strategy is None:
+        return
+    backend = strategy[0] if isinstance(strategy, tuple) else getattr(strategy, "backend", "tessera")
+    version = strategy[1] if isinstance(strategy, tuple) else getattr(strategy, "version", 1)
+    if (backend, version) != ("tessera", 1):
+        raise TesseraError(f"no save strategy for backend {backend!r} version {version}; tessera writes ('tessera', 1)")
+
+
+def _load_target(sh: ShardedTensor) -> Tuple[Any, Any]:
+    """(CPU buffer to load into, final tensor): in place when the data already fits."""
+    import torch
+
+    numel = (sh.flattened_range.stop - sh.flattened_range.start) if sh.flattened_range is not None else None
+    shape = (numel,) if numel is not None else tuple(sh.local_shape)
+    data = sh.data
+    if (
+        isinstance(data, torch.Tensor)
+        and data.device.type == "cpu"
+        and data.is_contiguous()
+        and data.dtype == sh.dtype
+        and data.numel() == (numel if numel is not None else _prod(shape))
+    ):
+        return data, data
+    buf = torch.empty(shape, dtype=sh.dtype)
+    return buf, buf
+
+
+def _prod(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def load(
+    sharded_state_dict: Dict[str, Any],
+    checkpoint_dir: Any,
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    process_group: Any = None,
+    verify_checksums: bool = True,
+) -> Any:
+    """Loads the state described by ``sharded_state_dict`` (any layout) from ``checkpoint_dir``.
+
+    Returns the loaded state dict: common state as base, sharded tensors loaded (in place into
+    their ``data`` when it is a matching CPU contiguous tensor), objects decoded, factories
+    merged, non-persistent objects unwrapped. With ``StrictHandling.RETURN_*`` returns
+    ``(state_dict, missing_keys, unexpected_keys)``.
+    """
+    strict = parse_strict_flag(strict)
+    factories, _ = extract_matching_values(sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory))
+    apply_factories(sharded_state_dict)
+    tensors, objects, _ = _split(sharded_state_dict)
+    comm = default_comm(process_group) if StrictHandling.requires_global_app_metadata(strict) else None
+    targets = [_load_target(sh) for _, sh in tensors]
+    native_tensors = []
+    for (_, sh), (buf, _) in zip(tensors, targets):
+        native_tensors.append(
+            (
+                sh.key,
+                _tessera_dtype(sh.dtype),
+                tuple(int(x) for x in sh.local_shape),
+                tuple(int(x) for x in sh.global_shape),
+                tuple(int(x) for x in sh.global_offset),
+                int(sh.prepend_axis_num),
+                _flat_range(sh),
+                bool(sh.allow_shape_mismatch),
+                buf.data_ptr(),
+                buf.numel() * buf.element_size(),
+            )
+        )
+    native_objects = [(o.key, tuple(o.global_shape), tuple(o.global_offset)) for _, o in objects]
+    result = _native.load(native_tensors, native_objects, str(checkpoint_dir), comm, strict=strict.value, verify=verify_checksums)
+
+    state: Dict[str, Any] = {}
+    for path, value in result["common"]:
+        _set_path(state, _from_native_path(path), _from_plain(value))
+    for path, leaf in _leaves(sharded_state_dict):
+        if isinstance(leaf, LocalNonpersistentObject):
+            _set_path(state, path, leaf.unwrap())
+    for (path, sh), (_, final), loaded in zip(tensors, targets, result["loaded"]):
+        if loaded:
+            if isinstance(sh.data, _torch().Tensor) and sh.data.device.type != "cpu":
+                final = final.to(sh.data.device)
+            _set_path(state, path, final)
+    for (path, _), data in zip(objects, result["objects"]):
+        if data is not None:
+            _set_path(state, path, _decode_object(data))
+    apply_factory_merges(state, factories)
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return state, set(result["missing_keys"]), set(result["unexpected_keys"])
+    return state
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def load_tensors_metadata(checkpoint_dir: Any, sharded_strategy: Any = None) -> Dict[str, ShardedTensor]:
+    """Key → ShardedTensor without data or sharding (dtype and global shape only)."""
+    from .mapping import tessera_dtype_to_torch
+
+    out = {}
+    for key, (dtype, shape) in _native.load_tensors_metadata(str(checkpoint_dir)).items():
+        shape = tuple(shape)
+        out[key] = ShardedTensor(
+            key=key,
+            data=None,
+            dtype=tessera_dtype_to_torch(dtype),
+            local_shape=shape,
+            global_shape=shape,
+            global_offset=(0,) * len(shape),
+            axis_fragmentations=(1,) * len(shape),
+        )
+    return out
+
+
+def load_plain_tensors(checkpoint_dir: Any) -> Dict[str, Any]:
+    """Every tensor, whole (not the common state)."""
+    metadata = load_tensors_metadata(checkpoint_dir)
+    state = load(dict(metadata), checkpoint_dir)
+    return {key: state[key] for key in metadata}
+
+
+def load_common_state_dict(checkpoint_dir: Any) -> Dict[str, Any]:
+    """The common (non-sharded) state."""
+    state: Dict[str, Any] = {}
+    for path, value in _native.load_common(str(checkpoint_dir)):
+        _set_path(state, _from_native_path(path), _from_plain(value))
+    return state
+
+
+def load_sharded_objects(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any) -> Dict[str, Any]:
+    """Replaces every ShardedObject of ``sharded_state_dict`` by its loaded value (in place)."""
+    objects = [(path, leaf) for path, leaf in _leaves(sharded_state_dict) if isinstance(leaf, ShardedObject)]
+    datas = _native.load_objects(
+        [(o.key, tuple(o.global_shape), tuple(o.global_offset)) for _, o in objects], str(checkpoint_dir)
+    )
+    for (path, _), data in zip(objects, datas):
+        _set_path(sharded_state_dict, path, _decode_object(data))
+    return sharded_state_dict
+
+
+def load_content_metadata(checkpoint_dir: Any, *, preloaded_state_dict: Any = None) -> Optional[dict]:
+    """The ``content_metadata`` given at save (None if none)."""
+    return _from_plain(_native.load_content_metadata(str(checkpoint_dir)))
+
+
+def remove_sharded_tensors(checkpoint_dir: Any, key_prefix: str) -> List[str]:
+    """Drops every tensor whose key starts with ``key_prefix`` from the checkpoint's index."""
+    return _native.remove_sharded_tensors(str(checkpoint_dir), key_prefix)
+
+
+def validate_sharding_integrity(sharded_tensors: Iterable[Any], process_group: Any = None) -> None:
+    """Collective check that the ranks' ShardedTensors/ShardedObjects tile every global tensor
+    exactly; raises InvalidShardingError (a CheckpointingException) on every rank otherwise."""
+    keep_alive: List[Any] = []
+    tensors, objects = [], []
+    for sh in sharded_tensors:
+        if isinstance(sh, ShardedTensor):
+            t = _save_tuple(sh, keep_alive)
+            tensors.append(t[:9] + (0, 0))
+        elif isinstance(sh, ShardedObject):
+            objects.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset), _replica_tuple(sh.replica_id)))
+    _native.validate_sharding(tensors, objects, default_comm(process_group))
+
