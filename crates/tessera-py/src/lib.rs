@@ -11,6 +11,7 @@ mod convert;
 mod errors;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::PyTypeError;
@@ -35,6 +36,40 @@ fn tensor_slot(i: usize) -> String {
 fn object_slot(i: usize) -> String {
     format!("o{i:08}")
 }
+
+/// Runs `work` without the GIL on a helper thread while this thread watches for signals:
+/// on Ctrl-C the library is asked to stop (`cancel`), and once it has, the KeyboardInterrupt
+/// is raised here. Signals are only delivered to Python's main thread, so from other threads
+/// this is a plain blocking call.
+fn interruptible<T: Send>(py: Python<'_>, cancel: &AtomicBool, work: impl FnOnce() -> T + Send) -> PyResult<T> {
+    let mut interrupt: Option<PyErr> = None;
+    let out = py.detach(|| {
+        std::thread::scope(|scope| {
+            let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+            let worker = scope.spawn(move || {
+                let out = work();
+                let _ = done_tx.send(());
+                out
+            });
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = done_rx.recv_timeout(SIGNAL_POLL) {
+                if interrupt.is_none() {
+                    if let Err(e) = Python::attach(|py| py.check_signals()) {
+                        cancel.store(true, Ordering::Relaxed);
+                        interrupt = Some(e);
+                    }
+                }
+            }
+            worker.join()
+        })
+    });
+    match (interrupt, out) {
+        (Some(e), _) => Err(e),
+        (None, Ok(out)) => Ok(out),
+        (None, Err(panic)) => std::panic::resume_unwind(panic),
+    }
+}
+
+const SIGNAL_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// A library result as a Python result.
 fn lib<T>(py: Python<'_>, result: tessera::Result<T>) -> PyResult<T> {
@@ -107,11 +142,18 @@ fn save<'py>(
         tree.set_path(&path, StateTree::Value(value));
     }
     let defaults = SaveOptions::default();
-    let opts =
-        SaveOptions { overwrite, validate, content_metadata, threads: threads.unwrap_or(defaults.threads), ..defaults };
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = SaveOptions {
+        overwrite,
+        validate,
+        content_metadata,
+        threads: threads.unwrap_or(defaults.threads),
+        cancel: Some(cancel.clone()),
+        ..defaults
+    };
     let comm = communicator(comm.as_ref())?;
     let storage = open(py, location)?;
-    let report = lib(py, py.detach(|| tessera::save(tree, &*storage, &*comm, &opts)))?;
+    let report = lib(py, interruptible(py, &cancel, || tessera::save(tree, &*storage, &*comm, &opts))?)?;
     let out = PyDict::new(py);
     out.set_item("file", report.file)?;
     out.set_item("bytes_written", report.bytes_written)?;
@@ -173,21 +215,23 @@ fn load<'py>(
         .collect::<PyResult<Vec<_>>>()?;
     let tree = slots(tensors, objects);
     let defaults = LoadOptions::default();
+    let cancel = Arc::new(AtomicBool::new(false));
     let opts = LoadOptions {
         verify_checksums: verify,
         strict: lib(py, StrictHandling::parse(strict))?,
         threads: threads.unwrap_or(defaults.threads),
+        cancel: Some(cancel.clone()),
         ..defaults
     };
     let comm = communicator(comm.as_ref())?;
     let storage = open(py, location)?;
     let (common, result) = lib(
         py,
-        py.detach(|| {
+        interruptible(py, &cancel, || {
             let index = tessera::open_index(&*storage)?;
             let result = tessera::load_from_index(&index, tree, &*storage, &*comm, &opts)?;
             Ok((index.common, result))
-        }),
+        })?,
     )?;
 
     let mut loaded = BTreeMap::new();

@@ -101,6 +101,9 @@ pub enum Error {
         /// What failed.
         reason: String,
     },
+    /// The caller cancelled the operation (e.g. Ctrl-C); a save so stopped is not committed.
+    #[error("cancelled")]
+    Cancelled,
     /// An operating-system IO error on a path.
     #[error("io error on {path}: {source}")]
     Io {

@@ -322,6 +322,7 @@ fn save_load_case_worlds(
             max_span: *rng.pick(&[1u64, 16, 100, 4096, 8 << 20]),
             max_gap: *rng.pick(&[0u64, 8, 1000, 64 << 10]),
         },
+        cancel: None,
     };
     let index = rng.chance(1, 2).then(|| open_index(storage).unwrap());
     let ctx = format!(

@@ -2,6 +2,8 @@
 //! communication, read only the needed bytes into the caller's buffers.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use crate::comm::Communicator;
 use crate::format::CheckpointIndex;
@@ -69,6 +71,9 @@ pub struct LoadOptions {
     pub threads: usize,
     /// Read grouping.
     pub tuning: ReadTuning,
+    /// Set it to stop the reads early: the load then fails with [`Error::Cancelled`] (target
+    /// buffers hold partial data).
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 impl Default for LoadOptions {
@@ -78,6 +83,7 @@ impl Default for LoadOptions {
             strict: StrictHandling::default(),
             threads: crate::io::save::default_threads(),
             tuning: ReadTuning::default(),
+            cancel: None,
         }
     }
 }
@@ -230,7 +236,7 @@ pub fn load_from_index<'a>(
         segs.extend(p.segs);
     }
     let plan = plan_reads(index, segs, opts.verify_checksums, opts.tuning);
-    execute(storage, index, &plan, &targets, opts.threads)?;
+    execute(storage, index, &plan, &targets, opts.threads, opts.cancel.as_deref())?;
     let mut header_bytes_read = 0;
     if opts.verify_checksums {
         let mut files: Vec<u32> = plan.spans.iter().map(|s| s.file).collect();

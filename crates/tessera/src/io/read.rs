@@ -2,7 +2,7 @@
 //! caller's buffers.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::format::CheckpointIndex;
@@ -45,6 +45,7 @@ pub(crate) fn execute(
     plan: &ReadPlan,
     targets: &[Target],
     threads: usize,
+    cancel: Option<&AtomicBool>,
 ) -> Result<()> {
     let next = AtomicUsize::new(0);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
@@ -58,6 +59,10 @@ pub(crate) fn execute(
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     if i >= plan.spans.len() || first_error.lock().unwrap().is_some() {
+                        return;
+                    }
+                    if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                        first_error.lock().unwrap().get_or_insert(Error::Cancelled);
                         return;
                     }
                     let sp = &plan.spans[i];

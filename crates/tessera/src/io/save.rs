@@ -1,6 +1,8 @@
 //! Synchronous multi-rank save: one metadata exchange, global validation, parallel writes of
 //! each rank's data file, then the index written last and atomically by rank 0.
 
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::comm::Communicator;
@@ -29,6 +31,9 @@ pub struct SaveOptions {
     pub threads: usize,
     /// Checksum block size in bytes (loads verify whole blocks).
     pub block_size: u64,
+    /// Set it to stop the IO early: the save then fails with [`Error::Cancelled`] on this rank
+    /// (and with `PeerFailed` on the others) and nothing is committed.
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 impl Default for SaveOptions {
@@ -39,6 +44,7 @@ impl Default for SaveOptions {
             content_metadata: Value::Null,
             threads: default_threads(),
             block_size: DEFAULT_BLOCK_SIZE,
+            cancel: None,
         }
     }
 }
@@ -247,6 +253,7 @@ pub fn save(
     // Write this rank's data file.
     let layout = layout_file(rank, &plans[rank], opts.block_size);
     let mut written = WrittenFile::default();
+    let mut own_write_error = None;
     if !layout.entries.is_empty() {
         let name = data_file_name(save_id, rank);
         let result = (|| -> Result<WrittenFile> {
@@ -263,7 +270,7 @@ pub fn save(
                 let e = &layout.entries[layout.tensor_entries.len() + n];
                 sources.push(Source { data, file_off: layout.header_len + e.start, block: u64::MAX });
             }
-            let mut crcs = write_sources(writer.as_ref(), &sources, opts.threads)?;
+            let mut crcs = write_sources(writer.as_ref(), &sources, opts.threads, opts.cancel.as_deref())?;
             // An object has exactly one checksum, even when empty.
             for c in crcs.iter_mut().skip(layout.tensor_entries.len()) {
                 if c.is_empty() {
@@ -304,7 +311,14 @@ pub fn save(
                     .collect(),
             })
         })();
-        written = result.unwrap_or_else(|e| WrittenFile { error: Some(format!("I{e}")), ..Default::default() });
+        written = match result {
+            Ok(w) => w,
+            Err(e) => {
+                let report = WrittenFile { error: Some(format!("I{e}")), ..Default::default() };
+                own_write_error = Some(e);
+                report
+            }
+        };
     }
     let reports = comm.all_gather(&written.encode())?;
     let written_all: Vec<WrittenFile> = reports
@@ -315,7 +329,10 @@ pub fn save(
         })
         .collect::<Result<_>>()?;
     if let Some((r, msg)) = written_all.iter().enumerate().find_map(|(r, w)| w.error.as_ref().map(|m| (r, m))) {
-        return Err(decode_peer_error(r, msg));
+        return Err(match own_write_error {
+            Some(e) if r == rank => e,
+            _ => decode_peer_error(r, msg),
+        });
     }
 
     // Rank 0 commits; everyone learns the verdict.

@@ -1,6 +1,6 @@
 //! Parallel positioned writes of borrowed buffers into one data file, checksumming on the way.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::storage::ObjectWriter;
@@ -32,6 +32,7 @@ pub(crate) fn write_sources(
     writer: &dyn ObjectWriter,
     sources: &[Source<'_>],
     threads: usize,
+    cancel: Option<&AtomicBool>,
 ) -> Result<Vec<Vec<u32>>> {
     let mut units = Vec::new();
     let mut i = 0;
@@ -73,6 +74,10 @@ pub(crate) fn write_sources(
                 loop {
                     let u = next.fetch_add(1, Ordering::Relaxed);
                     if u >= units.len() || first_error.lock().unwrap().is_some() {
+                        return;
+                    }
+                    if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                        first_error.lock().unwrap().get_or_insert(crate::Error::Cancelled);
                         return;
                     }
                     let r = match &units[u] {
