@@ -258,3 +258,34 @@ def test_flattened_ranges_and_every_dtype(tmp_path: Any) -> None:
     for name, t in full.items():
         assert plain[name].dtype == t.dtype
         assert torch.equal(plain[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def test_async_flag_returns_a_finished_request(tmp_path: Any) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    request = dc.save({"a": ShardedTensor.from_rank_offsets("a", torch.arange(6.0))}, ckpt, async_sharded_save=True)
+    assert request.is_done()
+    request.execute_sync()
+    assert request.finalize()["chunks"] == 1
+    assert torch.equal(dc.load_plain_tensors(ckpt)["a"], torch.arange(6.0))
+
+
+def _validate(rank: int, world: int, overlap: bool) -> None:
+    rows = 3 if overlap else 2
+    sh = ShardedTensor("v", torch.ones(rows, 2), torch.float32, (rows, 2), (4, 2), (2 * rank if not overlap else rank, 0), None)
+    if overlap:
+        with pytest.raises(InvalidShardingError):
+            dc.validate_sharding_integrity([sh])
+    else:
+        dc.validate_sharding_integrity([sh])
+
+
+def test_validate_sharding_integrity_on_every_rank() -> None:
+    run_ranks(2, _validate, False)
+    run_ranks(2, _validate, True)
+
+
+def test_remove_sharded_tensors(tmp_path: Any) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    dc.save({k: ShardedTensor.from_rank_offsets(k, torch.ones(2)) for k in ("opt.a", "opt.b", "model.w")}, ckpt)
+    assert sorted(dc.remove_sharded_tensors(ckpt, "opt.")) == ["opt.a", "opt.b"]
+    assert set(dc.load_tensors_metadata(ckpt)) == {"model.w"}
