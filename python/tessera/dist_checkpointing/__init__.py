@@ -29,6 +29,7 @@ from .dict_utils import (
     nested_items_iter,
     nested_values,
 )
+from .dist_optimizer import BufferLayout, ParamRange, dist_optimizer_sharded_tensors, dist_optimizer_state_dict, dp_shard_range, param_buffer_layout  # noqa: E501
 from .dtypes import (
     numpy_dtype_to_tessera,
     tessera_dtype_to_numpy,
