@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Produces the headline figures: the demo, the IO benchmark against raw disk (5 rounds,
-# medians), and the planning simulation at 10,000 ranks. Output goes to target/figures.txt.
+# medians), the planning simulation at 10,000 ranks, and the Python package against torch DCP
+# and safetensors (2 gloo ranks, 3 rounds, medians). Output goes to target/figures.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Release build of the CLI (2 jobs: small machine).
 cargo build --release -j2 -p tessera-cli
 bin="${CARGO_TARGET_DIR:-target}/release/tessera"
+# The Python package (release build) in .venv, for the PyTorch comparison.
+bash scripts/python-env.sh
 out=target/figures.txt
 mkdir -p target
 
@@ -27,4 +30,7 @@ run() {
   run bench --plan-only --ranks 10000 --tensors 1000
   # About 1,000,000 stored chunks: the index-open figure for the 1M-chunk goal.
   run bench --plan-only --ranks 2000 --tensors 1000
+  # PyTorch users' view: tessera.torch vs torch.distributed.checkpoint vs safetensors, 512MiB.
+  echo "\$ .venv/bin/python scripts/bench_python.py"
+  .venv/bin/python scripts/bench_python.py
 } 2>&1 | tee "$out"
