@@ -67,10 +67,6 @@ pub(crate) fn execute(
                     }
                     let sp = &plan.spans[i];
                     let name = &index.files[sp.file as usize].name;
-                    // Keep the device busy: ask for the span `workers` ahead while this one is read.
-                    if let Some(ahead) = plan.spans.get(i + workers) {
-                        storage.prefetch(&index.files[ahead.file as usize].name, ahead.off, ahead.len);
-                    }
                     let r = (|| -> Result<()> {
                         let segs = &plan.segs[sp.segs.clone()];
                         let buf: &mut [u8] = if sp.direct {

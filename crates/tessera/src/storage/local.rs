@@ -79,21 +79,6 @@ impl Storage for LocalStorage {
         })
     }
 
-    fn prefetch(&self, name: &str, offset: u64, len: u64) {
-        use std::os::unix::io::AsRawFd;
-        if let Ok(f) = self.handle(name) {
-            // SAFETY: plain syscall on an open descriptor; advice only, result ignored.
-            unsafe {
-                libc::posix_fadvise(
-                    f.as_raw_fd(),
-                    offset as libc::off_t,
-                    len as libc::off_t,
-                    libc::POSIX_FADV_WILLNEED,
-                );
-            }
-        }
-    }
-
     fn create(&self, name: &str, size: u64) -> Result<Box<dyn ObjectWriter>> {
         let path = self.path(name)?;
         fs::create_dir_all(&self.root).map_err(|e| Error::io(&self.root, e))?;

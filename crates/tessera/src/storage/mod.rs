@@ -29,10 +29,6 @@ pub trait Storage: Send + Sync + fmt::Debug {
     /// threads at once.
     fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()>;
 
-    /// Hints that `[offset, offset + len)` of `name` will be read soon, so the backend may start
-    /// fetching it. No effect on semantics; errors are ignored. Default: nothing.
-    fn prefetch(&self, _name: &str, _offset: u64, _len: u64) {}
-
     /// Reads the whole object.
     fn read(&self, name: &str) -> Result<Vec<u8>> {
         let n = self.size(name)?;
