@@ -33,4 +33,8 @@ run() {
   # PyTorch users' view: tessera.torch vs torch.distributed.checkpoint vs safetensors, 512MiB.
   echo "\$ .venv/bin/python scripts/bench_python.py"
   .venv/bin/python scripts/bench_python.py
+  echo
+  # Distributed-optimizer state: model-space flat ranges vs raw per-rank buckets.
+  echo "\$ .venv/bin/python scripts/bench_dist_optimizer.py --reps 5"
+  .venv/bin/python scripts/bench_dist_optimizer.py --reps 5
 } 2>&1 | tee "$out"
