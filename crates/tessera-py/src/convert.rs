@@ -122,49 +122,41 @@ const LOAD_TENSOR: [&str; 10] = [
     "nbytes",
 ];
 
+/// The fields shared by both tuple kinds (positions 0–5), as a data-less main-replica tensor.
+fn geometry(f: &Fields<'_>) -> PyResult<ShardedTensor<'static>> {
+    Ok(ShardedTensor {
+        key: f.get(0, "key")?,
+        data: TensorData::None,
+        dtype: f.dtype(1)?,
+        local_shape: f.get(2, "local_shape")?,
+        global_shape: f.get(3, "global_shape")?,
+        global_offset: f.get(4, "global_offset")?,
+        axis_fragmentations: None,
+        replica_id: ReplicaId::main(),
+        prepend_axis_num: f.get(5, "prepend_axis_num")?,
+        allow_shape_mismatch: false,
+        flattened_range: None,
+    })
+}
+
 impl TensorSpec {
     /// Parses a `SaveTensor` tuple (item `index` of the list).
     pub fn save_from_py(obj: &Bound<'_, PyAny>, index: usize) -> PyResult<Self> {
         let f = Fields::new(obj, format!("tensors[{index}]"), &SAVE_TENSOR)?;
-        Ok(TensorSpec {
-            tensor: ShardedTensor {
-                key: f.get(0, "key")?,
-                data: TensorData::None,
-                dtype: f.dtype(1)?,
-                local_shape: f.get(2, "local_shape")?,
-                global_shape: f.get(3, "global_shape")?,
-                global_offset: f.get(4, "global_offset")?,
-                prepend_axis_num: f.get(5, "prepend_axis_num")?,
-                replica_id: f.replica_id(6)?,
-                flattened_range: f.flattened_range(7)?,
-                axis_fragmentations: f.get(8, "axis_fragmentations")?,
-                allow_shape_mismatch: false,
-            },
-            data_ptr: f.get(9, "data_ptr")?,
-            nbytes: f.get(10, "nbytes")?,
-        })
+        let mut tensor = geometry(&f)?;
+        tensor.replica_id = f.replica_id(6)?;
+        tensor.flattened_range = f.flattened_range(7)?;
+        tensor.axis_fragmentations = f.get(8, "axis_fragmentations")?;
+        Ok(TensorSpec { tensor, data_ptr: f.get(9, "data_ptr")?, nbytes: f.get(10, "nbytes")? })
     }
 
     /// Parses a `LoadTensor` tuple (item `index` of the list).
     pub fn load_from_py(obj: &Bound<'_, PyAny>, index: usize) -> PyResult<Self> {
         let f = Fields::new(obj, format!("tensors[{index}]"), &LOAD_TENSOR)?;
-        Ok(TensorSpec {
-            tensor: ShardedTensor {
-                key: f.get(0, "key")?,
-                data: TensorData::None,
-                dtype: f.dtype(1)?,
-                local_shape: f.get(2, "local_shape")?,
-                global_shape: f.get(3, "global_shape")?,
-                global_offset: f.get(4, "global_offset")?,
-                prepend_axis_num: f.get(5, "prepend_axis_num")?,
-                replica_id: ReplicaId::main(),
-                flattened_range: f.flattened_range(6)?,
-                axis_fragmentations: None,
-                allow_shape_mismatch: f.get(7, "allow_shape_mismatch")?,
-            },
-            data_ptr: f.get(8, "data_ptr")?,
-            nbytes: f.get(9, "nbytes")?,
-        })
+        let mut tensor = geometry(&f)?;
+        tensor.flattened_range = f.flattened_range(6)?;
+        tensor.allow_shape_mismatch = f.get(7, "allow_shape_mismatch")?;
+        Ok(TensorSpec { tensor, data_ptr: f.get(8, "data_ptr")?, nbytes: f.get(9, "nbytes")? })
     }
 
     /// The tensor borrowing the caller's memory read-only (save).

@@ -243,6 +243,18 @@ def _tessera_dtype(dtype: Any) -> str:
     return torch_dtype_to_tessera(dtype)
 
 
+def _geometry(sh: ShardedTensor) -> tuple:
+    """The leading fields shared by the native save and load tuples."""
+    return (
+        sh.key,
+        _tessera_dtype(sh.dtype),
+        tuple(int(x) for x in sh.local_shape),
+        tuple(int(x) for x in sh.global_shape),
+        tuple(int(x) for x in sh.global_offset),
+        int(sh.prepend_axis_num),
+    )
+
+
 def _save_tuple(sh: ShardedTensor, keep_alive: List[Any]) -> tuple:
     if sh.data is None:
         ptr, nbytes = 0, 0
@@ -251,13 +263,7 @@ def _save_tuple(sh: ShardedTensor, keep_alive: List[Any]) -> tuple:
         keep_alive.append(data)
         ptr, nbytes = data.data_ptr(), data.numel() * data.element_size()
     fr = tuple(sh.axis_fragmentations) if sh.axis_fragmentations is not None else None
-    return (
-        sh.key,
-        _tessera_dtype(sh.dtype),
-        tuple(int(x) for x in sh.local_shape),
-        tuple(int(x) for x in sh.global_shape),
-        tuple(int(x) for x in sh.global_offset),
-        int(sh.prepend_axis_num),
+    return _geometry(sh) + (
         _replica_tuple(sh.replica_id),
         _flat_range(sh),
         fr,
@@ -413,13 +419,8 @@ def load(
     native_tensors = []
     for (_, sh), (buf, _) in zip(tensors, targets):
         native_tensors.append(
-            (
-                sh.key,
-                _tessera_dtype(sh.dtype),
-                tuple(int(x) for x in sh.local_shape),
-                tuple(int(x) for x in sh.global_shape),
-                tuple(int(x) for x in sh.global_offset),
-                int(sh.prepend_axis_num),
+            _geometry(sh)
+            + (
                 _flat_range(sh),
                 bool(sh.allow_shape_mismatch),
                 buf.data_ptr(),
