@@ -161,3 +161,25 @@ def test_fsdp2_train_save_load_at_1_2_4_and_continue(tmp_path: Any) -> None:
     exp_avg = {p: s["exp_avg"] for p, s in optim["state"].items()}
     assert set(exp_avg) == {k for k in model}
     assert optim["param_groups"]["0.weight"]["lr"] == pytest.approx(0.01)
+
+
+def test_plain_module_save_load_without_process_group(tmp_path: Any) -> None:
+    ckpt = str(tmp_path / "plain")
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, optim, batches(2))
+    tt.save_model_and_optim_state(ckpt, model, optim)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    tt.load_model_and_optim_state(ckpt, fresh, fresh_optim)
+    for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name
+    want, got = optim.state_dict(), fresh_optim.state_dict()
+    assert got["param_groups"][0]["lr"] == pytest.approx(0.01)
+    for pid, state in want["state"].items():
+        for name, value in state.items():
+            assert torch.equal(got["state"][pid][name], value), (pid, name)
+    train(model, optim, batches(4)[2:])
+    train(fresh, fresh_optim, batches(4)[2:])
+    for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name
