@@ -186,8 +186,8 @@ class TesseraSaveShardedStrategy(SaveShardedStrategy):
         return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
 
 
-class TesseraLoadShardedStrategy(LoadShardedStrategy):
-    """tessera's native load, into any layout."""
+class _TesseraReader:
+    """What both tessera load strategies share: the backend they read and its checks."""
 
     backend = TESSERA_BACKEND
     version = TESSERA_BACKEND_VERSION
@@ -201,6 +201,10 @@ class TesseraLoadShardedStrategy(LoadShardedStrategy):
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True
+
+
+class TesseraLoadShardedStrategy(_TesseraReader, LoadShardedStrategy):
+    """tessera's native load, into any layout."""
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> StateDict:
         """Same as ``dist_checkpointing.load(sharded_state_dict, checkpoint_dir, self)``."""
@@ -218,21 +222,8 @@ class TesseraLoadShardedStrategy(LoadShardedStrategy):
         return _serialization().remove_sharded_tensors(checkpoint_dir, key_prefix)
 
 
-class TesseraLoadCommonStrategy(LoadCommonStrategy):
+class TesseraLoadCommonStrategy(_TesseraReader, LoadCommonStrategy):
     """Reads the common state and sharded objects of a tessera checkpoint."""
-
-    backend = TESSERA_BACKEND
-    version = TESSERA_BACKEND_VERSION
-
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        _check_tessera(loaded_backend, self.version)
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        _check_tessera(self.backend, loaded_version)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
 
     def load_common(self, checkpoint_dir: Any) -> StateDict:
         return _serialization().load_common_state_dict(checkpoint_dir)
