@@ -16,7 +16,7 @@ import torch
 from . import _native
 from ._comm import default_comm
 from .dist_checkpointing.mapping import tessera_dtype_to_torch, torch_dtype_to_tessera
-from .dist_checkpointing.serialization import _from_native_path, _from_plain, _leaves, _set_path, _to_native_path, _to_plain
+from .dist_checkpointing.serialization import _cpu_contiguous, _from_native_path, _from_plain, _leaves, _set_path, _to_native_path, _to_plain
 
 __all__ = [
     "save",
@@ -86,10 +86,7 @@ def save(
     native = []
     for path, t in tensors:
         local, shape, offset, replica = _layout(t, rank)
-        data = local.detach()
-        if data.device.type != "cpu":
-            data = data.to("cpu")
-        data = data.contiguous()
+        data = _cpu_contiguous(local)
         keep_alive.append(data)
         native.append(
             (_key(path), torch_dtype_to_tessera(t.dtype), tuple(data.shape), shape, offset, 0, replica, None, None,
@@ -139,6 +136,14 @@ def get_metadata(dir: Any) -> Dict[str, Dict[str, Any]]:
     }
 
 
+def _not_rank0(rank0_only: bool, no_dist: bool) -> bool:
+    """With ``rank0_only``, ranks other than 0 of an initialized process group get nothing."""
+    if not rank0_only or no_dist:
+        return False
+    comm = default_comm()
+    return comm is not None and comm.rank() != 0
+
+
 def unshard(
     dir: Any,
     keys: Optional[Iterable[str]] = None,
@@ -149,10 +154,8 @@ def unshard(
 ) -> Dict[str, torch.Tensor]:
     """Full tensors (all, or ``keys``) read straight from the checkpoint; no communication.
     With ``rank0_only`` other ranks of an initialized process group get ``{}``."""
-    if rank0_only and not no_dist:
-        comm = default_comm()
-        if comm is not None and comm.rank() != 0:
-            return {}
+    if _not_rank0(rank0_only, no_dist):
+        return {}
     meta = get_metadata(dir)
     wanted = list(meta) if keys is None else list(keys)
     out = {k: torch.empty(meta[k]["shape"], dtype=meta[k]["dtype"]) for k in wanted if k in meta}
@@ -252,9 +255,9 @@ def unshard_optim_state(
     dir: Any, device: Any = None, rank0_only: bool = False, no_dist: bool = False
 ) -> Dict[str, Any]:
     """The full optimizer state: ``{"state": {param: {name: tensor}}, "param_groups": [...]}``."""
-    flat = _unshard_prefixed(dir, _OPTIM, device, rank0_only, no_dist)
-    if rank0_only and not flat and default_comm() is not None and default_comm().rank() != 0:
+    if _not_rank0(rank0_only, no_dist):
         return {}
+    flat = _unshard_prefixed(dir, _OPTIM, device, rank0_only, no_dist)
     state: Dict[str, Dict[str, Any]] = {}
     for k, v in flat.items():
         param, _, name = k[len("state.") :].rpartition(".")

@@ -227,7 +227,7 @@ def _flat_range(sh: ShardedTensor) -> Optional[Tuple[int, int]]:
     return (int(r.start), int(r.stop))
 
 
-def _cpu_contiguous(t: Any, key: str) -> Any:
+def _cpu_contiguous(t: Any) -> Any:
     """The tensor as CPU C-contiguous memory: CUDA tensors are staged to host (a copy), and
     non-contiguous tensors are copied into a contiguous one."""
     if t.device.type != "cpu":
@@ -259,7 +259,7 @@ def _save_tuple(sh: ShardedTensor, keep_alive: List[Any]) -> tuple:
     if sh.data is None:
         ptr, nbytes = 0, 0
     else:
-        data = _cpu_contiguous(sh.data, sh.key)
+        data = _cpu_contiguous(sh.data)
         keep_alive.append(data)
         ptr, nbytes = data.data_ptr(), data.numel() * data.element_size()
     fr = tuple(sh.axis_fragmentations) if sh.axis_fragmentations is not None else None

@@ -161,23 +161,13 @@ impl<'a> StateTree<'a> {
         Some(node)
     }
 
-    /// Follows a dotted path of map keys (`"a.b.c"`).
+    /// Follows a dotted path (`"a.b.0.c"`): a segment is a key in a map, an index in a list.
     pub fn get_dotted(&self, dotted: &str) -> Option<&StateTree<'a>> {
-        let path: Vec<PathSeg> = dotted
-            .split('.')
-            .map(|p| match (self.is_list_hint(), p.parse::<u64>()) {
-                (_, Ok(i)) if !p.is_empty() => PathSeg::Index(i),
-                _ => PathSeg::Key(p.to_string()),
-            })
-            .collect();
-        self.get(&path).or_else(|| {
-            let keys: Vec<PathSeg> = dotted.split('.').map(|p| PathSeg::Key(p.to_string())).collect();
-            self.get(&keys)
+        dotted.split('.').try_fold(self, |node, seg| match node {
+            StateTree::Map(m) => m.get(seg),
+            StateTree::List(l) => l.get(seg.parse::<usize>().ok()?),
+            _ => None,
         })
-    }
-
-    fn is_list_hint(&self) -> bool {
-        matches!(self, StateTree::List(_))
     }
 
     /// Visits every leaf with its path, depth first, maps in key order.
