@@ -78,7 +78,16 @@ fn rank_plan(rank: u64, tp: u64, dp: u64, specs: &[TensorSpec]) -> RankPlan {
                 Some(b) => (Some((b[d as usize], b[d as usize + 1])), true),
                 None => (None, d == 0),
             };
-            ShardMeta { key: s.key.clone(), dtype: s.dtype, global_shape: s.global.into(), offset, shape, flat, main }
+            ShardMeta {
+                key: s.key.clone(),
+                dtype: s.dtype,
+                global_shape: s.global.into(),
+                offset,
+                shape,
+                flat,
+                main,
+                has_data: true,
+            }
         })
         .collect();
     let objects = vec![ObjectMeta {

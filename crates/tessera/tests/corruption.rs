@@ -439,7 +439,7 @@ fn an_index_whose_chunks_point_past_their_file_is_refused() {
     let fx = fixture();
     let original = std::fs::read(fx.path(INDEX_FILE)).unwrap();
     let mut index = CheckpointIndex::from_bytes(&original, "orig").unwrap();
-    let size = index.files[0].size;
+    let size = index.files[index.tensors[0].chunks[0].file as usize].size;
     index.tensors[0].chunks[0].byte_offset = size;
     assert_corrupt(CheckpointIndex::from_bytes(&index.encode(), "bad.index"), "bad.index", "chunk past the end");
 }

@@ -168,12 +168,18 @@ fn save_load_case_worlds(
     // Save layout: every part is a main replica on some rank, some have extra replicas.
     let mut save_shards: Vec<Vec<SaveShard>> = (0..save_world).map(|_| Vec::new()).collect();
     let mut mains = 0usize;
+    // Fully-parallel save: replicas hold the true bytes (or none) and may be chosen to write.
+    // Otherwise replicas may hold garbage, which must never be written.
+    let distribute = rng.chance(1, 2);
     for (ti, spec) in tensors.iter().enumerate() {
         for part in random_parts(&mut rng, ti, &spec.shape) {
             let data = part_bytes(spec, &part);
             if rng.chance(1, 3) {
                 for _ in 0..rng.range(1, 2) {
-                    let garbage = rng.chance(1, 2).then(|| rng.bytes(data.len()));
+                    let garbage = match distribute {
+                        true => rng.chance(1, 2).then(|| data.clone()),
+                        false => rng.chance(1, 2).then(|| rng.bytes(data.len())),
+                    };
                     let r = rng.index(save_world);
                     save_shards[r].push(SaveShard {
                         part: part.clone(),
@@ -268,7 +274,8 @@ fn save_load_case_worlds(
             .with("objects", StateTree::List(objects))
             .with("step", StateTree::Value(Value::Int(if r == 0 { seed as i64 } else { -1 })))
             .with("local", StateTree::NonPersistent(Value::Str(format!("rank {r}"))));
-        save(tree, storage, c, &small_blocks(block_size)).map_err(|e| e.to_string())
+        let opts = SaveOptions { distribute_replicas: distribute, ..small_blocks(block_size) };
+        save(tree, storage, c, &opts).map_err(|e| e.to_string())
     });
     let reports: Vec<SaveReport> = reports
         .into_iter()
@@ -276,11 +283,16 @@ fn save_load_case_worlds(
         .map(|(r, x)| x.unwrap_or_else(|e| panic!("save rank {r} of {save_world}: {e}")))
         .collect();
     let total_bytes: u64 = tensors.iter().map(|t| t.truth.len() as u64).sum();
-    let writers = (0..save_world)
-        .filter(|&r| {
-            save_shards[r].iter().any(|s| s.replica.is_main()) || save_objects[r].iter().any(|o| o.replica.is_main())
-        })
-        .count();
+    let writers = match distribute {
+        // Writers move to replicas: every rank holding a main shard or a replica with data may write.
+        true => reports.iter().filter(|r| r.file.is_some()).count(),
+        false => (0..save_world)
+            .filter(|&r| {
+                save_shards[r].iter().any(|s| s.replica.is_main())
+                    || save_objects[r].iter().any(|o| o.replica.is_main())
+            })
+            .count(),
+    };
     for rep in &reports {
         assert_eq!(rep.chunks, mains, "chunks in the save report");
         assert_eq!(rep.total_tensor_bytes, total_bytes, "tensor bytes in the save report");
@@ -322,7 +334,7 @@ fn save_load_case_worlds(
             max_span: *rng.pick(&[1u64, 16, 100, 4096, 8 << 20]),
             max_gap: *rng.pick(&[0u64, 8, 1000, 64 << 10]),
         },
-        cancel: None,
+        ..LoadOptions::default()
     };
     let index = rng.chance(1, 2).then(|| open_index(storage).unwrap());
     let ctx = format!(

@@ -1,5 +1,6 @@
-//! Synchronous multi-rank save: one metadata exchange, global validation, parallel writes of
-//! each rank's data file, then the index written last and atomically by rank 0.
+//! Multi-rank save: one metadata exchange, global validation and writer assignment
+//! ([`prepare`]), parallel writes of each rank's data file, then the index written last and
+//! atomically by rank 0 ([`commit`]). The async save shares both halves.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -10,8 +11,8 @@ use crate::format::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
 use crate::io::factories::apply_factories;
 use crate::io::write::{write_sources, Source};
 use crate::plan::save::{
-    build_index, data_file_name, file_header, layout_file, validate_global, ObjectMeta, RankPlan, ShardMeta,
-    WrittenFile,
+    assign_writers, build_index, data_file_name, file_header, layout_file, validate_global, FileLayout, ObjectMeta,
+    RankPlan, ShardMeta, WrittenFile,
 };
 use crate::state::{StatePath, StateTree, Value};
 use crate::storage::Storage;
@@ -34,6 +35,10 @@ pub struct SaveOptions {
     /// Set it to stop the IO early: the save then fails with [`Error::Cancelled`] on this rank
     /// (and with `PeerFailed` on the others) and nothing is committed.
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Fully-parallel save: spread the writing of replicated chunks (data-parallel replicas
+    /// that hold their bytes) over their holders instead of leaving it all to the main replica.
+    /// The checkpoint holds the same chunks either way.
+    pub distribute_replicas: bool,
 }
 
 impl Default for SaveOptions {
@@ -45,6 +50,7 @@ impl Default for SaveOptions {
             threads: default_threads(),
             block_size: DEFAULT_BLOCK_SIZE,
             cancel: None,
+            distribute_replicas: true,
         }
     }
 }
@@ -73,13 +79,15 @@ pub struct SaveReport {
 struct Collected<'t> {
     plan: RankPlan,
     local_error: Option<Error>,
-    tensor_data: Vec<&'t [u8]>,
+    /// Per tensor shard (plan order): its bytes, where the rank has them and may write them.
+    tensor_data: Vec<Option<&'t [u8]>>,
     object_data: Vec<&'t [u8]>,
     common: Vec<(StatePath, Value)>,
 }
 
 /// `require_data`: main replicas must carry their bytes (save); validation alone needs none.
-fn collect<'t>(tree: &'t StateTree<'_>, rank: usize, require_data: bool) -> Collected<'t> {
+/// `offer_replicas`: replicas holding their bytes offer to write them (fully-parallel save).
+fn collect<'t>(tree: &'t StateTree<'_>, rank: usize, require_data: bool, offer_replicas: bool) -> Collected<'t> {
     let mut c = Collected {
         plan: RankPlan::default(),
         local_error: None,
@@ -95,18 +103,12 @@ fn collect<'t>(tree: &'t StateTree<'_>, rank: usize, require_data: bool) -> Coll
                 error.get_or_insert(e);
                 return;
             }
-            if main && require_data {
-                match t.data.bytes() {
-                    Some(b) => c.tensor_data.push(b),
-                    None => {
-                        error.get_or_insert(Error::invalid(format!(
-                            "{:?}: the main replica has no data to save",
-                            t.key
-                        )));
-                        return;
-                    }
-                }
+            let data = t.data.bytes().filter(|_| main || offer_replicas);
+            if main && require_data && data.is_none() {
+                error.get_or_insert(Error::invalid(format!("{:?}: the main replica has no data to save", t.key)));
+                return;
             }
+            c.tensor_data.push(data);
             c.plan.tensors.push(ShardMeta {
                 key: t.key.as_str().into(),
                 dtype: t.dtype,
@@ -115,6 +117,7 @@ fn collect<'t>(tree: &'t StateTree<'_>, rank: usize, require_data: bool) -> Coll
                 shape: t.box_shape().into(),
                 flat: t.flattened_range.as_ref().map(|r| (r.start, r.end)),
                 main,
+                has_data: data.is_some(),
             });
         }
         StateTree::Object(o) => {
@@ -201,7 +204,7 @@ pub fn validate_sharding_integrity(tree: StateTree<'_>, comm: &dyn Communicator)
         Ok((t, _)) => (t, None),
         Err(e) => (StateTree::map(), Some(e)),
     };
-    let mut c = collect(&tree, comm.rank(), false);
+    let mut c = collect(&tree, comm.rank(), false, false);
     if let Some(e) = factory_error {
         c.local_error = Some(e);
     }
@@ -209,21 +212,92 @@ pub fn validate_sharding_integrity(tree: StateTree<'_>, comm: &dyn Communicator)
     validate_global(&plans)
 }
 
-/// Saves this rank's part of the state. Every rank of `comm` must call it with its own tree.
-/// Errors (invalid sharding, an existing checkpoint, a failed write) are returned on every rank.
-pub fn save(
-    tree: StateTree<'_>,
+/// What every rank knows once the exchange and validation are done: the plans (writers
+/// assigned), this save's id, and this rank's file layout with the bytes to put in it.
+pub(crate) struct Prepared<'t> {
+    pub rank: usize,
+    pub plans: Vec<RankPlan>,
+    pub save_id: u64,
+    pub layout: FileLayout,
+    /// Bytes of each tensor shard this rank writes, in layout order.
+    pub tensor_data: Vec<&'t [u8]>,
+    /// Bytes of each object shard this rank writes, in layout order.
+    pub object_data: Vec<&'t [u8]>,
+    /// Rank 0: the common values.
+    pub common: Vec<(StatePath, Value)>,
+}
+
+impl<'t> Prepared<'t> {
+    /// Splits off the borrowed bytes (tensors, objects) from the rest, which can then move to a
+    /// thread that outlives the caller's tree.
+    pub fn split(self) -> (Prepared<'static>, Vec<&'t [u8]>, Vec<&'t [u8]>) {
+        let Prepared { rank, plans, save_id, layout, tensor_data, object_data, common } = self;
+        let rest = Prepared { rank, plans, save_id, layout, tensor_data: Vec::new(), object_data: Vec::new(), common };
+        (rest, tensor_data, object_data)
+    }
+
+    pub fn file_name(&self) -> String {
+        data_file_name(self.save_id, self.rank)
+    }
+
+    /// The header and this rank's report once every byte is written with checksums `crcs`
+    /// (tensors in layout order, then objects).
+    pub fn finish_file(&self, mut crcs: Vec<Vec<u32>>, block_size: u64) -> Result<(Vec<u8>, WrittenFile)> {
+        let layout = &self.layout;
+        // An object has exactly one checksum, even when empty.
+        for c in crcs.iter_mut().skip(layout.tensor_entries.len()) {
+            if c.is_empty() {
+                c.push(crc32c::crc32c(&[]));
+            }
+        }
+        let plan = &self.plans[self.rank];
+        let header = file_header(
+            self.rank,
+            plan,
+            block_size,
+            &layout.entries,
+            &layout.tensor_entries,
+            &layout.object_entries,
+            &crcs,
+        );
+        if header.len() as u64 != layout.header_len {
+            return Err(Error::invalid(format!(
+                "data-file header is {} bytes, {} were laid out",
+                header.len(),
+                layout.header_len
+            )));
+        }
+        let nt = layout.tensor_entries.len();
+        let written = WrittenFile {
+            error: None,
+            name: self.file_name(),
+            size: layout.size,
+            header_len: layout.header_len,
+            header_crc: crc32c::crc32c(&header),
+            tensors: (0..nt).map(|n| (layout.header_len + layout.entries[n].start, crcs[n].clone())).collect(),
+            objects: (0..layout.object_entries.len())
+                .map(|n| {
+                    let e = &layout.entries[nt + n];
+                    (layout.header_len + e.start, e.len, crcs[nt + n].first().copied().unwrap_or(0))
+                })
+                .collect(),
+        };
+        Ok((header, written))
+    }
+}
+
+/// The collective first half of every save: collect, exchange, validate, assign writers, lay
+/// out this rank's file. Errors come out identically on every rank, before anything is written.
+pub(crate) fn prepare<'t>(
+    tree: &'t StateTree<'_>,
+    local_error: Option<Error>,
     storage: &dyn Storage,
     comm: &dyn Communicator,
     opts: &SaveOptions,
-) -> Result<SaveReport> {
+) -> Result<Prepared<'t>> {
     let rank = comm.rank();
-    let (tree, factory_error) = match apply_factories(tree) {
-        Ok((t, _)) => (t, None),
-        Err(e) => (StateTree::map(), Some(e)),
-    };
-    let mut c = collect(&tree, rank, true);
-    if let Some(e) = factory_error {
+    let mut c = collect(tree, rank, true, opts.distribute_replicas);
+    if let Some(e) = local_error {
         c.local_error = Some(e);
     }
     if opts.block_size == 0 {
@@ -241,85 +315,82 @@ pub fn save(
             }
         }
     }
-    let plans = exchange_plans(comm, &mut c)?;
+    let mut plans = exchange_plans(comm, &mut c)?;
     if plans[0].refuse_overwrite {
         return Err(Error::AlreadyExists { path: storage.location().into() });
     }
     if opts.validate {
         validate_global(&plans)?;
     }
-    let save_id = plans[0].save_id;
-
-    // Write this rank's data file.
-    let layout = layout_file(rank, &plans[rank], opts.block_size);
-    let mut written = WrittenFile::default();
-    let mut own_write_error = None;
-    if !layout.entries.is_empty() {
-        let name = data_file_name(save_id, rank);
-        let result = (|| -> Result<WrittenFile> {
-            let writer = storage.create(&name, layout.size)?;
-            let mut sources = Vec::with_capacity(layout.entries.len());
-            for (n, data) in c.tensor_data.iter().enumerate() {
-                sources.push(Source {
-                    data,
-                    file_off: layout.header_len + layout.entries[n].start,
-                    block: opts.block_size,
-                });
-            }
-            for (n, data) in c.object_data.iter().enumerate() {
-                let e = &layout.entries[layout.tensor_entries.len() + n];
-                sources.push(Source { data, file_off: layout.header_len + e.start, block: u64::MAX });
-            }
-            let mut crcs = write_sources(writer.as_ref(), &sources, opts.threads, opts.cancel.as_deref())?;
-            // An object has exactly one checksum, even when empty.
-            for c in crcs.iter_mut().skip(layout.tensor_entries.len()) {
-                if c.is_empty() {
-                    c.push(crc32c::crc32c(&[]));
-                }
-            }
-            let header = file_header(
-                rank,
-                &plans[rank],
-                opts.block_size,
-                &layout.entries,
-                &layout.tensor_entries,
-                &layout.object_entries,
-                &crcs,
-            );
-            if header.len() as u64 != layout.header_len {
-                return Err(Error::invalid(format!(
-                    "data-file header is {} bytes, {} were laid out",
-                    header.len(),
-                    layout.header_len
-                )));
-            }
-            writer.write_at(0, &header)?;
-            writer.finish()?;
-            let nt = layout.tensor_entries.len();
-            Ok(WrittenFile {
-                error: None,
-                name: name.clone(),
-                size: layout.size,
-                header_len: layout.header_len,
-                header_crc: crc32c::crc32c(&header),
-                tensors: (0..nt).map(|n| (layout.header_len + layout.entries[n].start, crcs[n].clone())).collect(),
-                objects: (0..layout.object_entries.len())
-                    .map(|n| {
-                        let e = &layout.entries[nt + n];
-                        (layout.header_len + e.start, e.len, crcs[nt + n].first().copied().unwrap_or(0))
-                    })
-                    .collect(),
-            })
-        })();
-        written = match result {
-            Ok(w) => w,
-            Err(e) => {
-                let report = WrittenFile { error: Some(format!("I{e}")), ..Default::default() };
-                own_write_error = Some(e);
-                report
-            }
-        };
+    if opts.distribute_replicas {
+        assign_writers(&mut plans);
     }
+    let save_id = plans[0].save_id;
+    let layout = layout_file(rank, &plans[rank], opts.block_size);
+    let tensor_data = plans[rank]
+        .tensors
+        .iter()
+        .zip(&c.tensor_data)
+        .filter(|(t, _)| t.main)
+        .map(|(t, d)| {
+            d.ok_or_else(|| Error::invalid(format!("{:?}: chosen to write a shard it has no data for", t.key)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Prepared { rank, plans, save_id, layout, tensor_data, object_data: c.object_data, common: c.common })
+}
+
+/// Saves this rank's part of the state. Every rank of `comm` must call it with its own tree.
+/// Errors (invalid sharding, an existing checkpoint, a failed write) are returned on every rank.
+pub fn save(
+    tree: StateTree<'_>,
+    storage: &dyn Storage,
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
+    let (tree, factory_error) = match apply_factories(tree) {
+        Ok((t, _)) => (t, None),
+        Err(e) => (StateTree::map(), Some(e)),
+    };
+    let p = prepare(&tree, factory_error, storage, comm, opts)?;
+    let layout = &p.layout;
+    let write = || -> Result<WrittenFile> {
+        let writer = storage.create(&p.file_name(), layout.size)?;
+        let mut sources = Vec::with_capacity(layout.entries.len());
+        for (n, data) in p.tensor_data.iter().enumerate() {
+            sources.push(Source {
+                data,
+                file_off: layout.header_len + layout.entries[n].start,
+                block: opts.block_size,
+            });
+        }
+        for (n, data) in p.object_data.iter().enumerate() {
+            let e = &layout.entries[layout.tensor_entries.len() + n];
+            sources.push(Source { data, file_off: layout.header_len + e.start, block: u64::MAX });
+        }
+        let crcs = write_sources(writer.as_ref(), &sources, opts.threads, opts.cancel.as_deref())?;
+        let (header, written) = p.finish_file(crcs, opts.block_size)?;
+        writer.write_at(0, &header)?;
+        writer.finish()?;
+        Ok(written)
+    };
+    let written = if layout.entries.is_empty() { Ok(WrittenFile::default()) } else { write() };
+    commit(&p, written, storage, comm, opts)
+}
+
+/// The collective second half of every save: gather every rank's written file (or failure),
+/// rank 0 writes the index (the commit), every rank gets the same verdict.
+pub(crate) fn commit(
+    p: &Prepared<'_>,
+    written: Result<WrittenFile>,
+    storage: &dyn Storage,
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
+    let rank = p.rank;
+    let (written, own_write_error) = match written {
+        Ok(w) => (w, None),
+        Err(e) => (WrittenFile { error: Some(format!("I{e}")), ..Default::default() }, Some(e)),
+    };
     let reports = comm.all_gather(&written.encode())?;
     let written_all: Vec<WrittenFile> = reports
         .iter()
@@ -337,26 +408,23 @@ pub fn save(
 
     // Rank 0 commits; everyone learns the verdict.
     let mut verdict = Vec::new();
-    let mut index_bytes = 0u64;
     if rank == 0 {
-        let r = (|| -> Result<CheckpointIndex> {
+        let r = (|| -> Result<(CheckpointIndex, u64)> {
             let index =
-                build_index(&plans, &written_all, opts.block_size, c.common.clone(), opts.content_metadata.clone())?;
+                build_index(&p.plans, &written_all, opts.block_size, p.common.clone(), opts.content_metadata.clone())?;
             let bytes = index.encode();
             storage.put_atomic(INDEX_FILE, &bytes)?;
-            index_bytes = bytes.len() as u64;
-            Ok(index)
+            Ok((index, bytes.len() as u64))
         })();
         match r {
-            Ok(index) => {
+            Ok((index, index_bytes)) => {
                 remove_unreferenced(storage, &index);
-                let summary = (index.tensor_bytes(), index.files.len(), index.chunk_count());
                 let mut e = crate::format::codec::Encoder::default();
                 e.u8(0);
                 e.var(index_bytes);
-                e.var(summary.0);
-                e.var(summary.1 as u64);
-                e.var(summary.2 as u64);
+                e.var(index.tensor_bytes());
+                e.var(index.files.len() as u64);
+                e.var(index.chunk_count() as u64);
                 verdict = e.buf;
             }
             Err(err) => {
