@@ -83,6 +83,42 @@ def save(
     Returns ``{"file", "bytes_written", "total_tensor_bytes", "files", "chunks", "index_bytes"}``.
     """
 
+class AsyncSave:
+    """One async save in flight."""
+
+    def is_done(self) -> bool:
+        """This rank's part is written and the commit decided (local, no communication)."""
+    def finalize(self) -> Dict[str, Union[int, Optional[str]]]:
+        """Waits; returns the report of :func:`save` or raises the save's error (same on every rank)."""
+
+class AsyncSaver:
+    """Async saves through ``budget`` bytes of pre-faulted staging buffers, reused by every save.
+
+    ``commit_comm`` runs the background commit and must be used by nothing else meanwhile.
+    """
+
+    def __init__(self, budget: int, commit_comm: Optional[Communicator] = None, buffer_size: Optional[int] = None) -> None: ...
+    def save(
+        self,
+        tensors: Sequence[SaveTensor],
+        objects: Sequence[SaveObject],
+        common: Sequence[Tuple[Path, PlainValue]],
+        location: str,
+        comm: Optional[Communicator] = None,
+        overwrite: bool = False,
+        validate: bool = True,
+        content_metadata: PlainValue = None,
+        threads: Optional[int] = None,
+    ) -> AsyncSave:
+        """Like :func:`save`, returning once the bytes are staged; a save in flight is waited for first."""
+    def is_idle(self) -> bool: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def buffer_size(self) -> int: ...
+    @property
+    def peak_bytes_in_use(self) -> int: ...
+
 def validate_sharding(
     tensors: Sequence[SaveTensor],
     objects: Sequence[ValidateObject],

@@ -260,11 +260,12 @@ def test_flattened_ranges_and_every_dtype(tmp_path: Any) -> None:
         assert torch.equal(plain[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
-def test_async_flag_returns_a_finished_request(tmp_path: Any) -> None:
+def test_async_flag_returns_a_request_finalized_later(tmp_path: Any) -> None:
     ckpt = str(tmp_path / "ckpt")
     request = dc.save({"a": ShardedTensor.from_rank_offsets("a", torch.arange(6.0))}, ckpt, async_sharded_save=True)
-    assert request.is_done()
+    assert isinstance(request, dc.AsyncRequest)
     request.execute_sync()
+    assert request.is_done()
     assert request.finalize()["chunks"] == 1
     assert torch.equal(dc.load_plain_tensors(ckpt)["a"], torch.arange(6.0))
 

@@ -6,6 +6,7 @@
 //! and put in a flat state tree under a reserved top-level key, indexed by position, so results
 //! map back to the caller's lists by position; the Python layer keeps its own structure.
 
+mod async_save;
 mod comm;
 mod convert;
 mod errors;
@@ -103,34 +104,33 @@ fn each<'py, T>(items: &[Bound<'py, PyAny>], f: impl Fn(&Bound<'py, PyAny>, usiz
     items.iter().enumerate().map(|(i, x)| f(x, i)).collect()
 }
 
-/// Saves this rank's tensors, objects and (from rank 0) common values; collective over `comm`.
-#[pyfunction]
-#[pyo3(signature = (tensors, objects, common, location, comm=None, overwrite=false, validate=true,
-                    content_metadata=None, threads=None))]
+/// The tree and options of a save call (sync or async).
+///
+/// # Safety
+/// The tree borrows the memory of every tensor: the Python caller keeps it alive, C-contiguous
+/// and unmodified until the save call returns (an async save has copied it by then); the tree
+/// must be dropped before that.
 #[allow(clippy::too_many_arguments)]
-fn save<'py>(
+unsafe fn save_request<'py>(
     py: Python<'py>,
-    tensors: Vec<Bound<'py, PyAny>>,
-    objects: Vec<Bound<'py, PyAny>>,
-    common: Vec<Bound<'py, PyAny>>,
-    location: &str,
-    comm: Option<Bound<'py, PyAny>>,
+    tensors: &[Bound<'py, PyAny>],
+    objects: &[Bound<'py, PyAny>],
+    common: &[Bound<'py, PyAny>],
     overwrite: bool,
     validate: bool,
-    content_metadata: Option<Bound<'py, PyAny>>,
+    content_metadata: Option<&Bound<'py, PyAny>>,
     threads: Option<usize>,
-) -> PyResult<Bound<'py, PyDict>> {
-    let specs = each(&tensors, TensorSpec::save_from_py)?;
-    let objects = each(&objects, convert::save_object)?;
-    let common = each(&common, convert::common_entry)?;
-    let content_metadata = match &content_metadata {
+) -> PyResult<(StateTree<'static>, SaveOptions, Arc<AtomicBool>)> {
+    let specs = each(tensors, TensorSpec::save_from_py)?;
+    let objects = each(objects, convert::save_object)?;
+    let common = each(common, convert::common_entry)?;
+    let content_metadata = match content_metadata {
         Some(v) => value_from_py(v).map_err(|e| PyTypeError::new_err(format!("content_metadata: {e}")))?,
         None => tessera::Value::Null,
     };
     let tensors = specs
         .into_iter()
-        // SAFETY: the contract of `save`: the Python caller keeps every tensor's memory alive,
-        // C-contiguous and unmodified until `save` returns; the tree is dropped before that.
+        // SAFETY: guaranteed by the caller of this function (see above).
         .map(|s| unsafe { s.read_only(py) })
         .collect::<PyResult<Vec<_>>>()?;
     let mut tree = slots(tensors, objects);
@@ -151,9 +151,10 @@ fn save<'py>(
         cancel: Some(cancel.clone()),
         ..defaults
     };
-    let comm = communicator(comm.as_ref())?;
-    let storage = open(py, location)?;
-    let report = lib(py, interruptible(py, &cancel, || tessera::save(tree, &*storage, &*comm, &opts))?)?;
+    Ok((tree, opts, cancel))
+}
+
+fn report_to_py<'py>(py: Python<'py>, report: tessera::SaveReport) -> PyResult<Bound<'py, PyDict>> {
     let out = PyDict::new(py);
     out.set_item("file", report.file)?;
     out.set_item("bytes_written", report.bytes_written)?;
@@ -162,6 +163,34 @@ fn save<'py>(
     out.set_item("chunks", report.chunks)?;
     out.set_item("index_bytes", report.index_bytes)?;
     Ok(out)
+}
+
+/// Saves this rank's tensors, objects and (from rank 0) common values; collective over `comm`.
+#[pyfunction]
+#[pyo3(signature = (tensors, objects, common, location, comm=None, overwrite=false, validate=true,
+                    content_metadata=None, threads=None))]
+#[allow(clippy::too_many_arguments)]
+fn save<'py>(
+    py: Python<'py>,
+    tensors: Vec<Bound<'py, PyAny>>,
+    objects: Vec<Bound<'py, PyAny>>,
+    common: Vec<Bound<'py, PyAny>>,
+    location: &str,
+    comm: Option<Bound<'py, PyAny>>,
+    overwrite: bool,
+    validate: bool,
+    content_metadata: Option<Bound<'py, PyAny>>,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    // SAFETY: the contract of `save`: the Python caller keeps every tensor's memory alive,
+    // C-contiguous and unmodified until `save` returns; the tree is dropped before that.
+    let (tree, opts, cancel) = unsafe {
+        save_request(py, &tensors, &objects, &common, overwrite, validate, content_metadata.as_ref(), threads)?
+    };
+    let comm = communicator(comm.as_ref())?;
+    let storage = open(py, location)?;
+    let report = lib(py, interruptible(py, &cancel, || tessera::save(tree, &*storage, &*comm, &opts))?)?;
+    report_to_py(py, report)
 }
 
 /// Checks collectively, writing nothing, that the ranks' shards form a valid global state.
@@ -381,6 +410,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(detect, m)?)?;
     m.add_function(wrap_pyfunction!(encode_value, m)?)?;
     m.add_function(wrap_pyfunction!(decode_value, m)?)?;
+    m.add_class::<async_save::AsyncSaver>()?;
+    m.add_class::<async_save::AsyncSave>()?;
     errors::register(m)?;
     m.add("DTYPES", tessera::ALL_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>())?;
     m.add("FORMAT_VERSION", tessera::FORMAT_VERSION)?;

@@ -58,6 +58,7 @@ from .optimizer import (
     optim_state_to_sharding_state,
 )
 from .strategies import (
+    AsyncSaveShardedStrategy,
     LoadCommonStrategy,
     LoadShardedStrategy,
     SaveCommonStrategy,
@@ -82,7 +83,8 @@ from .utils import (
 
 try:
     # save/load and friends: they drive tessera._native, which may not be built.
-    from . import serialization
+    from . import async_utils, serialization
+    from .async_utils import AsyncCallsQueue, AsyncRequest, AsyncSaver
     from .serialization import *  # noqa: F401,F403
 except ImportError:
     # Left unset so that `from tessera.dist_checkpointing import serialization` retries the

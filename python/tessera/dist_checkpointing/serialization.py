@@ -255,11 +255,17 @@ def _geometry(sh: ShardedTensor) -> tuple:
     )
 
 
-def _save_tuple(sh: ShardedTensor, keep_alive: List[Any]) -> tuple:
+def _save_tuple(sh: ShardedTensor, keep_alive: List[Any], pinned: Any = None) -> tuple:
     if sh.data is None:
         ptr, nbytes = 0, 0
     else:
-        data = _cpu_contiguous(sh.data)
+        if pinned is not None and sh.data.device.type == "cuda":
+            # Async save: copy into a reused page-locked buffer, without waiting (the caller
+            # synchronizes once for all tensors before the bytes are read).
+            data = pinned.take(sh.data.numel(), sh.data.dtype).view(sh.data.shape)
+            data.copy_(sh.data.detach(), non_blocking=True)
+        else:
+            data = _cpu_contiguous(sh.data)
         keep_alive.append(data)
         ptr, nbytes = data.data_ptr(), data.numel() * data.element_size()
     fr = tuple(sh.axis_fragmentations) if sh.axis_fragmentations is not None else None
@@ -304,13 +310,18 @@ def save(
     *,
     overwrite: bool = False,
     process_group: Any = None,
+    async_saver: Any = None,
 ) -> Any:
     """Saves a sharded state dict; every rank of the process group calls it.
 
     ``sharded_strategy`` / ``common_strategy`` may be None, a strategy object or a
     ``(backend, version)`` tuple; only the native backend ("tessera", 1) writes.
-    ``async_sharded_save=True`` returns a finished request object (the save completes before
-    returning, until asynchronous saving lands).
+
+    ``async_sharded_save=True`` returns an :class:`~.async_utils.AsyncRequest` as soon as this
+    rank's bytes are staged (the tensors may then change); schedule it on an
+    :class:`~.async_utils.AsyncCallsQueue` or call its ``finalize()``. Staging goes through
+    ``async_saver`` (default: one :class:`~.async_utils.AsyncSaver` per process group, created
+    collectively on first use); a save still in flight is waited for first.
     """
     _check_save_strategy(sharded_strategy)
     _check_save_strategy(common_strategy)
@@ -318,43 +329,43 @@ def save(
     tensors, objects, common = _split(sharded_state_dict)
     comm = default_comm(process_group)
     rank = comm.rank() if comm is not None else 0
+    saver = None
+    if async_sharded_save:
+        from .async_utils import default_saver
+
+        if async_saver is not None:
+            saver = async_saver
+        else:
+            held = sum(sh.data.numel() * sh.data.element_size() for _, sh in tensors if sh.data is not None)
+            saver = default_saver(process_group, held)
     keep_alive: List[Any] = []
-    native_tensors = [_save_tuple(sh, keep_alive) for _, sh in tensors]
+    pinned = saver.pinned if saver is not None else None
+    native_tensors = [_save_tuple(sh, keep_alive, pinned) for _, sh in tensors]
+    if pinned is not None and any(sh.data is not None and sh.data.device.type == "cuda" for _, sh in tensors):
+        _torch().cuda.synchronize()
     native_objects = [
         (o.key, _encode_object(o.data), tuple(o.global_shape), tuple(o.global_offset), _replica_tuple(o.replica_id))
         for _, o in objects
     ]
     native_common = [(_to_native_path(p), _to_plain(v)) for p, v in common] if rank == 0 else []
-    report = _native.save(
-        native_tensors,
-        native_objects,
-        native_common,
-        str(checkpoint_dir),
-        comm,
+    args = (native_tensors, native_objects, native_common, str(checkpoint_dir), comm)
+    kwargs = dict(
         overwrite=overwrite,
         validate=validate_access_integrity,
         content_metadata=_to_plain(content_metadata) if content_metadata is not None else None,
     )
-    del keep_alive
-    if async_sharded_save:
-        return _FinishedRequest(report)
-    return None
-
-
-class _FinishedRequest:
-    """Stands in for an async request until asynchronous saving exists: already done."""
-
-    def __init__(self, report: dict) -> None:
-        self.report = report
-
-    def execute_sync(self) -> None:
+    if saver is None:
+        _native.save(*args, **kwargs)
         return None
+    from .async_utils import AsyncRequest
 
-    def is_done(self) -> bool:
-        return True
-
-    def finalize(self) -> dict:
-        return self.report
+    try:
+        handle = saver.start(*args, **kwargs)
+    finally:
+        # Staged: the pinned buffers and host copies are free for the next save.
+        del keep_alive
+        saver.pinned.give_back_all()
+    return AsyncRequest(handle)
 
 
 def _check_save_strategy(strategy: Any) -> None:

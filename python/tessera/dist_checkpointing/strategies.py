@@ -23,6 +23,7 @@ __all__ = [
     "SaveStrategyBase",
     "LoadStrategyBase",
     "SaveShardedStrategy",
+    "AsyncSaveShardedStrategy",
     "SaveCommonStrategy",
     "LoadShardedStrategy",
     "LoadCommonStrategy",
@@ -94,6 +95,18 @@ class SaveShardedStrategy(SaveStrategyBase):
     @abstractmethod
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
         """Saves the sharded part of the state dict."""
+
+
+class AsyncSaveShardedStrategy(SaveShardedStrategy):
+    """A save strategy that can also save asynchronously."""
+
+    @abstractmethod
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        """Stages the save and returns an ``AsyncRequest`` for the caller to schedule."""
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        """Each async strategy is trivially a sync one: the request, finalized at once."""
+        return self.async_save(sharded_state_dict, checkpoint_dir).finalize()
 
 
 class SaveCommonStrategy(SaveStrategyBase):
@@ -170,7 +183,7 @@ def _check_tessera(backend: Any, version: Any) -> None:
         )
 
 
-class TesseraSaveShardedStrategy(SaveShardedStrategy):
+class TesseraSaveShardedStrategy(AsyncSaveShardedStrategy):
     """tessera's native save: tensors, objects and common state in one commit."""
 
     def __init__(self, backend: str = TESSERA_BACKEND, version: int = TESSERA_BACKEND_VERSION) -> None:
@@ -184,6 +197,10 @@ class TesseraSaveShardedStrategy(SaveShardedStrategy):
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
         """Same as ``dist_checkpointing.save(sharded_state_dict, checkpoint_dir, self)``."""
         return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        """Same as ``dist_checkpointing.save(..., self, async_sharded_save=True)``."""
+        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self, async_sharded_save=True)
 
 
 class _TesseraReader:
