@@ -26,11 +26,11 @@ pub use format::{
     build_header, crc_hex, parse_header, CheckpointIndex, FileEntry, ObjectEntry, SafetensorsEntry, StoredChunk,
     StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE, FORMAT_VERSION, INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
 };
+pub use io::async_save::{AsyncSave, AsyncSaver};
 pub use io::load::{
     load, load_common_state, load_content_metadata, load_from_index, load_plain_tensors, load_sharded_objects,
     load_tensors_metadata, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling, TensorMeta,
 };
-pub use io::async_save::{AsyncSave, AsyncSaver};
 pub use io::maintenance::{gc, remove_sharded_tensors};
 pub use io::save::{save, validate_sharding_integrity, SaveOptions, SaveReport};
 pub use io::staging::{StagingPool, DEFAULT_STAGING_BUFFER};

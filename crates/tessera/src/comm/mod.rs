@@ -1,9 +1,10 @@
 //! How ranks talk during save and load: a handful of collectives over bytes.
 //! Every rank must call the same collectives in the same order.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::format::codec::{Decoder, Encoder};
 use crate::{Error, Result};
 
 /// Collectives over byte messages between the ranks of one job.
@@ -19,6 +20,41 @@ pub trait Communicator: Send + Sync {
     /// Returns once every rank has entered.
     fn barrier(&self) -> Result<()> {
         self.all_gather(&[]).map(|_| ())
+    }
+    /// Personalized exchange: every rank gives one message per rank (`send[r]` goes to rank
+    /// `r`, `send.len() == world_size()`); every rank receives `recv[r]`, the message rank `r`
+    /// addressed to it.
+    ///
+    /// The default implementation is one [`Communicator::all_gather`] of all of a rank's
+    /// messages, each rank keeping its own: correct, but every rank receives every message (N
+    /// times the traffic of a real all-to-all). Communicators with point-to-point sends should
+    /// override it.
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        let world = self.world_size();
+        let me = self.rank();
+        // The count is checked after the gather, so a wrong call fails on every rank instead
+        // of leaving the others waiting.
+        let mut e = Encoder::default();
+        e.var(send.len() as u64);
+        for m in &send {
+            e.bytes(m);
+        }
+        drop(send);
+        let all = self.all_gather(&e.buf)?;
+        let mut recv = Vec::with_capacity(world);
+        for (r, buf) in all.iter().enumerate() {
+            let bad = |why: String| Error::Comm { reason: format!("all_to_all: messages of rank {r}: {why}") };
+            let mut d = Decoder::new(buf);
+            let n = d.var().map_err(bad)?;
+            if n != world as u64 {
+                return Err(bad(format!("{n} messages for {world} ranks")));
+            }
+            for _ in 0..me {
+                d.bytes().map_err(bad)?;
+            }
+            recv.push(d.bytes().map_err(bad)?.to_vec());
+        }
+        Ok(recv)
     }
 }
 
@@ -39,14 +75,35 @@ impl Communicator for SoloComm {
     fn broadcast(&self, data: &[u8], _root: usize) -> Result<Vec<u8>> {
         Ok(data.to_vec())
     }
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        if send.len() != 1 {
+            return Err(Error::Comm { reason: format!("all_to_all: {} messages for 1 rank", send.len()) });
+        }
+        Ok(send)
+    }
+}
+
+/// What a rank brought to the current collective.
+#[derive(Debug, Clone, Default)]
+enum Slot {
+    #[default]
+    Empty,
+    Gather(Vec<u8>),
+    ToAll(Vec<Vec<u8>>),
 }
 
 #[derive(Debug)]
 struct Round {
     generation: u64,
     arrived: usize,
-    slots: Vec<Option<Vec<u8>>>,
+    slots: Vec<Slot>,
+    /// Result of the last all-gather (shared by every rank).
     result: Arc<Vec<Vec<u8>>>,
+    /// Result of the last all-to-all: row `r` is what rank `r` receives (each rank takes its own).
+    rows: Vec<Vec<Vec<u8>>>,
+    /// Why the last collective failed (ranks called different collectives, or an all-to-all
+    /// with the wrong number of messages).
+    failed: Option<String>,
 }
 
 #[derive(Debug)]
@@ -77,8 +134,10 @@ impl InProcessComm {
             state: Mutex::new(Round {
                 generation: 0,
                 arrived: 0,
-                slots: vec![None; world],
+                slots: vec![Slot::Empty; world],
                 result: Arc::new(Vec::new()),
+                rows: Vec::new(),
+                failed: None,
             }),
             cv: Condvar::new(),
             timeout,
@@ -96,26 +155,20 @@ impl InProcessComm {
     }
 }
 
-impl Communicator for InProcessComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.shared.world
-    }
-
-    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+impl InProcessComm {
+    /// Enters a collective with `slot`; returns the lock once every rank has entered and the
+    /// last one has computed the result.
+    fn arrive(&self, slot: Slot) -> Result<MutexGuard<'_, Round>> {
         let sh = &*self.shared;
         let mut st = sh.state.lock().unwrap();
         // A rank cannot start round g+1 before every rank has arrived in round g+1, so the
         // result of round g stays in place until every rank has read it.
         let gen = st.generation;
-        st.slots[self.rank] = Some(data.to_vec());
+        st.slots[self.rank] = slot;
         st.arrived += 1;
         if st.arrived == sh.world {
-            let slots: Vec<Vec<u8>> = st.slots.iter_mut().map(|s| s.take().unwrap_or_default()).collect();
-            st.result = Arc::new(slots);
+            let slots = std::mem::replace(&mut st.slots, vec![Slot::Empty; sh.world]);
+            complete(&mut st, slots);
             st.arrived = 0;
             st.generation += 1;
             sh.cv.notify_all();
@@ -131,7 +184,62 @@ impl Communicator for InProcessComm {
                 st = sh.cv.wait_timeout(st, left).unwrap().0;
             }
         }
+        match &st.failed {
+            Some(reason) => Err(Error::Comm { reason: reason.clone() }),
+            None => Ok(st),
+        }
+    }
+}
+
+/// Computes the result of a collective every rank has entered.
+fn complete(st: &mut Round, slots: Vec<Slot>) {
+    let world = slots.len();
+    st.failed = None;
+    if slots.iter().all(|s| matches!(s, Slot::Gather(_))) {
+        let data = slots.into_iter().map(|s| if let Slot::Gather(d) = s { d } else { Vec::new() }).collect();
+        st.result = Arc::new(data);
+    } else if slots.iter().all(|s| matches!(s, Slot::ToAll(m) if m.len() == world)) {
+        let mut rows: Vec<Vec<Vec<u8>>> = (0..world).map(|_| Vec::with_capacity(world)).collect();
+        for s in slots {
+            if let Slot::ToAll(msgs) = s {
+                for (dst, m) in msgs.into_iter().enumerate() {
+                    rows[dst].push(m);
+                }
+            }
+        }
+        st.rows = rows;
+    } else {
+        let kinds: Vec<String> = slots
+            .iter()
+            .map(|s| match s {
+                Slot::Gather(_) => "all_gather".to_string(),
+                Slot::ToAll(m) => format!("all_to_all of {} messages", m.len()),
+                Slot::Empty => "nothing".to_string(),
+            })
+            .collect();
+        st.failed = Some(format!("ranks called different collectives (world size {world}): {kinds:?}"));
+    }
+}
+
+impl Communicator for InProcessComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let st = self.arrive(Slot::Gather(data.to_vec()))?;
         Ok((*st.result).clone())
+    }
+
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        // The buffers move through the shared state: each message is handed to its receiver,
+        // never copied, and nobody sees the messages addressed to others.
+        let mut st = self.arrive(Slot::ToAll(send))?;
+        Ok(std::mem::take(&mut st.rows[self.rank]))
     }
 
     fn broadcast(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
@@ -166,5 +274,81 @@ mod tests {
                 assert_eq!(g, &want);
             }
         }
+    }
+
+    /// A communicator with only the required collectives, so `all_to_all` is the default one.
+    struct GatherOnly(InProcessComm);
+
+    impl Communicator for GatherOnly {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.0.world_size()
+        }
+        fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+            self.0.all_gather(data)
+        }
+        fn broadcast(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
+            self.0.broadcast(data, root)
+        }
+    }
+
+    /// The message rank `src` sends to rank `dst` in round `round` (some empty, sizes vary).
+    fn message(src: usize, dst: usize, round: usize) -> Vec<u8> {
+        let n = (src * 7 + dst * 3 + round) % 5;
+        (0..n).map(|i| (src * 100 + dst * 10 + i + round) as u8).collect()
+    }
+
+    /// Rounds of all-to-all interleaved with all-gathers on `comm`; checks every message.
+    fn exchange_rounds(c: &dyn Communicator) {
+        let (me, world) = (c.rank(), c.world_size());
+        for round in 0..20 {
+            let send = (0..world).map(|dst| message(me, dst, round)).collect();
+            let recv = c.all_to_all(send).unwrap();
+            let want: Vec<Vec<u8>> = (0..world).map(|src| message(src, me, round)).collect();
+            assert_eq!(recv, want, "rank {me}, round {round}");
+            if round % 3 == 0 {
+                let g = c.all_gather(&[me as u8, round as u8]).unwrap();
+                assert_eq!(g, (0..world).map(|r| vec![r as u8, round as u8]).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    #[test]
+    fn all_to_all_delivers_each_message_to_its_rank() {
+        InProcessComm::run(4, |c| exchange_rounds(c));
+        InProcessComm::run(3, |c| exchange_rounds(&GatherOnly(c.clone())));
+        exchange_rounds(&SoloComm);
+        exchange_rounds(&GatherOnly(InProcessComm::group(1).pop().unwrap()));
+    }
+
+    #[test]
+    fn a_wrong_all_to_all_fails_on_every_rank() {
+        // Rank 1 gives one message too few: every rank gets an error, none waits forever.
+        let bad = |c: &dyn Communicator| {
+            let n = if c.rank() == 1 { c.world_size() - 1 } else { c.world_size() };
+            c.all_to_all(vec![vec![1u8]; n])
+        };
+        for r in InProcessComm::run(3, |c| bad(c)) {
+            assert!(matches!(r, Err(Error::Comm { .. })), "{r:?}");
+        }
+        for r in InProcessComm::run(3, |c| bad(&GatherOnly(c.clone()))) {
+            assert!(matches!(r, Err(Error::Comm { .. })), "{r:?}");
+        }
+        // Rank 0 calls all_gather while the others call all_to_all; the group works afterwards.
+        let out = InProcessComm::run(3, |c| {
+            let r = if c.rank() == 0 {
+                c.all_gather(b"x").map(|_| ())
+            } else {
+                c.all_to_all(vec![Vec::new(); 3]).map(|_| ())
+            };
+            (r, c.all_to_all(vec![vec![c.rank() as u8]; 3]).unwrap())
+        });
+        for (r, after) in out {
+            assert!(matches!(r, Err(Error::Comm { .. })), "{r:?}");
+            assert_eq!(after, vec![vec![0], vec![1], vec![2]]);
+        }
+        assert!(SoloComm.all_to_all(vec![]).is_err());
     }
 }

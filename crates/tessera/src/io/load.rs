@@ -1,5 +1,7 @@
 //! Load: open the index through the strategy registry, plan this rank's reads with no
-//! communication, read only the needed bytes into the caller's buffers.
+//! communication, read only the needed bytes into the caller's buffers. Opt-in fully-parallel
+//! load (`LoadOptions::exchange_reads`): the ranks announce their needs, each byte range needed
+//! by several ranks is read by one of them (`plan::exchange`) and exchanged in bounded rounds.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicBool;
@@ -7,10 +9,14 @@ use std::sync::Arc;
 
 use crate::comm::Communicator;
 use crate::format::CheckpointIndex;
-use crate::io::factories::{apply_factories, apply_merges, remove_paths};
+use crate::io::factories::{apply_factories, apply_merges, remove_paths, AppliedFactory};
 use crate::io::read::{execute, verify_headers, Target};
 use crate::io::strategy::open_index;
-use crate::plan::load::{plan_reads, plan_request, ReadTuning, Request};
+use crate::plan::exchange::{
+    decode_needs, encode_needs, needed_ranges, plan_exchange, split_segs, ByteRange, ExchangePlan, ExchangeTuning,
+    FileChunks, DEFAULT_MAX_PIECE, DEFAULT_ROUND_BYTES,
+};
+use crate::plan::load::{plan_reads, plan_request, CopySeg, ReadTuning, Request};
 use crate::state::{StatePath, StateTree, TensorData, Value};
 use crate::storage::Storage;
 use crate::{DType, Error, Result};
@@ -74,6 +80,18 @@ pub struct LoadOptions {
     /// Set it to stop the reads early: the load then fails with [`Error::Cancelled`] (target
     /// buffers hold partial data).
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Fully-parallel load (default off), for slow shared storage and replicated state (data
+    /// parallelism). It makes load collective: every rank of `comm` must call it, with the same
+    /// options. Each stored byte range needed by several ranks is read by exactly one of them
+    /// (balanced by bytes) and sent to the others through [`Communicator::all_to_all`]. A
+    /// failure on any rank before or during the exchange (planning, a read, a checksum) fails
+    /// the load on every rank: with its own error there, [`Error::PeerFailed`] elsewhere.
+    /// Objects and common state are still read by each rank.
+    pub exchange_reads: bool,
+    /// With `exchange_reads`: the most bytes a rank sends in one exchange round (a range
+    /// needed by `k` ranks counts `k − 1` times), which bounds the memory of the exchange to
+    /// about twice this per rank plus what it receives. Default 256 MiB.
+    pub exchange_round_bytes: u64,
 }
 
 impl Default for LoadOptions {
@@ -84,6 +102,8 @@ impl Default for LoadOptions {
             threads: crate::io::save::default_threads(),
             tuning: ReadTuning::default(),
             cancel: None,
+            exchange_reads: false,
+            exchange_round_bytes: DEFAULT_ROUND_BYTES,
         }
     }
 }
@@ -93,8 +113,11 @@ impl Default for LoadOptions {
 pub struct LoadStats {
     /// Bytes the requested tensors needed.
     pub bytes_needed: u64,
-    /// Bytes of tensor data read from storage (whole checksum blocks when verifying).
+    /// Bytes of tensor data this rank read from storage (whole checksum blocks when
+    /// verifying). With `exchange_reads`, only the ranges assigned to this rank.
     pub bytes_read: u64,
+    /// Bytes of tensor data received from other ranks (`exchange_reads`).
+    pub bytes_received: u64,
     /// Bytes of data-file headers read to verify them (verified loads only).
     pub header_bytes_read: u64,
     /// Ranged reads issued.
@@ -135,6 +158,94 @@ pub fn load_from_index<'a>(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadResult<'a>> {
+    let mut strict_gathered = false;
+    let prepared = prepare(index, tree, comm, opts, &mut strict_gathered);
+    let (prepared, stats) = if opts.exchange_reads {
+        let p = match prepared {
+            Ok(p) => p,
+            Err(e @ Error::Comm { .. }) => return Err(e),
+            Err(e) => {
+                // Make the collectives the others make, carrying the failure, then report it.
+                if opts.strict.needs_missing() && !strict_gathered {
+                    comm.all_gather(&[])?;
+                }
+                comm.all_gather(&failure_message(&e))?;
+                return Err(e);
+            }
+        };
+        let stats = load_exchanged(index, storage, comm, opts, &p.segs, &p.targets)?;
+        (p, stats)
+    } else {
+        let mut p = prepared?;
+        let plan = plan_reads(index, std::mem::take(&mut p.segs), opts.verify_checksums, opts.tuning);
+        execute(storage, index, &plan, &p.targets, opts.threads, opts.cancel.as_deref())?;
+        let mut header_bytes_read = 0;
+        if opts.verify_checksums {
+            let mut files: Vec<u32> = plan.spans.iter().map(|s| s.file).collect();
+            files.dedup();
+            header_bytes_read = verify_headers(storage, index, &files)?;
+        }
+        let stats = LoadStats {
+            bytes_needed: plan.bytes_needed,
+            bytes_read: plan.bytes_read,
+            bytes_received: 0,
+            header_bytes_read,
+            reads: plan.spans.len(),
+        };
+        (p, stats)
+    };
+    let Prepared { mut tree, applied, objects_wanted, unexpected_keys, missing, .. } = prepared;
+    use StrictHandling as S;
+
+    if objects_wanted > 0 {
+        tree = tree.map_leaves(&mut |_, leaf| match leaf {
+            StateTree::Object(mut o) => {
+                o.data = Some(read_object(index, storage, &o.key, &o.global_offset, opts.verify_checksums)?);
+                Ok(StateTree::Object(o))
+            }
+            other => Ok(other),
+        })?;
+    }
+
+    // Common values form the base; sharded leaves loaded above stay where they are.
+    for (path, v) in &index.common {
+        let keep =
+            matches!(tree.get(path), Some(StateTree::Tensor(_) | StateTree::Object(_) | StateTree::NonPersistent(_)));
+        if !keep {
+            tree.set_path(path, StateTree::Value(v.clone()));
+        }
+    }
+    let state = apply_merges(tree, applied)?;
+    let (unexpected_keys, missing_keys) = match opts.strict {
+        S::ReturnAll | S::LogAll | S::RaiseAll => (unexpected_keys, missing),
+        S::ReturnUnexpected | S::LogUnexpected | S::RaiseUnexpected => (unexpected_keys, Vec::new()),
+        _ => (Vec::new(), Vec::new()),
+    };
+    Ok(LoadResult { state, unexpected_keys, missing_keys, stats })
+}
+
+/// What a rank knows before reading tensor data: its tree (factories applied, unexpected keys
+/// removed), the copy segments of its tensors and their targets.
+struct Prepared<'a> {
+    tree: StateTree<'a>,
+    applied: Vec<AppliedFactory>,
+    targets: Vec<Target>,
+    segs: Vec<CopySeg>,
+    objects_wanted: usize,
+    unexpected_keys: Vec<String>,
+    missing: Vec<String>,
+}
+
+/// The local part of a load: factories, key checks (with the strict-mode all-gather, after
+/// which `strict_gathered` is set), requests and their copy segments; zero-fills targets that
+/// extend past a stored tensor.
+fn prepare<'a>(
+    index: &CheckpointIndex,
+    tree: StateTree<'a>,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+    strict_gathered: &mut bool,
+) -> Result<Prepared<'a>> {
     let (mut tree, applied) = apply_factories(tree)?;
 
     // Keys requested and their paths.
@@ -160,6 +271,7 @@ pub fn load_from_index<'a>(
             mine.extend_from_slice(k.as_bytes());
             mine.push(0);
         }
+        *strict_gathered = true;
         let all = comm.all_gather(&mine)?;
         let mut anyone: BTreeSet<&[u8]> = BTreeSet::new();
         for b in &all {
@@ -191,7 +303,7 @@ pub fn load_from_index<'a>(
     let mut requests: Vec<Request> = Vec::new();
     let mut targets: Vec<Target> = Vec::new();
     let mut objects_wanted = 0usize;
-    let mut tree = tree.map_leaves(&mut |_, leaf| {
+    let tree = tree.map_leaves(&mut |_, leaf| {
         Ok(match leaf {
             StateTree::Tensor(mut t) => {
                 t.check(false)?;
@@ -235,46 +347,231 @@ pub fn load_from_index<'a>(
         }
         segs.extend(p.segs);
     }
-    let plan = plan_reads(index, segs, opts.verify_checksums, opts.tuning);
-    execute(storage, index, &plan, &targets, opts.threads, opts.cancel.as_deref())?;
-    let mut header_bytes_read = 0;
-    if opts.verify_checksums {
-        let mut files: Vec<u32> = plan.spans.iter().map(|s| s.file).collect();
-        files.dedup();
-        header_bytes_read = verify_headers(storage, index, &files)?;
-    }
-    let stats = LoadStats {
-        bytes_needed: plan.bytes_needed,
-        bytes_read: plan.bytes_read,
-        header_bytes_read,
-        reads: plan.spans.len(),
-    };
+    Ok(Prepared { tree, applied, targets, segs, objects_wanted, unexpected_keys, missing })
+}
 
-    if objects_wanted > 0 {
-        tree = tree.map_leaves(&mut |_, leaf| match leaf {
-            StateTree::Object(mut o) => {
-                o.data = Some(read_object(index, storage, &o.key, &o.global_offset, opts.verify_checksums)?);
-                Ok(StateTree::Object(o))
+/// First byte of every exchange message: the rest is the payload, or the sender's error.
+const MSG_OK: u8 = 0;
+const MSG_FAILED: u8 = 1;
+
+fn failure_message(e: &Error) -> Vec<u8> {
+    let mut m = vec![MSG_FAILED];
+    m.extend_from_slice(e.to_string().as_bytes());
+    m
+}
+
+/// Fails with the first failure announced by another rank in `msgs` (indexed by rank). Every
+/// rank sees the same failures (a failing rank sends its error to all), so all stop together.
+fn check_peers(msgs: &[Vec<u8>], me: usize) -> Result<()> {
+    for (r, m) in msgs.iter().enumerate().filter(|(r, _)| *r != me) {
+        match m.first() {
+            Some(&MSG_OK) => {}
+            Some(&MSG_FAILED) => {
+                return Err(Error::PeerFailed { rank: r, message: String::from_utf8_lossy(&m[1..]).into_owned() })
             }
-            other => Ok(other),
-        })?;
-    }
-
-    // Common values form the base; sharded leaves loaded above stay where they are.
-    for (path, v) in &index.common {
-        let keep =
-            matches!(tree.get(path), Some(StateTree::Tensor(_) | StateTree::Object(_) | StateTree::NonPersistent(_)));
-        if !keep {
-            tree.set_path(path, StateTree::Value(v.clone()));
+            _ => return Err(Error::Comm { reason: format!("malformed exchange message from rank {r}") }),
         }
     }
-    let state = apply_merges(tree, applied)?;
-    let (unexpected_keys, missing_keys) = match opts.strict {
-        S::ReturnAll | S::LogAll | S::RaiseAll => (unexpected_keys, missing),
-        S::ReturnUnexpected | S::LogUnexpected | S::RaiseUnexpected => (unexpected_keys, Vec::new()),
-        _ => (Vec::new(), Vec::new()),
+    Ok(())
+}
+
+/// Copies the bytes of `range` (in `data`) into the targets of `pieces` (segments within it).
+fn scatter(range: &ByteRange, data: &[u8], pieces: &[(usize, CopySeg)], targets: &[Target]) -> Result<()> {
+    for (_, s) in pieces {
+        let at = (s.file_off - range.off) as usize;
+        let src = &data[at..at + s.len as usize];
+        let t = targets[s.target];
+        if s.dst_off.checked_add(s.len).is_none_or(|e| e > t.len as u64) {
+            return Err(Error::invalid(format!(
+                "copy of {} bytes at {} past a {}-byte buffer",
+                s.len, s.dst_off, t.len
+            )));
+        }
+        // SAFETY: the target is a buffer exclusively borrowed by the load, no read is running
+        // (copies happen between reads), and the region was bounds-checked above.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), t.ptr.add(s.dst_off as usize), src.len()) };
+    }
+    Ok(())
+}
+
+/// Fully-parallel tensor reads (`exchange_reads`). Collectives, the same on every rank: one
+/// all-gather of the needs (or of a failure), then `plan.rounds` all-to-alls. A rank that fails
+/// sends its error in the next collective instead of data, and everyone stops after it.
+fn load_exchanged(
+    index: &CheckpointIndex,
+    storage: &dyn Storage,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+    segs: &[CopySeg],
+    targets: &[Target],
+) -> Result<LoadStats> {
+    let (me, world) = (comm.rank(), comm.world_size());
+    let verify = opts.verify_checksums;
+    let cancel = opts.cancel.as_deref();
+    let mut stats = LoadStats { bytes_needed: segs.iter().map(|s| s.len).sum(), ..LoadStats::default() };
+
+    let mut msg = vec![MSG_OK];
+    msg.extend(encode_needs(&needed_ranges(index, segs, verify)));
+    let all = comm.all_gather(&msg)?;
+    drop(msg);
+    check_peers(&all, me)?;
+    let needs = all
+        .iter()
+        .enumerate()
+        .map(|(r, m)| decode_needs(&m[1..]).map_err(|e| Error::Comm { reason: format!("needs of rank {r}: {e}") }))
+        .collect::<Result<Vec<_>>>()?;
+    drop(all);
+    let chunks = FileChunks::new(index);
+    let tuning = ExchangeTuning { max_piece: DEFAULT_MAX_PIECE, round_bytes: opts.exchange_round_bytes.max(1) };
+    let plan = plan_exchange(&needs, verify.then_some(&chunks), tuning);
+    drop(needs);
+    // Reads never run through bytes between needed ranges: those are another rank's to read.
+    let read_tuning = ReadTuning { max_gap: 0, ..opts.tuning };
+
+    // From here on a failure is kept until the next collective, which carries it.
+    let mut pending: Option<Error> = None;
+    let me32 = me as u32;
+    let pieces = split_segs(&plan, me32, segs).unwrap_or_else(|e| {
+        pending = Some(Error::Comm { reason: format!("exchange plan: {e}") });
+        Vec::new()
+    });
+    let pieces_of = |i: usize| {
+        let lo = pieces.partition_point(|p| p.0 < i);
+        &pieces[lo..lo + pieces[lo..].partition_point(|p| p.0 == i)]
     };
-    Ok(LoadResult { state, unexpected_keys, missing_keys, stats })
+
+    // Ranges only this rank needs: read straight into the targets, like a normal load.
+    if pending.is_none() {
+        let local: Vec<CopySeg> = pieces.iter().filter(|(i, _)| plan.ranges[*i].round.is_none()).map(|p| p.1).collect();
+        let rp = plan_reads(index, local, verify, read_tuning);
+        stats.bytes_read += rp.bytes_read;
+        stats.reads += rp.spans.len();
+        let mut r = execute(storage, index, &rp, targets, opts.threads, cancel);
+        if r.is_ok() && verify {
+            let mut files: Vec<u32> = plan.ranges.iter().filter(|p| p.reader == me32).map(|p| p.range.file).collect();
+            files.dedup();
+            r = verify_headers(storage, index, &files).map(|n| stats.header_bytes_read = n);
+        }
+        pending = r.err();
+    }
+
+    // Ranges needed by several ranks, by round: those this rank reads and those it receives.
+    let rounds = plan.rounds as usize;
+    let mut reads_in: Vec<Vec<usize>> = vec![Vec::new(); rounds];
+    let mut recv_in: Vec<Vec<usize>> = vec![Vec::new(); rounds];
+    for (i, p) in plan.ranges.iter().enumerate() {
+        let Some(k) = p.round else { continue };
+        if p.reader == me32 {
+            reads_in[k as usize].push(i);
+        } else if plan.needers_of(i).binary_search(&me32).is_ok() {
+            recv_in[k as usize].push(i);
+        }
+    }
+    let mut buf: Vec<u8> = Vec::new();
+    for k in 0..rounds {
+        if pending.is_none() && cancel.is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed)) {
+            pending = Some(Error::Cancelled);
+        }
+        let mut send: Vec<Vec<u8>> = Vec::new();
+        if pending.is_none() {
+            match read_round(index, storage, &chunks, &plan, &reads_in[k], &mut buf, opts, read_tuning) {
+                Ok((bytes, spans)) => {
+                    stats.bytes_read += bytes;
+                    stats.reads += spans;
+                    let mut size = vec![1usize; world];
+                    for &i in &reads_in[k] {
+                        for &r in plan.needers_of(i) {
+                            size[r as usize] += plan.ranges[i].range.len as usize;
+                        }
+                    }
+                    send = size
+                        .iter()
+                        .enumerate()
+                        .map(|(r, &n)| Vec::with_capacity(if r == me { 1 } else { n }))
+                        .collect();
+                    send.iter_mut().for_each(|m| m.push(MSG_OK));
+                    let mut at = 0;
+                    for &i in &reads_in[k] {
+                        let p = &plan.ranges[i];
+                        let data = &buf[at..at + p.range.len as usize];
+                        at += data.len();
+                        if let Err(e) = scatter(&p.range, data, pieces_of(i), targets) {
+                            pending = Some(e);
+                            break;
+                        }
+                        for &r in plan.needers_of(i).iter().filter(|&&r| r != me32) {
+                            send[r as usize].extend_from_slice(data);
+                        }
+                    }
+                }
+                Err(e) => pending = Some(e),
+            }
+        }
+        if let Some(e) = &pending {
+            send = vec![failure_message(e); world];
+        }
+        let recv = comm.all_to_all(send)?;
+        if let Some(e) = pending.take() {
+            return Err(e);
+        }
+        check_peers(&recv, me)?;
+        let mut used = vec![1usize; world];
+        for &i in &recv_in[k] {
+            let p = &plan.ranges[i];
+            let src = p.reader as usize;
+            let len = p.range.len as usize;
+            let Some(data) = recv[src].get(used[src]..used[src] + len) else {
+                pending = Some(Error::Comm { reason: format!("exchange round {k}: short message from rank {src}") });
+                break;
+            };
+            if let Err(e) = scatter(&p.range, data, pieces_of(i), targets) {
+                pending = Some(e);
+                break;
+            }
+            used[src] += len;
+            stats.bytes_received += len as u64;
+        }
+        if pending.is_none() {
+            if let Some(r) = (0..world).find(|&r| r != me && used[r] != recv[r].len()) {
+                pending = Some(Error::Comm { reason: format!("exchange round {k}: unexpected bytes from rank {r}") });
+            }
+        }
+    }
+    // A failure after the last collective concerns this rank only: nobody waits for it.
+    match pending {
+        Some(e) => Err(e),
+        None => Ok(stats),
+    }
+}
+
+/// Reads (and verifies, when asked) the planned ranges `ranges`, back to back, into `buf`.
+/// Returns the bytes read and the number of reads.
+#[allow(clippy::too_many_arguments)]
+fn read_round(
+    index: &CheckpointIndex,
+    storage: &dyn Storage,
+    chunks: &FileChunks,
+    plan: &ExchangePlan,
+    ranges: &[usize],
+    buf: &mut Vec<u8>,
+    opts: &LoadOptions,
+    tuning: ReadTuning,
+) -> Result<(u64, usize)> {
+    buf.clear();
+    if ranges.is_empty() {
+        return Ok((0, 0));
+    }
+    let mut segs = Vec::new();
+    let mut at = 0u64;
+    for &i in ranges {
+        let r = &plan.ranges[i].range;
+        chunks.segs(r, 0, at, &mut segs).map_err(|e| Error::Comm { reason: format!("exchange plan: {e}") })?;
+        at += r.len;
+    }
+    buf.resize(at as usize, 0);
+    let rp = plan_reads(index, segs, opts.verify_checksums, tuning);
+    execute(storage, index, &rp, &[Target::new(buf)], opts.threads, opts.cancel.as_deref())?;
+    Ok((rp.bytes_read, rp.spans.len()))
 }
 
 pub(crate) fn read_object(
