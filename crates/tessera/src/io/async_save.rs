@@ -196,7 +196,9 @@ impl AsyncSaver {
 }
 
 /// Copies this rank's bytes into pool buffers, filling each buffer with consecutive sources
-/// (the data file holds them back to back), and hands every full buffer to the writers.
+/// (the data file holds them back to back). Full buffers are held back until the pool runs
+/// dry or everything is staged, and only then handed to the writers: while the caller waits,
+/// the copy has the cores to itself; writing starts when it must (a wave) or may (the end).
 /// Stops early if the writers failed or the save is cancelled: the verdict will say so.
 fn stage(
     (tensor_data, object_data): (&[&[u8]], &[&[u8]]),
@@ -208,14 +210,10 @@ fn stage(
     cancel: Option<&AtomicBool>,
 ) {
     let stop = || failed.load(Ordering::Relaxed) || cancel.is_some_and(|c| c.load(Ordering::Relaxed));
+    let mut held: Vec<Job> = Vec::new();
+    let release = |held: &mut Vec<Job>| held.drain(..).all(|j| tx.send(j).is_ok());
     // The buffer being filled: where its first byte goes in the file, and what it holds.
     let mut open: Option<(PoolBuffer, u64, Vec<Segment>)> = None;
-    let send = |open: &mut Option<(PoolBuffer, u64, Vec<Segment>)>| -> bool {
-        match open.take() {
-            Some((buf, file_off, segments)) => tx.send(Job { data: JobData::Pooled(buf), file_off, segments }).is_ok(),
-            None => true,
-        }
-    };
     for (src, data) in tensor_data.iter().enumerate() {
         let len = data.len() as u64;
         let mut off = 0u64;
@@ -224,7 +222,16 @@ fn stage(
                 return;
             }
             if open.is_none() {
-                let Some(buf) = pool.take(failed) else { return };
+                let buf = match pool.try_take() {
+                    Some(b) => b,
+                    None => {
+                        if !release(&mut held) {
+                            return;
+                        }
+                        let Some(b) = pool.take(failed) else { return };
+                        b
+                    }
+                };
                 open = Some((buf, file_offs[src] + off, Vec::new()));
             }
             let (buf, _, segments) = open.as_mut().expect("set above");
@@ -233,9 +240,8 @@ fn stage(
             // A segment starts on a checksum block of its source: a block never spans buffers.
             let take = if len - off <= room { len - off } else { room / block * block };
             if take == 0 {
-                if !send(&mut open) {
-                    return;
-                }
+                let (buf, file_off, segments) = open.take().expect("open");
+                held.push(Job { data: JobData::Pooled(buf), file_off, segments });
                 continue;
             }
             buf[used..used + take as usize].copy_from_slice(&data[off as usize..(off + take) as usize]);
@@ -243,21 +249,19 @@ fn stage(
             off += take;
         }
     }
-    if !send(&mut open) {
-        return;
+    if let Some((buf, file_off, segments)) = open.take() {
+        held.push(Job { data: JobData::Pooled(buf), file_off, segments });
     }
     let nt = tensor_data.len();
     for (n, data) in object_data.iter().enumerate().filter(|(_, d)| !d.is_empty()) {
         let src = nt + n;
-        let j = Job {
+        held.push(Job {
             data: JobData::Owned(data.to_vec()),
             file_off: file_offs[src],
             segments: vec![Segment { src, src_off: 0, buf_off: 0, len: data.len() }],
-        };
-        if tx.send(j).is_err() {
-            return;
-        }
+        });
     }
+    release(&mut held);
 }
 
 /// What the background thread owns: everything but the caller's bytes.

@@ -75,6 +75,14 @@ impl StagingPool {
         (self.peak_in_use.load(Ordering::Relaxed) * self.buffer_size) as u64
     }
 
+    /// A free buffer, if there is one now.
+    pub(crate) fn try_take(self: &Arc<Self>) -> Option<PoolBuffer> {
+        let buf = self.free.lock().unwrap().pop()?;
+        let n = self.in_use.fetch_add(1, Ordering::Relaxed) + 1;
+        self.peak_in_use.fetch_max(n, Ordering::Relaxed);
+        Some(PoolBuffer { buf: Some(buf), pool: self.clone() })
+    }
+
     /// Waits for a free buffer. Gives up (`None`) once `stop` is set.
     pub(crate) fn take(self: &Arc<Self>, stop: &AtomicBool) -> Option<PoolBuffer> {
         let mut free = self.free.lock().unwrap();
