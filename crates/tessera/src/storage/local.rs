@@ -46,8 +46,18 @@ impl LocalStorage {
         self.handles.lock().unwrap().remove(name);
     }
 
+    /// Makes the directory's entries durable, and its own entry in its parent: a checkpoint
+    /// directory created by this save must survive a power loss along with its index.
     fn sync_dir(&self) -> Result<()> {
-        File::open(&self.root).and_then(|d| d.sync_all()).map_err(|e| Error::io(&self.root, e))
+        File::open(&self.root).and_then(|d| d.sync_all()).map_err(|e| Error::io(&self.root, e))?;
+        if let Some(parent) = self.root.parent().filter(|p| !p.as_os_str().is_empty()) {
+            match File::open(parent).and_then(|d| d.sync_all()) {
+                // A parent we may not open was not created by us; its entry is not ours to sync.
+                Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {}
+                r => r.map_err(|e| Error::io(parent, e))?,
+            }
+        }
+        Ok(())
     }
 }
 
