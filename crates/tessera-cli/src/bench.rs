@@ -175,7 +175,8 @@ impl Round {
     }
 }
 
-fn ratio(a: f64, b: f64) -> f64 {
+/// `a / b`, or 0 when `b` is not positive.
+pub(crate) fn ratio(a: f64, b: f64) -> f64 {
     if b > 0.0 {
         a / b
     } else {
@@ -240,15 +241,15 @@ fn run_round(args: &BenchArgs, setup: &Setup, round: usize, keep: bool) -> Resul
 
 /// Median, minimum and maximum of one figure over the rounds.
 #[derive(Debug, PartialEq)]
-struct Spread {
-    median: f64,
-    min: f64,
-    max: f64,
+pub(crate) struct Spread {
+    pub(crate) median: f64,
+    pub(crate) min: f64,
+    pub(crate) max: f64,
 }
 
 impl Spread {
     /// The spread of `values` (not empty); the median of an even count is the mean of the middle two.
-    fn of(values: &[f64]) -> Spread {
+    pub(crate) fn of(values: &[f64]) -> Spread {
         let mut v = values.to_vec();
         v.sort_by(f64::total_cmp);
         let n = v.len();

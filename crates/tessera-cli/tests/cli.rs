@@ -1,4 +1,5 @@
-//! End-to-end tests of the `tessera` binary: demo, inspect, verify, gc, bench.
+//! End-to-end tests of the `tessera` binary: demo, inspect, verify, gc, bench (IO, async save,
+//! fully-parallel save, planning).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -219,6 +220,94 @@ fn bench_text_reports_every_round_and_keeps_the_last_checkpoint() {
     let out = tessera(&["bench", "--dir", dir, "--size", "4MiB", "--rounds", "0"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("--rounds"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn bench_async_json_has_the_required_fields() {
+    let scratch = Scratch::new("bench-async");
+    let dir = scratch.path().to_str().unwrap();
+    let args =
+        ["bench", "--async", "--dir", dir, "--size", "8MiB", "--ranks", "2", "--budget", "1MiB", "--rounds", "2"];
+    let b = json(&expect(&[&args[..], &["--json"]].concat(), 0));
+    assert_eq!((b["mode"].as_str(), b["ranks"].as_u64(), b["rounds"].as_u64()), (Some("async"), Some(2), Some(2)));
+    assert!(b["share_bytes_max"].as_u64().is_some_and(|x| x > 1 << 20), "{b}");
+    // A 1 MiB budget stages each rank's ~4 MiB in waves; the second configuration holds it all.
+    let configs = b["configs"].as_array().unwrap();
+    let names: Vec<_> = configs.iter().map(|c| c["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["waves", "whole_share"]);
+    assert_eq!((configs[0]["holds_share"].as_bool(), configs[1]["holds_share"].as_bool()), (Some(false), Some(true)));
+    assert_eq!(configs[0]["pool_bytes_per_rank"], 1 << 20);
+    for c in configs {
+        for field in [
+            "memcpy_secs",
+            "plan_secs",
+            "blocking_secs",
+            "total_secs",
+            "sync_secs",
+            "blocking_vs_memcpy",
+            "blocking_vs_sync",
+            "total_vs_sync",
+            "pool_create_secs",
+            "peak_rss_extra_vs_budget",
+        ] {
+            assert!(c[field].as_f64().is_some_and(|x| x > 0.0), "{field}: {c}");
+        }
+        // Every round's ratios, and the summary is their median (the mean of the two).
+        for field in ["blocking_vs_memcpy", "blocking_vs_sync", "total_vs_sync"] {
+            let rounds: Vec<f64> =
+                c[format!("{field}_rounds")].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+            assert_eq!(rounds.len(), 2, "{field}: {c}");
+            let median = c[field].as_f64().unwrap();
+            assert!((median - (rounds[0] + rounds[1]) / 2.0).abs() <= 1e-9 * median, "{field}: {c}");
+        }
+        let pool = c["pool_bytes_per_rank"].as_u64().unwrap();
+        assert_eq!(c["pool_bytes_total"].as_u64(), Some(2 * pool));
+        let peaks = c["pool_peak_in_use_bytes_per_rank"].as_array().unwrap();
+        assert_eq!(peaks.len(), 2, "{c}");
+        assert!(peaks.iter().all(|p| p.as_u64().is_some_and(|p| p > 0 && p <= pool)), "{c}");
+        assert!(c["peak_rss_bytes"].as_u64() > c["rss_before_pools_bytes"].as_u64(), "{c}");
+        assert!(c["pool_rss_bytes"].as_u64().is_some_and(|x| x > 0), "{c}");
+        assert_eq!(c["chunks"], c["sync_chunks"]);
+        assert_eq!(c["verified"], true);
+    }
+    assert_eq!(b["verified"], true);
+    // The checkpoint is cleaned up.
+    assert_eq!(std::fs::read_dir(scratch.path()).unwrap().count(), 0);
+    // Text: every round of both configurations, their medians and memory.
+    let out = expect(&args, 0);
+    assert_eq!(out.lines().filter(|l| l.starts_with("round 2/2")).count(), 2, "{out}");
+    assert_eq!(out.lines().filter(|l| l.starts_with("median") && l.contains("min–max")).count(), 2, "{out}");
+    assert!(out.contains("over the RSS before the pools"), "{out}");
+    // --budget belongs to --async.
+    assert_eq!(tessera(&["bench", "--dir", dir, "--budget", "1MiB"]).status.code(), Some(2));
+}
+
+#[test]
+fn bench_fully_parallel_json_reports_bytes_per_rank() {
+    let scratch = Scratch::new("bench-parallel");
+    let dir = scratch.path().to_str().unwrap();
+    let args = ["bench", "--fully-parallel", "--dir", dir, "--size", "4MiB", "--dp", "2,4", "--rounds", "1", "--json"];
+    let b = json(&expect(&args, 0));
+    assert_eq!((b["mode"].as_str(), b["tp"].as_u64()), (Some("fully_parallel"), Some(1)));
+    let runs = b["runs"].as_array().unwrap();
+    assert_eq!(runs.iter().map(|r| r["dp"].as_u64().unwrap()).collect::<Vec<_>>(), [2, 4]);
+    for r in runs {
+        let dp = r["dp"].as_u64().unwrap() as usize;
+        let ideal = r["ideal_bytes_per_rank"].as_f64().unwrap();
+        assert!(ideal > 0.0, "{r}");
+        for mode in ["distribute", "main_only"] {
+            let per_rank = r[mode]["bytes_written_per_rank"].as_array().unwrap();
+            assert_eq!(per_rank.len(), dp, "{mode}: {r}");
+        }
+        // Only the main replicas write without distribution: one rank writes everything.
+        assert!(r["main_only"]["max_vs_ideal"].as_f64().unwrap() >= dp as f64 * 0.99, "{r}");
+        assert!(r["distribute"]["max_bytes"].as_u64() < r["main_only"]["max_bytes"].as_u64(), "{r}");
+        assert_eq!(r["time_distribute_vs_main_only_rounds"].as_array().unwrap().len(), 1, "{r}");
+        assert!(r["time_distribute_vs_main_only"].as_f64().is_some_and(|x| x > 0.0), "{r}");
+        assert_eq!(r["chunks"], r["main_only_chunks"]);
+        assert_eq!(r["verified"], true);
+    }
+    assert_eq!(std::fs::read_dir(scratch.path()).unwrap().count(), 0);
 }
 
 #[test]
