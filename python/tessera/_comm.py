@@ -49,6 +49,35 @@ class TorchComm:
         self._dist.all_gather(out, mine, group=self._group)
         return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, lengths)]
 
+    def all_to_all(self, messages: List[bytes]) -> List[bytes]:
+        """``messages[r]`` goes to rank ``r``; returns what each rank sent here (sizes first,
+        then one ``all_to_all_single`` of the payloads)."""
+        import torch
+
+        world = self.world_size()
+        if len(messages) != world:
+            raise ValueError(f"all_to_all: {len(messages)} messages for {world} ranks")
+        sizes = torch.tensor([len(m) for m in messages], dtype=torch.int64, device=self._device)
+        incoming = torch.empty(world, dtype=torch.int64, device=self._device)
+        self._dist.all_to_all_single(incoming, sizes, group=self._group)
+        recv_sizes = [int(n) for n in incoming.tolist()]
+        payload = b"".join(messages)
+        send = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self._device)
+        self._dist.all_to_all_single(
+            recv,
+            send.to(self._device),
+            output_split_sizes=recv_sizes,
+            input_split_sizes=[len(m) for m in messages],
+            group=self._group,
+        )
+        out, at = [], 0
+        data = recv.cpu().numpy().tobytes()
+        for n in recv_sizes:
+            out.append(data[at : at + n])
+            at += n
+        return out
+
     def broadcast(self, data: bytes, root: int) -> bytes:
         import torch
 

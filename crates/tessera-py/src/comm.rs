@@ -15,6 +15,9 @@ pub struct PyComm {
     obj: Py<PyAny>,
     rank: usize,
     world: usize,
+    /// The object has `all_to_all(list[bytes]) -> list[bytes]` (otherwise: the library's
+    /// default over `all_gather`).
+    has_all_to_all: bool,
 }
 
 impl PyComm {
@@ -22,7 +25,8 @@ impl PyComm {
     pub fn new(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
         let rank: usize = obj.call_method0("rank")?.extract()?;
         let world: usize = obj.call_method0("world_size")?.extract()?;
-        Ok(PyComm { obj: obj.clone().unbind(), rank, world })
+        let has_all_to_all = obj.hasattr("all_to_all")?;
+        Ok(PyComm { obj: obj.clone().unbind(), rank, world, has_all_to_all })
     }
 }
 
@@ -51,6 +55,30 @@ impl tessera::Communicator for PyComm {
                 Ok(parts)
             };
             run().map_err(|e| comm_error("all_gather", e))
+        })
+    }
+
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> tessera::Result<Vec<Vec<u8>>> {
+        if !self.has_all_to_all {
+            return tessera::default_all_to_all(self, send);
+        }
+        Python::attach(|py| {
+            let run = || -> PyResult<Vec<Vec<u8>>> {
+                let msgs: Vec<Bound<'_, PyBytes>> = send.iter().map(|m| PyBytes::new(py, m)).collect();
+                let out = self.obj.bind(py).call_method1("all_to_all", (msgs,))?;
+                let mut parts = Vec::with_capacity(self.world);
+                for part in out.try_iter()? {
+                    parts.push(part?.extract::<Cow<'_, [u8]>>()?.into_owned());
+                }
+                Ok(parts)
+            };
+            let parts = run().map_err(|e| comm_error("all_to_all", e))?;
+            if parts.len() != self.world {
+                let reason =
+                    format!("Python communicator all_to_all() returned {} messages for {}", parts.len(), self.world);
+                return Err(tessera::Error::Comm { reason });
+            }
+            Ok(parts)
         })
     }
 

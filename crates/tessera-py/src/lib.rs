@@ -219,7 +219,8 @@ fn validate_sharding<'py>(
 
 /// Loads tensors in place (into the caller's memory) and objects; collective over `comm`.
 #[pyfunction]
-#[pyo3(signature = (tensors, objects, location, comm=None, strict="assume_ok_unexpected", verify=true, threads=None))]
+#[pyo3(signature = (tensors, objects, location, comm=None, strict="assume_ok_unexpected", verify=true, threads=None,
+                    exchange_reads=false))]
 #[allow(clippy::too_many_arguments)]
 fn load<'py>(
     py: Python<'py>,
@@ -230,6 +231,7 @@ fn load<'py>(
     strict: &str,
     verify: bool,
     threads: Option<usize>,
+    exchange_reads: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let specs = each(&tensors, TensorSpec::load_from_py)?;
     let objects = each(&objects, convert::load_object)?;
@@ -247,6 +249,7 @@ fn load<'py>(
     let cancel = Arc::new(AtomicBool::new(false));
     let opts = LoadOptions {
         verify_checksums: verify,
+        exchange_reads,
         strict: lib(py, StrictHandling::parse(strict))?,
         threads: threads.unwrap_or(defaults.threads),
         cancel: Some(cancel.clone()),
@@ -281,6 +284,7 @@ fn load<'py>(
     stats.set_item("bytes_read", result.stats.bytes_read)?;
     stats.set_item("header_bytes_read", result.stats.header_bytes_read)?;
     stats.set_item("reads", result.stats.reads)?;
+    stats.set_item("bytes_received", result.stats.bytes_received)?;
     let out = PyDict::new(py);
     out.set_item("objects", PyList::new(py, objects)?)?;
     out.set_item("loaded", PyList::new(py, flags)?)?;

@@ -19,7 +19,7 @@ pub mod plan;
 mod state;
 mod storage;
 
-pub use comm::{Communicator, InProcessComm, SoloComm};
+pub use comm::{default_all_to_all, Communicator, InProcessComm, SoloComm};
 pub use dtype::{DType, ALL_DTYPES};
 pub use error::{Error, Result};
 pub use format::{

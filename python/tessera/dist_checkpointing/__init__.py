@@ -59,6 +59,8 @@ from .optimizer import (
 )
 from .strategies import (
     AsyncSaveShardedStrategy,
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
     LoadCommonStrategy,
     LoadShardedStrategy,
     SaveCommonStrategy,

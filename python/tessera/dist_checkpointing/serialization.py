@@ -413,8 +413,13 @@ def load(
     *,
     process_group: Any = None,
     verify_checksums: bool = True,
+    exchange_reads: bool = False,
 ) -> Any:
     """Loads the state described by ``sharded_state_dict`` (any layout) from ``checkpoint_dir``.
+
+    ``exchange_reads=True`` (or a ``FullyParallelLoadStrategyWrapper`` strategy) makes the load
+    collective over the process group: each byte range needed by several ranks is read from
+    storage by one of them and sent to the others (for slow shared storage).
 
     Returns the loaded state dict: common state as base, sharded tensors loaded (in place into
     their ``data`` when it is a matching CPU contiguous tensor), objects decoded, factories
@@ -422,10 +427,14 @@ def load(
     ``(state_dict, missing_keys, unexpected_keys)``.
     """
     strict = parse_strict_flag(strict)
+    if getattr(sharded_strategy, "exchange_reads", False):
+        exchange_reads = True
+        process_group = getattr(sharded_strategy, "parallelization_group", None) or process_group
     factories, _ = extract_matching_values(sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory))
     apply_factories(sharded_state_dict)
     tensors, objects, _ = _split(sharded_state_dict)
-    comm = default_comm(process_group) if StrictHandling.requires_global_app_metadata(strict) else None
+    collective = exchange_reads or StrictHandling.requires_global_app_metadata(strict)
+    comm = default_comm(process_group) if collective else None
     targets = [_load_target(sh) for _, sh in tensors]
     native_tensors = []
     for (_, sh), (buf, _) in zip(tensors, targets):
@@ -439,7 +448,15 @@ def load(
             )
         )
     native_objects = [(o.key, tuple(o.global_shape), tuple(o.global_offset)) for _, o in objects]
-    result = _native.load(native_tensors, native_objects, str(checkpoint_dir), comm, strict=strict.value, verify=verify_checksums)
+    result = _native.load(
+        native_tensors,
+        native_objects,
+        str(checkpoint_dir),
+        comm,
+        strict=strict.value,
+        verify=verify_checksums,
+        exchange_reads=exchange_reads and comm is not None,
+    )
 
     state: Dict[str, Any] = {}
     for path, value in result["common"]:

@@ -24,6 +24,8 @@ __all__ = [
     "LoadStrategyBase",
     "SaveShardedStrategy",
     "AsyncSaveShardedStrategy",
+    "FullyParallelSaveStrategyWrapper",
+    "FullyParallelLoadStrategyWrapper",
     "SaveCommonStrategy",
     "LoadShardedStrategy",
     "LoadCommonStrategy",
@@ -257,6 +259,75 @@ AnyStrategy = Union[SaveStrategyBase, LoadStrategyBase]
 
 # action value -> (backend, version) -> strategy
 _default_strategies: Dict[str, Dict[Tuple[str, int], AnyStrategy]] = defaultdict(dict)
+
+
+class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
+    """Megatron's fully-parallel save wrapper. tessera's saves are always fully parallel: each
+    chunk replicated over data-parallel ranks is written by one of the replicas holding it,
+    chosen by a balanced assignment every rank computes alike (no extra exchange). The wrapper
+    lets Megatron code run unchanged; ``parallelization_group`` and
+    ``do_cache_distribution`` are accepted and not needed."""
+
+    def __init__(
+        self, strategy: SaveShardedStrategy, parallelization_group: Any = None, do_cache_distribution: bool = False
+    ) -> None:
+        super().__init__(strategy.backend, strategy.version)
+        self.base_strategy = strategy
+        self.parallelization_group = parallelization_group
+        self.do_cache_distribution = do_cache_distribution
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return self.base_strategy.can_handle_sharded_objects
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        return _serialization().save(
+            sharded_state_dict, checkpoint_dir, sharded_strategy=self.base_strategy, async_sharded_save=True
+        )
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self.base_strategy)
+
+
+class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
+    """Megatron's fully-parallel load wrapper: the load becomes collective over
+    ``parallelization_group`` (default: the default group), and each byte range needed by
+    several of its ranks is read from storage once and sent to the others."""
+
+    exchange_reads = True
+
+    def __init__(
+        self,
+        strategy: LoadShardedStrategy,
+        parallelization_group: Any = None,
+        do_cache_distribution: bool = False,
+        exchange_algo: str = "broadcast",
+    ) -> None:
+        self.base_strategy = strategy
+        self.parallelization_group = parallelization_group
+        self.do_cache_distribution = do_cache_distribution
+        self.exchange_algo = exchange_algo
+        self.backend = getattr(strategy, "backend", None)
+        self.version = getattr(strategy, "version", None)
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        self.base_strategy.check_backend_compatibility(loaded_backend)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        self.base_strategy.check_version_compatibility(loaded_version)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return self.base_strategy.can_handle_sharded_objects
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> StateDict:
+        return _serialization().load(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
+
+    def load_tensors_metadata(self, checkpoint_dir: Any) -> Dict[str, ShardedTensor]:
+        return self.base_strategy.load_tensors_metadata(checkpoint_dir)
+
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
+        return self.base_strategy.load_sharded_metadata(checkpoint_dir)
 
 
 def register_default_strategy(action: StrategyAction, backend: str, version: int, strategy: AnyStrategy) -> None:

@@ -30,32 +30,38 @@ pub trait Communicator: Send + Sync {
     /// times the traffic of a real all-to-all). Communicators with point-to-point sends should
     /// override it.
     fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
-        let world = self.world_size();
-        let me = self.rank();
-        // The count is checked after the gather, so a wrong call fails on every rank instead
-        // of leaving the others waiting.
-        let mut e = Encoder::default();
-        e.var(send.len() as u64);
-        for m in &send {
-            e.bytes(m);
-        }
-        drop(send);
-        let all = self.all_gather(&e.buf)?;
-        let mut recv = Vec::with_capacity(world);
-        for (r, buf) in all.iter().enumerate() {
-            let bad = |why: String| Error::Comm { reason: format!("all_to_all: messages of rank {r}: {why}") };
-            let mut d = Decoder::new(buf);
-            let n = d.var().map_err(bad)?;
-            if n != world as u64 {
-                return Err(bad(format!("{n} messages for {world} ranks")));
-            }
-            for _ in 0..me {
-                d.bytes().map_err(bad)?;
-            }
-            recv.push(d.bytes().map_err(bad)?.to_vec());
-        }
-        Ok(recv)
+        default_all_to_all(self, send)
     }
+}
+
+/// [`Communicator::all_to_all`]'s default implementation, over `all_gather`, for
+/// implementations that override it only in some cases.
+pub fn default_all_to_all<C: Communicator + ?Sized>(comm: &C, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+    let world = comm.world_size();
+    let me = comm.rank();
+    // The count is checked after the gather, so a wrong call fails on every rank instead
+    // of leaving the others waiting.
+    let mut e = Encoder::default();
+    e.var(send.len() as u64);
+    for m in &send {
+        e.bytes(m);
+    }
+    drop(send);
+    let all = comm.all_gather(&e.buf)?;
+    let mut recv = Vec::with_capacity(world);
+    for (r, buf) in all.iter().enumerate() {
+        let bad = |why: String| Error::Comm { reason: format!("all_to_all: messages of rank {r}: {why}") };
+        let mut d = Decoder::new(buf);
+        let n = d.var().map_err(bad)?;
+        if n != world as u64 {
+            return Err(bad(format!("{n} messages for {world} ranks")));
+        }
+        for _ in 0..me {
+            d.bytes().map_err(bad)?;
+        }
+        recv.push(d.bytes().map_err(bad)?.to_vec());
+    }
+    Ok(recv)
 }
 
 /// A job of one rank.

@@ -264,6 +264,16 @@ fn stage(
     release(&mut held);
 }
 
+/// Background writers yield the CPU to the training loop (and to ranks still staging): a
+/// checkpoint that lands a little later costs nothing, a slower training step does.
+fn lower_priority() {
+    // SAFETY: plain syscalls on the calling thread; failure leaves the priority as it was.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+    }
+}
+
 /// What the background thread owns: everything but the caller's bytes.
 struct Background {
     p: Prepared<'static>,
@@ -311,19 +321,22 @@ impl Background {
         let workers = self.opts.threads.max(1);
         std::thread::scope(|s| {
             for _ in 0..workers {
-                s.spawn(|| loop {
-                    let Ok(job) = rx.lock().unwrap().recv() else { return };
-                    if self.failed.load(Ordering::Relaxed) {
-                        continue;
-                    }
-                    if self.opts.cancel.as_deref().is_some_and(|c| c.load(Ordering::Relaxed)) {
-                        first_error.lock().unwrap().get_or_insert(Error::Cancelled);
-                        self.failed.store(true, Ordering::Relaxed);
-                        continue;
-                    }
-                    if let Err(e) = self.write_job(writer.as_ref(), &job, &crcs) {
-                        first_error.lock().unwrap().get_or_insert(e);
-                        self.failed.store(true, Ordering::Relaxed);
+                s.spawn(|| {
+                    lower_priority();
+                    loop {
+                        let Ok(job) = rx.lock().unwrap().recv() else { return };
+                        if self.failed.load(Ordering::Relaxed) {
+                            continue;
+                        }
+                        if self.opts.cancel.as_deref().is_some_and(|c| c.load(Ordering::Relaxed)) {
+                            first_error.lock().unwrap().get_or_insert(Error::Cancelled);
+                            self.failed.store(true, Ordering::Relaxed);
+                            continue;
+                        }
+                        if let Err(e) = self.write_job(writer.as_ref(), &job, &crcs) {
+                            first_error.lock().unwrap().get_or_insert(e);
+                            self.failed.store(true, Ordering::Relaxed);
+                        }
                     }
                 });
             }
