@@ -374,3 +374,30 @@ fn replicas_without_data_leave_the_writing_to_the_main_replica() {
     assert_eq!((reports[1].bytes_written, reports[2].bytes_written), (0, 0));
     assert_eq!(load_plain_tensors(&storage, None).unwrap()["w"].data, data);
 }
+
+#[test]
+fn a_commit_communicator_of_other_ranks_is_refused_on_every_rank() {
+    let t = truth(10, 8, 64);
+    let dir = TempDir::new("async-commit-comm");
+    let comms = InProcessComm::group_with_timeout(2, Duration::from_secs(20));
+    let wrong = InProcessComm::group_with_timeout(3, Duration::from_secs(20));
+    let out: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(r, c)| {
+                let (t, dir, k) = (&t, &dir, wrong[r].clone());
+                s.spawn(move || {
+                    let mut saver = AsyncSaver::new(StagingPool::new(1 << 20).unwrap(), Arc::new(k));
+                    let storage = Arc::new(LocalStorage::new(dir.path()));
+                    saver.save(tp_tree(r, 2, t, 10), storage, c, &SaveOptions::default()).map(|_| ())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for v in &out {
+        assert!(matches!(v, Err(Error::InvalidArgument { .. } | Error::PeerFailed { .. })), "{v:?}");
+    }
+    assert!(LocalStorage::new(dir.path()).list().unwrap().is_empty());
+}

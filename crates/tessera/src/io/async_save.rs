@@ -149,14 +149,14 @@ impl AsyncSaver {
         if let Some(prev) = self.last.take() {
             prev.wait();
         }
-        if comm.rank() != self.commit_comm.rank() || comm.world_size() != self.commit_comm.world_size() {
-            return Err(Error::invalid("the commit communicator must have the same ranks as the save's"));
-        }
         let block = opts.block_size;
         let (tree, mut local_error) = match apply_factories(tree) {
             Ok((t, _)) => (t, None),
             Err(e) => (StateTree::map(), Some(e)),
         };
+        if comm.rank() != self.commit_comm.rank() || comm.world_size() != self.commit_comm.world_size() {
+            local_error.get_or_insert(Error::invalid("the commit communicator must have the same ranks as the save's"));
+        }
         if block > self.pool.buffer_size() as u64 {
             local_error.get_or_insert(Error::invalid(format!(
                 "checksum block ({block} B) larger than a staging buffer ({} B)",
