@@ -146,8 +146,9 @@ def test_solo_load_whole_flat_and_mismatched_shape(ckpt):
     assert out["objects"] == [b"shared"]
     assert {tuple(p): v for p, v in out["common"]} == {tuple(p): v for p, v in COMMON}
     assert out["missing_keys"] == [] and out["unexpected_keys"] == []
-    assert set(out["stats"]) == {"bytes_needed", "bytes_read", "header_bytes_read", "reads"}
+    assert set(out["stats"]) == {"bytes_needed", "bytes_read", "header_bytes_read", "reads", "bytes_received"}
     assert out["stats"]["bytes_needed"] >= w.nbytes
+    assert out["stats"]["bytes_received"] == 0  # no exchange asked for
 
 
 def test_tensors_metadata(ckpt):
