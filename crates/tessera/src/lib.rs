@@ -44,3 +44,5 @@ pub use state::{
     StatePath, StateTree, TensorData, TensorFactory, Value,
 };
 pub use storage::{open_location, LocalStorage, MemoryStorage, ObjectWriter, Storage};
+#[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
+pub use storage::{ObjectStorage, ObjectStoreOptions, RequestCounts};

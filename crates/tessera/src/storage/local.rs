@@ -46,6 +46,36 @@ impl LocalStorage {
         self.handles.lock().unwrap().remove(name);
     }
 
+    /// Writes `bytes` to a fresh temporary file, fsyncs it, then `install`s it under `name`
+    /// (rename or link) and fsyncs the directory.
+    fn publish(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        install: impl FnOnce(&Path, &Path) -> std::io::Result<()>,
+    ) -> Result<()> {
+        let path = self.path(name)?;
+        fs::create_dir_all(&self.root).map_err(|e| Error::io(&self.root, e))?;
+        let nonce =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let tmp = self.root.join(format!(".{name}.tmp-{}-{nonce}", std::process::id()));
+        let write = || -> std::io::Result<()> {
+            let f = OpenOptions::new().create_new(true).write(true).open(&tmp)?;
+            f.write_all_at(bytes, 0)?;
+            f.sync_all()?;
+            install(&tmp, &path)
+        };
+        if let Err(e) = write() {
+            let _ = fs::remove_file(&tmp);
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                return Err(Error::AlreadyExists { path });
+            }
+            return Err(Error::io(&path, e));
+        }
+        self.forget(name);
+        self.sync_dir()
+    }
+
     /// Makes the directory's entries durable, and its own entry in its parent: a checkpoint
     /// directory created by this save must survive a power loss along with its index.
     fn sync_dir(&self) -> Result<()> {
@@ -100,23 +130,20 @@ impl Storage for LocalStorage {
     }
 
     fn put_atomic(&self, name: &str, bytes: &[u8]) -> Result<()> {
-        let path = self.path(name)?;
-        fs::create_dir_all(&self.root).map_err(|e| Error::io(&self.root, e))?;
-        let nonce =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-        let tmp = self.root.join(format!(".{name}.tmp-{}-{nonce}", std::process::id()));
-        let write = || -> std::io::Result<()> {
-            let f = OpenOptions::new().create_new(true).write(true).open(&tmp)?;
-            f.write_all_at(bytes, 0)?;
-            f.sync_all()?;
-            fs::rename(&tmp, &path)
-        };
-        if let Err(e) = write() {
-            let _ = fs::remove_file(&tmp);
-            return Err(Error::io(&path, e));
-        }
-        self.forget(name);
-        self.sync_dir()
+        self.publish(name, bytes, |tmp, path| fs::rename(tmp, path))
+    }
+
+    fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        // link(2) fails with EEXIST instead of replacing: an atomic create-if-absent.
+        self.publish(name, bytes, |tmp, path| {
+            let linked = fs::hard_link(tmp, path);
+            let _ = fs::remove_file(tmp);
+            linked
+        })
+    }
+
+    fn has_atomic_create(&self) -> bool {
+        true
     }
 
     fn list(&self) -> Result<Vec<String>> {

@@ -84,6 +84,20 @@ impl Storage for MemoryStorage {
         Ok(())
     }
 
+    fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        check_name(name)?;
+        let mut objects = self.objects.lock().unwrap();
+        if objects.contains_key(name) {
+            return Err(Error::AlreadyExists { path: format!("mem://{}/{name}", self.name).into() });
+        }
+        objects.insert(name.to_string(), Arc::new(RwLock::new(bytes.to_vec())));
+        Ok(())
+    }
+
+    fn has_atomic_create(&self) -> bool {
+        true
+    }
+
     fn list(&self) -> Result<Vec<String>> {
         Ok(self.objects.lock().unwrap().keys().cloned().collect())
     }

@@ -4,6 +4,8 @@
 //! reference geometry (extracting a box or a flattened range of a global tensor by brute force).
 #![allow(dead_code)]
 
+pub mod s3;
+
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
