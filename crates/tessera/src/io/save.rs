@@ -168,14 +168,24 @@ fn decode_peer_error(rank: usize, msg: &str) -> Error {
     Error::PeerFailed { rank, message: msg.strip_prefix('I').unwrap_or(msg).to_string() }
 }
 
+/// Save ids start with the save's start time in milliseconds (40 bits), so that a commit can
+/// tell the files of earlier saves (garbage once it commits) from those of a save that started
+/// later (possibly still running); 24 random bits keep ids distinct.
 fn new_save_id() -> u64 {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    let nanos = now.as_nanos() as u64;
     // splitmix64 of time and pid: distinct per save, no RNG dependency.
     let mut z = nanos ^ ((std::process::id() as u64) << 32);
     z = z.wrapping_add(0x9e3779b97f4a7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
-    z ^ (z >> 31)
+    z ^= z >> 31;
+    ((now.as_millis() as u64 & ((1 << 40) - 1)) << 24) | (z & 0xff_ffff)
+}
+
+/// Start time (ms) of the save that wrote data file `name`.
+fn save_time_of_file(name: &str) -> Option<u64> {
+    u64::from_str_radix(name.get(..16)?, 16).ok().map(|id| id >> 24)
 }
 
 /// The one metadata exchange: every rank's plan, or the first error any rank reported
@@ -408,19 +418,20 @@ pub(crate) fn commit(
 
     // Rank 0 commits; everyone learns the verdict.
     let mut verdict = Vec::new();
+    let mut own_commit_error = None;
     if rank == 0 {
         let r = (|| -> Result<(CheckpointIndex, u64)> {
             let index =
                 build_index(&p.plans, &written_all, opts.block_size, p.common.clone(), opts.content_metadata.clone())?;
             let bytes = index.encode();
-            storage.put_atomic(INDEX_FILE, &bytes)?;
+            publish_index(storage, &bytes, opts.overwrite)?;
+            remove_unreferenced(storage, &index, &bytes, p.save_id)?;
             Ok((index, bytes.len() as u64))
         })();
         match r {
             Ok((index, index_bytes)) => {
-                remove_unreferenced(storage, &index);
                 let mut e = crate::format::codec::Encoder::default();
-                e.u8(0);
+                e.u8(VERDICT_OK);
                 e.var(index_bytes);
                 e.var(index.tensor_bytes());
                 e.var(index.files.len() as u64);
@@ -428,17 +439,27 @@ pub(crate) fn commit(
                 verdict = e.buf;
             }
             Err(err) => {
-                verdict.push(1);
+                // Another save committed here first: this save's files are garbage now.
+                let lost = matches!(err, Error::AlreadyExists { .. });
+                if lost {
+                    remove_save_files(storage, p.save_id);
+                }
+                verdict.push(if lost { VERDICT_TAKEN } else { VERDICT_FAILED });
                 verdict.extend_from_slice(err.to_string().as_bytes());
+                own_commit_error = Some(err);
             }
         }
     }
     let verdict = comm.broadcast(&verdict, 0)?;
-    if verdict.first() != Some(&0) {
-        return Err(Error::PeerFailed {
-            rank: 0,
-            message: String::from_utf8_lossy(verdict.get(1..).unwrap_or(&[])).into_owned(),
-        });
+    match verdict.first() {
+        Some(&VERDICT_OK) => {}
+        Some(&VERDICT_TAKEN) => return Err(Error::AlreadyExists { path: storage.location().into() }),
+        _ => {
+            return Err(own_commit_error.unwrap_or_else(|| Error::PeerFailed {
+                rank: 0,
+                message: String::from_utf8_lossy(verdict.get(1..).unwrap_or(&[])).into_owned(),
+            }))
+        }
     }
     let mut d = crate::format::codec::Decoder::new(&verdict[1..]);
     let mut next = || d.var().map_err(|e| Error::Comm { reason: e });
@@ -456,15 +477,71 @@ pub(crate) fn commit(
     })
 }
 
-/// After a commit: data files of earlier saves (overwritten or crashed) are garbage.
-fn remove_unreferenced(storage: &dyn Storage, index: &CheckpointIndex) {
-    let Ok(names) = storage.list() else { return };
-    for name in names {
-        let ours = is_data_file_name(&name) || (name.starts_with(&format!(".{INDEX_FILE}.tmp-")));
-        if ours && !index.files.iter().any(|f| f.name == name) {
-            let _ = storage.delete(&name);
-        }
+const VERDICT_OK: u8 = 0;
+const VERDICT_FAILED: u8 = 1;
+/// Another save committed at the location first (the conditional put or the read-back saw it).
+const VERDICT_TAKEN: u8 = 2;
+
+/// The commit: the index put last, create-if-absent unless overwriting was asked for, then read
+/// back. The read-back catches a concurrent commit on stores whose conditional put is not
+/// atomic (or is silently ignored): whoever's index is there afterwards owns the location.
+fn publish_index(storage: &dyn Storage, bytes: &[u8], overwrite: bool) -> Result<()> {
+    if overwrite {
+        storage.put_atomic(INDEX_FILE, bytes)?;
+    } else {
+        storage.put_if_absent(INDEX_FILE, bytes)?;
     }
+    check_index_is(storage, bytes)
+}
+
+/// Fails with `AlreadyExists` unless the committed index is `bytes` (compared by size and
+/// tail: the index ends with its checksum).
+fn check_index_is(storage: &dyn Storage, bytes: &[u8]) -> Result<()> {
+    let tail = bytes.len().min(64);
+    let mut stored = vec![0u8; tail];
+    let size = storage.size(INDEX_FILE)?;
+    let same = size == bytes.len() as u64
+        && storage.read_at(INDEX_FILE, size - tail as u64, &mut stored).is_ok()
+        && stored == bytes[bytes.len() - tail..];
+    if !same {
+        return Err(Error::AlreadyExists { path: format!("{}/{INDEX_FILE}", storage.location()).into() });
+    }
+    Ok(())
+}
+
+/// Removes the data files of save `save_id` (which lost the race to commit).
+fn remove_save_files(storage: &dyn Storage, save_id: u64) {
+    let Ok(names) = storage.list() else { return };
+    let ours = format!("{save_id:016x}-r");
+    for name in names.into_iter().filter(|n| n.starts_with(&ours) && is_data_file_name(n)) {
+        let _ = storage.delete(&name);
+    }
+}
+
+/// After a commit: data files of saves that started before this one (overwritten or crashed)
+/// are garbage. Files of saves that started later are left alone (they may still be running;
+/// `tessera gc` removes them if they never commit). The index is checked to still be ours
+/// right before deleting, so a save whose index was replaced by a concurrent one on a store
+/// without atomic create-if-absent deletes nothing and reports that it lost.
+fn remove_unreferenced(storage: &dyn Storage, index: &CheckpointIndex, bytes: &[u8], save_id: u64) -> Result<()> {
+    let Ok(names) = storage.list() else { return Ok(()) };
+    let ours = save_id >> 24;
+    let garbage: Vec<String> = names
+        .into_iter()
+        .filter(|name| {
+            // Temporary index files may belong to a commit in progress: only gc removes them.
+            let older = is_data_file_name(name) && save_time_of_file(name).is_some_and(|t| t <= ours);
+            older && !index.files.iter().any(|f| &f.name == name)
+        })
+        .collect();
+    if garbage.is_empty() {
+        return Ok(());
+    }
+    check_index_is(storage, bytes)?;
+    for name in garbage {
+        let _ = storage.delete(&name);
+    }
+    Ok(())
 }
 
 /// True for names tessera gives its data files (`<16 hex>-r<rank>.safetensors`).
