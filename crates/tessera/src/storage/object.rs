@@ -143,10 +143,9 @@ impl ObjectStorage {
                 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
                 let mut b = AmazonS3Builder::from_env().with_url(url).with_retry(retry).with_client_options(client);
                 // The AWS SDKs' names, which `from_env` does not all know.
-                for (var, key) in [
-                    ("AWS_ENDPOINT_URL", AmazonS3ConfigKey::Endpoint),
-                    ("AWS_REGION", AmazonS3ConfigKey::Region),
-                ] {
+                for (var, key) in
+                    [("AWS_ENDPOINT_URL", AmazonS3ConfigKey::Endpoint), ("AWS_REGION", AmazonS3ConfigKey::Region)]
+                {
                     if let Ok(v) = std::env::var(var) {
                         b = b.with_config(key, v);
                     }
@@ -204,7 +203,14 @@ impl ObjectStorage {
         prefix: Path,
         opts: ObjectStoreOptions,
     ) -> ObjectStorage {
-        ObjectStorage { url: url.trim_end_matches('/').to_string(), store, multipart, prefix, opts, counters: Arc::default() }
+        ObjectStorage {
+            url: url.trim_end_matches('/').to_string(),
+            store,
+            multipart,
+            prefix,
+            opts,
+            counters: Arc::default(),
+        }
     }
 
     /// Requests issued so far.
