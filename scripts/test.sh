@@ -1,9 +1,28 @@
 #!/usr/bin/env bash
 # Runs every test of the project: the Rust workspace (unit, integration, CLI tests), then the
-# Python package's tests (pytest, real torch on CPU, multi-process with gloo).
+# Python package's tests (pytest, real torch on CPU, multi-process with gloo). The object-store
+# tests run against moto_server (an S3 implementation, installed into .venv with the Python
+# test requirements), started here on a free loopback port and stopped on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
-cargo test --workspace --all-targets
 bash scripts/python-env.sh
+
+if [ -z "${TESSERA_TEST_S3_ENDPOINT:-}" ]; then
+  port="$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  mkdir -p target
+  .venv/bin/moto_server -H 127.0.0.1 -p "$port" >target/moto.log 2>&1 &
+  moto_pid=$!
+  trap 'kill "$moto_pid" 2>/dev/null || true' EXIT
+  for _ in $(seq 1 100); do
+    if .venv/bin/python -c "import socket; socket.create_connection(('127.0.0.1', $port), 1)" 2>/dev/null; then
+      break
+    fi
+    sleep 0.2
+  done
+  export TESSERA_TEST_S3_ENDPOINT="http://127.0.0.1:$port"
+  echo "moto_server on $TESSERA_TEST_S3_ENDPOINT"
+fi
+
+cargo test --workspace --all-targets
 .venv/bin/python -m pytest tests/python -q
