@@ -29,6 +29,7 @@ const CHECKS: &[(&str, Check)] = &[
     ("missing objects are NotFound", missing_is_not_found),
     ("put_atomic then size, read, read_at", put_atomic_then_read),
     ("put_atomic replaces the whole object", put_atomic_replaces_whole),
+    ("put_if_absent creates, and refuses an existing object", put_if_absent_refuses_existing),
     ("empty objects", empty_objects),
     ("create + write_at from several threads + finish", create_parallel_writes),
     ("create replaces an existing object", create_replaces_existing),
@@ -42,21 +43,32 @@ const CHECKS: &[(&str, Check)] = &[
     ("a checkpoint round-trips through the backend", checkpoint_round_trip),
 ];
 
-/// Runs every check against `storage`, which must be empty. Panics naming the failing check.
+/// Runs every check against `storage`, which must be empty. Panics naming the failing checks.
+/// Every check runs even after a failure, and one line per check is printed (`PASS`/`FAIL`),
+/// so a run against a new store tells which of its features work.
 pub fn run_conformance(storage: &dyn Storage) {
     assert_eq!(storage.list().unwrap(), Vec::<String>::new(), "the suite needs an empty storage");
+    let mut failed = Vec::new();
     for (name, check) in CHECKS {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(storage)));
-        if let Err(p) = r {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            panic!("storage {}: conformance check {name:?} failed: {msg}", storage.location());
+        match r {
+            Ok(()) => println!("conformance PASS {name}"),
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                println!("conformance FAIL {name}: {msg}");
+                failed.push(format!("{name:?}: {msg}"));
+                for n in names(storage) {
+                    let _ = storage.delete(&n);
+                }
+            }
         }
         assert_eq!(names(storage), Vec::<String>::new(), "check {name:?} left objects behind");
     }
+    assert!(failed.is_empty(), "storage {}: conformance checks failed:\n{}", storage.location(), failed.join("\n"));
 }
 
 fn put(storage: &dyn Storage, name: &str, bytes: &[u8]) {
@@ -118,6 +130,15 @@ fn put_atomic_replaces_whole(storage: &dyn Storage) {
     put(storage, "a", &[7u8; 64]);
     assert_eq!(storage.read("a").unwrap(), vec![7u8; 64]);
     assert_eq!(names(storage), vec!["a".to_string()], "no temporary objects remain visible");
+    clean(storage);
+}
+
+fn put_if_absent_refuses_existing(storage: &dyn Storage) {
+    storage.put_if_absent("once", b"first").unwrap();
+    assert_eq!(storage.read("once").unwrap(), b"first");
+    let again = storage.put_if_absent("once", b"second");
+    assert!(matches!(again, Err(Error::AlreadyExists { .. })), "second put_if_absent: {again:?}");
+    assert_eq!(storage.read("once").unwrap(), b"first", "the existing object was replaced");
     clean(storage);
 }
 
