@@ -70,6 +70,6 @@ for t in "conformance s3_storage_conforms" "commit_race concurrent_saves_into_s3
   if ! cargo test -q -p tessera --test "$1" -- --exact "$2" --nocapture >"$work/test.log" 2>&1; then
     status=1
   fi
-  grep -E "^conformance (PASS|FAIL)|panicked at|test result" "$work/test.log" || tail -20 "$work/test.log"
+  grep -E -A2 "^conformance (PASS|FAIL)|panicked at|test result" "$work/test.log" | grep -v "^--$" || tail -20 "$work/test.log"
 done
 exit "$status"

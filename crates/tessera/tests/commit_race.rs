@@ -44,6 +44,11 @@ fn race(storage: Arc<dyn Storage>) {
         }
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    // Whatever the store, the location ends up holding one of the two states, whole.
+    let stored = load_plain_tensors(storage.as_ref(), None).unwrap().remove("w").unwrap().data;
+    assert!(stored == a || stored == b, "the committed checkpoint is neither save's state");
+    verify(storage.as_ref(), 2).unwrap();
+    // With an atomic conditional put, exactly one save commits and the other is refused.
     let won: Vec<usize> = outcomes.iter().filter(|(_, r)| r.is_ok()).map(|(g, _)| *g).collect();
     assert_eq!(won.len(), 2, "exactly one group's two ranks commit: {outcomes:?}");
     assert_eq!(won[0], won[1]);
