@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Produces the headline figures: the demo, the IO benchmark against raw disk (5 rounds,
 # medians), the async save against a memcpy and a sync save (5 rounds), the fully-parallel save's
-# bytes per rank (3 rounds), the planning simulation at 10,000 ranks, and the Python package
+# bytes per rank (3 rounds), an object store (moto, started by scripts/s3-server.sh) against the
+# local directory (5 rounds), the planning simulation at 10,000 ranks, and the Python package
 # against torch DCP and safetensors (2 gloo ranks, 3 rounds, medians). Output goes to
 # target/figures.txt.
 set -euo pipefail
@@ -38,6 +39,14 @@ run() {
   # parameters replicated over DP = 2, 4, 8, then TP=2 × DP=4. ~20 s.
   run bench --fully-parallel --dir "$bench_dir" --size 256MiB --dp 2,4,8 --rounds 3
   run bench --fully-parallel --dir "$bench_dir" --size 256MiB --tp 2 --dp 4 --rounds 3
+  # Object store against the local directory: the same save (TP=4) and resharded load (TP=2) into
+  # moto_server (S3 in the memory of one Python process, on this machine's cores; started on a
+  # free port with a bucket by scripts/s3-server.sh, stopped afterwards) and into the directory;
+  # GETs per chunk, bytes downloaded / needed, PUTs and parts. 256 MiB, ~2 min.
+  echo "\$ scripts/s3-server.sh --bucket tessera-bench -- tessera bench --dir $bench_dir --s3 s3://tessera-bench/figures --size 256MiB --ranks 4 --rounds 5"
+  bash scripts/s3-server.sh --bucket tessera-bench -- \
+    "$bin" bench --dir "$bench_dir" --s3 s3://tessera-bench/figures --size 256MiB --ranks 4 --rounds 5
+  echo
   run bench --plan-only --ranks 10000 --tensors 1000
   # About 1,000,000 stored chunks: the index-open figure for the 1M-chunk goal.
   run bench --plan-only --ranks 2000 --tensors 1000

@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde_json::json;
-use tessera::{LoadOptions, SaveOptions};
+use tessera::{LoadOptions, LocalStorage, SaveOptions};
 
 use crate::jobs;
 use crate::model::{self, Layout, ModelConfig};
@@ -192,7 +192,7 @@ fn run_round(args: &BenchArgs, setup: &Setup, round: usize, keep: bool) -> Resul
     let mem = Mutex::new(Memory::default());
     let opts = SaveOptions { overwrite: true, ..SaveOptions::default() };
     let save_mem = Mutex::new(Phase::default());
-    let save = jobs::save(&setup.cfg, setup.save_layout, &setup.ckpt, &opts, &|start| {
+    let save = jobs::save(&setup.cfg, setup.save_layout, &LocalStorage::new(&setup.ckpt), &opts, &|start| {
         mem.lock().unwrap().mark(start, &save_mem)
     })?;
     // The state is freed: give its memory back before the load allocates its targets.
@@ -206,7 +206,9 @@ fn run_round(args: &BenchArgs, setup: &Setup, round: usize, keep: bool) -> Resul
     system::drop_dir_cache(&setup.ckpt)?;
     let load_mem = Mutex::new(Phase::default());
     let rng_grid = setup.save_layout.rng_grid();
-    let load = jobs::load(&setup.cfg, setup.load_layout, &rng_grid, &setup.ckpt, &LoadOptions::default(), &|start| {
+    // A fresh storage: LocalStorage keeps the files it opened open.
+    let storage = LocalStorage::new(&setup.ckpt);
+    let load = jobs::load(&setup.cfg, setup.load_layout, &rng_grid, &storage, &LoadOptions::default(), &|start| {
         mem.lock().unwrap().mark(start, &load_mem)
     })?;
     let (read_bytes, read_secs) = match reference {

@@ -19,9 +19,9 @@
 //! same state into D/ckpt. (b) and (c) swap places in even rounds. Every time is the largest
 //! over ranks of each rank's own time from a common barrier: the blocking time of the async save
 //! runs from the call until it returns, its total time until `finalize` returns. Both saves use
-//! the same options and storage (LocalStorage: data files fsynced, index committed by
-//! write-temp + fsync + rename), and the checkpoint is removed after each; there is no page
-//! cache to drop (`tessera bench` drops it before reads only; these are writes, all fsynced,
+//! the same options and storage (a local directory: data files fsynced, index committed by
+//! write-temp + fsync + rename; or the object store of an `s3://…` D), and the checkpoint is
+//! removed after each; there is no page cache to drop (`tessera bench` drops it before reads only; these are writes, all fsynced,
 //! into files deleted afterwards).
 //!
 //! Reported per configuration: each round's ratios blocking / memcpy, blocking / sync and
@@ -36,7 +36,6 @@
 //! verified (every checksum) and must hold the same chunks as the sync one; the exit code is 1
 //! otherwise.
 
-use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -44,11 +43,12 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde_json::json;
 use tessera::{
-    AsyncSave, AsyncSaver, Communicator, InProcessComm, LocalStorage, SaveOptions, StagingPool, Storage, TensorData,
+    AsyncSave, AsyncSaver, Communicator, InProcessComm, SaveOptions, StagingPool, Storage, TensorData,
     DEFAULT_BLOCK_SIZE, DEFAULT_STAGING_BUFFER,
 };
 
 use crate::bench::{ratio, Spread};
+use crate::location::Location;
 use crate::model::{self, Layout, Leaf, ModelConfig};
 use crate::peak::{self, PeakWatch};
 use crate::progress::Progress;
@@ -58,8 +58,8 @@ use crate::system;
 
 /// Arguments of the async-save benchmark.
 pub struct AsyncArgs {
-    /// Directory to benchmark in (the checkpoint goes to DIR/ckpt).
-    pub dir: PathBuf,
+    /// Directory (or URL) to benchmark in (the checkpoint goes to DIR/ckpt).
+    pub dir: Location,
     /// Approximate size of the state.
     pub size: u64,
     /// In-process ranks (TP).
@@ -144,7 +144,7 @@ struct RankConfig {
 /// Everything the ranks share.
 struct Ctx<'a> {
     args: &'a AsyncArgs,
-    ckpt: PathBuf,
+    ckpt: Location,
     share: u64,
     opts: SaveOptions,
 }
@@ -155,13 +155,16 @@ fn tree<'b>(leaves: &[Leaf], bufs: &'b [Vec<u8>]) -> tessera::Result<tessera::St
 }
 
 /// Removes the benchmark checkpoint, if any.
-fn remove(ckpt: &Path) -> Result<()> {
-    match std::fs::remove_dir_all(ckpt) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(e).with_context(|| format!("removing {}", ckpt.display()))
-        }
-        _ => Ok(()),
-    }
+fn remove(ckpt: &Location) -> Result<()> {
+    ckpt.remove()
+}
+
+/// Opens the checkpoint's storage on every rank (a fresh one for each save, as a training job
+/// would); fails on every rank if it fails on one.
+fn open(comm: &dyn Communicator, ckpt: &Location) -> Result<Arc<dyn Storage>> {
+    let storage = ckpt.open();
+    ranks::all_ok(comm, storage.is_ok())?;
+    storage
 }
 
 /// Rank 0 runs `f` while the others wait; every rank gets its verdict.
@@ -255,7 +258,7 @@ fn run_config(
                 let t = tree(leaves, bufs);
                 ranks::all_ok(comm, t.is_ok())?;
                 let t = t?;
-                let storage: Arc<dyn Storage> = Arc::new(LocalStorage::new(&ctx.ckpt));
+                let storage = open(comm, &ctx.ckpt)?;
                 let watch = (rank == 0).then(PeakWatch::start);
                 if rank == 0 {
                     r.rss_start = system::current_rss().unwrap_or(0);
@@ -275,7 +278,7 @@ fn run_config(
                 r.total = ranks::max_over_ranks(comm, total)?;
                 on_rank0(comm, || {
                     if last {
-                        let v = tessera::verify(&LocalStorage::new(&ctx.ckpt), ctx.opts.threads)
+                        let v = tessera::verify(ctx.ckpt.open()?.as_ref(), ctx.opts.threads)
                             .context("verifying the async checkpoint")?;
                         out.check.files = report.files;
                         out.check.chunks = report.chunks;
@@ -289,10 +292,10 @@ fn run_config(
                 let t = tree(leaves, bufs);
                 ranks::all_ok(comm, t.is_ok())?;
                 let t = t?;
-                let storage = LocalStorage::new(&ctx.ckpt);
+                let storage = open(comm, &ctx.ckpt)?;
                 comm.barrier()?;
                 let start = Instant::now();
-                let done = tessera::save(t, &storage, comm, &ctx.opts);
+                let done = tessera::save(t, storage.as_ref(), comm, &ctx.opts);
                 let secs = start.elapsed().as_secs_f64();
                 ranks::all_ok(comm, done.is_ok())?;
                 let report = done.with_context(|| format!("sync save, rank {rank}"))?;
@@ -472,7 +475,7 @@ pub fn run(args: AsyncArgs) -> Result<ExitCode> {
         "--budget must be at least one checksum block ({})",
         fmt_bytes(DEFAULT_BLOCK_SIZE)
     );
-    std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
+    args.dir.create()?;
     let cfg = ModelConfig::for_bytes(args.size);
     let layout = Layout::Train { tp: args.ranks as u64, dp: 1 };
     let world = layout.world();
@@ -503,7 +506,7 @@ pub fn run(args: AsyncArgs) -> Result<ExitCode> {
     if !args.json {
         println!(
             "bench --async in {}: model of {} ({} layers, hidden {}), {}, at most {} per rank; staging buffers of {}; peak RSS from {}; {} round(s) per configuration",
-            args.dir.display(),
+            args.dir,
             fmt_bytes(state_bytes),
             cfg.layers,
             cfg.hidden,
@@ -540,7 +543,7 @@ pub fn run(args: AsyncArgs) -> Result<ExitCode> {
     if args.json {
         let out = json!({
             "mode": "async",
-            "dir": args.dir.display().to_string(),
+            "dir": args.dir.to_string(),
             "size_bytes": args.size,
             "ranks": args.ranks,
             "rounds": args.rounds,

@@ -6,7 +6,8 @@
 //! 256 MiB: embedding, 8 layers, layer norms), split by TP (default 1) and replicated over DP as
 //! in data-parallel training, plus each rank's RNG object. The ranks are in-process, and the DP
 //! replicas of a TP rank share one copy of its bytes (a replica costs no memory here).
-//! For each DP degree, each round saves the state into D/ckpt twice, with `distribute_replicas`
+//! For each DP degree, each round saves the state into D/ckpt (a local directory or an `s3://…`
+//! prefix) twice, with `distribute_replicas`
 //! and without it (only the main replicas write), in this order in odd rounds and the reverse in
 //! even ones; the checkpoint is removed after each save.
 //!
@@ -18,15 +19,15 @@
 //! here: the headline is the bytes per rank. The last round's two checkpoints are verified
 //! (every checksum) and must hold the same chunks; the exit code is 1 otherwise.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde_json::json;
-use tessera::{Communicator, InProcessComm, LocalStorage, SaveOptions, SaveReport, TensorData};
+use tessera::{Communicator, InProcessComm, SaveOptions, SaveReport, TensorData};
 
 use crate::bench::{ratio, Spread};
+use crate::location::Location;
 use crate::model::{self, Layout, Leaf, ModelConfig};
 use crate::progress::Progress;
 use crate::ranks;
@@ -34,8 +35,8 @@ use crate::sizes::{fmt_bytes, fmt_secs};
 
 /// Arguments of the fully-parallel save benchmark.
 pub struct ParallelArgs {
-    /// Directory to benchmark in (the checkpoint goes to DIR/ckpt).
-    pub dir: PathBuf,
+    /// Directory (or URL) to benchmark in (the checkpoint goes to DIR/ckpt).
+    pub dir: Location,
     /// Approximate bytes of the replicated parameters.
     pub size: u64,
     /// Tensor-parallel degree.
@@ -131,7 +132,7 @@ fn save_once(
     tp: u64,
     leaves: &[Vec<Leaf>],
     bufs: &[Vec<Vec<u8>>],
-    ckpt: &std::path::Path,
+    ckpt: &Location,
     distribute: bool,
 ) -> Result<Saved> {
     let opts = SaveOptions { overwrite: true, distribute_replicas: distribute, ..SaveOptions::default() };
@@ -141,10 +142,12 @@ fn save_once(
         let tree = model::build_tree(&leaves[rank], data, true);
         ranks::all_ok(comm, tree.is_ok())?;
         let tree = tree?;
-        let storage = LocalStorage::new(ckpt);
+        let storage = ckpt.open();
+        ranks::all_ok(comm, storage.is_ok())?;
+        let storage = storage?;
         comm.barrier()?;
         let start = Instant::now();
-        let report = tessera::save(tree, &storage, comm, &opts);
+        let report = tessera::save(tree, storage.as_ref(), comm, &opts);
         let secs = start.elapsed().as_secs_f64();
         ranks::all_ok(comm, report.is_ok())?;
         let report = report.with_context(|| format!("save {}, rank {rank}", layout.describe()))?;
@@ -184,7 +187,7 @@ fn run_dp(args: &ParallelArgs, cfg: &ModelConfig, bufs: &[Vec<Vec<u8>>], dp: u64
         for distribute in order {
             let saved = save_once(layout, args.tp, &leaves, bufs, &ckpt, distribute)?;
             if last {
-                let v = tessera::verify(&LocalStorage::new(&ckpt), SaveOptions::default().threads)
+                let v = tessera::verify(ckpt.open()?.as_ref(), SaveOptions::default().threads)
                     .with_context(|| format!("verifying the checkpoint of {}", layout.describe()))?;
                 let mode = if distribute { "distribute" } else { "main replicas only" };
                 run.problems.extend(v.problems.into_iter().map(|p| format!("{mode}: {p}")));
@@ -199,7 +202,7 @@ fn run_dp(args: &ParallelArgs, cfg: &ModelConfig, bufs: &[Vec<Vec<u8>>], dp: u64
                 run.main_only_secs.push(saved.secs);
                 run.chunks.1 = saved.report.chunks;
             }
-            std::fs::remove_dir_all(&ckpt).with_context(|| format!("removing {}", ckpt.display()))?;
+            ckpt.remove()?;
         }
     }
     Ok(run)
@@ -252,7 +255,7 @@ pub fn run(args: ParallelArgs) -> Result<ExitCode> {
     anyhow::ensure!(!args.dps.is_empty() && args.dps.iter().all(|&d| d >= 1), "--dp degrees must be at least 1");
     anyhow::ensure!(args.rounds >= 1, "--rounds must be at least 1");
     anyhow::ensure!(args.size > 0, "--size must be positive");
-    std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
+    args.dir.create()?;
     // Parameters are 2 of the 10 bytes per parameter of the model's state.
     let cfg = ModelConfig::for_bytes(args.size.saturating_mul(5));
     let tp_layout = Layout::Train { tp: args.tp, dp: 1 };
@@ -263,7 +266,7 @@ pub fn run(args: ParallelArgs) -> Result<ExitCode> {
     if !args.json {
         println!(
             "bench --fully-parallel in {}: {} of bf16 parameters ({} layers, hidden {}; {} tensors per TP rank, the largest {}), TP={}, replicated over DP; {} round(s)",
-            args.dir.display(),
+            args.dir,
             fmt_bytes(param_bytes),
             cfg.layers,
             cfg.hidden,
@@ -289,7 +292,7 @@ pub fn run(args: ParallelArgs) -> Result<ExitCode> {
     if args.json {
         let out = json!({
             "mode": "fully_parallel",
-            "dir": args.dir.display().to_string(),
+            "dir": args.dir.to_string(),
             "size_bytes": args.size,
             "param_bytes": param_bytes,
             "tp": args.tp,

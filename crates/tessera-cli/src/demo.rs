@@ -8,14 +8,16 @@ use anyhow::Result;
 use tessera::{LoadOptions, SaveOptions, StrictHandling, Value};
 
 use crate::jobs;
+use crate::location::Location;
 use crate::model::{CheckReport, Layout, ModelConfig};
 use crate::sizes::{fmt_bytes, fmt_rate, fmt_secs};
 use crate::system;
 
 /// Arguments of `tessera demo`.
 pub struct DemoArgs {
-    /// Checkpoint directory to keep; a temporary one otherwise.
-    pub dir: Option<PathBuf>,
+    /// Checkpoint location to keep (a directory or a URL such as `s3://bucket/prefix`); a
+    /// temporary directory otherwise.
+    pub dir: Option<Location>,
     /// Approximate checkpoint size in bytes.
     pub size: u64,
 }
@@ -39,9 +41,10 @@ pub fn run(args: DemoArgs) -> Result<ExitCode> {
         None => {
             let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
             let d = std::env::temp_dir().join(format!("tessera-demo-{}-{nonce}", std::process::id()));
-            (d.clone(), Some(TempDir(d)))
+            (Location::Local(d.clone()), Some(TempDir(d)))
         }
     };
+    let storage = dir.open()?;
     println!(
         "model: GPT-like, {} layers, hidden {}, SwiGLU ffn 2×{}, vocab {}: {:.1}M bf16 parameters + Adam exp_avg/exp_avg_sq (f32) = {}",
         cfg.layers,
@@ -51,11 +54,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode> {
         cfg.param_count() as f64 / 1e6,
         fmt_bytes(cfg.state_bytes())
     );
-    println!(
-        "checkpoint: {}{}",
-        dir.display(),
-        if args.dir.is_some() { "" } else { " (temporary, removed at the end)" }
-    );
+    println!("checkpoint: {dir}{}", if args.dir.is_some() { "" } else { " (temporary, removed at the end)" });
 
     let opts = SaveOptions {
         overwrite: true,
@@ -67,7 +66,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode> {
         ]),
         ..SaveOptions::default()
     };
-    let save = jobs::save(&cfg, SAVE_LAYOUT, &dir, &opts, &|_| {})?;
+    let save = jobs::save(&cfg, SAVE_LAYOUT, storage.as_ref(), &opts, &|_| {})?;
     println!(
         "save  {:<26} {:>10} in {:>8}  {:>10}   {} files, {} chunks, index {}",
         SAVE_LAYOUT.describe(),
@@ -83,8 +82,10 @@ pub fn run(args: DemoArgs) -> Result<ExitCode> {
     let load_opts = LoadOptions { strict: StrictHandling::RaiseAll, ..LoadOptions::default() };
     let mut check = CheckReport::default();
     for layout in [Layout::TpPp { tp: 2, pp: 2 }, Layout::Whole] {
-        system::drop_dir_cache(&dir)?;
-        let loaded = jobs::load(&cfg, layout, &SAVE_LAYOUT.rng_grid(), &dir, &load_opts, &|_| {})?;
+        if let Some(local) = dir.local() {
+            system::drop_dir_cache(local)?;
+        }
+        let loaded = jobs::load(&cfg, layout, &SAVE_LAYOUT.rng_grid(), storage.as_ref(), &load_opts, &|_| {})?;
         let (secs, stats, rep) = (loaded.secs, loaded.stats, loaded.check);
         println!(
             "load  {:<26} {:>10} in {:>8}  {:>10}   read {} for {} needed ({:.3}×), {} reads{}",
@@ -110,7 +111,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode> {
             check.values
         );
         if args.dir.is_some() {
-            println!("next: tessera inspect {0} ; tessera verify {0}", dir.display());
+            println!("next: tessera inspect {dir} ; tessera verify {dir}");
         }
         Ok(ExitCode::SUCCESS)
     } else {

@@ -1,17 +1,16 @@
-//! `tessera gc DIR`: remove leftovers of saves that never committed.
-
-use std::path::Path;
+//! `tessera gc LOCATION`: remove leftovers of saves that never committed.
 
 use anyhow::Result;
-use tessera::LocalStorage;
+
+use crate::location::Location;
 
 /// Runs `tessera gc`, printing every name removed.
-pub fn run(dir: &Path) -> Result<()> {
-    let storage = LocalStorage::new(dir);
-    let removed = tessera::gc(&storage)?;
+pub fn run(location: &Location) -> Result<()> {
+    let storage = location.open()?;
+    let removed = tessera::gc(storage.as_ref())?;
     for name in &removed {
         println!("removed {name}");
     }
-    println!("{}: {} leftover file(s) removed", dir.display(), removed.len());
+    println!("{location}: {} leftover file(s) removed", removed.len());
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! `tessera inspect DIR [--json | --index-json]`: what a checkpoint holds.
+//! `tessera inspect LOCATION [--json | --index-json]`: what a checkpoint holds.
 //!
 //! `--json` prints one object:
 //!
@@ -18,12 +18,11 @@
 //! Bytes values (`Value::Bytes`) appear as `{"$bytes": "<hex>"}`. `--index-json` dumps the
 //! whole index, every chunk included, for debugging.
 
-use std::path::Path;
-
 use anyhow::Result;
 use serde_json::{json, Map, Value as J};
-use tessera::{open_index, CheckpointIndex, LocalStorage, PathSeg, TensorEntry};
+use tessera::{open_index, CheckpointIndex, PathSeg, TensorEntry};
 
+use crate::location::Location;
 use crate::sizes::fmt_bytes;
 
 /// Output format.
@@ -78,7 +77,7 @@ pub fn common_json(index: &CheckpointIndex) -> J {
 }
 
 /// The summary printed by `--json`.
-pub fn summary_json(dir: &Path, index: &CheckpointIndex) -> J {
+pub fn summary_json(dir: &Location, index: &CheckpointIndex) -> J {
     let mut tensors = Map::new();
     for t in &index.tensors {
         tensors.insert(
@@ -94,7 +93,7 @@ pub fn summary_json(dir: &Path, index: &CheckpointIndex) -> J {
         objects.insert(o.key.clone(), json!({"shape": o.global_shape, "shards": o.shards.len(), "bytes": bytes}));
     }
     json!({
-        "path": dir.display().to_string(),
+        "path": dir.to_string(),
         "format": {"backend": index.backend, "version": index.version, "block_size": index.block_size},
         "files": {"count": index.files.len(), "bytes": index.files.iter().map(|f| f.size).sum::<u64>()},
         "tensors": tensors,
@@ -178,9 +177,9 @@ pub fn index_json(index: &CheckpointIndex) -> J {
     })
 }
 
-fn text(dir: &Path, index: &CheckpointIndex) {
+fn text(dir: &Location, index: &CheckpointIndex) {
     let file_bytes: u64 = index.files.iter().map(|f| f.size).sum();
-    println!("checkpoint {}", dir.display());
+    println!("checkpoint {dir}");
     println!("format     {} v{} (checksum block {})", index.backend, index.version, fmt_bytes(index.block_size));
     println!("files      {} ({})", index.files.len(), fmt_bytes(file_bytes));
     println!(
@@ -223,9 +222,9 @@ fn text(dir: &Path, index: &CheckpointIndex) {
 }
 
 /// Runs `tessera inspect`.
-pub fn run(dir: &Path, format: Format) -> Result<()> {
-    let storage = LocalStorage::new(dir);
-    let index = open_index(&storage)?;
+pub fn run(dir: &Location, format: Format) -> Result<()> {
+    let storage = dir.open()?;
+    let index = open_index(storage.as_ref())?;
     match format {
         Format::Text => text(dir, &index),
         Format::Json => println!("{}", serde_json::to_string_pretty(&summary_json(dir, &index))?),

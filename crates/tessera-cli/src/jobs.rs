@@ -1,11 +1,10 @@
 //! Saving and loading the model of [`crate::model`] over in-process ranks, timed between
 //! barriers (rank 0's view), shared by `demo` and `bench`.
 
-use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use tessera::{Communicator, InProcessComm, LoadOptions, LoadStats, LocalStorage, SaveOptions, SaveReport, TensorData};
+use tessera::{Communicator, InProcessComm, LoadOptions, LoadStats, SaveOptions, SaveReport, Storage, TensorData};
 
 use crate::model::{self, CheckReport, Layout, Leaf, ModelConfig};
 use crate::progress::Progress;
@@ -25,13 +24,18 @@ pub struct Saved {
     pub state_bytes: u64,
 }
 
-/// Generates the model in `layout` on its ranks and saves it to `dir`.
-pub fn save(cfg: &ModelConfig, layout: Layout, dir: &Path, opts: &SaveOptions, hook: Hook<'_>) -> Result<Saved> {
+/// Generates the model in `layout` on its ranks and saves it to `storage`.
+pub fn save(
+    cfg: &ModelConfig,
+    layout: Layout,
+    storage: &dyn Storage,
+    opts: &SaveOptions,
+    hook: Hook<'_>,
+) -> Result<Saved> {
     let world = layout.world();
     let grid = layout.rng_grid();
     let all: Vec<Vec<Leaf>> = (0..world).map(|r| model::leaves(cfg, layout, r, &grid)).collect();
     let state_bytes: u64 = all.iter().map(|l| model::data_bytes(l)).sum();
-    let storage = LocalStorage::new(dir);
     let generating = Progress::new(&format!("generating state ({world} ranks)"), state_bytes);
     let results = InProcessComm::run(world, |comm| -> Result<Saved> {
         let rank = comm.rank();
@@ -47,7 +51,7 @@ pub fn save(cfg: &ModelConfig, layout: Layout, dir: &Path, opts: &SaveOptions, h
         comm.barrier()?;
         let bar = (rank == 0).then(|| Progress::writes(&format!("saving {}", layout.describe()), state_bytes));
         let start = Instant::now();
-        let report = tessera::save(tree, &storage, comm, opts);
+        let report = tessera::save(tree, storage, comm, opts);
         ranks::all_ok(comm, report.is_ok())?;
         let secs = start.elapsed().as_secs_f64();
         drop(bar);
@@ -66,6 +70,8 @@ pub struct Loaded {
     pub secs: f64,
     /// IO counters summed over ranks.
     pub stats: LoadStats,
+    /// IO counters of each rank.
+    pub per_rank: Vec<LoadStats>,
     /// Bytes of the target buffers of all ranks.
     pub target_bytes: u64,
     /// What the byte-by-byte check found.
@@ -79,20 +85,19 @@ struct RankLoad {
     check: CheckReport,
 }
 
-/// Loads the checkpoint in `dir` under `layout` (the RNG object saved with grid
+/// Loads the checkpoint in `storage` under `layout` (the RNG object saved with grid
 /// `rng_grid`) into fresh buffers, then checks every byte, object and common value.
 pub fn load(
     cfg: &ModelConfig,
     layout: Layout,
     rng_grid: &[u64],
-    dir: &Path,
+    storage: &dyn Storage,
     opts: &LoadOptions,
     hook: Hook<'_>,
 ) -> Result<Loaded> {
     let world = layout.world();
     let all: Vec<Vec<Leaf>> = (0..world).map(|r| model::leaves(cfg, layout, r, rng_grid)).collect();
     let target_bytes: u64 = all.iter().map(|l| model::data_bytes(l)).sum();
-    let storage = LocalStorage::new(dir);
     let results = InProcessComm::run(world, |comm| -> Result<RankLoad> {
         let rank = comm.rank();
         let leaves = &all[rank];
@@ -106,7 +111,7 @@ pub fn load(
         comm.barrier()?;
         let bar = (rank == 0).then(|| Progress::reads(&format!("loading {}", layout.describe()), target_bytes));
         let start = Instant::now();
-        let loaded = tessera::load(tree, &storage, comm, opts);
+        let loaded = tessera::load(tree, storage, comm, opts);
         ranks::all_ok(comm, loaded.is_ok())?;
         let secs = start.elapsed().as_secs_f64();
         drop(bar);
@@ -126,6 +131,8 @@ pub fn load(
     for (rank, r) in results.iter().enumerate() {
         stats.bytes_needed += r.stats.bytes_needed;
         stats.bytes_read += r.stats.bytes_read;
+        stats.bytes_received += r.stats.bytes_received;
+        stats.header_bytes_read += r.stats.header_bytes_read;
         stats.reads += r.stats.reads;
         check.merge(r.check.clone());
         items.extend(all[rank].iter().filter(|l| l.data_len().is_some()).zip(r.bufs.iter().map(Vec::as_slice)));
@@ -133,5 +140,6 @@ pub fn load(
     let checking = Progress::new(&format!("checking {}", layout.describe()), target_bytes);
     check.merge(model::check_buffers(&items, Some(&checking)));
     checking.finish();
-    Ok(Loaded { secs: results[0].secs, stats, target_bytes, check })
+    let per_rank = results.iter().map(|r| r.stats.clone()).collect();
+    Ok(Loaded { secs: results[0].secs, stats, per_rank, target_bytes, check })
 }

@@ -3,10 +3,12 @@
 mod bench;
 mod bench_async;
 mod bench_parallel;
+mod bench_s3;
 mod demo;
 mod gc;
 mod inspect;
 mod jobs;
+mod location;
 mod model;
 mod peak;
 mod plansim;
@@ -16,14 +18,23 @@ mod sizes;
 mod system;
 mod verify;
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 
+use crate::location::Location;
+
 #[derive(Parser)]
-#[command(name = "tessera", version, about = "Distributed checkpoints: demo, inspect, verify, bench, gc")]
+#[command(
+    name = "tessera",
+    version,
+    about = "Distributed checkpoints: demo, inspect, verify, bench, gc",
+    after_help = "Locations: a local directory, or an object-store URL (s3://bucket/prefix) configured from the \
+                  environment: AWS_ENDPOINT_URL (S3-compatible servers), AWS_ALLOW_HTTP=true (plain-HTTP \
+                  endpoints), AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN), AWS_REGION."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -34,18 +45,19 @@ enum Command {
     /// Save a GPT-like model + Adam state from 8 ranks (TP=4 × DP=2), load it under
     /// TP=2 × PP=2 and under 1 rank, and check every byte (exit 0 only if all match).
     Demo {
-        /// Checkpoint directory, kept afterwards (overwritten if it holds a checkpoint).
-        /// Without it, a temporary directory is used and removed.
+        /// Checkpoint location (a directory or s3://bucket/prefix), kept afterwards
+        /// (overwritten if it holds a checkpoint). Without it, a temporary directory is used and
+        /// removed.
         #[arg(long)]
-        dir: Option<PathBuf>,
+        dir: Option<String>,
         /// Approximate checkpoint size (e.g. 64MiB, 1GiB, 512MB).
         #[arg(long, default_value = "1GiB")]
         size: String,
     },
     /// Show what a checkpoint holds: format, tensors, objects, common state, metadata.
     Inspect {
-        /// Checkpoint directory.
-        dir: PathBuf,
+        /// Checkpoint location: a directory or s3://bucket/prefix.
+        dir: String,
         /// Print one JSON object (format, tensors, objects, common, content_metadata).
         #[arg(long, conflicts_with = "index_json")]
         json: bool,
@@ -55,23 +67,32 @@ enum Command {
     },
     /// Check the index, coverage and every checksum; exit 1 if anything is wrong.
     Verify {
-        /// Checkpoint directory.
-        dir: PathBuf,
+        /// Checkpoint location: a directory or s3://bucket/prefix.
+        dir: String,
     },
-    /// Benchmarks: save and resharded load against raw IO; async save (--async); fully-parallel
-    /// save (--fully-parallel); metadata planning at scale (--plan-only).
+    /// Benchmarks: save and resharded load against raw IO; an object store against a local
+    /// directory (--s3); async save (--async); fully-parallel save (--fully-parallel); metadata
+    /// planning at scale (--plan-only).
     ///
-    /// Default: tessera save and resharded load against raw sequential IO. --async: the async
-    /// save against a memcpy and against the sync save. --fully-parallel: the bytes each rank
-    /// writes with and without distribute_replicas. --plan-only: the metadata planning of a save
-    /// and a load for many simulated ranks, no IO. The IO modes report ratios to a reference
+    /// Default: tessera save and resharded load against raw sequential IO (a local directory).
+    /// --s3 URL: the same save and resharded load into --dir and into the object store, with the
+    /// store's requests (PUTs, parts, GETs per chunk, bytes downloaded / needed). --async: the
+    /// async save against a memcpy and against the sync save. --fully-parallel: the bytes each
+    /// rank writes with and without distribute_replicas. --plan-only: the metadata planning of a
+    /// save and a load for many simulated ranks, no IO. The IO modes report ratios to a reference
     /// measured in the same rounds (every round, the median and min–max), not bare times.
     Bench {
-        /// Directory to benchmark in (the checkpoint goes to DIR/ckpt).
+        /// Directory to benchmark in (the checkpoint goes to DIR/ckpt). --async and
+        /// --fully-parallel also take s3://bucket/prefix; the default benchmark and --s3 need a
+        /// local directory (raw IO reference, page cache).
         #[arg(long, required_unless_present = "plan_only")]
-        dir: Option<PathBuf>,
-        /// Bytes to write (default 1GiB); with --fully-parallel, bytes of the replicated
-        /// parameters (default 256MiB).
+        dir: Option<String>,
+        /// Object store against local directory: save and resharded load into --dir and into
+        /// URL/ckpt (s3://bucket/prefix), in the same rounds.
+        #[arg(long, value_name = "URL", conflicts_with_all = ["plan_only", "async_save", "fully_parallel"])]
+        s3: Option<String>,
+        /// Bytes to write (default 1GiB; 256MiB with --s3); with --fully-parallel, bytes of the
+        /// replicated parameters (default 256MiB).
         #[arg(long)]
         size: Option<String>,
         /// Saving ranks (default 4; with --async, TP=N in-process ranks), or simulated ranks with
@@ -113,32 +134,35 @@ enum Command {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
-        /// Keep the benchmark checkpoint in DIR/ckpt.
+        /// Keep the benchmark checkpoint in DIR/ckpt (and URL/ckpt with --s3).
         #[arg(long, conflicts_with_all = ["async_save", "fully_parallel"])]
         keep: bool,
     },
     /// Remove leftovers of saves that never committed.
     Gc {
-        /// Checkpoint directory.
-        dir: PathBuf,
+        /// Checkpoint location: a directory or s3://bucket/prefix.
+        dir: String,
     },
 }
 
 fn dispatch(command: Command) -> Result<ExitCode> {
     match command {
-        Command::Demo { dir, size } => demo::run(demo::DemoArgs { dir, size: sizes::parse_size(&size)? }),
+        Command::Demo { dir, size } => {
+            demo::run(demo::DemoArgs { dir: dir.as_deref().map(Location::parse), size: sizes::parse_size(&size)? })
+        }
         Command::Inspect { dir, json, index_json } => {
             let format = match (json, index_json) {
                 (_, true) => inspect::Format::IndexJson,
                 (true, false) => inspect::Format::Json,
                 (false, false) => inspect::Format::Text,
             };
-            inspect::run(&dir, format)?;
+            inspect::run(&Location::parse(&dir), format)?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Verify { dir } => verify::run(&dir),
+        Command::Verify { dir } => verify::run(&Location::parse(&dir)),
         Command::Bench {
             dir,
+            s3,
             size,
             ranks,
             rounds,
@@ -157,6 +181,13 @@ fn dispatch(command: Command) -> Result<ExitCode> {
                 return Ok(ExitCode::SUCCESS);
             }
             let Some(dir) = dir else { bail!("--dir is required (or use --plan-only)") };
+            let dir = Location::parse(&dir);
+            if let Some(url) = s3 {
+                let size = sizes::parse_size(size.as_deref().unwrap_or(bench_s3::DEFAULT_SIZE))?;
+                let url = Location::parse(&url);
+                let ranks = ranks.unwrap_or(4);
+                return bench_s3::run(bench_s3::S3Args { dir, url, size, ranks, rounds, json, keep });
+            }
             if fully_parallel {
                 let size = sizes::parse_size(size.as_deref().unwrap_or(bench_parallel::DEFAULT_SIZE))?;
                 let dps = if dp.is_empty() { bench_parallel::DEFAULT_DPS.to_vec() } else { dp };
@@ -169,10 +200,17 @@ fn dispatch(command: Command) -> Result<ExitCode> {
                 let budget = sizes::parse_size(budget.as_deref().unwrap_or(bench_async::DEFAULT_BUDGET))?;
                 return bench_async::run(bench_async::AsyncArgs { dir, size, ranks, budget, rounds, json });
             }
+            let Some(dir) = dir.local().map(Path::to_path_buf) else {
+                bail!(
+                    "--dir {dir}: this benchmark compares with raw IO on a local disk (a write + fsync, a read \
+                     with the page cache dropped) and needs a local directory; for an object store, compare it \
+                     with a local directory: --dir LOCAL_DIR --s3 {dir}"
+                )
+            };
             bench::run(bench::BenchArgs { dir, size, ranks, rounds, json, keep })
         }
         Command::Gc { dir } => {
-            gc::run(&dir)?;
+            gc::run(&Location::parse(&dir))?;
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -1,29 +1,33 @@
-//! `tessera verify DIR`: index, coverage and every checksum.
+//! `tessera verify LOCATION`: index, coverage and every checksum.
 
-use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use tessera::LocalStorage;
 
+use crate::location::Location;
 use crate::sizes::fmt_bytes;
 
 /// Runs `tessera verify`: exit 0 if the checkpoint is sound, 1 if anything is wrong or it
 /// cannot be opened (not committed, corrupt index, unsupported version).
-pub fn run(dir: &Path) -> Result<ExitCode> {
-    let storage = LocalStorage::new(dir);
+pub fn run(dir: &Location) -> Result<ExitCode> {
+    let storage = match dir.open() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("tessera verify: {e:#}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8);
-    let report = match tessera::verify(&storage, threads) {
+    let report = match tessera::verify(storage.as_ref(), threads) {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("tessera verify: {}: {e}", dir.display());
+            eprintln!("tessera verify: {dir}: {e}");
             return Ok(ExitCode::FAILURE);
         }
     };
     if report.problems.is_empty() {
         println!(
-            "{}: sound ({} files, {} chunks, {} checksummed)",
-            dir.display(),
+            "{dir}: sound ({} files, {} chunks, {} checksummed)",
             report.files,
             report.chunks,
             fmt_bytes(report.bytes_checked)
@@ -31,8 +35,7 @@ pub fn run(dir: &Path) -> Result<ExitCode> {
         Ok(ExitCode::SUCCESS)
     } else {
         println!(
-            "{}: CORRUPT: {} problem(s) in {} files, {} chunks ({} checksummed)",
-            dir.display(),
+            "{dir}: CORRUPT: {} problem(s) in {} files, {} chunks ({} checksummed)",
             report.problems.len(),
             report.files,
             report.chunks,

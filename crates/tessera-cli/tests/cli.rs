@@ -1,5 +1,5 @@
 //! End-to-end tests of the `tessera` binary: demo, inspect, verify, gc, bench (IO, async save,
-//! fully-parallel save, planning).
+//! fully-parallel save, planning), on local directories and on `s3://` locations (moto).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -322,4 +322,264 @@ fn bench_plan_only_simulates_many_ranks() {
     }
     let text = expect(&["bench", "--plan-only", "--ranks", "8", "--tensors", "4"], 0);
     assert!(text.contains("validate") && text.contains("bytes/chunk"), "{text}");
+}
+
+/// An S3 endpoint for the `s3://` tests: `TESSERA_TEST_S3_ENDPOINT` (scripts/test.sh starts
+/// moto_server there), or else a `moto_server` started here on a free loopback port (from
+/// `TESSERA_MOTO_SERVER`, the repository's `.venv/bin/moto_server` or the PATH), shared by the
+/// tests of this process and killed with it. The `tessera` children get the endpoint and
+/// credentials through the AWS_* environment, as a user would give them.
+mod s3 {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::path::PathBuf;
+    use std::process::{Command, Output, Stdio};
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
+
+    /// Bucket of the CLI tests (created if missing).
+    pub const BUCKET: &str = "tessera-cli-test";
+
+    /// `http://127.0.0.1:PORT` of the S3 server, with the bucket created.
+    pub fn endpoint() -> &'static str {
+        static ENDPOINT: OnceLock<String> = OnceLock::new();
+        ENDPOINT.get_or_init(|| {
+            let ep = std::env::var("TESSERA_TEST_S3_ENDPOINT").unwrap_or_else(|_| start_moto());
+            let code = http(&ep, "PUT", &format!("/{BUCKET}"), b"");
+            assert!(matches!(code, 200 | 409), "creating bucket {BUCKET} at {ep}: HTTP {code}");
+            ep
+        })
+    }
+
+    /// `s3://BUCKET/NAME-PID`: a prefix of this test process.
+    pub fn url(name: &str) -> String {
+        format!("s3://{BUCKET}/{name}-{}", std::process::id())
+    }
+
+    /// Runs `tessera` with the AWS_* environment pointing at the test server.
+    pub fn tessera(args: &[&str]) -> Output {
+        let ep = endpoint();
+        let mut cmd = Command::new(super::BIN);
+        cmd.args(args)
+            .env("AWS_ENDPOINT_URL", ep)
+            .env("AWS_ALLOW_HTTP", "true")
+            .env("AWS_ACCESS_KEY_ID", "test")
+            .env("AWS_SECRET_ACCESS_KEY", "test")
+            .env("AWS_REGION", "us-east-1");
+        cmd.output().expect("run the tessera binary")
+    }
+
+    /// Runs and expects exit code `code`; returns stdout.
+    pub fn expect(args: &[&str], code: i32) -> String {
+        let out = tessera(args);
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "tessera {args:?}\n--- stdout\n{}\n--- stderr\n{}",
+            super::text(&out.stdout),
+            super::text(&out.stderr)
+        );
+        super::text(&out.stdout)
+    }
+
+    fn moto_binary() -> PathBuf {
+        if let Some(p) = std::env::var_os("TESSERA_MOTO_SERVER") {
+            return p.into();
+        }
+        let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/moto_server");
+        if venv.exists() {
+            return venv;
+        }
+        "moto_server".into()
+    }
+
+    fn start_moto() -> String {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let bin = moto_binary();
+        // A thread that lives as long as the process spawns the server, so that the server's
+        // parent-death signal fires when the test process ends, not when one test thread does.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::os::unix::process::CommandExt;
+            let mut cmd = Command::new(&bin);
+            cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()]).stdout(Stdio::null()).stderr(Stdio::null());
+            // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+            match cmd.spawn() {
+                Ok(child) => {
+                    tx.send(Ok(())).unwrap();
+                    let _keep = child;
+                    loop {
+                        std::thread::park();
+                    }
+                }
+                Err(e) => tx.send(Err(format!("{}: {e}", bin.display()))).unwrap(),
+            }
+        });
+        if let Err(e) = rx.recv().unwrap() {
+            panic!(
+                "no S3 server for the s3:// CLI tests: set TESSERA_TEST_S3_ENDPOINT, or install moto \
+                 (`pip install 'moto[server]'`, e.g. into .venv by scripts/python-env.sh): {e}"
+            );
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "moto_server did not start on port {port}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        format!("http://127.0.0.1:{port}")
+    }
+
+    /// One plain HTTP request (moto accepts unsigned requests); returns the status code.
+    pub fn http(endpoint: &str, method: &str, path: &str, body: &[u8]) -> u16 {
+        let addr = endpoint.trim_start_matches("http://");
+        let mut s = TcpStream::connect(addr).unwrap();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        )
+        .unwrap();
+        s.write_all(body).unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+    }
+
+    /// The object path (`/bucket/key`) of `name` under the prefix of `url`.
+    pub fn object_path(url: &str, name: &str) -> String {
+        format!("/{}/{name}", url.trim_start_matches("s3://"))
+    }
+}
+
+#[test]
+fn demo_inspect_verify_gc_on_s3() {
+    let url = s3::url("demo");
+    let out = s3::expect(&["demo", "--size", "4MiB", "--dir", &url], 0);
+    assert!(out.contains("every byte matched") && out.contains(&format!("checkpoint: {url}")), "{out}");
+    assert!(out.contains(&format!("next: tessera inspect {url}")), "{out}");
+
+    let s = json(&s3::expect(&["inspect", &url, "--json"], 0));
+    assert_eq!(s["path"], url.as_str());
+    assert_eq!(s["format"]["backend"], "tessera");
+    assert_eq!(s["tensors"]["embedding.word_embeddings.weight"]["chunks"], 4);
+    assert_eq!(s["common"]["iteration"], 1000);
+    assert_eq!(s["content_metadata"]["producer"], "tessera demo");
+    let t = s3::expect(&["inspect", &url], 0);
+    assert!(t.contains(&format!("checkpoint {url}")) && t.contains("rng_state"), "{t}");
+    let v = s3::expect(&["verify", &url], 0);
+    assert!(v.contains(&format!("{url}: sound")), "{v}");
+    // A trailing slash names the same prefix.
+    s3::expect(&["verify", &format!("{url}/")], 0);
+
+    // gc keeps the committed checkpoint and removes the leftover of an interrupted save.
+    let g = s3::expect(&["gc", &url], 0);
+    assert!(g.contains("0 leftover"), "{g}");
+    let leftover = s3::object_path(&url, "0123456789abcdef-r00003.safetensors");
+    assert_eq!(s3::http(s3::endpoint(), "PUT", &leftover, b"partial"), 200);
+    let g = s3::expect(&["gc", &url], 0);
+    assert!(g.contains("removed 0123456789abcdef-r00003.safetensors") && g.contains("1 leftover"), "{g}");
+    s3::expect(&["verify", &url], 0);
+
+    // A damaged index (moto accepts unsigned PUTs of new objects only: a fresh prefix).
+    let damaged = s3::url("damaged");
+    assert_eq!(s3::http(s3::endpoint(), "PUT", &s3::object_path(&damaged, "tessera.index"), b"garbage"), 200);
+    let out = s3::tessera(&["verify", &damaged]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains(&format!("{damaged}/tessera.index")), "{}", text(&out.stderr));
+    assert_eq!(s3::tessera(&["inspect", &damaged]).status.code(), Some(1));
+
+    // Leftovers of a save that never committed: not a committed checkpoint; gc removes them.
+    let partial = s3::url("partial");
+    assert_eq!(
+        s3::http(s3::endpoint(), "PUT", &s3::object_path(&partial, "0123456789abcdef-r00000.safetensors"), b"x"),
+        200
+    );
+    let out = s3::tessera(&["verify", &partial]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("not a committed checkpoint"), "{}", text(&out.stderr));
+    let g = s3::expect(&["gc", &partial], 0);
+    assert!(g.contains("removed 0123456789abcdef-r00000.safetensors"), "{g}");
+    // An empty prefix: nothing there.
+    let out = s3::tessera(&["verify", &s3::url("nothing-here")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("nothing-here"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn bench_s3_compares_with_a_local_directory() {
+    let scratch = Scratch::new("bench-s3");
+    let dir = scratch.path().to_str().unwrap();
+    let url = s3::url("bench");
+    let args = ["bench", "--dir", dir, "--s3", &url, "--size", "8MiB", "--ranks", "2"];
+    let b = json(&s3::expect(&[&args[..], &["--rounds", "2", "--json"]].concat(), 0));
+    assert_eq!((b["mode"].as_str(), b["url"].as_str(), b["load_ranks"].as_u64()), (Some("s3"), Some(&*url), Some(1)));
+    for field in [
+        "local_save_secs",
+        "s3_save_secs",
+        "local_load_secs",
+        "s3_load_secs",
+        "save_s3_vs_local",
+        "load_s3_vs_local",
+        "load_unverified_s3_vs_local",
+    ] {
+        assert!(b[field].as_f64().is_some_and(|x| x > 0.0), "{field}: {b}");
+    }
+    for field in ["save_s3_vs_local_rounds", "load_s3_vs_local_rounds", "load_unverified_s3_vs_local_rounds"] {
+        assert_eq!(b[field].as_array().map(Vec::len), Some(2), "{field}: {b}");
+    }
+    // Every data file and the index: one PUT or multipart upload each, every byte once.
+    let save = &b["save_requests"];
+    assert!(save["puts"].as_u64().unwrap() + save["parts"].as_u64().unwrap() > b["files"].as_u64().unwrap(), "{b}");
+    assert!(save["bytes_uploaded_vs_checkpoint"].as_f64().is_some_and(|x| (1.0..1.05).contains(&x)), "{b}");
+    let chunks: u64 = b["chunk_reads_per_rank"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).sum();
+    assert!(chunks >= b["chunks"].as_u64().unwrap(), "every stored chunk is read by some rank: {b}");
+    for mode in ["load", "load_unverified"] {
+        let l = &b[mode];
+        assert_eq!(l["chunk_reads"].as_u64(), Some(chunks), "{mode}: {b}");
+        assert_eq!(l["bytes_needed"], b["checkpoint_bytes"], "{mode}: the whole checkpoint, once: {b}");
+        let r = l["bytes_downloaded_vs_needed"].as_f64().unwrap();
+        assert!((1.0..=1.05).contains(&r), "{mode}: downloaded / needed {r}: {b}");
+        assert!(l["gets"].as_u64() > l["tensor_data_gets"].as_u64(), "{mode}: {b}");
+        assert!(l["gets_per_chunk"].as_f64().is_some_and(|x| x > 0.0), "{mode}: {b}");
+    }
+    assert_eq!(b["verified"], true);
+    // Both checkpoints are removed.
+    assert_eq!(std::fs::read_dir(scratch.path()).unwrap().count(), 0);
+    let out = s3::tessera(&["verify", &format!("{url}/ckpt")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("not found"), "{}", text(&out.stderr));
+
+    // Text: every round, the medians, the requests.
+    let out = s3::expect(&[&args[..], &["--rounds", "1", "--keep"]].concat(), 0);
+    assert!(out.lines().any(|l| l.starts_with("round 1/1")), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("median") && l.contains("min–max")), "{out}");
+    assert!(
+        out.contains("PUTs") && out.contains("GETs per chunk") && out.contains("every loaded byte matched"),
+        "{out}"
+    );
+    // --keep: both checkpoints of the last round stay, sound.
+    expect(&["verify", scratch.path().join("ckpt").to_str().unwrap()], 0);
+    s3::expect(&["verify", &format!("{url}/ckpt")], 0);
+}
+
+#[test]
+fn bench_modes_and_object_stores() {
+    // The fully-parallel save runs on an object store too.
+    let url = s3::url("bench-parallel");
+    let args = ["bench", "--fully-parallel", "--dir", &url, "--size", "2MiB", "--dp", "2", "--rounds", "1", "--json"];
+    let b = json(&s3::expect(&args, 0));
+    assert_eq!(b["dir"], url.as_str());
+    assert_eq!(b["runs"][0]["verified"], true, "{b}");
+    // The raw-IO benchmark needs a local directory, and says what to use instead.
+    let out = s3::tessera(&["bench", "--dir", &url, "--size", "2MiB"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("--s3"), "{}", text(&out.stderr));
+    // --s3 is not a mode of --async or --plan-only.
+    assert_eq!(tessera(&["bench", "--async", "--dir", "/tmp", "--s3", &url]).status.code(), Some(2));
 }

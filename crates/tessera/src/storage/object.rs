@@ -135,13 +135,19 @@ impl ObjectStorage {
                 base: 2.0,
             },
         };
-        let client = object_store::ClientOptions::new().with_timeout(opts.timeout);
+        // Set as a config key, not with `with_client_options`, which would replace the client
+        // options read from the environment (AWS_ALLOW_HTTP, proxies, …).
+        let timeout = format!("{}ms", opts.timeout.as_millis());
+        let timeout_key = object_store::ClientConfigKey::Timeout;
         let build_err = |e: object_store::Error| Error::invalid(format!("{url:?}: {e}"));
         let (store, multipart): (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>) = match scheme {
             #[cfg(feature = "s3")]
             "s3" | "s3a" => {
                 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
-                let mut b = AmazonS3Builder::from_env().with_url(url).with_retry(retry).with_client_options(client);
+                let mut b = AmazonS3Builder::from_env()
+                    .with_url(url)
+                    .with_retry(retry)
+                    .with_config(AmazonS3ConfigKey::Client(timeout_key), &timeout);
                 // The AWS SDKs' names, which `from_env` does not all know.
                 for (var, key) in
                     [("AWS_ENDPOINT_URL", AmazonS3ConfigKey::Endpoint), ("AWS_REGION", AmazonS3ConfigKey::Region)]
@@ -163,8 +169,10 @@ impl ObjectStorage {
             #[cfg(feature = "gcs")]
             "gs" | "gcs" => {
                 use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
-                let mut b =
-                    GoogleCloudStorageBuilder::from_env().with_url(url).with_retry(retry).with_client_options(client);
+                let mut b = GoogleCloudStorageBuilder::from_env()
+                    .with_url(url)
+                    .with_retry(retry)
+                    .with_config(GoogleConfigKey::Client(timeout_key), &timeout);
                 for (k, v) in &opts.config {
                     let key: GoogleConfigKey = k.parse().map_err(build_err)?;
                     b = b.with_config(key, v);
@@ -175,8 +183,10 @@ impl ObjectStorage {
             #[cfg(feature = "azure")]
             "az" | "azure" | "abfs" | "abfss" => {
                 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
-                let mut b =
-                    MicrosoftAzureBuilder::from_env().with_url(url).with_retry(retry).with_client_options(client);
+                let mut b = MicrosoftAzureBuilder::from_env()
+                    .with_url(url)
+                    .with_retry(retry)
+                    .with_config(AzureConfigKey::Client(timeout_key), &timeout);
                 for (k, v) in &opts.config {
                     let key: AzureConfigKey = k.parse().map_err(build_err)?;
                     b = b.with_config(key, v);
@@ -185,7 +195,7 @@ impl ObjectStorage {
                 (az.clone(), az)
             }
             other => {
-                let _ = (retry, client);
+                let _ = (retry, timeout, timeout_key);
                 return Err(Error::invalid(format!(
                     "{url:?}: no object store for scheme {other:?} in this build (features: s3, gcs, azure)"
                 )));
@@ -369,7 +379,13 @@ impl Storage for ObjectStorage {
                     Err(e) => Err(e),
                 }
             }
-            Err(e) => Err(self.error(name, e)),
+            // The put may have landed and only its answer been lost (a conditional put is not
+            // retried after a timeout): what is there now tells.
+            Err(e) => match self.read(name) {
+                Ok(existing) if existing == bytes => Ok(()),
+                Ok(_) => Err(Error::AlreadyExists { path: self.shown(name) }),
+                Err(_) => Err(self.error(name, e)),
+            },
         }
     }
 

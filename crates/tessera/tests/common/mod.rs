@@ -4,6 +4,7 @@
 //! reference geometry (extracting a box or a flattened range of a global tensor by brute force).
 #![allow(dead_code)]
 
+pub mod faults;
 pub mod s3;
 
 use std::ops::Range;

@@ -1,0 +1,122 @@
+//! Checkpoint locations as the commands take them: a local directory (or `file://` path), or a
+//! URL that [`tessera::open_location`] opens (`s3://bucket/prefix`, `mem://name`, …).
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use tessera::Storage;
+
+/// Where a checkpoint (or a benchmark's scratch space) lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// A local directory.
+    Local(PathBuf),
+    /// An object-store (or other non-local) URL, without a trailing `/`.
+    Url(String),
+}
+
+impl Location {
+    /// Parses a location string: `scheme://…` (other than `file://`) is a URL, anything else a
+    /// local path.
+    pub fn parse(s: &str) -> Location {
+        if let Some(path) = s.strip_prefix("file://") {
+            return Location::Local(PathBuf::from(path));
+        }
+        match s.split_once("://") {
+            Some((scheme, _))
+                if !scheme.is_empty()
+                    && scheme.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')) =>
+            {
+                Location::Url(s.trim_end_matches('/').to_string())
+            }
+            _ => Location::Local(PathBuf::from(s)),
+        }
+    }
+
+    /// The local directory, if this is one.
+    pub fn local(&self) -> Option<&Path> {
+        match self {
+            Location::Local(p) => Some(p),
+            Location::Url(_) => None,
+        }
+    }
+
+    /// `self/name`: a subdirectory, or the URL with `/name` appended (a sub-prefix).
+    pub fn join(&self, name: &str) -> Location {
+        match self {
+            Location::Local(p) => Location::Local(p.join(name)),
+            Location::Url(u) => Location::Url(format!("{u}/{name}")),
+        }
+    }
+
+    /// Opens the storage of this location ([`tessera::open_location`]; object stores are
+    /// configured from the environment: `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, …).
+    pub fn open(&self) -> Result<Arc<dyn Storage>> {
+        let s = match self {
+            Location::Local(p) => p.to_str().with_context(|| format!("{}: not a UTF-8 path", p.display()))?.to_string(),
+            Location::Url(u) => u.clone(),
+        };
+        tessera::open_location(&s).with_context(|| format!("opening {self}"))
+    }
+
+    /// Makes sure the location can hold objects: creates a local directory (and its parents);
+    /// nothing to do for a URL (prefixes exist once an object is under them).
+    pub fn create(&self) -> Result<()> {
+        if let Location::Local(p) = self {
+            std::fs::create_dir_all(p).with_context(|| format!("creating {}", p.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Removes everything at the location: the local directory (absent is fine), or every
+    /// object directly under the prefix.
+    pub fn remove(&self) -> Result<()> {
+        match self {
+            Location::Local(p) => match std::fs::remove_dir_all(p) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(e).with_context(|| format!("removing {}", p.display()))
+                }
+                _ => Ok(()),
+            },
+            Location::Url(_) => remove_objects(self.open()?.as_ref()).with_context(|| format!("removing {self}")),
+        }
+    }
+}
+
+/// Deletes every object of `storage`.
+pub fn remove_objects(storage: &dyn Storage) -> tessera::Result<()> {
+    for name in storage.list()? {
+        storage.delete(&name)?;
+    }
+    Ok(())
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Location::Local(p) => write!(f, "{}", p.display()),
+            Location::Url(u) => f.write_str(u),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_and_join() {
+        assert_eq!(Location::parse("/tmp/x"), Location::Local("/tmp/x".into()));
+        assert_eq!(Location::parse("rel/dir"), Location::Local("rel/dir".into()));
+        assert_eq!(Location::parse("file:///tmp/x"), Location::Local("/tmp/x".into()));
+        assert_eq!(Location::parse("s3://b/p/"), Location::Url("s3://b/p".into()));
+        assert_eq!(Location::parse("s3://b/p").join("ckpt"), Location::Url("s3://b/p/ckpt".into()));
+        assert_eq!(Location::parse("s3://b").join("ckpt").to_string(), "s3://b/ckpt");
+        assert_eq!(Location::parse("/tmp/x").join("ckpt"), Location::Local("/tmp/x/ckpt".into()));
+        // Not a scheme: a local path that happens to contain "://".
+        assert_eq!(Location::parse("a b://c"), Location::Local("a b://c".into()));
+        assert!(Location::parse("s3://b/p").local().is_none());
+    }
+}

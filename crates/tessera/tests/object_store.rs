@@ -1,0 +1,584 @@
+//! The object-store backend under faults, and its request counts: every test talks to moto
+//! through the fault-injecting, request-counting proxy of `common::faults`, so the real client
+//! stack (signing, retries with backoff, timeouts) runs.
+//!
+//! - Saves and resharded loads survive throttling (503 Slow Down) and stalls (client timeouts):
+//!   same bytes, committed once, nothing half-committed.
+//! - A commit that can never be written fails on every rank and leaves no checkpoint; a commit
+//!   whose response is lost is recognised by the read-back.
+//! - A resharded load issues exactly the GETs its plan says, and downloads what it needs.
+//! - `ObjectStorage::request_counts` agrees with what went over the wire.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use common::faults::*;
+use common::*;
+use tessera::plan::load::{plan_reads, plan_request, ReadTuning, Request};
+use tessera::*;
+
+/// These tests move tens of MiB through one moto server: one at a time keeps each well inside
+/// the short client timeouts of the stall tests.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+const SAVE_WORLD: usize = 4;
+const LOAD_WORLD: usize = 3;
+const COLS: u64 = 1024;
+const EMB: [u64; 2] = [512, 512];
+const EXP: [u64; 2] = [128, 96];
+/// Where the flat ranges of each TP half of "exp_avg" split between the two DP ranks.
+const EXP_SPLIT: u64 = 2500;
+
+/// The global truth of one checkpoint.
+struct Truth {
+    rows: u64,
+    w: Vec<u8>,
+    emb: Vec<u8>,
+    exp: Vec<u8>,
+    objs: Vec<Vec<u8>>,
+}
+
+impl Truth {
+    /// "w" f32 [4·rows_per_rank, 1024] (4 KiB rows), "emb" f32 [512, 512], "exp_avg" f32
+    /// [128, 96], one object shard per save rank.
+    fn new(seed: u64, rows_per_rank: u64) -> Truth {
+        let mut rng = Rng::new(seed);
+        let rows = rows_per_rank * SAVE_WORLD as u64;
+        Truth {
+            rows,
+            w: rng.bytes((rows * COLS * 4) as usize),
+            emb: rng.bytes((numel(&EMB) * 4) as usize),
+            exp: rng.bytes((numel(&EXP) * 4) as usize),
+            objs: (0..SAVE_WORLD).map(|r| rng.bytes(100 + 37 * r)).collect(),
+        }
+    }
+
+    fn w_shape(&self) -> [u64; 2] {
+        [self.rows, COLS]
+    }
+
+    fn of(&self, key: &str) -> (&[u8], Vec<u64>) {
+        match key {
+            "w" => (&self.w, self.w_shape().to_vec()),
+            "emb" => (&self.emb, EMB.to_vec()),
+            "exp_avg" => (&self.exp, EXP.to_vec()),
+            _ => panic!("no tensor {key}"),
+        }
+    }
+}
+
+/// Save rank `r` of 4: "w" split by rows (TP), "emb" replicated on every rank (written by one
+/// of them), "exp_avg" TP 2 × DP 2 flat ranges of each TP box (distributed optimizer), "rng"
+/// one object shard per rank, "step" a common value.
+fn save_tree(r: usize, t: &Truth) -> StateTree<'_> {
+    let rows = t.rows / SAVE_WORLD as u64;
+    let row_bytes = (COLS * 4) as usize;
+    let w = &t.w[r * rows as usize * row_bytes..(r + 1) * rows as usize * row_bytes];
+    let (tp, dp) = (r as u64 / 2, r % 2);
+    let half = [EXP[0] / 2, EXP[1]];
+    let flat = if dp == 0 { 0..EXP_SPLIT } else { EXP_SPLIT..numel(&half) };
+    let exp = shard_bytes(&t.exp, &EXP, 4, &[tp * half[0], 0], &half, Some(&flat));
+    let mut emb = ShardedTensor::full("emb", DType::F32, &EMB, TensorData::Ref(&t.emb));
+    emb.replica_id = ReplicaId::from(r as u32);
+    StateTree::map()
+        .with(
+            "w",
+            StateTree::Tensor(shard(
+                "w",
+                DType::F32,
+                &t.w_shape(),
+                &[r as u64 * rows, 0],
+                &[rows, COLS],
+                0,
+                None,
+                TensorData::Ref(w),
+            )),
+        )
+        .with("emb", StateTree::Tensor(emb))
+        .with(
+            "exp_avg",
+            StateTree::Tensor(shard(
+                "exp_avg",
+                DType::F32,
+                &EXP,
+                &[tp * half[0], 0],
+                &half,
+                0,
+                Some(flat),
+                TensorData::Owned(exp),
+            )),
+        )
+        .with("rng", StateTree::Object(ShardedObject::new("rng", t.objs[r].clone(), &[4], &[r as u64])))
+        .with("step", StateTree::Value(Value::Int(7)))
+}
+
+/// Load rank `k` of 3 (a different layout): "w" split by rows in 3, "emb" whole, "exp_avg" as a
+/// third of the flattening of the whole tensor, every "rng" shard.
+fn load_tree(k: usize, t: &Truth) -> StateTree<'static> {
+    let cut = |n: u64, i: usize| n * i as u64 / LOAD_WORLD as u64;
+    let (r0, r1) = (cut(t.rows, k), cut(t.rows, k + 1));
+    let (f0, f1) = (cut(numel(&EXP), k), cut(numel(&EXP), k + 1));
+    let mut tree = StateTree::map()
+        .with(
+            "w",
+            StateTree::Tensor(shard(
+                "w",
+                DType::F32,
+                &t.w_shape(),
+                &[r0, 0],
+                &[r1 - r0, COLS],
+                0,
+                None,
+                TensorData::None,
+            )),
+        )
+        .with("emb", StateTree::Tensor(ShardedTensor::full("emb", DType::F32, &EMB, TensorData::None)))
+        .with(
+            "exp_avg",
+            StateTree::Tensor(shard("exp_avg", DType::F32, &EXP, &[0, 0], &EXP, 0, Some(f0..f1), TensorData::None)),
+        );
+    for i in 0..SAVE_WORLD as u64 {
+        let mut o = ShardedObject::new("rng", Vec::new(), &[4], &[i]);
+        o.data = None;
+        tree.insert(format!("rng{i}"), StateTree::Object(o));
+    }
+    tree
+}
+
+/// Checks every leaf of a loaded `load_tree` against the truth.
+fn check_loaded(state: &StateTree<'_>, t: &Truth) {
+    for key in ["w", "emb", "exp_avg"] {
+        let st = tensor_at(state, key);
+        let (truth, global) = t.of(key);
+        assert!(st.data.bytes().unwrap() == expected_for(st, truth, &global).as_slice(), "{key} differs");
+    }
+    for i in 0..SAVE_WORLD {
+        match state.get_dotted(&format!("rng{i}")) {
+            Some(StateTree::Object(o)) => assert_eq!(o.data.as_deref(), Some(t.objs[i].as_slice()), "rng{i}"),
+            other => panic!("rng{i}: {other:?}"),
+        }
+    }
+    assert!(matches!(state.get_dotted("step"), Some(StateTree::Value(Value::Int(7)))), "step");
+}
+
+/// Saves `t` with 4 in-process ranks sharing `storage`; every rank's outcome.
+fn save_all(storage: &dyn Storage, t: &Truth) -> Vec<Result<SaveReport>> {
+    run_ranks(SAVE_WORLD, |c| {
+        save(save_tree(c.rank(), t), storage, c, &SaveOptions { threads: 2, ..Default::default() })
+    })
+}
+
+/// Loads `load_tree` with 3 in-process ranks and checks every byte.
+fn load_all_and_check(storage: &dyn Storage, t: &Truth) -> Vec<LoadStats> {
+    run_ranks(LOAD_WORLD, |c| {
+        let loaded = load(load_tree(c.rank(), t), storage, c, &load_opts()).unwrap();
+        check_loaded(&loaded.state, t);
+        loaded.stats
+    })
+}
+
+/// The committed checkpoint is whole: it verifies, and its data files are exactly those in the
+/// location (nothing left over from retried or failed requests).
+fn assert_committed_whole(storage: &dyn Storage) {
+    verify(storage, 2).unwrap();
+    let index = open_index(storage).unwrap();
+    let mut referenced: Vec<String> = index.files.iter().map(|f| f.name.clone()).collect();
+    referenced.sort();
+    assert_eq!(data_files(storage), referenced);
+    assert!(names(storage).iter().all(|n| n == INDEX_FILE || n.ends_with(".safetensors")), "{:?}", names(storage));
+}
+
+/// Options through `proxy` with a client timeout (and the test's small parts).
+fn opts_via(proxy: &FaultProxy, timeout: Duration, max_retries: usize) -> ObjectStoreOptions {
+    proxy.options(ObjectStoreOptions { timeout, max_retries, ..s3::test_options() })
+}
+
+/// For every counter of `rc`, the requests the proxy relayed to the client: each logical
+/// request is one delivered attempt, whatever faults its earlier attempts met.
+fn delivered_counts(c: &Counts) -> RequestCounts {
+    RequestCounts {
+        gets: c.delivered(Kind::Get) + c.delivered(Kind::GetRange),
+        bytes_downloaded: c.bytes_down,
+        heads: c.delivered(Kind::Head),
+        puts: c.delivered(Kind::Put),
+        parts: c.delivered(Kind::PutPart),
+        bytes_uploaded: c.bytes_up,
+        lists: c.delivered(Kind::List),
+        deletes: c.delivered(Kind::Delete),
+    }
+}
+
+fn sum(a: RequestCounts, b: RequestCounts) -> RequestCounts {
+    RequestCounts {
+        gets: a.gets + b.gets,
+        bytes_downloaded: a.bytes_downloaded + b.bytes_downloaded,
+        heads: a.heads + b.heads,
+        puts: a.puts + b.puts,
+        parts: a.parts + b.parts,
+        bytes_uploaded: a.bytes_uploaded + b.bytes_uploaded,
+        lists: a.lists + b.lists,
+        deletes: a.deletes + b.deletes,
+    }
+}
+
+#[test]
+fn save_and_resharded_load_succeed_through_throttling_and_stalls() {
+    let _serial = serial();
+    // ~12 MiB per rank's data file: 3 parts of 5 MiB.
+    let t = Truth::new(1, 2816);
+    // A fifth of the requests throttled; every 7th GET/HEAD/part PUT stalls, 3 times in all.
+    let proxy = FaultProxy::start(FaultPlan::random(11, 20, 7, 3));
+    let url = s3::fresh_url("faults");
+    let saving = proxy.storage(&url, opts_via(&proxy, Duration::from_secs(2), 10));
+    let reports = save_all(&saving, &t);
+    for (r, rep) in reports.iter().enumerate() {
+        let rep = rep.as_ref().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(rep.bytes_written > 10 << 20, "rank {r}: {rep:?}");
+    }
+    let save_counts = proxy.counts();
+    assert!(save_counts.n(Kind::PutPart) >= (3 * SAVE_WORLD) as u64, "{save_counts:?}");
+
+    let loading = proxy.storage(&url, opts_via(&proxy, Duration::from_secs(2), 10));
+    load_all_and_check(&loading, &t);
+
+    let c = proxy.counts();
+    assert!(c.by_fault.get(&Fault::SlowDown).copied().unwrap_or(0) > 0, "no 503 injected: {c:?}");
+    assert_eq!(c.by_fault.get(&Fault::Stall).copied().unwrap_or(0), 3, "stalls: {c:?}");
+    assert!(c.faulted(Kind::PutPart) + c.faulted(Kind::GetRange) > 0, "{c:?}");
+    // Each faulted attempt was retried: what the client counted is what was delivered (a
+    // timeout nobody injected would add an undelivered attempt, hence ≥).
+    let rc = sum(saving.request_counts(), loading.request_counts());
+    let d = delivered_counts(&c);
+    for (what, logical, delivered, all) in [
+        ("gets", rc.gets, d.gets, c.gets()),
+        ("heads", rc.heads, d.heads, c.n(Kind::Head)),
+        ("puts", rc.puts, d.puts, c.n(Kind::Put)),
+        ("parts", rc.parts, d.parts, c.n(Kind::PutPart)),
+    ] {
+        assert!(
+            all >= delivered && delivered >= logical,
+            "{what}: {logical} logical, {delivered} delivered, {all} sent"
+        );
+    }
+
+    let direct = ObjectStorage::open(&url, s3::test_options()).unwrap();
+    assert_committed_whole(&direct);
+    assert_eq!(load_plain_tensors(&direct, None).unwrap()["w"].data, t.w);
+}
+
+fn is_index_put(r: &Logged) -> bool {
+    r.kind == Kind::Put && r.name() == INDEX_FILE
+}
+
+#[test]
+fn a_commit_that_cannot_be_written_fails_on_every_rank_and_commits_nothing() {
+    let _serial = serial();
+    let t = Truth::new(2, 64);
+    // Every PUT of the index is throttled, every retry too; everything else goes through.
+    let proxy = FaultProxy::start(FaultPlan::always(Fault::SlowDown, is_index_put));
+    let url = s3::fresh_url("no-commit");
+    let storage = proxy.storage(&url, opts_via(&proxy, Duration::from_secs(30), 2));
+    let outcomes = save_all(&storage, &t);
+    for (r, o) in outcomes.iter().enumerate() {
+        assert!(o.is_err(), "rank {r} reports success: {o:?}");
+    }
+    assert!(matches!(outcomes[0], Err(Error::Io { .. })), "rank 0 (the committer): {:?}", outcomes[0]);
+    for o in &outcomes[1..] {
+        assert!(matches!(o, Err(Error::PeerFailed { rank: 0, .. })), "{o:?}");
+    }
+    // The put was tried 1 + max_retries times and never reached the store.
+    let index_puts: Vec<Logged> = proxy.log().into_iter().filter(is_index_put).collect();
+    assert_eq!(index_puts.len(), 3, "{index_puts:?}");
+    assert!(index_puts.iter().all(|r| r.fault == Some(Fault::SlowDown) && r.upstream_status == 0));
+
+    // Nothing committed: the data files are there, the index is not.
+    let direct = ObjectStorage::open(&url, s3::test_options()).unwrap();
+    assert!(matches!(open_index(&direct), Err(Error::NotCommitted { .. })), "{:?}", open_index(&direct));
+    assert!(matches!(load_plain_tensors(&direct, None), Err(Error::NotCommitted { .. })));
+    let files = data_files(&direct);
+    assert_eq!(files.len(), SAVE_WORLD, "{files:?}");
+    assert_eq!(names(&direct), files, "nothing but data files");
+    // gc removes them all, leaving nothing behind.
+    assert_eq!(gc(&direct).unwrap(), files);
+    assert_eq!(names(&direct), Vec::<String>::new());
+    assert!(matches!(open_index(&direct), Err(Error::NotFound { .. })));
+}
+
+#[test]
+fn a_commit_whose_response_is_lost_is_recognised_by_its_read_back() {
+    let _serial = serial();
+    let t = Truth::new(3, 64);
+    // The index reaches the store, but the client hears 503 and retries the conditional put,
+    // which the store then refuses (the index exists): the read-back finds our own index.
+    let proxy = FaultProxy::start(FaultPlan::first(1, Fault::LostResponse, is_index_put));
+    let url = s3::fresh_url("lost-commit");
+    let storage = proxy.storage(&url, opts_via(&proxy, Duration::from_secs(30), 10));
+    for (r, o) in save_all(&storage, &t).into_iter().enumerate() {
+        o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+    let index_puts: Vec<Logged> = proxy.log().into_iter().filter(is_index_put).collect();
+    assert_eq!(index_puts.len(), 2, "{index_puts:?}");
+    assert_eq!((index_puts[0].fault, index_puts[0].upstream_status), (Some(Fault::LostResponse), 200));
+    assert!(index_puts.iter().all(|r| r.conditional), "commits are conditional puts");
+    assert!(matches!(index_puts[1].status, 409 | 412), "the retry is refused: {:?}", index_puts[1]);
+    let direct = ObjectStorage::open(&url, s3::test_options()).unwrap();
+    assert_committed_whole(&direct);
+    load_all_and_check(&direct, &t);
+}
+
+/// A commit PUT that reaches the store but whose answer never comes: the client times out, and
+/// object_store does not retry a conditional put after a timeout (it is not idempotent). The
+/// save's verdict must match the store: `ObjectStorage::put_if_absent` reads the object back
+/// after a failed put and finds its own index, so the save reports the commit it made.
+#[test]
+fn a_commit_that_times_out_after_reaching_the_store_reports_what_the_store_holds() {
+    let _serial = serial();
+    let t = Truth::new(4, 64);
+    let proxy = FaultProxy::start(FaultPlan::first(1, Fault::ForwardThenStall, is_index_put));
+    let url = s3::fresh_url("stalled-commit");
+    let storage = proxy.storage(&url, opts_via(&proxy, Duration::from_secs(2), 10));
+    let outcomes = save_all(&storage, &t);
+    let direct = ObjectStorage::open(&url, s3::test_options()).unwrap();
+    let committed = open_index(&direct).is_ok();
+    for (r, o) in outcomes.iter().enumerate() {
+        assert_eq!(o.is_ok(), committed, "rank {r}: {o:?}, but the store holds a committed index: {committed}");
+    }
+}
+
+#[test]
+fn async_save_through_throttling_and_a_stall_commits() {
+    let _serial = serial();
+    // ~6 MiB per rank: 2 parts each.
+    let t = Truth::new(5, 1536);
+    let proxy = FaultProxy::start(FaultPlan::random(21, 20, 5, 1));
+    let url = s3::fresh_url("async-faults");
+    let storage: Arc<dyn Storage> = Arc::new(proxy.storage(&url, opts_via(&proxy, Duration::from_secs(2), 10)));
+    let commit = InProcessComm::group_with_timeout(SAVE_WORLD, Duration::from_secs(20));
+    let commit: Vec<Mutex<Option<InProcessComm>>> = commit.into_iter().map(|c| Mutex::new(Some(c))).collect();
+    let reports = run_ranks(SAVE_WORLD, |c| {
+        let k = commit[c.rank()].lock().unwrap().take().unwrap();
+        let mut saver = AsyncSaver::new(StagingPool::with_buffer_size(8 << 20, 1 << 20).unwrap(), Arc::new(k));
+        let opts = SaveOptions { threads: 2, ..Default::default() };
+        let pending = saver.save(save_tree(c.rank(), &t), storage.clone(), c, &opts).unwrap();
+        pending.finalize()
+    });
+    for (r, rep) in reports.iter().enumerate() {
+        assert!(rep.is_ok(), "rank {r}: {rep:?}");
+    }
+    let c = proxy.counts();
+    assert!(c.by_fault.get(&Fault::SlowDown).copied().unwrap_or(0) > 0, "no 503 injected: {c:?}");
+    assert_eq!(c.by_fault.get(&Fault::Stall).copied().unwrap_or(0), 1, "{c:?}");
+    assert!(c.n(Kind::PutPart) >= 2 * SAVE_WORLD as u64, "{c:?}");
+    let direct = ObjectStorage::open(&url, s3::test_options()).unwrap();
+    assert_committed_whole(&direct);
+    load_all_and_check(&direct, &t);
+}
+
+/// What a load of `tree` reads from data files, by the plan (`plan_request` + `plan_reads`
+/// with the default tuning, as `load` does): every ranged read `(object, start, end)`, sorted;
+/// the number of reads of tensor data; the data files they touch; the stored chunks they
+/// touch.
+struct Planned {
+    gets: Vec<(String, u64, u64)>,
+    data_reads: usize,
+    files: Vec<u32>,
+    chunks: usize,
+}
+
+fn planned(index: &CheckpointIndex, tree: &StateTree<'_>, verify: bool) -> Planned {
+    let mut segs = Vec::new();
+    let mut objects = Vec::new();
+    tree.for_each_leaf(&mut |_, leaf| match leaf {
+        StateTree::Tensor(t) => {
+            let req = Request {
+                key: t.key.clone(),
+                dtype: t.dtype,
+                global_shape: t.global_shape.clone(),
+                offset: t.global_offset.clone(),
+                shape: t.box_shape(),
+                flat: t.flattened_range.as_ref().map(|r| (r.start, r.end)),
+                allow_shape_mismatch: t.allow_shape_mismatch,
+                target: 0,
+            };
+            segs.extend(plan_request(index, &req).unwrap().segs);
+        }
+        StateTree::Object(o) => objects.push((o.key.clone(), o.global_offset.clone())),
+        _ => {}
+    });
+    let mut chunks: Vec<(u32, u32)> = segs.iter().map(|s| (s.tensor, s.chunk)).collect();
+    chunks.sort();
+    chunks.dedup();
+    let plan = plan_reads(index, segs, verify, ReadTuning::default());
+    let name = |f: u32| index.files[f as usize].name.clone();
+    let mut gets: Vec<(String, u64, u64)> = plan.spans.iter().map(|s| (name(s.file), s.off, s.off + s.len)).collect();
+    let mut files: Vec<u32> = plan.spans.iter().map(|s| s.file).collect();
+    files.sort();
+    files.dedup();
+    if verify {
+        // Each touched file's safetensors header, checked against the index.
+        gets.extend(files.iter().map(|&f| (name(f), 0, index.files[f as usize].header_len)));
+    }
+    for (key, off) in objects {
+        let sh = index.object(&key).unwrap().shards.iter().find(|s| s.offset == off).unwrap();
+        gets.push((name(sh.file), sh.byte_offset, sh.byte_offset + sh.len));
+    }
+    gets.sort();
+    Planned { gets, data_reads: plan.spans.len(), files, chunks: chunks.len() }
+}
+
+/// Ranged GETs of data files in a log, sorted.
+fn data_gets(log: &[Logged]) -> Vec<(String, u64, u64)> {
+    let mut g: Vec<(String, u64, u64)> = log
+        .iter()
+        .filter(|r| r.kind == Kind::GetRange && r.name() != INDEX_FILE)
+        .map(|r| (r.name().to_string(), r.range.unwrap().0, r.range.unwrap().1))
+        .collect();
+    g.sort();
+    g
+}
+
+/// Opening the index: a HEAD and a GET of its first 12 bytes to recognise the format
+/// (`NativeStrategy::detect`), then a GET of the whole index (`open`).
+fn assert_index_opened_once(log: &[Logged]) {
+    let index: Vec<(Kind, Option<(u64, u64)>)> =
+        log.iter().filter(|r| r.name() == INDEX_FILE).map(|r| (r.kind, r.range)).collect();
+    assert_eq!(index, [(Kind::Head, None), (Kind::GetRange, Some((0, 12))), (Kind::Get, None)]);
+}
+
+#[test]
+fn a_resharded_load_issues_exactly_the_planned_gets() {
+    let _serial = serial();
+    // 4 MiB of "w" per save rank.
+    let t = Truth::new(6, 1024);
+    let proxy = FaultProxy::start(FaultPlan::none());
+    let url = s3::fresh_url("counts");
+    let direct = ObjectStorage::open(&url, s3::test_options()).unwrap();
+    for (r, o) in save_all(&direct, &t).into_iter().enumerate() {
+        o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+    let index = open_index(&direct).unwrap();
+    let storage = proxy.storage(&url, s3::test_options());
+
+    // Verified, resharded: each load rank in turn, so that the proxy's log is that rank's.
+    for k in 0..LOAD_WORLD {
+        let rc0 = storage.request_counts();
+        let loaded = load(load_tree(k, &t), &storage, &SoloComm, &load_opts()).unwrap();
+        check_loaded(&loaded.state, &t);
+        let log = proxy.take_log();
+        let plan = planned(&index, &load_tree(k, &t), true);
+        let st = &loaded.stats;
+        assert_index_opened_once(&log);
+        assert_eq!(data_gets(&log), plan.gets, "load rank {k}: the ranged GETs are the planned ones");
+        assert_eq!(log.len(), 3 + plan.gets.len(), "load rank {k}: nothing else: {log:?}");
+        assert_eq!(st.reads, plan.data_reads);
+        let header_bytes: u64 = plan.files.iter().map(|&f| index.files[f as usize].header_len).sum();
+        assert_eq!(st.header_bytes_read, header_bytes);
+        // GETs = the index (2) + ranged data reads + one header per touched file + objects.
+        let c = Counts::of(&log);
+        assert_eq!(c.gets() as usize, 2 + st.reads + plan.files.len() + SAVE_WORLD, "load rank {k}");
+        assert_eq!(c.n(Kind::Head), 1);
+        // No chunk is larger than one read (4 MiB): at most one GET per loaded chunk.
+        assert!(st.reads <= plan.chunks, "load rank {k}: {} reads for {} chunks", st.reads, plan.chunks);
+        let rc = storage.request_counts();
+        assert_eq!(rc.gets - rc0.gets, c.gets(), "request_counts");
+        assert_eq!(rc.bytes_downloaded - rc0.bytes_downloaded, c.bytes_down, "request_counts");
+    }
+
+    // Unverified, one large contiguous region (the middle 3/4 of "w" rows): the bytes downloaded
+    // are the bytes needed, within 5% (the index is the rest), in one GET per chunk.
+    let rows = t.rows;
+    let (r0, r1) = (rows / 8, rows * 7 / 8);
+    let tree = StateTree::map().with(
+        "w",
+        StateTree::Tensor(shard("w", DType::F32, &t.w_shape(), &[r0, 0], &[r1 - r0, COLS], 0, None, TensorData::None)),
+    );
+    let plan = planned(&index, &tree, false);
+    let opts = LoadOptions { verify_checksums: false, ..load_opts() };
+    let loaded = load(tree, &storage, &SoloComm, &opts).unwrap();
+    let w = tensor_at(&loaded.state, "w");
+    assert!(w.data.bytes().unwrap() == expected_for(w, &t.w, &t.w_shape()).as_slice());
+    let log = proxy.take_log();
+    let c = Counts::of(&log);
+    let st = &loaded.stats;
+    assert_index_opened_once(&log);
+    assert_eq!(data_gets(&log), plan.gets);
+    assert_eq!(st.bytes_needed, (r1 - r0) * COLS * 4);
+    assert_eq!(st.bytes_read, st.bytes_needed, "contiguous: nothing read around it");
+    let data_bytes: u64 = log.iter().filter(|r| r.name() != INDEX_FILE).map(|r| r.bytes_down).sum();
+    assert_eq!(data_bytes, st.bytes_needed);
+    assert!(
+        c.bytes_down as f64 <= 1.05 * st.bytes_needed as f64,
+        "{} downloaded for {} needed",
+        c.bytes_down,
+        st.bytes_needed
+    );
+    assert_eq!(plan.chunks, SAVE_WORLD, "the region spans every rank's chunk of w");
+    assert_eq!(c.n(Kind::GetRange) as usize - 1, plan.chunks, "one GET per chunk");
+}
+
+#[test]
+fn request_counts_agree_with_what_went_over_the_wire() {
+    let _serial = serial();
+    let t = Truth::new(7, 256);
+    // A fifth of the requests throttled, and one uploaded part whose response is lost (the
+    // store has the part; the client sends it again).
+    let random = FaultPlan::random(31, 20, 1, 0);
+    let lost_part = AtomicUsize::new(0);
+    let plan = FaultPlan::new(31, Some(2), move |r, rng| {
+        if r.kind == Kind::PutPart && lost_part.fetch_add(1, Ordering::Relaxed) == 0 {
+            return Some(Fault::LostResponse);
+        }
+        random.decide(r, rng)
+    });
+    let proxy = FaultProxy::start(plan);
+    let url = s3::fresh_url("agree");
+    // A generous timeout: no timeout nobody injected, so every attempt is accounted for.
+    let saving = proxy.storage(&url, opts_via(&proxy, Duration::from_secs(60), 10));
+    for (r, o) in save_all(&saving, &t).into_iter().enumerate() {
+        o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+    let loading = proxy.storage(&url, opts_via(&proxy, Duration::from_secs(60), 10));
+    load_all_and_check(&loading, &t);
+    let c = proxy.counts();
+    assert!(c.total_faults() > 0 && c.by_fault.get(&Fault::LostResponse) == Some(&1), "{c:?}");
+    let rc = sum(saving.request_counts(), loading.request_counts());
+    // Logical requests = attempts delivered; attempts = logical + faults.
+    assert_eq!(rc, delivered_counts(&c), "{c:?}");
+    assert_eq!(c.gets(), rc.gets + c.faulted(Kind::Get) + c.faulted(Kind::GetRange));
+    assert_eq!(c.n(Kind::Head), rc.heads + c.faulted(Kind::Head));
+    assert_eq!(c.n(Kind::Put), rc.puts + c.faulted(Kind::Put));
+    assert_eq!(c.n(Kind::PutPart), rc.parts + c.faulted(Kind::PutPart));
+    assert_eq!(c.n(Kind::List), rc.lists + c.faulted(Kind::List));
+    assert_eq!(c.n(Kind::Delete), rc.deletes + c.faulted(Kind::Delete));
+    // Every multipart upload was started and completed once (logically).
+    assert_eq!(c.delivered(Kind::CreateUpload), c.delivered(Kind::CompleteUpload));
+    assert_eq!(c.n(Kind::AbortUpload), 0);
+}
+
+/// `s3://` locations opened by name (`open_location`, as the Python package and the CLI do)
+/// take their endpoint and `AWS_ALLOW_HTTP` from the environment.
+#[test]
+fn an_s3_url_is_configured_from_the_aws_environment() {
+    let _serial = serial();
+    let endpoint = s3::endpoint();
+    // Every test of this binary holds the lock: nothing else reads the environment meanwhile.
+    std::env::set_var("AWS_ENDPOINT_URL", endpoint);
+    std::env::set_var("AWS_ALLOW_HTTP", "true");
+    let url = s3::fresh_url("env");
+    let r = (|| -> Result<Vec<u8>> {
+        let storage = open_location(&url)?;
+        storage.put_atomic("x", b"hello")?;
+        let back = storage.read("x")?;
+        storage.delete("x")?;
+        Ok(back)
+    })();
+    std::env::remove_var("AWS_ENDPOINT_URL");
+    std::env::remove_var("AWS_ALLOW_HTTP");
+    assert_eq!(r.unwrap(), b"hello");
+}
