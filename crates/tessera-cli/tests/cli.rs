@@ -329,27 +329,15 @@ fn bench_plan_only_simulates_many_ranks() {
 /// `TESSERA_MOTO_SERVER`, the repository's `.venv/bin/moto_server` or the PATH), shared by the
 /// tests of this process and killed with it. The `tessera` children get the endpoint and
 /// credentials through the AWS_* environment, as a user would give them.
+/// The library tests' S3 server helper (moto started once per process, bucket created).
+#[path = "../../tessera/tests/common/s3.rs"]
+#[allow(dead_code)]
+mod s3_server;
+
 mod s3 {
-    use std::io::{Read, Write};
-    use std::net::TcpStream;
-    use std::path::PathBuf;
-    use std::process::{Command, Output, Stdio};
-    use std::sync::OnceLock;
-    use std::time::{Duration, Instant};
+    use std::process::{Command, Output};
 
-    /// Bucket of the CLI tests (created if missing).
-    pub const BUCKET: &str = "tessera-cli-test";
-
-    /// `http://127.0.0.1:PORT` of the S3 server, with the bucket created.
-    pub fn endpoint() -> &'static str {
-        static ENDPOINT: OnceLock<String> = OnceLock::new();
-        ENDPOINT.get_or_init(|| {
-            let ep = std::env::var("TESSERA_TEST_S3_ENDPOINT").unwrap_or_else(|_| start_moto());
-            let code = http(&ep, "PUT", &format!("/{BUCKET}"), b"");
-            assert!(matches!(code, 200 | 409), "creating bucket {BUCKET} at {ep}: HTTP {code}");
-            ep
-        })
-    }
+    pub use super::s3_server::{endpoint, http, BUCKET};
 
     /// `s3://BUCKET/NAME-PID`: a prefix of this test process.
     pub fn url(name: &str) -> String {
@@ -380,75 +368,6 @@ mod s3 {
             super::text(&out.stderr)
         );
         super::text(&out.stdout)
-    }
-
-    fn moto_binary() -> PathBuf {
-        if let Some(p) = std::env::var_os("TESSERA_MOTO_SERVER") {
-            return p.into();
-        }
-        let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/moto_server");
-        if venv.exists() {
-            return venv;
-        }
-        "moto_server".into()
-    }
-
-    fn start_moto() -> String {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let bin = moto_binary();
-        // A thread that lives as long as the process spawns the server, so that the server's
-        // parent-death signal fires when the test process ends, not when one test thread does.
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            use std::os::unix::process::CommandExt;
-            let mut cmd = Command::new(&bin);
-            cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()]).stdout(Stdio::null()).stderr(Stdio::null());
-            // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
-            unsafe {
-                cmd.pre_exec(|| {
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                    Ok(())
-                });
-            }
-            match cmd.spawn() {
-                Ok(child) => {
-                    tx.send(Ok(())).unwrap();
-                    let _keep = child;
-                    loop {
-                        std::thread::park();
-                    }
-                }
-                Err(e) => tx.send(Err(format!("{}: {e}", bin.display()))).unwrap(),
-            }
-        });
-        if let Err(e) = rx.recv().unwrap() {
-            panic!(
-                "no S3 server for the s3:// CLI tests: set TESSERA_TEST_S3_ENDPOINT, or install moto \
-                 (`pip install 'moto[server]'`, e.g. into .venv by scripts/python-env.sh): {e}"
-            );
-        }
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "moto_server did not start on port {port}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        format!("http://127.0.0.1:{port}")
-    }
-
-    /// One plain HTTP request (moto accepts unsigned requests); returns the status code.
-    pub fn http(endpoint: &str, method: &str, path: &str, body: &[u8]) -> u16 {
-        let addr = endpoint.trim_start_matches("http://");
-        let mut s = TcpStream::connect(addr).unwrap();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            body.len()
-        )
-        .unwrap();
-        s.write_all(body).unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
     }
 
     /// The object path (`/bucket/key`) of `name` under the prefix of `url`.

@@ -543,17 +543,13 @@ impl ObjectWriter for MultipartWriter {
         for (idx, bytes) in rest {
             self.upload(idx, bytes)?;
         }
-        let parts: Vec<PartId> = {
-            let mut done = self.done.lock().unwrap();
-            for idx in 0..done.len() {
-                if done[idx].is_none() {
-                    drop(done);
-                    self.upload(idx, vec![0u8; self.part_len(idx) as usize])?;
-                    done = self.done.lock().unwrap();
-                }
-            }
-            done.iter().map(|p| p.clone().expect("every part uploaded")).collect()
-        };
+        let never_written: Vec<usize> =
+            self.done.lock().unwrap().iter().enumerate().filter(|(_, p)| p.is_none()).map(|(i, _)| i).collect();
+        for idx in never_written {
+            self.upload(idx, vec![0u8; self.part_len(idx) as usize])?;
+        }
+        let parts: Vec<PartId> =
+            self.done.lock().unwrap().iter().map(|p| p.clone().expect("every part uploaded")).collect();
         block_on(self.multipart.complete_multipart(&self.path, &self.id, parts))
             .map_err(|e| self.storage.error(&self.name, e))?;
         *self.finished.lock().unwrap() = true;

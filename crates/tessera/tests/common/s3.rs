@@ -24,7 +24,7 @@ pub fn endpoint() -> &'static str {
             // A server someone else runs (moto from the test script, Garage from its script):
             // the bucket may need signed requests to create, so it may exist already.
             Ok(ep) => {
-                let code = http(&ep, "PUT", &format!("/{BUCKET}"));
+                let code = http(&ep, "PUT", &format!("/{BUCKET}"), b"");
                 if !matches!(code, 200 | 409) {
                     eprintln!("note: could not create bucket {BUCKET} at {ep} (HTTP {code}); assuming it exists");
                 }
@@ -104,17 +104,22 @@ fn start_moto() -> String {
 }
 
 /// One plain HTTP request (moto accepts unsigned requests); returns the status code.
-pub fn http(endpoint: &str, method: &str, path: &str) -> u16 {
+pub fn http(endpoint: &str, method: &str, path: &str, body: &[u8]) -> u16 {
     let addr = endpoint.trim_start_matches("http://");
     let mut s = TcpStream::connect(addr).unwrap();
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
 }
 
 fn create_bucket(endpoint: &str, bucket: &str) {
-    let code = http(endpoint, "PUT", &format!("/{bucket}"));
+    let code = http(endpoint, "PUT", &format!("/{bucket}"), b"");
     assert!(matches!(code, 200 | 409), "creating bucket {bucket} at {endpoint}: HTTP {code}");
 }
 
