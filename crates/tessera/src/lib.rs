@@ -23,8 +23,9 @@ pub use comm::{default_all_to_all, Communicator, InProcessComm, SoloComm};
 pub use dtype::{DType, ALL_DTYPES};
 pub use error::{Error, Result};
 pub use format::{
-    build_header, crc_hex, parse_header, CheckpointIndex, FileEntry, ObjectEntry, SafetensorsEntry, StoredChunk,
-    StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE, FORMAT_VERSION, INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
+    build_header, crc_hex, parse_header, unpickle, CheckpointIndex, FileEntry, ObjectEntry, PickleObject, PickleValue,
+    SafetensorsEntry, StoredChunk, StoredObject, TensorEntry, UnpickleLimits, DEFAULT_BLOCK_SIZE, FORMAT_VERSION,
+    INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
 };
 pub use io::async_save::{AsyncSave, AsyncSaver};
 pub use io::load::{

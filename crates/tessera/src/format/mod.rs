@@ -3,6 +3,7 @@
 
 pub(crate) mod codec;
 pub(crate) mod index;
+pub(crate) mod pickle;
 pub(crate) mod safetensors;
 
 pub(crate) use index::check_file_name;
@@ -10,4 +11,5 @@ pub use index::{
     CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
     FORMAT_VERSION, INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
 };
+pub use pickle::{unpickle, PickleObject, PickleValue, UnpickleLimits};
 pub use safetensors::{build_header, crc_hex, parse_header, SafetensorsEntry};
