@@ -260,9 +260,9 @@ fn load<'py>(
     let (common, result) = lib(
         py,
         interruptible(py, &cancel, || {
-            let index = tessera::open_index(&*storage)?;
-            let result = tessera::load_from_index(&index, tree, &*storage, &*comm, &opts)?;
-            Ok((index.common, result))
+            let ckpt = tessera::open_checkpoint(&*storage)?;
+            let result = tessera::load_from_index(&ckpt.index, tree, ckpt.storage(), &*comm, &opts)?;
+            Ok((ckpt.index.common.clone(), result))
         })?,
     )?;
 

@@ -28,6 +28,9 @@ pub use format::{
     INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
 };
 pub use io::async_save::{AsyncSave, AsyncSaver};
+pub use io::foreign::dcp::{DcpFlavor, DcpStrategy};
+pub use io::foreign::zarr::ZarrStrategy;
+pub use io::foreign::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
 pub use io::load::{
     load, load_common_state, load_content_metadata, load_from_index, load_plain_tensors, load_sharded_objects,
     load_tensors_metadata, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling, TensorMeta,
@@ -36,8 +39,8 @@ pub use io::maintenance::{gc, remove_sharded_tensors};
 pub use io::save::{save, validate_sharding_integrity, SaveOptions, SaveReport};
 pub use io::staging::{StagingPool, DEFAULT_STAGING_BUFFER};
 pub use io::strategy::{
-    detect_format, get_save_strategy, open_index, register_load_strategy, register_save_strategy, FormatRecord,
-    LoadStrategy, NativeStrategy, SaveStrategy, StrategyAction,
+    detect_format, get_save_strategy, open_checkpoint, open_index, register_load_strategy, register_save_strategy,
+    FormatRecord, LoadStrategy, NativeStrategy, OpenCheckpoint, SaveStrategy, StrategyAction,
 };
 pub use io::verify::{verify, VerifyReport};
 pub use state::{

@@ -11,7 +11,7 @@ use crate::comm::Communicator;
 use crate::format::CheckpointIndex;
 use crate::io::factories::{apply_factories, apply_merges, remove_paths, AppliedFactory};
 use crate::io::read::{execute, verify_headers, Target};
-use crate::io::strategy::open_index;
+use crate::io::strategy::open_checkpoint;
 use crate::plan::exchange::{
     decode_needs, encode_needs, needed_ranges, plan_exchange, split_segs, ByteRange, ExchangePlan, ExchangeTuning,
     FileChunks, DEFAULT_MAX_PIECE, DEFAULT_ROUND_BYTES,
@@ -146,11 +146,13 @@ pub fn load<'a>(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadResult<'a>> {
-    let index = open_index(storage)?;
-    load_from_index(&index, tree, storage, comm, opts)
+    let ckpt = open_checkpoint(storage)?;
+    load_from_index(&ckpt.index, tree, ckpt.storage(), comm, opts)
 }
 
-/// [`load`] with an index already opened (reuse across loads).
+/// [`load`] with an index already opened (reuse across loads): `index` and `storage` as
+/// [`crate::open_checkpoint`] gives them (for the native format, `storage` is the checkpoint's
+/// own).
 pub fn load_from_index<'a>(
     index: &CheckpointIndex,
     tree: StateTree<'a>,
@@ -590,6 +592,10 @@ pub(crate) fn read_object(
         .find(|s| s.offset == offset)
         .ok_or_else(|| Error::NotCovered { key: key.into(), region: format!("object shard {offset:?}") })?;
     let name = &index.files[shard.file as usize].name;
+    if index.block_size == 0 {
+        // Foreign formats: each shard is a whole virtual file, decoded by the view.
+        return storage.read(name);
+    }
     let mut buf = vec![0u8; shard.len as usize];
     storage.read_at(name, shard.byte_offset, &mut buf)?;
     if verify && crc32c::crc32c(&buf) != shard.crc {
@@ -612,7 +618,7 @@ pub struct TensorMeta {
 
 /// Key → dtype and global shape of every stored tensor, without reading tensor data.
 pub fn load_tensors_metadata(storage: &dyn Storage) -> Result<BTreeMap<String, TensorMeta>> {
-    let index = open_index(storage)?;
+    let index = crate::io::strategy::open_index(storage)?;
     Ok(index
         .tensors
         .iter()
@@ -633,7 +639,8 @@ pub struct PlainTensor {
 
 /// Loads whole tensors (all, or those whose key is in `keys`), unsharded.
 pub fn load_plain_tensors(storage: &dyn Storage, keys: Option<&[&str]>) -> Result<BTreeMap<String, PlainTensor>> {
-    let index = open_index(storage)?;
+    let ckpt = open_checkpoint(storage)?;
+    let (index, storage) = (&ckpt.index, ckpt.storage());
     let mut tree = StateTree::map();
     for t in &index.tensors {
         if keys.is_some_and(|ks| !ks.contains(&t.key.as_str())) {
@@ -649,7 +656,7 @@ pub fn load_plain_tensors(storage: &dyn Storage, keys: Option<&[&str]>) -> Resul
             return Err(Error::NotFound { path: format!("{}: tensor {k:?}", storage.location()).into() });
         }
     }
-    let loaded = load_from_index(&index, tree, storage, &crate::SoloComm, &LoadOptions::default())?;
+    let loaded = load_from_index(index, tree, storage, &crate::SoloComm, &LoadOptions::default())?;
     let mut out = BTreeMap::new();
     if let StateTree::Map(m) = loaded.state {
         for (k, v) in m {
@@ -667,7 +674,7 @@ pub fn load_plain_tensors(storage: &dyn Storage, keys: Option<&[&str]>) -> Resul
 
 /// The common (non-sharded) state as a tree of plain values.
 pub fn load_common_state(storage: &dyn Storage) -> Result<StateTree<'static>> {
-    let index = open_index(storage)?;
+    let index = crate::io::strategy::open_index(storage)?;
     let mut tree = StateTree::map();
     for (path, v) in &index.common {
         tree.set_path(path, StateTree::Value(v.clone()));
@@ -677,16 +684,16 @@ pub fn load_common_state(storage: &dyn Storage) -> Result<StateTree<'static>> {
 
 /// The user metadata given at save (`Value::Null` if none).
 pub fn load_content_metadata(storage: &dyn Storage) -> Result<Value> {
-    Ok(open_index(storage)?.content_metadata)
+    Ok(crate::io::strategy::open_index(storage)?.content_metadata)
 }
 
 /// Fills the data of every [`crate::ShardedObject`] in `tree` from the checkpoint; other leaves
 /// are left as they are.
 pub fn load_sharded_objects<'a>(tree: StateTree<'a>, storage: &dyn Storage) -> Result<StateTree<'a>> {
-    let index = open_index(storage)?;
+    let ckpt = open_checkpoint(storage)?;
     tree.map_leaves(&mut |_, leaf| match leaf {
         StateTree::Object(mut o) => {
-            o.data = Some(read_object(&index, storage, &o.key, &o.global_offset, true)?);
+            o.data = Some(read_object(&ckpt.index, ckpt.storage(), &o.key, &o.global_offset, true)?);
             Ok(StateTree::Object(o))
         }
         other => Ok(other),

@@ -11,6 +11,16 @@ use crate::{Error, Result};
 /// leftover. Returns the names removed. Must not run while a save into the same location is in
 /// progress.
 pub fn gc(storage: &dyn Storage) -> Result<Vec<String>> {
+    match crate::io::strategy::detect_format(storage) {
+        Ok((record, _)) if record.backend != crate::format::NATIVE_BACKEND => {
+            return Err(Error::invalid(format!(
+                "{}: gc only cleans tessera checkpoints; this is a {} checkpoint",
+                storage.location(),
+                record.backend
+            )))
+        }
+        _ => {}
+    }
     let referenced: Vec<String> = match open_index(storage) {
         Ok(index) => index.files.into_iter().map(|f| f.name).collect(),
         Err(Error::NotCommitted { .. }) | Err(Error::NotFound { .. }) => Vec::new(),

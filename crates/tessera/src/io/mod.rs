@@ -3,6 +3,7 @@
 
 pub(crate) mod async_save;
 pub(crate) mod factories;
+pub(crate) mod foreign;
 pub(crate) mod load;
 pub(crate) mod maintenance;
 pub(crate) mod read;

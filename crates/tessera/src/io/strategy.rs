@@ -6,6 +6,8 @@ use std::sync::{Arc, OnceLock, RwLock};
 
 use crate::comm::Communicator;
 use crate::format::{CheckpointIndex, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
+use crate::io::foreign::dcp::{DcpFlavor, DcpStrategy};
+use crate::io::foreign::zarr::ZarrStrategy;
 use crate::io::save::{save, SaveOptions, SaveReport};
 use crate::state::StateTree;
 use crate::storage::Storage;
@@ -58,6 +60,15 @@ pub trait LoadStrategy: Send + Sync {
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>>;
     /// Reads the checkpoint's metadata.
     fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex>;
+    /// Reads the checkpoint's metadata and, for formats whose index names virtual files (the
+    /// foreign formats), the read-only view of `storage` those names resolve in. The default
+    /// is [`LoadStrategy::open`] with the files read from `storage` itself.
+    fn open_checkpoint<'s>(
+        &self,
+        storage: &'s dyn Storage,
+    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+        Ok((self.open(storage)?, None))
+    }
 }
 
 /// The native format, version 1.
@@ -124,7 +135,16 @@ pub struct StrategyRegistry {
 
 impl Default for StrategyRegistry {
     fn default() -> Self {
-        StrategyRegistry { save: vec![Arc::new(NativeStrategy)], load: vec![Arc::new(NativeStrategy)] }
+        StrategyRegistry {
+            save: vec![Arc::new(NativeStrategy)],
+            load: vec![
+                Arc::new(NativeStrategy),
+                Arc::new(DcpStrategy(DcpFlavor::Megatron)),
+                Arc::new(DcpStrategy(DcpFlavor::Torch)),
+                Arc::new(DcpStrategy(DcpFlavor::Olmo)),
+                Arc::new(ZarrStrategy),
+            ],
+        }
     }
 }
 
@@ -182,8 +202,41 @@ pub fn detect_format(storage: &dyn Storage) -> Result<(FormatRecord, Arc<dyn Loa
     }
 }
 
-/// Opens the index of any recognised checkpoint.
+/// Opens the index of any recognised checkpoint. For a foreign format (DCP, Megatron, OLMo-core)
+/// the index names virtual files: read its data through [`open_checkpoint`] instead.
 pub fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
     let (_, strategy) = detect_format(storage)?;
     strategy.open(storage)
+}
+
+/// A checkpoint opened for reading: its format, its index, and the storage the index's file
+/// names resolve in.
+pub struct OpenCheckpoint<'s> {
+    /// Backend and version detected.
+    pub record: FormatRecord,
+    /// The checkpoint's index.
+    pub index: CheckpointIndex,
+    base: &'s dyn Storage,
+    view: Option<Box<dyn Storage + 's>>,
+}
+
+impl std::fmt::Debug for OpenCheckpoint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenCheckpoint").field("record", &self.record).field("location", &self.base.location()).finish()
+    }
+}
+
+impl OpenCheckpoint<'_> {
+    /// The storage to pass to [`crate::load_from_index`] with [`OpenCheckpoint::index`]: the
+    /// checkpoint's own storage for the native format, a read-only view for foreign ones.
+    pub fn storage(&self) -> &dyn Storage {
+        self.view.as_deref().unwrap_or(self.base)
+    }
+}
+
+/// Detects the format of the checkpoint at `storage` and opens it for reading.
+pub fn open_checkpoint(storage: &dyn Storage) -> Result<OpenCheckpoint<'_>> {
+    let (record, strategy) = detect_format(storage)?;
+    let (index, view) = strategy.open_checkpoint(storage)?;
+    Ok(OpenCheckpoint { record, index, base: storage, view })
 }

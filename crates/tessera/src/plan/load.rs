@@ -223,6 +223,8 @@ pub struct ReadPlan {
 
 /// Groups segments into reads. With `verify`, every block touched is read whole and checked.
 pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool, tuning: ReadTuning) -> ReadPlan {
+    // Foreign formats carry no checksums (block size 0): there is nothing to verify.
+    let verify = verify && index.block_size > 0;
     let tuning = ReadTuning { max_span: tuning.max_span.max(4096), ..tuning };
     segs.sort_unstable();
     let bytes_needed = segs.iter().map(|s| s.len).sum();

@@ -146,6 +146,31 @@ impl Storage for LocalStorage {
         true
     }
 
+    fn list_recursive(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        let mut dirs = vec![(self.root.clone(), String::new())];
+        while let Some((dir, rel)) = dirs.pop() {
+            let rd = match fs::read_dir(&dir) {
+                Ok(rd) => rd,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(Error::io(&dir, e)),
+            };
+            for entry in rd {
+                let entry = entry.map_err(|e| Error::io(&dir, e))?;
+                let Some(n) = entry.file_name().to_str().map(str::to_string) else { continue };
+                let name = if rel.is_empty() { n } else { format!("{rel}/{n}") };
+                // Symlinked folders are not followed: a cycle cannot make the walk endless.
+                match entry.file_type() {
+                    Ok(t) if t.is_dir() => dirs.push((entry.path(), name)),
+                    Ok(t) if t.is_file() => out.push(name),
+                    Ok(t) if t.is_symlink() && entry.path().is_file() => out.push(name),
+                    _ => {}
+                }
+            }
+        }
+        Ok(out)
+    }
+
     fn list(&self) -> Result<Vec<String>> {
         let rd = match fs::read_dir(&self.root) {
             Ok(rd) => rd,

@@ -99,6 +99,10 @@ impl Storage for MemoryStorage {
     }
 
     fn list(&self) -> Result<Vec<String>> {
+        Ok(self.objects.lock().unwrap().keys().filter(|k| !k.contains('/')).cloned().collect())
+    }
+
+    fn list_recursive(&self) -> Result<Vec<String>> {
         Ok(self.objects.lock().unwrap().keys().cloned().collect())
     }
 

@@ -17,10 +17,12 @@ use std::sync::Arc;
 
 use crate::{Error, Result};
 
-/// A flat namespace of objects holding one checkpoint.
+/// A namespace of objects holding one checkpoint.
 ///
-/// Names are plain file names (no `/`, no `..`); backends reject anything else with
-/// [`Error::InvalidArgument`], so nothing is ever read or written outside the checkpoint.
+/// Names are relative paths: plain components joined by `/` (no empty component, no `.` or
+/// `..`, no `\\` or NUL); backends reject anything else with [`Error::InvalidArgument`], so
+/// nothing is ever read or written outside the checkpoint. tessera writes only single-component
+/// names; nested names are read in the folders of foreign formats (zarr arrays, OLMo-core).
 pub trait Storage: Send + Sync + fmt::Debug {
     /// Human-readable location, used in error messages (`/ckpt/step100`, `mem://x`).
     fn location(&self) -> String;
@@ -69,8 +71,15 @@ pub trait Storage: Send + Sync + fmt::Debug {
         false
     }
 
-    /// Names of all objects, in no particular order. A missing checkpoint location lists empty.
+    /// Names of the objects directly in the checkpoint (single-component names), in no
+    /// particular order. A missing checkpoint location lists empty.
     fn list(&self) -> Result<Vec<String>>;
+
+    /// Names of all objects at any depth (`/`-joined), in no particular order. The default is
+    /// [`Storage::list`], right for backends that hold no nested names.
+    fn list_recursive(&self) -> Result<Vec<String>> {
+        self.list()
+    }
 
     /// Removes `name`. Absent is not an error. Not atomic with respect to other objects.
     fn delete(&self, name: &str) -> Result<()>;
@@ -108,5 +117,10 @@ pub fn open_location(location: &str) -> Result<Arc<dyn Storage>> {
 }
 
 pub(crate) fn check_name(name: &str) -> Result<()> {
-    crate::format::check_file_name(name).map_err(Error::invalid)
+    if name.is_empty() {
+        return Err(Error::invalid("empty object name"));
+    }
+    name.split('/')
+        .try_for_each(crate::format::check_file_name)
+        .map_err(|_| Error::invalid(format!("object name {name:?} is not a relative path of plain components")))
 }

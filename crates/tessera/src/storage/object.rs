@@ -241,7 +241,7 @@ impl ObjectStorage {
 
     fn path(&self, name: &str) -> Result<Path> {
         check_name(name)?;
-        Ok(self.prefix.clone().join(name))
+        Ok(name.split('/').fold(self.prefix.clone(), |p, part| p.join(part)))
     }
 
     fn shown(&self, name: &str) -> PathBuf {
@@ -394,6 +394,19 @@ impl Storage for ObjectStorage {
     /// it can there (FORMAT.md).
     fn has_atomic_create(&self) -> bool {
         true
+    }
+
+    fn list_recursive(&self) -> Result<Vec<String>> {
+        use futures::TryStreamExt;
+        add(&self.counters.lists, 1);
+        let prefix = (!self.prefix.as_ref().is_empty()).then_some(&self.prefix);
+        let metas: Vec<object_store::ObjectMeta> =
+            block_on(self.store.list(prefix).try_collect()).map_err(|e| self.error("", e))?;
+        let skip = self.prefix.parts().count();
+        Ok(metas
+            .into_iter()
+            .map(|m| m.location.parts().skip(skip).map(|p| decode_part(p.as_ref())).collect::<Vec<_>>().join("/"))
+            .collect())
     }
 
     fn list(&self) -> Result<Vec<String>> {

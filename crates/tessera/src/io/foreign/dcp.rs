@@ -1,0 +1,297 @@
+//! PyTorch Distributed Checkpoint directories, read-only: plain DCP (`torch_dcp`), Megatron
+//! `torch_dist` (DCP + `metadata.json` + `common.pt`) and OLMo-core (`model_and_optim/`).
+
+use std::collections::BTreeMap;
+
+use super::{common_value, ForeignView, Source};
+use crate::format::dcp::{parse_metadata, DcpMetadata};
+use crate::format::pickle::PickleValue;
+use crate::format::torch_save::limits;
+use crate::format::{unpickle, CheckpointIndex, ObjectEntry, StoredChunk, StoredObject, TensorEntry};
+use crate::io::strategy::{FormatRecord, LoadStrategy};
+use crate::plan::geometry::{check_tiling, Piece};
+use crate::state::{PathSeg, StatePath};
+use crate::storage::Storage;
+use crate::{Error, Result, Value};
+
+/// Name of DCP's metadata file.
+pub const DCP_METADATA: &str = ".metadata";
+/// Megatron's record of the backend a checkpoint was written with.
+pub const MEGATRON_METADATA: &str = "metadata.json";
+/// Megatron's common (non-sharded) state, `torch.save` of a dict (Megatron ≤ 0.16).
+pub const MEGATRON_COMMON: &str = "common.pt";
+/// Key of the sharded object newer Megatron stores the common state as.
+const MEGATRON_COMMON_OBJECT: &str = "common_state";
+/// Folder OLMo-core keeps its DCP checkpoint in.
+pub const OLMO_FOLDER: &str = "model_and_optim";
+
+/// Which writer's conventions a DCP directory follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DcpFlavor {
+    /// `torch.distributed.checkpoint` (backend `"torch_dcp"`).
+    Torch,
+    /// Megatron-Core `torch_dist` (backend `"torch_dist"`).
+    Megatron,
+    /// OLMo-core (backend `"olmo_core"`): DCP under `model_and_optim/`.
+    Olmo,
+}
+
+impl DcpFlavor {
+    fn backend(self) -> &'static str {
+        match self {
+            DcpFlavor::Torch => "torch_dcp",
+            DcpFlavor::Megatron => "torch_dist",
+            DcpFlavor::Olmo => "olmo_core",
+        }
+    }
+    fn prefix(self) -> &'static str {
+        match self {
+            DcpFlavor::Olmo => "model_and_optim/",
+            _ => "",
+        }
+    }
+}
+
+/// Reads DCP directories of one flavor.
+#[derive(Debug, Clone, Copy)]
+pub struct DcpStrategy(pub DcpFlavor);
+
+fn exists(storage: &dyn Storage, name: &str) -> Result<bool> {
+    match storage.size(name) {
+        Ok(_) => Ok(true),
+        Err(Error::NotFound { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Megatron's `metadata.json`: `(sharded_backend, sharded_backend_version)`, if present.
+pub(crate) fn megatron_backend(storage: &dyn Storage) -> Result<Option<(String, u32)>> {
+    let bytes = match storage.read(MEGATRON_METADATA) {
+        Ok(b) => b,
+        Err(Error::NotFound { .. }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let shown = format!("{}/{MEGATRON_METADATA}", storage.location());
+    let json: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| Error::corrupt(&shown, format!("not JSON: {e}")))?;
+    let backend = json
+        .get("sharded_backend")
+        .and_then(|b| b.as_str())
+        .ok_or_else(|| Error::corrupt(&shown, "no \"sharded_backend\" string"))?;
+    let version = json.get("sharded_backend_version").and_then(|v| v.as_u64()).unwrap_or(1);
+    Ok(Some((backend.to_string(), u32::try_from(version).unwrap_or(u32::MAX))))
+}
+
+impl LoadStrategy for DcpStrategy {
+    fn backend(&self) -> &str {
+        self.0.backend()
+    }
+    fn supports_version(&self, version: u32) -> bool {
+        version == 1
+    }
+    fn supported_versions(&self) -> String {
+        format!("{} v1", self.0.backend())
+    }
+    fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
+        let record = |version| Some(FormatRecord { backend: self.0.backend().into(), version });
+        match self.0 {
+            DcpFlavor::Megatron => match megatron_backend(storage)? {
+                Some((b, v)) if b == "torch_dist" => Ok(record(v)),
+                _ => Ok(None),
+            },
+            DcpFlavor::Torch => {
+                if !exists(storage, DCP_METADATA)? {
+                    return Ok(None);
+                }
+                match megatron_backend(storage)? {
+                    Some((b, _)) if b == "torch_dist" => Ok(None),
+                    _ => Ok(record(1)),
+                }
+            }
+            DcpFlavor::Olmo => {
+                if exists(storage, DCP_METADATA)? || !exists(storage, &format!("{OLMO_FOLDER}/{DCP_METADATA}"))? {
+                    return Ok(None);
+                }
+                Ok(record(1))
+            }
+        }
+    }
+    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
+        Ok(self.open_checkpoint(storage)?.0)
+    }
+    fn open_checkpoint<'s>(
+        &self,
+        storage: &'s dyn Storage,
+    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+        let (index, view) = open_dcp(storage, self.0)?;
+        Ok((index, Some(Box::new(view))))
+    }
+}
+
+/// `"key/shard_0.1_2.4"` → `("key", [0, 1], [2, 4])`: Megatron's name for a sharded object.
+pub(crate) fn parse_object_fqn(fqn: &str) -> Option<(&str, Vec<u64>, Vec<u64>)> {
+    let (key, rest) = fqn.rsplit_once("/shard_")?;
+    let (off, shape) = rest.split_once('_')?;
+    let dims = |s: &str| -> Option<Vec<u64>> { s.split('.').map(|x| x.parse().ok()).collect() };
+    let (off, shape) = (dims(off)?, dims(shape)?);
+    (off.len() == shape.len() && off.iter().zip(&shape).all(|(o, s)| o < s)).then_some((key, off, shape))
+}
+
+fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex, ForeignView<'_>)> {
+    let mut view = ForeignView::new(storage, flavor.prefix());
+    let meta_name = format!("{}{DCP_METADATA}", flavor.prefix());
+    let shown = format!("{}/{meta_name}", storage.location());
+    let bytes = storage.read(&meta_name)?;
+    let root = unpickle(&bytes, &shown, &limits())?;
+    let meta: DcpMetadata = parse_metadata(&root).map_err(|e| Error::corrupt(&shown, e))?;
+
+    let mut tensors = Vec::with_capacity(meta.tensors.len());
+    for t in meta.tensors {
+        let esize = t.dtype.size() as u64;
+        let mut chunks = Vec::with_capacity(t.chunks.len());
+        for c in t.chunks {
+            let bytes = c.sizes.iter().try_fold(esize, |a, &s| a.checked_mul(s));
+            let name = format!("{}@{}", c.location.relative_path, c.location.offset);
+            let source =
+                Source::DcpTensor { item: c.location, dtype: t.dtype, shape: c.sizes.clone(), key: t.fqn.clone() };
+            let file =
+                view.add(name, Some(bytes.ok_or_else(|| Error::corrupt(&shown, "chunk size overflows"))?), source);
+            chunks.push(StoredChunk {
+                file,
+                byte_offset: 0,
+                offset: c.offsets.as_slice().into(),
+                shape: c.sizes.as_slice().into(),
+                flat: None,
+                crcs: Vec::new(),
+            });
+        }
+        let pieces: Vec<Piece> = chunks.iter().map(|c| Piece::new(&c.offset, &c.shape)).collect();
+        check_tiling(&t.size, &pieces)
+            .map_err(|e| Error::corrupt(&shown, format!("chunks of {:?} do not tile it: {e}", t.fqn)))?;
+        tensors.push(TensorEntry { key: t.fqn, dtype: t.dtype, global_shape: t.size, chunks });
+    }
+
+    let mut objects: BTreeMap<String, ObjectEntry> = BTreeMap::new();
+    let mut common: Vec<(StatePath, Value)> = Vec::new();
+    let mut common_object: Option<Value> = None;
+    for b in meta.bytes {
+        if flavor == DcpFlavor::Megatron {
+            if let Some((key, offset, shape)) = parse_object_fqn(&b.fqn) {
+                if key == MEGATRON_COMMON_OBJECT {
+                    let archive = view.read_item(&b.location, None)?;
+                    let v =
+                        view.decode_value(&archive, &format!("{}/{}", storage.location(), b.location.relative_path))?;
+                    let v = match v {
+                        PickleValue::List(mut xs) if xs.len() == 1 => xs.pop().unwrap(),
+                        other => other,
+                    };
+                    common_object = Some(common_value(&v));
+                    continue;
+                }
+                let name = format!("{}@{}", b.location.relative_path, b.location.offset);
+                let file = view.add(
+                    name,
+                    None,
+                    Source::DcpObject { item: b.location, key: key.to_string(), list_wrapped: true },
+                );
+                let entry = objects.entry(key.to_string()).or_insert_with(|| ObjectEntry {
+                    key: key.to_string(),
+                    global_shape: shape.clone(),
+                    shards: Vec::new(),
+                });
+                if entry.global_shape != shape {
+                    return Err(Error::corrupt(
+                        &shown,
+                        format!("object {key:?}: shards disagree on the grid ({:?} vs {shape:?})", entry.global_shape),
+                    ));
+                }
+                entry.shards.push(StoredObject { offset, file, byte_offset: 0, len: 0, crc: 0 });
+                continue;
+            }
+        }
+        let archive = view.read_item(&b.location, None)?;
+        let item_shown = format!("{}/{}", storage.location(), b.location.relative_path);
+        let v = view.decode_value(&archive, &item_shown)?;
+        let value = match v.to_plain() {
+            Some(p) => p,
+            // Python callers can still rebuild the exact object from its torch.save bytes.
+            None => Value::Map(vec![(TORCH_SAVE_KEY.to_string(), Value::Bytes(archive))]),
+        };
+        let path = b.path.unwrap_or_else(|| vec![PathSeg::Key(b.fqn.clone())]);
+        common.push((path, value));
+    }
+
+    if flavor == DcpFlavor::Megatron {
+        match storage.read(MEGATRON_COMMON) {
+            Ok(archive) => {
+                let shown = format!("{}/{MEGATRON_COMMON}", storage.location());
+                let v = view.decode_value(&archive, &shown)?;
+                common.extend(common_entries(&v));
+            }
+            Err(Error::NotFound { .. }) => {
+                if let Some(v) = common_object {
+                    common.extend(common_entries_from_value(v));
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+
+    tensors.sort_by(|a, b| a.key.cmp(&b.key));
+    let objects: Vec<ObjectEntry> = objects
+        .into_values()
+        .map(|mut o| {
+            o.shards.sort_by(|a, b| a.offset.cmp(&b.offset));
+            o
+        })
+        .collect();
+    let index = CheckpointIndex {
+        backend: flavor.backend().into(),
+        version: 1,
+        block_size: 0,
+        content_metadata: Value::Null,
+        common,
+        files: view.file_entries(),
+        tensors,
+        objects,
+    };
+    Ok((index, view))
+}
+
+/// The key Python's glue uses for a value it must rebuild with `torch.load`.
+pub(crate) const TORCH_SAVE_KEY: &str = "__tessera_torch_save__";
+
+/// Entries of a common-state dict: one per top-level key (plain values where possible).
+pub(crate) fn common_entries(v: &PickleValue) -> Vec<(StatePath, Value)> {
+    match v {
+        PickleValue::Dict(items) if items.iter().all(|(k, _)| matches!(k, PickleValue::Str(_))) => items
+            .iter()
+            .map(|(k, v)| {
+                let PickleValue::Str(k) = k else { unreachable!() };
+                (vec![PathSeg::Key(k.clone())], common_value(v))
+            })
+            .collect(),
+        other => vec![(vec![PathSeg::Key("common".into())], common_value(other))],
+    }
+}
+
+fn common_entries_from_value(v: Value) -> Vec<(StatePath, Value)> {
+    match v {
+        Value::Map(m) => m.into_iter().map(|(k, v)| (vec![PathSeg::Key(k)], v)).collect(),
+        other => vec![(vec![PathSeg::Key("common".into())], other)],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_object_fqn;
+
+    #[test]
+    fn megatron_object_names() {
+        assert_eq!(parse_object_fqn("rng_state/shard_0_4"), Some(("rng_state", vec![0], vec![4])));
+        assert_eq!(parse_object_fqn("a/b/shard_1.2_2.4"), Some(("a/b", vec![1, 2], vec![2, 4])));
+        assert_eq!(parse_object_fqn("x/shard_4_4"), None);
+        assert_eq!(parse_object_fqn("x/shard_1_2.2"), None);
+        assert_eq!(parse_object_fqn("model.weight"), None);
+    }
+}

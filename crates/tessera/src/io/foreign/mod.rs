@@ -1,0 +1,466 @@
+//! Read-only backends for checkpoints other programs wrote (PyTorch DCP, Megatron `torch_dist`
+//! and `zarr`, OLMo-core). Each opens its metadata into a [`CheckpointIndex`] whose "files"
+//! are virtual: one per stored chunk or object, served by a [`ForeignView`] over the real
+//! storage. The generic loader plans and reads against that index as for the native format, so
+//! every load API works unchanged; the view turns a read of a virtual file into a ranged read of
+//! the real bytes (uncompressed tensor data is located inside its item once, then read in place)
+//! or, when the bytes must be decoded first (zstd items, strided tensors, padded zarr chunks,
+//! objects), into a read of a decoded copy kept in a bounded cache.
+//!
+//! Foreign checkpoints carry no checksums: their index has `block_size == 0` and no block
+//! crcs, and loads read only the requested bytes.
+
+pub(crate) mod dcp;
+pub(crate) mod zarr;
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::format::dcp::ItemLocation;
+use crate::format::pickle::PickleValue;
+use crate::format::torch_save::{
+    decode_archive, find_entry, gather, tensor_record, walk_local_headers, zip_entries, TensorRecord, ZipEntry,
+};
+use crate::storage::{ObjectWriter, Storage};
+use crate::{DType, Error, Result, Value};
+
+/// Prefix of an object payload that is a plain value in tessera's value encoding.
+pub const OBJECT_TAG_VALUE: &[u8; 4] = b"TSV1";
+/// Prefix of an object payload that is the `torch.save` bytes of the object.
+pub const OBJECT_TAG_TORCH: &[u8; 4] = b"TPT1";
+/// Prefix of an object payload that is the `torch.save` bytes of a one-element list holding the
+/// object (how Megatron `torch_dist` stores sharded objects).
+pub const OBJECT_TAG_TORCH_LIST: &[u8; 4] = b"TPL1";
+
+/// Bytes of tensor-item head read to find where its data starts (the pickle and the small
+/// entries before the data fit in far less).
+const HEAD_BYTES: u64 = 64 << 10;
+/// Decoded bytes kept for reuse across reads of the same virtual file.
+const CACHE_BYTES: u64 = 512 << 20;
+/// A compressed item may not expand past its expected size by more than this.
+const DECODE_SLACK: u64 = 64 << 20;
+
+/// What a virtual file is made of.
+#[derive(Debug, Clone)]
+pub(crate) enum Source {
+    /// A tensor chunk stored as one DCP item (a `torch.save` archive, maybe zstd-compressed).
+    DcpTensor { item: ItemLocation, dtype: DType, shape: Vec<u64>, key: String },
+    /// A value stored as one DCP item, delivered as an object payload.
+    DcpObject { item: ItemLocation, key: String, list_wrapped: bool },
+    /// A whole file holding a `torch.save` of an object, delivered as an object payload.
+    TorchFile { path: String },
+    /// Raw C-order bytes at the start of a file whose stored box may be larger than the
+    /// virtual one (zarr pads edge chunks to the full chunk shape).
+    RawBox { path: String, stored: Vec<u64>, shape: Vec<u64>, esize: u64 },
+}
+
+struct VirtualFile {
+    name: String,
+    size: Option<u64>,
+    source: Source,
+    /// Where the bytes lie in place, once found (contiguous uncompressed data).
+    direct: OnceLock<Option<(String, u64)>>,
+    decoding: Mutex<()>,
+}
+
+/// Recently decoded virtual files, oldest evicted first past the byte budget.
+#[derive(Default)]
+struct DecodedCache {
+    entries: HashMap<usize, Arc<Vec<u8>>>,
+    order: VecDeque<usize>,
+    bytes: u64,
+}
+
+impl DecodedCache {
+    fn get(&self, id: usize) -> Option<Arc<Vec<u8>>> {
+        self.entries.get(&id).cloned()
+    }
+    fn put(&mut self, id: usize, data: Arc<Vec<u8>>) {
+        self.bytes += data.len() as u64;
+        self.entries.insert(id, data);
+        self.order.push_back(id);
+        while self.bytes > CACHE_BYTES && self.order.len() > 1 {
+            let old = self.order.pop_front().unwrap();
+            if let Some(d) = self.entries.remove(&old) {
+                self.bytes -= d.len() as u64;
+            }
+        }
+    }
+}
+
+/// A read-only [`Storage`] over a foreign checkpoint: virtual files as its index names them;
+/// any other name reads the real file under the checkpoint's root.
+pub(crate) struct ForeignView<'s> {
+    base: &'s dyn Storage,
+    /// Folder of the checkpoint inside `base` (`""` or `"model_and_optim/"`).
+    prefix: String,
+    files: Vec<VirtualFile>,
+    by_name: HashMap<String, usize>,
+    cache: Mutex<DecodedCache>,
+}
+
+impl fmt::Debug for ForeignView<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ForeignView").field("base", &self.base.location()).field("files", &self.files.len()).finish()
+    }
+}
+
+impl<'s> ForeignView<'s> {
+    pub(crate) fn new(base: &'s dyn Storage, prefix: &str) -> Self {
+        ForeignView {
+            base,
+            prefix: prefix.to_string(),
+            files: Vec::new(),
+            by_name: HashMap::new(),
+            cache: Mutex::new(DecodedCache::default()),
+        }
+    }
+
+    /// Adds a virtual file; returns its index (its position in the checkpoint index's files).
+    pub(crate) fn add(&mut self, name: String, size: Option<u64>, source: Source) -> u32 {
+        let id = self.files.len();
+        self.by_name.insert(name.clone(), id);
+        self.files.push(VirtualFile { name, size, source, direct: OnceLock::new(), decoding: Mutex::new(()) });
+        id as u32
+    }
+
+    /// Names and sizes of the virtual files, in index order.
+    pub(crate) fn file_entries(&self) -> Vec<crate::FileEntry> {
+        self.files
+            .iter()
+            .map(|f| crate::FileEntry { name: f.name.clone(), size: f.size.unwrap_or(0), header_len: 0, header_crc: 0 })
+            .collect()
+    }
+
+    fn real(&self, path: &str) -> String {
+        format!("{}{path}", self.prefix)
+    }
+
+    fn shown(&self, path: &str) -> PathBuf {
+        format!("{}/{}{path}", self.base.location(), self.prefix).into()
+    }
+
+    /// Reads a whole item, undoing its transforms.
+    pub(crate) fn read_item(&self, item: &ItemLocation, expected: Option<u64>) -> Result<Vec<u8>> {
+        let mut raw = vec![0u8; usize::try_from(item.length).map_err(|_| Error::invalid("item too large"))?];
+        self.base.read_at(&self.real(&item.relative_path), item.offset, &mut raw)?;
+        for t in item.transforms.iter().rev() {
+            raw = self.untransform(t, &raw, item, expected)?;
+        }
+        Ok(raw)
+    }
+
+    fn untransform(&self, t: &str, raw: &[u8], item: &ItemLocation, expected: Option<u64>) -> Result<Vec<u8>> {
+        let name = t.split('/').next().unwrap_or(t);
+        match name {
+            "stream.zstd" | "zstd" => {
+                let limit = expected.unwrap_or(u32::MAX as u64).saturating_add(DECODE_SLACK);
+                zstd_decode(raw, limit).map_err(|e| {
+                    Error::corrupt(
+                        self.shown(&item.relative_path),
+                        format!("zstd item at offset {} ({} bytes): {e}", item.offset, item.length),
+                    )
+                })
+            }
+            _ => Err(Error::IncompatibleVersion {
+                found: format!("item transform {t:?} in {}", self.shown(&item.relative_path).display()),
+                supported: "stream.zstd".into(),
+            }),
+        }
+    }
+
+    /// Decodes a `torch.save` archive held in a DCP byte item or a file.
+    pub(crate) fn decode_value(&self, archive: &[u8], shown: &str) -> Result<PickleValue> {
+        decode_archive(archive, shown).map_err(|e| Error::corrupt(shown, format!("torch.save archive: {e}")))
+    }
+
+    fn item_error(&self, item: &ItemLocation, key: &str, reason: impl fmt::Display) -> Error {
+        Error::corrupt(
+            self.shown(&item.relative_path),
+            format!("item of {key:?} at offset {} ({} bytes): {reason}", item.offset, item.length),
+        )
+    }
+
+    /// Where an uncompressed, contiguous tensor item keeps its data, from the first bytes of
+    /// the item; `None` if the data must be decoded instead.
+    fn locate(&self, item: &ItemLocation, dtype: DType, shape: &[u64], key: &str) -> Result<Option<(String, u64)>> {
+        if !item.transforms.is_empty() {
+            return Ok(None);
+        }
+        let head_len = item.length.min(HEAD_BYTES);
+        let mut head = vec![0u8; head_len as usize];
+        self.base.read_at(&self.real(&item.relative_path), item.offset, &mut head)?;
+        let entries = walk_local_headers(&head).map_err(|e| self.item_error(item, key, e))?;
+        let pkl = match find_entry(&entries, "data.pkl") {
+            Some(p) if p.data_offset + p.size <= head_len => p,
+            // The pickle is not in the head: decode the whole item instead.
+            _ => return Ok(None),
+        };
+        let rec = self.record(&head[pkl.data_offset as usize..(pkl.data_offset + pkl.size) as usize], item, key)?;
+        check_record(&rec, dtype, shape).map_err(|e| self.item_error(item, key, e))?;
+        if !rec.is_contiguous() {
+            return Ok(None);
+        }
+        let Some(data) = find_entry(&entries, &format!("data/{}", rec.storage_key)) else { return Ok(None) };
+        let es = dtype.size() as u64;
+        let start = rec.storage_offset * es;
+        let len = rec.numel() * es;
+        if start.checked_add(len).is_none_or(|e| e > data.size) || data.data_offset + data.size > item.length {
+            return Err(self.item_error(
+                item,
+                key,
+                format!(
+                    "tensor bytes {start}..{} fall outside its {}-byte storage or the item",
+                    start + len,
+                    data.size
+                ),
+            ));
+        }
+        Ok(Some((self.real(&item.relative_path), item.offset + data.data_offset + start)))
+    }
+
+    fn record(&self, pkl: &[u8], item: &ItemLocation, key: &str) -> Result<TensorRecord> {
+        let shown = self.shown(&item.relative_path);
+        let v = crate::format::unpickle(pkl, &shown.to_string_lossy(), &crate::format::torch_save::limits())?;
+        tensor_record(&v).map_err(|e| self.item_error(item, key, e))
+    }
+
+    /// The decoded bytes of a virtual file.
+    fn materialize(&self, id: usize) -> Result<Arc<Vec<u8>>> {
+        if let Some(d) = self.cache.lock().unwrap().get(id) {
+            return Ok(d);
+        }
+        let f = &self.files[id];
+        let _one_at_a_time = f.decoding.lock().unwrap();
+        if let Some(d) = self.cache.lock().unwrap().get(id) {
+            return Ok(d);
+        }
+        let data = Arc::new(self.decode(&f.source)?);
+        if let Some(size) = f.size {
+            if data.len() as u64 != size {
+                return Err(Error::corrupt(
+                    self.shown(&f.name),
+                    format!("decoded {} bytes, expected {size}", data.len()),
+                ));
+            }
+        }
+        self.cache.lock().unwrap().put(id, data.clone());
+        Ok(data)
+    }
+
+    fn decode(&self, source: &Source) -> Result<Vec<u8>> {
+        match source {
+            Source::DcpTensor { item, dtype, shape, key } => {
+                let nbytes = shape.iter().product::<u64>() * dtype.size() as u64;
+                let archive = self.read_item(item, Some(nbytes + HEAD_BYTES))?;
+                let entries: Vec<ZipEntry> = zip_entries(&archive).map_err(|e| self.item_error(item, key, e))?;
+                let pkl = find_entry(&entries, "data.pkl").ok_or_else(|| self.item_error(item, key, "no data.pkl"))?;
+                let rec =
+                    self.record(&archive[pkl.data_offset as usize..(pkl.data_offset + pkl.size) as usize], item, key)?;
+                check_record(&rec, *dtype, shape).map_err(|e| self.item_error(item, key, e))?;
+                let e = find_entry(&entries, &format!("data/{}", rec.storage_key))
+                    .ok_or_else(|| self.item_error(item, key, format!("no storage entry data/{}", rec.storage_key)))?;
+                gather(&archive[e.data_offset as usize..(e.data_offset + e.size) as usize], &rec)
+                    .map_err(|e| self.item_error(item, key, e))
+            }
+            Source::DcpObject { item, key, list_wrapped } => {
+                let archive = self.read_item(item, None)?;
+                let shown = self.shown(&item.relative_path).to_string_lossy().into_owned();
+                let value = self.decode_value(&archive, &shown)?;
+                let inner = if *list_wrapped {
+                    match &value {
+                        PickleValue::List(xs) if xs.len() == 1 => &xs[0],
+                        other => {
+                            return Err(self.item_error(
+                                item,
+                                key,
+                                format!("expected a one-element list around the object, found {other:?}"),
+                            ))
+                        }
+                    }
+                } else {
+                    &value
+                };
+                let tag = if *list_wrapped { OBJECT_TAG_TORCH_LIST } else { OBJECT_TAG_TORCH };
+                Ok(object_payload(inner, tag, archive))
+            }
+            Source::TorchFile { path } => {
+                let archive = self.base.read(&self.real(path))?;
+                let shown = self.shown(path).to_string_lossy().into_owned();
+                let value = self.decode_value(&archive, &shown)?;
+                Ok(object_payload(&value, OBJECT_TAG_TORCH, archive))
+            }
+            Source::RawBox { path, stored, shape, esize } => {
+                let real = self.real(path);
+                let row = *shape.last().unwrap_or(&1) * esize;
+                let numel: u64 = shape.iter().product();
+                let mut out = vec![0u8; (numel * esize) as usize];
+                if numel == 0 {
+                    return Ok(out);
+                }
+                let rows = numel / shape.last().copied().unwrap_or(1).max(1);
+                let nd = shape.len();
+                let mut idx = vec![0u64; nd.saturating_sub(1)];
+                for r in 0..rows {
+                    // Element offset of this row's start in the stored (padded) box.
+                    let mut off = 0u64;
+                    let mut mul = *stored.last().unwrap_or(&1);
+                    for d in (0..idx.len()).rev() {
+                        off += idx[d] * mul;
+                        mul *= stored[d];
+                    }
+                    let dst = &mut out[(r * row) as usize..((r + 1) * row) as usize];
+                    self.base.read_at(&real, off * esize, dst)?;
+                    for d in (0..idx.len()).rev() {
+                        idx[d] += 1;
+                        if idx[d] < shape[d] {
+                            break;
+                        }
+                        idx[d] = 0;
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    fn vfile(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+}
+
+/// Checks a tensor record against what the metadata promised.
+fn check_record(rec: &TensorRecord, dtype: DType, shape: &[u64]) -> std::result::Result<(), String> {
+    if rec.dtype != dtype {
+        return Err(format!("stored dtype {} but the metadata says {}", rec.dtype.name(), dtype.name()));
+    }
+    if rec.size != shape {
+        return Err(format!("stored shape {:?} but the metadata says {shape:?}", rec.size));
+    }
+    Ok(())
+}
+
+/// The payload the object APIs return: the plain value when there is one, else the raw
+/// `torch.save` bytes under `torch_tag` (see FORMAT.md, "Objects of foreign checkpoints").
+fn object_payload(value: &PickleValue, torch_tag: &[u8; 4], archive: Vec<u8>) -> Vec<u8> {
+    match value.to_plain() {
+        Some(v) => {
+            let mut out = OBJECT_TAG_VALUE.to_vec();
+            out.extend_from_slice(&v.to_bytes());
+            out
+        }
+        None => {
+            let mut out = torch_tag.to_vec();
+            out.extend_from_slice(&archive);
+            out
+        }
+    }
+}
+
+/// A common-state value from a decoded pickle: plain when it is, else the lossy rendering.
+pub(crate) fn common_value(v: &PickleValue) -> Value {
+    v.to_plain().unwrap_or_else(|| v.to_value_lossy())
+}
+
+fn zstd_decode(raw: &[u8], limit: u64) -> std::result::Result<Vec<u8>, String> {
+    use std::io::Read;
+    let mut dec = ruzstd::decoding::StreamingDecoder::new(raw).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    let n = (&mut dec).take(limit + 1).read_to_end(&mut out).map_err(|e| e.to_string())?;
+    if n as u64 > limit {
+        return Err(format!("decompresses past {limit} bytes"));
+    }
+    Ok(out)
+}
+
+impl Storage for ForeignView<'_> {
+    fn location(&self) -> String {
+        format!(
+            "{}{}",
+            self.base.location(),
+            self.prefix.strip_suffix('/').map(|p| format!("/{p}")).unwrap_or_default()
+        )
+    }
+
+    fn size(&self, name: &str) -> Result<u64> {
+        match self.vfile(name) {
+            Some(id) => match self.files[id].size {
+                Some(s) => Ok(s),
+                None => Ok(self.materialize(id)?.len() as u64),
+            },
+            None => self.base.size(&self.real(name)),
+        }
+    }
+
+    fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let Some(id) = self.vfile(name) else { return self.base.read_at(&self.real(name), offset, buf) };
+        let f = &self.files[id];
+        if let Source::DcpTensor { item, dtype, shape, key } = &f.source {
+            let direct = match f.direct.get() {
+                Some(d) => d.clone(),
+                None => {
+                    let d = self.locate(item, *dtype, shape, key)?;
+                    let _ = f.direct.set(d.clone());
+                    d
+                }
+            };
+            if let Some((path, start)) = direct {
+                let size = f.size.unwrap_or(0);
+                if offset.checked_add(buf.len() as u64).is_none_or(|e| e > size) {
+                    return Err(Error::invalid(format!("read past the end of tensor chunk {:?}", f.name)));
+                }
+                return self.base.read_at(&path, start + offset, buf);
+            }
+        }
+        if let Source::RawBox { path, stored, shape, .. } = &f.source {
+            if stored == shape {
+                return self.base.read_at(&self.real(path), offset, buf);
+            }
+        }
+        let data = self.materialize(id)?;
+        let end = offset.checked_add(buf.len() as u64).filter(|&e| e <= data.len() as u64);
+        match end {
+            Some(_) => {
+                buf.copy_from_slice(&data[offset as usize..offset as usize + buf.len()]);
+                Ok(())
+            }
+            None => Err(Error::corrupt(
+                self.shown(&f.name),
+                format!("{} bytes at {offset} are past its {}-byte end", buf.len(), data.len()),
+            )),
+        }
+    }
+
+    fn read(&self, name: &str) -> Result<Vec<u8>> {
+        match self.vfile(name) {
+            Some(id) => Ok(self.materialize(id)?.as_ref().clone()),
+            None => self.base.read(&self.real(name)),
+        }
+    }
+
+    fn create(&self, name: &str, _size: u64) -> Result<Box<dyn ObjectWriter>> {
+        Err(read_only(name))
+    }
+
+    fn put_atomic(&self, name: &str, _bytes: &[u8]) -> Result<()> {
+        Err(read_only(name))
+    }
+
+    fn put_if_absent(&self, name: &str, _bytes: &[u8]) -> Result<()> {
+        Err(read_only(name))
+    }
+
+    fn list(&self) -> Result<Vec<String>> {
+        Ok(self.files.iter().map(|f| f.name.clone()).collect())
+    }
+
+    fn delete(&self, name: &str) -> Result<()> {
+        Err(read_only(name))
+    }
+}
+
+fn read_only(name: &str) -> Error {
+    Error::invalid(format!("{name:?}: checkpoints in foreign formats are read-only; convert them to write"))
+}

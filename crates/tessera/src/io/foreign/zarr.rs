@@ -1,0 +1,135 @@
+//! Megatron-Core's legacy `zarr` checkpoints, read-only: `metadata.json` naming the backend, one
+//! Zarr v2 array folder per tensor key (uncompressed chunk files), sharded objects as
+//! `KEY/shard_OFFSETS_SHAPE.pt`, and `common.pt`.
+
+use std::collections::BTreeMap;
+
+use super::dcp::{common_entries, megatron_backend, parse_object_fqn, MEGATRON_COMMON};
+use super::{ForeignView, Source};
+use crate::format::zarr::parse_zarray;
+use crate::format::{CheckpointIndex, ObjectEntry, StoredChunk, StoredObject, TensorEntry};
+use crate::io::strategy::{FormatRecord, LoadStrategy};
+use crate::storage::Storage;
+use crate::{Error, Result, Value};
+
+/// Reads Megatron `zarr` checkpoints (backend `"zarr"`, version 1).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ZarrStrategy;
+
+const ZARRAY: &str = ".zarray";
+
+impl LoadStrategy for ZarrStrategy {
+    fn backend(&self) -> &str {
+        "zarr"
+    }
+    fn supports_version(&self, version: u32) -> bool {
+        version == 1
+    }
+    fn supported_versions(&self) -> String {
+        "zarr v1".into()
+    }
+    fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
+        Ok(match megatron_backend(storage)? {
+            Some((b, v)) if b == "zarr" => Some(FormatRecord { backend: b, version: v }),
+            _ => None,
+        })
+    }
+    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
+        Ok(self.open_checkpoint(storage)?.0)
+    }
+    fn open_checkpoint<'s>(
+        &self,
+        storage: &'s dyn Storage,
+    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+        let (index, view) = open_zarr(storage)?;
+        Ok((index, Some(Box::new(view))))
+    }
+}
+
+fn open_zarr(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)> {
+    let mut view = ForeignView::new(storage, "");
+    let mut names = storage.list_recursive()?;
+    names.sort();
+    let mut tensors = Vec::new();
+    let mut objects: BTreeMap<String, ObjectEntry> = BTreeMap::new();
+    for name in &names {
+        if let Some(key) = name.strip_suffix(&format!("/{ZARRAY}")) {
+            let shown = format!("{}/{name}", storage.location());
+            let arr = parse_zarray(&storage.read(name)?).map_err(|e| Error::corrupt(&shown, e))?;
+            let esize = arr.dtype.size() as u64;
+            let grid = arr.grid();
+            let count: u64 = grid.iter().product();
+            let mut chunks = Vec::with_capacity(count as usize);
+            let mut idx = vec![0u64; grid.len()];
+            for _ in 0..count {
+                let offset: Vec<u64> = idx.iter().zip(&arr.chunks).map(|(i, c)| i * c).collect();
+                let shape: Vec<u64> =
+                    offset.iter().zip(&arr.chunks).zip(&arr.shape).map(|((o, c), n)| (*c).min(n - o)).collect();
+                let path = format!("{key}/{}", arr.chunk_name(&idx));
+                let bytes = shape.iter().product::<u64>() * esize;
+                let source =
+                    Source::RawBox { path: path.clone(), stored: arr.chunks.clone(), shape: shape.clone(), esize };
+                let file = view.add(path, Some(bytes), source);
+                chunks.push(StoredChunk {
+                    file,
+                    byte_offset: 0,
+                    offset: offset.as_slice().into(),
+                    shape: shape.as_slice().into(),
+                    flat: None,
+                    crcs: Vec::new(),
+                });
+                for d in (0..idx.len()).rev() {
+                    idx[d] += 1;
+                    if idx[d] < grid[d] {
+                        break;
+                    }
+                    idx[d] = 0;
+                }
+            }
+            tensors.push(TensorEntry { key: key.to_string(), dtype: arr.dtype, global_shape: arr.shape, chunks });
+        } else if let Some(stem) = name.strip_suffix(".pt") {
+            let Some((key, offset, shape)) = parse_object_fqn(stem) else { continue };
+            let file = view.add(name.clone(), None, Source::TorchFile { path: name.clone() });
+            let entry = objects.entry(key.to_string()).or_insert_with(|| ObjectEntry {
+                key: key.to_string(),
+                global_shape: shape.clone(),
+                shards: Vec::new(),
+            });
+            if entry.global_shape != shape {
+                return Err(Error::corrupt(
+                    format!("{}/{name}", storage.location()),
+                    format!("object {key:?}: shards disagree on the grid ({:?} vs {shape:?})", entry.global_shape),
+                ));
+            }
+            entry.shards.push(StoredObject { offset, file, byte_offset: 0, len: 0, crc: 0 });
+        }
+    }
+    let mut common = Vec::new();
+    match storage.read(MEGATRON_COMMON) {
+        Ok(archive) => {
+            let shown = format!("{}/{MEGATRON_COMMON}", storage.location());
+            common = common_entries(&view.decode_value(&archive, &shown)?);
+        }
+        Err(Error::NotFound { .. }) => {}
+        Err(e) => return Err(e),
+    }
+    tensors.sort_by(|a, b| a.key.cmp(&b.key));
+    let objects = objects
+        .into_values()
+        .map(|mut o| {
+            o.shards.sort_by(|a, b| a.offset.cmp(&b.offset));
+            o
+        })
+        .collect();
+    let index = CheckpointIndex {
+        backend: "zarr".into(),
+        version: 1,
+        block_size: 0,
+        content_metadata: Value::Null,
+        common,
+        files: view.file_entries(),
+        tensors,
+        objects,
+    };
+    Ok((index, view))
+}
