@@ -3,11 +3,14 @@
 Megatron-Core keeps a ``metadata.json`` next to the data to say which backend wrote a
 checkpoint. A tessera checkpoint describes itself through its committed index, so the config is
 derived from what the native reader recognises (``tessera._native.detect``) instead of a
-separate file.
+separate file. Foreign checkpoints that tessera reads keep their own description: Megatron's
+``torch_dist`` and ``zarr`` checkpoints their ``metadata.json``; PyTorch DCP (``torch_dcp``) and
+OLMo-core (``olmo_core``) checkpoints have none, so their config names the detected backend.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
@@ -74,6 +77,34 @@ def _detect(checkpoint_dir: PathLike) -> Optional[Tuple[str, int]]:
     return str(backend), int(version)
 
 
+# Foreign formats tessera reads (names of ``_native.detect``); Megatron's carry metadata.json.
+MEGATRON_BACKENDS = ("torch_dist", "zarr")
+DCP_BACKENDS = ("torch_dcp", "olmo_core")
+MEGATRON_CONFIG_FNAME = "metadata.json"
+
+
+def local_dir(checkpoint_dir: PathLike) -> Optional[str]:
+    """The local filesystem path of a location (plain path or ``file://``), None for others."""
+    location = os.fspath(checkpoint_dir)
+    if location.startswith("file://"):
+        return location[len("file://") :]
+    if "://" in location:
+        return None
+    return location
+
+
+def _megatron_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
+    """What the checkpoint's own ``metadata.json`` says (None if it has none readable here)."""
+    local = local_dir(checkpoint_dir)
+    if local is None:
+        return None
+    try:
+        with open(os.path.join(local, MEGATRON_CONFIG_FNAME)) as f:
+            return CheckpointingConfig(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
     """The config of the checkpoint at ``checkpoint_dir``, or None if it is not a distributed
     checkpoint that tessera recognises."""
@@ -81,6 +112,18 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
     if detected is None:
         return None
     backend, version = detected
+    if backend in MEGATRON_BACKENDS:
+        config = _megatron_config(checkpoint_dir)
+        if config is not None:
+            return config
+    if backend in DCP_BACKENDS:
+        # Non-tensor values are byte items of the same DCP checkpoint.
+        return CheckpointingConfig(
+            sharded_backend=backend,
+            sharded_backend_version=version,
+            common_backend=backend,
+            common_backend_version=version,
+        )
     # tessera commits the common state in the same index as the shards; other formats keep
     # Megatron's torch-pickled common state.
     common_backend = "tessera" if backend == "tessera" else "torch"

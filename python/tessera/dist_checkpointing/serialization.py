@@ -7,18 +7,26 @@ results back. Planning, validation and IO happen in Rust.
 Values that are not plain (None/bool/int/float/str/bytes and lists/str-keyed dicts of them)
 go through ``torch.save`` and come back through ``torch.load(weights_only=True)``, with
 ``argparse.Namespace`` allowed: loading never runs arbitrary code.
+
+Foreign checkpoints (Megatron ``torch_dist`` / ``zarr``, PyTorch DCP, OLMo-core) are read by
+the same native calls. Only the common state of a Megatron checkpoint that has ``common.pt``
+comes from Python: ``torch.load`` of that file, as Megatron's ``TorchCommonLoadStrategy``
+does. Megatron calls ``torch.load(path, map_location="cpu")``, i.e. ``weights_only=True``
+since torch 2.6; tessera does the same, with ``argparse.Namespace`` allowed as above.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 from enum import Enum
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from .. import _native
 from .._comm import default_comm
 from ..errors import TesseraError
+from .core import MEGATRON_BACKENDS, local_dir
 from .dict_utils import extract_matching_values
 from .mapping import (
     LocalNonpersistentObject,
@@ -46,6 +54,10 @@ _TORCH_SAVE_KEY = "__tessera_torch_save__"
 # Object shards are opaque bytes to tessera; this prefix says how the Python layer encoded them.
 _PLAIN_OBJECT = b"TSV1"
 _TORCH_OBJECT = b"TPT1"
+# A foreign object stored as torch.save([obj]) (Megatron torch_dist ShardedObjects): the
+# payload is those bytes, the object is the list's only element.
+_TORCH_LIST_OBJECT = b"TPL1"
+_COMMON_STATE_FNAME = "common.pt"
 
 
 class StrictHandling(Enum):
@@ -142,6 +154,11 @@ def _decode_object(data: bytes) -> Any:
         return _native.decode_value(body)
     if head == _TORCH_OBJECT:
         return _torch_load_bytes(body)
+    if head == _TORCH_LIST_OBJECT:
+        wrapped = _torch_load_bytes(body)
+        if not isinstance(wrapped, (list, tuple)) or len(wrapped) != 1:
+            raise TesseraError(f"sharded object payload tagged {head!r} is not a one-element list")
+        return wrapped[0]
     raise TesseraError(f"sharded object payload has an unknown encoding tag {head!r}")
 
 
@@ -458,9 +475,9 @@ def load(
         exchange_reads=exchange_reads and comm is not None,
     )
 
-    state: Dict[str, Any] = {}
-    for path, value in result["common"]:
-        _set_path(state, _from_native_path(path), _from_plain(value))
+    state = _megatron_common_pt(checkpoint_dir)
+    if state is None:
+        state = _common_from_native(result["common"])
     for path, leaf in _leaves(sharded_state_dict):
         if isinstance(leaf, LocalNonpersistentObject):
             _set_path(state, path, leaf.unwrap())
@@ -511,11 +528,38 @@ def load_plain_tensors(checkpoint_dir: Any) -> Dict[str, Any]:
 
 
 def load_common_state_dict(checkpoint_dir: Any) -> Dict[str, Any]:
-    """The common (non-sharded) state."""
+    """The common (non-sharded) state. For a Megatron ``torch_dist`` / ``zarr`` checkpoint with
+    ``common.pt``, what ``torch.load`` of that file gives (as Megatron loads it)."""
+    state = _megatron_common_pt(checkpoint_dir)
+    if state is not None:
+        return state
+    return _common_from_native(_native.load_common(str(checkpoint_dir)))
+
+
+def _common_from_native(pairs: Iterable[Tuple[Any, Any]]) -> Dict[str, Any]:
     state: Dict[str, Any] = {}
-    for path, value in _native.load_common(str(checkpoint_dir)):
+    for path, value in pairs:
         _set_path(state, _from_native_path(path), _from_plain(value))
     return state
+
+
+def _megatron_common_pt(checkpoint_dir: Any) -> Optional[Any]:
+    """``torch.load`` of a Megatron checkpoint's ``common.pt`` (None if not Megatron or there
+    is no such local file: then the common state comes from the native reader)."""
+    local = local_dir(checkpoint_dir)
+    if local is None:
+        return None
+    path = os.path.join(local, _COMMON_STATE_FNAME)
+    if not os.path.isfile(path):
+        return None
+    try:
+        detected = _native.detect(str(checkpoint_dir))
+    except FileNotFoundError:
+        return None
+    if detected is None or detected[0] not in MEGATRON_BACKENDS:
+        return None
+    with open(path, "rb") as f:
+        return _torch_load_bytes(f.read())
 
 
 def load_sharded_objects(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any) -> Dict[str, Any]:

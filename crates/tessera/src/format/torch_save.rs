@@ -77,102 +77,75 @@ fn resolve64(csize: u32, usize_: u32, offset: Option<u32>, extra: &[u8]) -> Resu
     Ok((c, u, o))
 }
 
-/// Entries found by walking local file headers from the start of `head`, which may be only the
-/// first bytes of the archive: stops at the first header not wholly inside `head`, or at the
-/// central directory. An entry's data may extend past `head`.
-pub(crate) fn walk_local_headers(head: &[u8]) -> Result<Vec<ZipEntry>, String> {
-    let mut out = Vec::new();
-    let mut at = 0usize;
-    while let Some(sig) = u32_at(head, at) {
-        if sig != LOCAL_SIG {
-            break;
-        }
-        let (Some(flags), Some(method), Some(csize), Some(usize_), Some(nlen), Some(xlen)) = (
-            u16_at(head, at + 6),
-            u16_at(head, at + 8),
-            u32_at(head, at + 18),
-            u32_at(head, at + 22),
-            u16_at(head, at + 26),
-            u16_at(head, at + 28),
-        ) else {
-            break;
-        };
-        let name_at = at + 30;
-        let data_at = name_at + nlen as usize + xlen as usize;
-        if data_at > head.len() {
-            break;
-        }
-        if flags & 0x8 != 0 {
-            // Sizes follow the data: only the central directory knows them.
-            break;
-        }
-        if method != 0 {
-            return Err(format!("zip entry at {at} is compressed (method {method}); torch.save stores entries"));
-        }
-        let name = String::from_utf8_lossy(&head[name_at..name_at + nlen as usize]).into_owned();
-        let extra = &head[name_at + nlen as usize..data_at];
-        let (c, u, _) = resolve64(csize, usize_, None, extra)?;
-        if c != u {
-            return Err(format!("zip entry {name:?}: stored sizes differ ({c} vs {u})"));
-        }
-        out.push(ZipEntry { name, data_offset: data_at as u64, size: u });
-        let Some(next) = (data_at as u64).checked_add(u).filter(|&n| n <= usize::MAX as u64) else { break };
-        at = next as usize;
-    }
-    Ok(out)
-}
-
-/// Every entry of a whole archive, from its central directory (zip64 included). Checks that each
-/// entry's data lies inside the archive and that names are unique.
-pub(crate) fn zip_entries(archive: &[u8]) -> Result<Vec<ZipEntry>, String> {
+/// Where a zip's central directory is: `(offset, size, entry count)`, from the archive's last
+/// bytes `tail` (which end at byte `archive_len` of the archive). `Ok(None)` if a record it
+/// needs (zip64) lies before `tail`.
+pub(crate) fn find_central_directory(tail: &[u8], archive_len: u64) -> Result<Option<(u64, u64, u64)>, String> {
     let min_eocd = 22;
-    if archive.len() < min_eocd {
-        return Err(format!("{} bytes is too short for a zip archive", archive.len()));
+    if tail.len() < min_eocd {
+        return Err(format!("{} bytes is too short for a zip archive", tail.len()));
     }
+    let base = archive_len.checked_sub(tail.len() as u64).ok_or("tail longer than the archive")?;
     // The end record sits in the last 22 + 65535 bytes (its comment may follow it).
-    let lo = archive.len().saturating_sub(min_eocd + 0xFFFF);
-    let eocd = (lo..=archive.len() - min_eocd)
+    let lo = tail.len().saturating_sub(min_eocd + 0xFFFF);
+    let eocd = (lo..=tail.len() - min_eocd)
         .rev()
-        .find(|&i| u32_at(archive, i) == Some(EOCD_SIG))
+        .find(|&i| u32_at(tail, i) == Some(EOCD_SIG))
         .ok_or("no zip end-of-central-directory record (truncated?)")?;
-    let mut count = u16_at(archive, eocd + 10).unwrap() as u64;
-    let mut cd_size = u32_at(archive, eocd + 12).unwrap() as u64;
-    let mut cd_off = u32_at(archive, eocd + 16).unwrap() as u64;
+    let mut count = u16_at(tail, eocd + 10).unwrap() as u64;
+    let mut cd_size = u32_at(tail, eocd + 12).unwrap() as u64;
+    let mut cd_off = u32_at(tail, eocd + 16).unwrap() as u64;
     if count == 0xFFFF || cd_size == u32::MAX as u64 || cd_off == u32::MAX as u64 {
-        let loc = eocd.checked_sub(20).ok_or("zip64 locator missing")?;
-        if u32_at(archive, loc) != Some(EOCD64_LOCATOR_SIG) {
+        let Some(loc) = eocd.checked_sub(20) else { return Ok(None) };
+        if u32_at(tail, loc) != Some(EOCD64_LOCATOR_SIG) {
             return Err("zip64 locator missing".into());
         }
-        let rec = u64_at(archive, loc + 8).unwrap();
+        let rec = u64_at(tail, loc + 8).unwrap();
+        let Some(rec) = rec.checked_sub(base) else { return Ok(None) };
         let rec = usize::try_from(rec).map_err(|_| "zip64 record offset out of range")?;
-        if u32_at(archive, rec) != Some(EOCD64_SIG) {
+        if u32_at(tail, rec) != Some(EOCD64_SIG) {
             return Err("zip64 end record missing".into());
         }
-        count = u64_at(archive, rec + 32).ok_or("short zip64 end record")?;
-        cd_size = u64_at(archive, rec + 40).ok_or("short zip64 end record")?;
-        cd_off = u64_at(archive, rec + 48).ok_or("short zip64 end record")?;
+        count = u64_at(tail, rec + 32).ok_or("short zip64 end record")?;
+        cd_size = u64_at(tail, rec + 40).ok_or("short zip64 end record")?;
+        cd_off = u64_at(tail, rec + 48).ok_or("short zip64 end record")?;
     }
-    let cd_end =
-        cd_off.checked_add(cd_size).filter(|&e| e <= archive.len() as u64).ok_or("central directory out of bounds")?;
+    if cd_off.checked_add(cd_size).is_none_or(|e| e > archive_len) {
+        return Err("central directory out of bounds".into());
+    }
     if count > cd_size / 46 + 1 {
         return Err(format!("{count} entries cannot fit a {cd_size}-byte central directory"));
     }
-    let mut out = Vec::with_capacity(count as usize);
-    let mut at = cd_off as usize;
+    Ok(Some((cd_off, cd_size, count)))
+}
+
+/// An entry as the central directory lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CentralEntry {
+    pub name: String,
+    /// Offset of the entry's local header in the archive.
+    pub local_offset: u64,
+    /// Stored size.
+    pub size: u64,
+}
+
+/// Parses `count` central directory headers; checks names are unique and entries stored.
+pub(crate) fn parse_central_directory(cd: &[u8], count: u64, archive_len: u64) -> Result<Vec<CentralEntry>, String> {
+    let mut out = Vec::with_capacity(count.min(1 << 16) as usize);
+    let mut at = 0usize;
     for _ in 0..count {
-        if u32_at(archive, at) != Some(CENTRAL_SIG) || at + 46 > cd_end as usize {
+        if u32_at(cd, at) != Some(CENTRAL_SIG) || at + 46 > cd.len() {
             return Err(format!("bad central directory header at {at}"));
         }
-        let method = u16_at(archive, at + 10).unwrap();
-        let csize = u32_at(archive, at + 20).unwrap();
-        let usize_ = u32_at(archive, at + 24).unwrap();
-        let nlen = u16_at(archive, at + 28).unwrap() as usize;
-        let xlen = u16_at(archive, at + 30).unwrap() as usize;
-        let clen = u16_at(archive, at + 32).unwrap() as usize;
-        let local = u32_at(archive, at + 42).unwrap();
-        let name = archive.get(at + 46..at + 46 + nlen).ok_or("central directory name out of bounds")?;
-        let extra =
-            archive.get(at + 46 + nlen..at + 46 + nlen + xlen).ok_or("central directory extra out of bounds")?;
+        let method = u16_at(cd, at + 10).unwrap();
+        let csize = u32_at(cd, at + 20).unwrap();
+        let usize_ = u32_at(cd, at + 24).unwrap();
+        let nlen = u16_at(cd, at + 28).unwrap() as usize;
+        let xlen = u16_at(cd, at + 30).unwrap() as usize;
+        let clen = u16_at(cd, at + 32).unwrap() as usize;
+        let local = u32_at(cd, at + 42).unwrap();
+        let name = cd.get(at + 46..at + 46 + nlen).ok_or("central directory name out of bounds")?;
+        let extra = cd.get(at + 46 + nlen..at + 46 + nlen + xlen).ok_or("central directory extra out of bounds")?;
         let name = String::from_utf8_lossy(name).into_owned();
         if method != 0 {
             return Err(format!("zip entry {name:?} is compressed (method {method}); torch.save stores entries"));
@@ -181,23 +154,48 @@ pub(crate) fn zip_entries(archive: &[u8]) -> Result<Vec<ZipEntry>, String> {
         if c != u {
             return Err(format!("zip entry {name:?}: stored sizes differ ({c} vs {u})"));
         }
-        let l = usize::try_from(local).map_err(|_| "local header offset out of range")?;
-        if u32_at(archive, l) != Some(LOCAL_SIG) {
-            return Err(format!("zip entry {name:?}: no local header at {local}"));
-        }
-        let lnlen = u16_at(archive, l + 26).ok_or("short local header")? as u64;
-        let lxlen = u16_at(archive, l + 28).ok_or("short local header")? as u64;
-        let data_offset = local + 30 + lnlen + lxlen;
-        if data_offset.checked_add(u).is_none_or(|e| e > archive.len() as u64) {
+        if local.checked_add(30 + u).is_none_or(|e| e > archive_len) {
             return Err(format!("zip entry {name:?}: data runs past the archive end"));
         }
-        out.push(ZipEntry { name, data_offset, size: u });
+        out.push(CentralEntry { name, local_offset: local, size: u });
         at += 46 + nlen + xlen + clen;
     }
     let mut names: Vec<&str> = out.iter().map(|e| e.name.as_str()).collect();
     names.sort_unstable();
     if names.windows(2).any(|w| w[0] == w[1]) {
         return Err("duplicate zip entry names".into());
+    }
+    Ok(out)
+}
+
+/// Length of the local header at the start of `header` (30 bytes + name + extra), which tells
+/// where the entry's data starts. `Ok(None)` if `header` is shorter than 30 bytes.
+pub(crate) fn local_header_len(header: &[u8]) -> Result<Option<u64>, String> {
+    if header.len() < 30 {
+        return Ok(None);
+    }
+    if u32_at(header, 0) != Some(LOCAL_SIG) {
+        return Err("no zip local header where the central directory points".into());
+    }
+    Ok(Some(30 + u16_at(header, 26).unwrap() as u64 + u16_at(header, 28).unwrap() as u64))
+}
+
+/// Every entry of a whole archive, from its central directory (zip64 included), with the
+/// offset of each entry's data.
+pub(crate) fn zip_entries(archive: &[u8]) -> Result<Vec<ZipEntry>, String> {
+    let len = archive.len() as u64;
+    let (cd_off, cd_size, count) = find_central_directory(archive, len)?.ok_or("zip64 records out of place")?;
+    let cd = &archive[cd_off as usize..(cd_off + cd_size) as usize];
+    let mut out = Vec::new();
+    for e in parse_central_directory(cd, count, len)? {
+        let at = e.local_offset as usize;
+        let hl =
+            local_header_len(&archive[at..])?.ok_or_else(|| format!("zip entry {:?}: short local header", e.name))?;
+        let data_offset = e.local_offset + hl;
+        if data_offset.checked_add(e.size).is_none_or(|x| x > len) {
+            return Err(format!("zip entry {:?}: data runs past the archive end", e.name));
+        }
+        out.push(ZipEntry { name: e.name, data_offset, size: e.size });
     }
     Ok(out)
 }
@@ -453,15 +451,20 @@ mod tests {
     }
 
     #[test]
-    fn central_directory_and_local_walk_agree() {
+    fn entries_from_the_central_directory() {
         let z = stored_zip(&[("archive/data.pkl", b"abc"), ("archive/data/0", &[1, 2, 3, 4])]);
-        let cd = zip_entries(&z).unwrap();
-        let walked = walk_local_headers(&z).unwrap();
-        assert_eq!(cd, walked);
-        let e = find_entry(&cd, "data/0").unwrap();
+        let entries = zip_entries(&z).unwrap();
+        assert_eq!(entries.len(), 2);
+        let e = find_entry(&entries, "data/0").unwrap();
         assert_eq!(&z[e.data_offset as usize..][..4], &[1, 2, 3, 4]);
-        // A head cut inside the second header stops the walk after the first entry.
-        assert_eq!(walk_local_headers(&z[..40]).unwrap().len(), 1);
+        // From the last bytes only: the directory is found and parsed the same way.
+        let len = z.len() as u64;
+        let (off, size, count) = find_central_directory(&z[z.len() - 100..], len).unwrap().unwrap();
+        let cd = parse_central_directory(&z[off as usize..(off + size) as usize], count, len).unwrap();
+        assert_eq!(cd[1].name, "archive/data/0");
+        let hl = local_header_len(&z[cd[1].local_offset as usize..]).unwrap().unwrap();
+        assert_eq!(cd[1].local_offset + hl, e.data_offset);
+        assert_eq!(local_header_len(&z[..10]).unwrap(), None);
     }
 
     #[test]
@@ -469,13 +472,12 @@ mod tests {
         let z = stored_zip(&[("a/data.pkl", b"xyz"), ("a/data/0", &[9; 10])]);
         for cut in 0..z.len() {
             assert!(zip_entries(&z[..cut]).is_err(), "cut at {cut}");
-            let _ = walk_local_headers(&z[..cut]);
+            let _ = find_central_directory(&z[cut..], z.len() as u64);
         }
         let mut flipped = z.clone();
         for i in 0..flipped.len() {
             flipped[i] ^= 0xFF;
             let _ = zip_entries(&flipped);
-            let _ = walk_local_headers(&flipped);
             flipped[i] ^= 0xFF;
         }
     }

@@ -21,7 +21,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use crate::format::dcp::ItemLocation;
 use crate::format::pickle::PickleValue;
 use crate::format::torch_save::{
-    decode_archive, find_entry, gather, tensor_record, walk_local_headers, zip_entries, TensorRecord, ZipEntry,
+    decode_archive, find_central_directory, find_entry, gather, local_header_len, parse_central_directory,
+    tensor_record, zip_entries, CentralEntry, TensorRecord, ZipEntry,
 };
 use crate::storage::{ObjectWriter, Storage};
 use crate::{DType, Error, Result, Value};
@@ -34,9 +35,9 @@ pub const OBJECT_TAG_TORCH: &[u8; 4] = b"TPT1";
 /// object (how Megatron `torch_dist` stores sharded objects).
 pub const OBJECT_TAG_TORCH_LIST: &[u8; 4] = b"TPL1";
 
-/// Bytes of tensor-item head read to find where its data starts (the pickle and the small
-/// entries before the data fit in far less).
-const HEAD_BYTES: u64 = 64 << 10;
+/// Bytes read at each end of a tensor item to find where its data starts: its central
+/// directory (≈ 7 entries) at the end, its `data.pkl` (a few hundred bytes) at the start.
+const PROBE_BYTES: u64 = 4 << 10;
 /// Decoded bytes kept for reuse across reads of the same virtual file.
 const CACHE_BYTES: u64 = 512 << 20;
 /// A compressed item may not expand past its expected size by more than this.
@@ -183,42 +184,75 @@ impl<'s> ForeignView<'s> {
         )
     }
 
-    /// Where an uncompressed, contiguous tensor item keeps its data, from the first bytes of
-    /// the item; `None` if the data must be decoded instead.
+    /// Where an uncompressed, contiguous tensor item keeps its data, from the item's last and
+    /// first bytes (central directory; `data.pkl`, written first); `None` if the data must be
+    /// decoded instead (compressed, strided, small, or laid out unusually).
     fn locate(&self, item: &ItemLocation, dtype: DType, shape: &[u64], key: &str) -> Result<Option<(String, u64)>> {
-        if !item.transforms.is_empty() {
+        if !item.transforms.is_empty() || item.length <= 2 * PROBE_BYTES {
             return Ok(None);
         }
-        let head_len = item.length.min(HEAD_BYTES);
-        let mut head = vec![0u8; head_len as usize];
-        self.base.read_at(&self.real(&item.relative_path), item.offset, &mut head)?;
-        let entries = walk_local_headers(&head).map_err(|e| self.item_error(item, key, e))?;
-        let pkl = match find_entry(&entries, "data.pkl") {
-            Some(p) if p.data_offset + p.size <= head_len => p,
-            // The pickle is not in the head: decode the whole item instead.
-            _ => return Ok(None),
+        let path = self.real(&item.relative_path);
+        let read = |off: u64, len: u64| -> Result<Vec<u8>> {
+            let mut b = vec![0u8; len as usize];
+            self.base.read_at(&path, item.offset + off, &mut b)?;
+            Ok(b)
         };
-        let rec = self.record(&head[pkl.data_offset as usize..(pkl.data_offset + pkl.size) as usize], item, key)?;
-        check_record(&rec, dtype, shape).map_err(|e| self.item_error(item, key, e))?;
+        let err = |e: String| self.item_error(item, key, e);
+        let tail_at = item.length - PROBE_BYTES;
+        let tail = read(tail_at, PROBE_BYTES)?;
+        let Some((cd_off, cd_size, count)) = find_central_directory(&tail, item.length).map_err(err)? else {
+            return Ok(None);
+        };
+        let cd_owned;
+        let cd: &[u8] = if cd_off >= tail_at {
+            &tail[(cd_off - tail_at) as usize..(cd_off - tail_at + cd_size) as usize]
+        } else if cd_size <= 1 << 20 {
+            cd_owned = read(cd_off, cd_size)?;
+            &cd_owned
+        } else {
+            return Ok(None);
+        };
+        let entries = parse_central_directory(cd, count, item.length).map_err(err)?;
+        let inner = |e: &CentralEntry, want: &str| e.name.split_once('/').is_some_and(|(_, rest)| rest == want);
+        let pkl = entries.iter().find(|e| inner(e, "data.pkl")).ok_or_else(|| err("no data.pkl".into()))?;
+        let head = read(0, PROBE_BYTES)?;
+        let in_head = |off: u64, len: u64| off.checked_add(len).is_some_and(|e| e <= PROBE_BYTES);
+        if !in_head(pkl.local_offset, 30) {
+            return Ok(None);
+        }
+        let hl = local_header_len(&head[pkl.local_offset as usize..]).map_err(err)?.unwrap_or(u64::MAX);
+        let pkl_at = pkl.local_offset.saturating_add(hl);
+        if !in_head(pkl_at, pkl.size) {
+            return Ok(None);
+        }
+        let rec = self.record(&head[pkl_at as usize..(pkl_at + pkl.size) as usize], item, key)?;
+        check_record(&rec, dtype, shape).map_err(err)?;
         if !rec.is_contiguous() {
             return Ok(None);
         }
-        let Some(data) = find_entry(&entries, &format!("data/{}", rec.storage_key)) else { return Ok(None) };
+        let storage_name = format!("data/{}", rec.storage_key);
+        let data = entries
+            .iter()
+            .find(|e| inner(e, &storage_name))
+            .ok_or_else(|| err(format!("no storage entry {storage_name}")))?;
+        let header = if in_head(data.local_offset, 30) {
+            head[data.local_offset as usize..].to_vec()
+        } else {
+            read(data.local_offset, 30)?
+        };
+        let hl = local_header_len(&header).map_err(err)?.ok_or_else(|| err("short local header".into()))?;
+        let data_at = data.local_offset + hl;
         let es = dtype.size() as u64;
         let start = rec.storage_offset * es;
         let len = rec.numel() * es;
-        if start.checked_add(len).is_none_or(|e| e > data.size) || data.data_offset + data.size > item.length {
-            return Err(self.item_error(
-                item,
-                key,
-                format!(
-                    "tensor bytes {start}..{} fall outside its {}-byte storage or the item",
-                    start + len,
-                    data.size
-                ),
-            ));
+        if start.checked_add(len).is_none_or(|e| e > data.size) || data_at + data.size > item.length {
+            return Err(err(format!(
+                "tensor bytes {start}..{} fall outside its {}-byte storage or the item",
+                start + len,
+                data.size
+            )));
         }
-        Ok(Some((self.real(&item.relative_path), item.offset + data.data_offset + start)))
+        Ok(Some((path.clone(), item.offset + data_at + start)))
     }
 
     fn record(&self, pkl: &[u8], item: &ItemLocation, key: &str) -> Result<TensorRecord> {
@@ -254,7 +288,7 @@ impl<'s> ForeignView<'s> {
         match source {
             Source::DcpTensor { item, dtype, shape, key } => {
                 let nbytes = shape.iter().product::<u64>() * dtype.size() as u64;
-                let archive = self.read_item(item, Some(nbytes + HEAD_BYTES))?;
+                let archive = self.read_item(item, Some(nbytes + PROBE_BYTES))?;
                 let entries: Vec<ZipEntry> = zip_entries(&archive).map_err(|e| self.item_error(item, key, e))?;
                 let pkl = find_entry(&entries, "data.pkl").ok_or_else(|| self.item_error(item, key, "no data.pkl"))?;
                 let rec =
