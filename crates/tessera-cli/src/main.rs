@@ -1,13 +1,17 @@
-//! `tessera`: demo, inspect, verify, bench and gc for tessera checkpoints.
+//! `tessera`: demo, inspect, verify, bench and gc for tessera checkpoints; unshard, convert and
+//! diff for any readable checkpoint.
 
 mod bench;
 mod bench_async;
 mod bench_parallel;
 mod bench_s3;
+mod convert;
 mod demo;
+mod diff;
 mod gc;
 mod inspect;
 mod jobs;
+mod keys;
 mod location;
 mod model;
 mod peak;
@@ -16,9 +20,10 @@ mod progress;
 mod ranks;
 mod sizes;
 mod system;
+mod unshard;
 mod verify;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Result};
@@ -30,7 +35,7 @@ use crate::location::Location;
 #[command(
     name = "tessera",
     version,
-    about = "Distributed checkpoints: demo, inspect, verify, bench, gc",
+    about = "Distributed checkpoints: demo, inspect, verify, bench, gc, unshard, convert, diff",
     after_help = "Locations: a local directory, or an object-store URL (s3://bucket/prefix) configured from the \
                   environment: AWS_ENDPOINT_URL (S3-compatible servers), AWS_ALLOW_HTTP=true (plain-HTTP \
                   endpoints), AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN), AWS_REGION."
@@ -143,6 +148,61 @@ enum Command {
         /// Checkpoint location: a directory or s3://bucket/prefix.
         dir: String,
     },
+    /// Export the tensors as plain Hugging Face safetensors (whole tensors, sorted keys): one
+    /// file, or with --max-shard-size shards plus model.safetensors.index.json. Streams with
+    /// bounded memory (--memory).
+    Unshard {
+        /// Checkpoint location (any readable format): a directory or s3://bucket/prefix.
+        src: String,
+        /// Output: a .safetensors file, or with --max-shard-size a directory for the shards.
+        #[arg(long)]
+        out: PathBuf,
+        /// Write shards of at most this size (e.g. 5GB, 500MiB, bytes); a larger tensor gets a
+        /// file of its own.
+        #[arg(long, value_name = "SIZE")]
+        max_shard_size: Option<String>,
+        /// Export only the tensors whose key matches this regular expression (anywhere in the
+        /// key; anchor with ^...$).
+        #[arg(long, value_name = "REGEX")]
+        keys: Option<String>,
+        /// Cast floating-point tensors to this type (integer, bool and fp8 tensors are kept).
+        #[arg(long, value_parser = ["bf16", "f16", "f32", "f64"])]
+        dtype: Option<String>,
+        /// About the most tensor bytes held in memory at once.
+        #[arg(long, value_name = "SIZE", default_value = "512MiB")]
+        memory: String,
+    },
+    /// Convert a checkpoint (any readable format) into the native format, keeping its chunks;
+    /// refuses a destination holding a committed checkpoint unless --overwrite.
+    Convert {
+        /// Source location: a directory or s3://bucket/prefix.
+        src: String,
+        /// Destination location: a directory or s3://bucket/prefix.
+        dst: String,
+        /// Replace a committed checkpoint at the destination.
+        #[arg(long)]
+        overwrite: bool,
+        /// About the most bytes held in memory at once.
+        #[arg(long, value_name = "SIZE", default_value = "512MiB")]
+        memory: String,
+    },
+    /// Compare two checkpoints (any readable formats): tensors (keys, dtypes, shapes, values),
+    /// sharded objects, common state, content metadata. Exit 0 when equal, 1 when they differ,
+    /// 2 on errors.
+    Diff {
+        /// First checkpoint: a directory or s3://bucket/prefix.
+        a: String,
+        /// Second checkpoint: a directory or s3://bucket/prefix.
+        b: String,
+        /// Absolute tolerance on element values (compared as f64, NaN equal to NaN); 0 compares
+        /// bytes when dtypes match.
+        #[arg(long, default_value_t = 0.0)]
+        atol: f64,
+        /// Compare only the tensors and objects whose key matches this regular expression (the
+        /// common state is then not compared).
+        #[arg(long, value_name = "REGEX")]
+        keys: Option<String>,
+    },
 }
 
 fn dispatch(command: Command) -> Result<ExitCode> {
@@ -213,17 +273,37 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             gc::run(&Location::parse(&dir))?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Unshard { src, out, max_shard_size, keys, dtype, memory } => {
+            unshard::run(unshard::UnshardArgs {
+                src: Location::parse(&src),
+                out,
+                max_shard_size: max_shard_size.as_deref().map(sizes::parse_size).transpose()?,
+                keys,
+                dtype: dtype.as_deref().map(tessera::DType::parse).transpose()?,
+                memory: sizes::parse_size(&memory)?,
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Convert { src, dst, overwrite, memory } => {
+            convert::run(&Location::parse(&src), &Location::parse(&dst), overwrite, sizes::parse_size(&memory)?)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Diff { a, b, atol, keys } => {
+            diff::run(&Location::parse(&a), &Location::parse(&b), atol, keys.as_deref())
+        }
     }
 }
 
 fn main() -> ExitCode {
     system::default_sigpipe();
     let cli = Cli::parse();
+    // `diff` exits 1 when the checkpoints differ, so its errors exit 2 (as usage errors do).
+    let error_code = if matches!(cli.command, Command::Diff { .. }) { ExitCode::from(2) } else { ExitCode::FAILURE };
     match dispatch(cli.command) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("tessera: error: {e:#}");
-            ExitCode::FAILURE
+            error_code
         }
     }
 }

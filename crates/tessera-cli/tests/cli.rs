@@ -502,3 +502,189 @@ fn bench_modes_and_object_stores() {
     // --s3 is not a mode of --async or --plan-only.
     assert_eq!(tessera(&["bench", "--async", "--dir", "/tmp", "--s3", &url]).status.code(), Some(2));
 }
+
+// ---------------------------------------------------------------------------------------------
+// unshard, convert, diff.
+
+/// A parsed safetensors file: `__metadata__` and, per tensor, its dtype name, shape and bytes.
+#[allow(clippy::type_complexity)]
+fn read_safetensors(path: &Path) -> (J, std::collections::BTreeMap<String, (String, Vec<u64>, Vec<u8>)>) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut read = |off: u64, buf: &mut [u8]| {
+        buf.copy_from_slice(&bytes[off as usize..off as usize + buf.len()]);
+        Ok(())
+    };
+    let (header, start) = tessera::parse_header(&mut read, bytes.len() as u64).unwrap();
+    let mut tensors = std::collections::BTreeMap::new();
+    for (name, e) in header.as_object().unwrap().iter().filter(|(n, _)| *n != "__metadata__") {
+        let offs: Vec<usize> =
+            e["data_offsets"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
+        let shape = e["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+        let data = bytes[start as usize + offs[0]..start as usize + offs[1]].to_vec();
+        tensors.insert(name.clone(), (e["dtype"].as_str().unwrap().to_string(), shape, data));
+    }
+    (header["__metadata__"].clone(), tensors)
+}
+
+fn plain_tensors(dir: &Path) -> std::collections::BTreeMap<String, tessera::PlainTensor> {
+    tessera::load_plain_tensors(&tessera::LocalStorage::new(dir), None).unwrap()
+}
+
+#[test]
+fn unshard_to_one_file_shards_a_key_subset_and_a_dtype() {
+    let scratch = Scratch::new("unshard");
+    let ck = scratch.path().join("ck");
+    expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
+    let plain = plain_tensors(&ck);
+    let ck = ck.to_str().unwrap();
+
+    // One file: every tensor whole, as load_plain_tensors gives it.
+    let one = scratch.path().join("out/model.safetensors");
+    let out = expect(&["unshard", ck, "--out", one.to_str().unwrap(), "--memory", "64KiB"], 0);
+    assert!(out.contains(&format!("{} tensors", plain.len())) && out.contains("1 file(s)"), "{out}");
+    let (meta, tensors) = read_safetensors(&one);
+    assert_eq!(meta, serde_json::json!({"format": "pt"}));
+    assert_eq!(tensors.len(), plain.len());
+    for (key, p) in &plain {
+        let (dtype, shape, data) = &tensors[key];
+        assert_eq!((dtype.as_str(), shape, data), (p.dtype.safetensors_name(), &p.shape, &p.data), "{key}");
+    }
+
+    // Shards of at most 256 KiB (or one tensor), with the index.
+    let hf = scratch.path().join("hf");
+    expect(&["unshard", ck, "--out", hf.to_str().unwrap(), "--max-shard-size", "256KiB"], 0);
+    let index = json(&std::fs::read_to_string(hf.join("model.safetensors.index.json")).unwrap());
+    let weight_map = index["weight_map"].as_object().unwrap();
+    assert_eq!(weight_map.len(), plain.len());
+    let files: std::collections::BTreeSet<&str> = weight_map.values().map(|v| v.as_str().unwrap()).collect();
+    assert!(files.len() > 1, "{files:?}");
+    let mut total = 0;
+    for f in &files {
+        assert!(f.starts_with("model-0000") && f.ends_with(&format!("-of-{:05}.safetensors", files.len())), "{f}");
+        let (_, tensors) = read_safetensors(&hf.join(f));
+        let bytes: u64 = tensors.values().map(|t| t.2.len() as u64).sum();
+        assert!(bytes <= 256 << 10 || tensors.len() == 1, "{f}: {bytes} bytes in {} tensors", tensors.len());
+        for (key, (_, _, data)) in &tensors {
+            assert_eq!(weight_map[key], *f);
+            assert_eq!(data, &plain[key].data, "{key}");
+            total += data.len() as u64;
+        }
+    }
+    assert_eq!(index["metadata"]["total_size"], total);
+    // Decimal units are accepted too; a size that holds everything gives one shard.
+    let big = scratch.path().join("big");
+    expect(&["unshard", ck, "--out", big.to_str().unwrap(), "--max-shard-size", "5GB"], 0);
+    assert!(big.join("model-00001-of-00001.safetensors").exists());
+
+    // A key subset, cast to bf16.
+    let sub = scratch.path().join("sub.safetensors");
+    let args = ["unshard", ck, "--out", sub.to_str().unwrap(), "--keys", r"^optimizer\.exp_avg\.", "--dtype", "bf16"];
+    expect(&args, 0);
+    let (_, tensors) = read_safetensors(&sub);
+    let wanted: Vec<&String> = plain.keys().filter(|k| k.starts_with("optimizer.exp_avg.")).collect();
+    assert!(!wanted.is_empty());
+    assert_eq!(tensors.keys().collect::<Vec<_>>(), wanted);
+    for (key, (dtype, _, data)) in &tensors {
+        let p = &plain[key];
+        assert_eq!(p.dtype, tessera::DType::F32, "{key}");
+        assert_eq!(dtype, "BF16", "{key}");
+        assert_eq!(data, &tessera::cast_bytes(&p.data, p.dtype, tessera::DType::BF16).unwrap(), "{key}");
+    }
+
+    // An empty selection, an unknown dtype, a bad size: errors.
+    let out = tessera(&["unshard", ck, "--out", sub.to_str().unwrap(), "--keys", "^nothing"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("matches no key"), "{}", text(&out.stderr));
+    assert_eq!(tessera(&["unshard", ck, "--out", "x.safetensors", "--dtype", "i32"]).status.code(), Some(2));
+    let out = tessera(&["unshard", ck, "--out", "x.safetensors", "--memory", "lots"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!Path::new("x.safetensors").exists());
+}
+
+#[test]
+fn convert_round_trip_then_verify_and_diff() {
+    let scratch = Scratch::new("convert");
+    let ck = scratch.path().join("ck");
+    let conv = scratch.path().join("conv");
+    let (ck, conv) = (ck.to_str().unwrap(), conv.to_str().unwrap());
+    expect(&["demo", "--size", "1MiB", "--dir", ck], 0);
+    let out = expect(&["convert", ck, conv, "--memory", "64KiB"], 0);
+    assert!(out.contains("tensors in") && out.contains("object shard(s)"), "{out}");
+    let v = expect(&["verify", conv], 0);
+    assert!(v.contains("sound"), "{v}");
+    let d = expect(&["diff", ck, conv], 0);
+    assert!(d.contains("equal"), "{d}");
+    assert_eq!(plain_tensors(Path::new(conv)), plain_tensors(Path::new(ck)));
+    // A committed destination is refused, unless --overwrite.
+    let out = tessera(&["convert", ck, conv]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("already exists"), "{}", text(&out.stderr));
+    expect(&["convert", ck, conv, "--overwrite"], 0);
+    expect(&["verify", conv], 0);
+    // A source that is not a checkpoint.
+    let out = tessera(&["convert", scratch.path().join("nothing").to_str().unwrap(), conv, "--overwrite"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("not found"), "{}", text(&out.stderr));
+}
+
+/// A one-rank checkpoint with tensors `x` (and `y`) and a common value.
+fn small_checkpoint(dir: &Path, x: &[f32], with_y: bool, iteration: i64) {
+    use tessera::{DType, ShardedTensor, StateTree, TensorData, Value};
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut tree = StateTree::map()
+        .with("x", StateTree::Tensor(ShardedTensor::full("x", DType::F32, &[x.len() as u64], TensorData::Owned(bytes))))
+        .with("iteration", StateTree::Value(Value::Int(iteration)));
+    if with_y {
+        tree.insert("y", StateTree::Tensor(ShardedTensor::full("y", DType::U8, &[2], TensorData::Owned(vec![1, 2]))));
+    }
+    tessera::save(tree, &tessera::LocalStorage::new(dir), &tessera::SoloComm, &Default::default()).unwrap();
+}
+
+#[test]
+fn diff_exit_codes_name_the_differing_keys() {
+    let scratch = Scratch::new("diff");
+    let (a, b) = (scratch.path().join("a"), scratch.path().join("b"));
+    small_checkpoint(&a, &[1.0, 2.0, 3.0, 4.0], false, 1);
+    small_checkpoint(&b, &[1.0, 2.0, 3.5, 4.0], true, 2);
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    expect(&["diff", a, a], 0);
+    let out = expect(&["diff", a, b], 1);
+    assert!(out.contains("tensor x: 1 element(s) differ, max |a - b| = 0.5, first at [2]"), "{out}");
+    assert!(out.contains("tensor y: only in B"), "{out}");
+    assert!(out.contains("common iteration: 1 vs 2"), "{out}");
+    assert!(out.contains("DIFFERENT: 3 difference(s)"), "{out}");
+    // Within the tolerance, on the selected keys only: equal.
+    let out = expect(&["diff", a, b, "--atol", "0.5", "--keys", "^x$"], 0);
+    assert!(out.contains("equal"), "{out}");
+    let out = expect(&["diff", a, b, "--atol", "0.25", "--keys", "^x$"], 1);
+    assert!(out.contains("tensor x:") && !out.contains("tensor y") && !out.contains("common"), "{out}");
+    // Errors exit 2: a missing checkpoint, a selection matching nothing, a bad regex, bad usage.
+    let missing = scratch.path().join("missing");
+    let out = tessera(&["diff", a, missing.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("missing"), "{}", text(&out.stderr));
+    assert_eq!(tessera(&["diff", a, b, "--keys", "^nothing$"]).status.code(), Some(2));
+    assert_eq!(tessera(&["diff", a, b, "--keys", "("]).status.code(), Some(2));
+    assert_eq!(tessera(&["diff", a, b, "--atol", "-1"]).status.code(), Some(2));
+    assert_eq!(tessera(&["diff", a]).status.code(), Some(2));
+}
+
+#[test]
+fn unshard_convert_diff_with_s3_locations() {
+    let scratch = Scratch::new("tools-s3");
+    let ck = scratch.path().join("ck");
+    let ck = ck.to_str().unwrap();
+    expect(&["demo", "--size", "1MiB", "--dir", ck], 0);
+    let url = s3::url("converted");
+    s3::expect(&["convert", ck, &url], 0);
+    s3::expect(&["verify", &url], 0);
+    let d = s3::expect(&["diff", ck, &url], 0);
+    assert!(d.contains("equal"), "{d}");
+    let (local, remote) = (scratch.path().join("local.safetensors"), scratch.path().join("remote.safetensors"));
+    expect(&["unshard", ck, "--out", local.to_str().unwrap()], 0);
+    s3::expect(&["unshard", &url, "--out", remote.to_str().unwrap()], 0);
+    assert_eq!(std::fs::read(&local).unwrap(), std::fs::read(&remote).unwrap());
+    let out = s3::tessera(&["convert", ck, &url]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("already exists"), "{}", text(&out.stderr));
+}

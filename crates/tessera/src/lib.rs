@@ -5,6 +5,11 @@
 //! binary index written last, atomically: the commit marker), and [`load`] reads any other
 //! layout back — any parallelism, any world size — touching only the bytes each rank needs.
 //!
+//! Whole-checkpoint tools work on every readable format through the same index and loader:
+//! [`export_safetensors`] (plain Hugging Face safetensors, optionally sharded and cast),
+//! [`convert`] (to the native format, keeping the chunk structure) and [`diff`]; all stream
+//! with bounded memory. Element casts: [`cast_bytes`], [`element_to_f64`].
+//!
 //! Layout of the crate: `state` (the data model), `plan` (pure planning: geometry, validation,
 //! read grouping), `format` (byte layouts), `storage` (where bytes live), `comm` (collectives),
 //! `io` (orchestration: the only code that moves bytes). See ARCHITECTURE.md and FORMAT.md.
@@ -20,7 +25,7 @@ mod state;
 mod storage;
 
 pub use comm::{default_all_to_all, Communicator, InProcessComm, SoloComm};
-pub use dtype::{DType, ALL_DTYPES};
+pub use dtype::{cast_bytes, cast_into, element_to_f64, DType, ALL_DTYPES};
 pub use error::{Error, Result};
 pub use format::{
     build_header, crc_hex, parse_header, unpickle, CheckpointIndex, FileEntry, ObjectEntry, PickleObject, PickleValue,
@@ -28,6 +33,11 @@ pub use format::{
     INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
 };
 pub use io::async_save::{AsyncSave, AsyncSaver};
+pub use io::convert::{convert, ConvertOptions, ConvertReport};
+pub use io::diff::{
+    diff, CommonDiff, DiffOptions, DiffReport, ObjectDiff, ObjectDifference, TensorDiff, TensorDifference, ValueDiff,
+};
+pub use io::export::{export_safetensors, ExportOptions, ExportReport, SAFETENSORS_INDEX_FILE};
 pub use io::foreign::dcp::{DcpFlavor, DcpStrategy};
 pub use io::foreign::zarr::ZarrStrategy;
 pub use io::foreign::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
@@ -36,6 +46,7 @@ pub use io::load::{
     load_tensors_metadata, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling, TensorMeta,
 };
 pub use io::maintenance::{gc, remove_sharded_tensors};
+pub use io::pipeline::DEFAULT_MEMORY_BUDGET;
 pub use io::save::{save, validate_sharding_integrity, SaveOptions, SaveReport};
 pub use io::staging::{StagingPool, DEFAULT_STAGING_BUFFER};
 pub use io::strategy::{

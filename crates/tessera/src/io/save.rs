@@ -171,7 +171,7 @@ fn decode_peer_error(rank: usize, msg: &str) -> Error {
 /// Save ids start with the save's start time in milliseconds (40 bits), so that a commit can
 /// tell the files of earlier saves (garbage once it commits) from those of a save that started
 /// later (possibly still running); 24 random bits keep ids distinct.
-fn new_save_id() -> u64 {
+pub(crate) fn new_save_id() -> u64 {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     let nanos = now.as_nanos() as u64;
     // splitmix64 of time and pid: distinct per save, no RNG dependency.
@@ -252,48 +252,53 @@ impl<'t> Prepared<'t> {
 
     /// The header and this rank's report once every byte is written with checksums `crcs`
     /// (tensors in layout order, then objects).
-    pub fn finish_file(&self, mut crcs: Vec<Vec<u32>>, block_size: u64) -> Result<(Vec<u8>, WrittenFile)> {
-        let layout = &self.layout;
-        // An object has exactly one checksum, even when empty.
-        for c in crcs.iter_mut().skip(layout.tensor_entries.len()) {
-            if c.is_empty() {
-                c.push(crc32c::crc32c(&[]));
-            }
-        }
-        let plan = &self.plans[self.rank];
-        let header = file_header(
-            self.rank,
-            plan,
-            block_size,
-            &layout.entries,
-            &layout.tensor_entries,
-            &layout.object_entries,
-            &crcs,
-        );
-        if header.len() as u64 != layout.header_len {
-            return Err(Error::invalid(format!(
-                "data-file header is {} bytes, {} were laid out",
-                header.len(),
-                layout.header_len
-            )));
-        }
-        let nt = layout.tensor_entries.len();
-        let written = WrittenFile {
-            error: None,
-            name: self.file_name(),
-            size: layout.size,
-            header_len: layout.header_len,
-            header_crc: crc32c::crc32c(&header),
-            tensors: (0..nt).map(|n| (layout.header_len + layout.entries[n].start, crcs[n].clone())).collect(),
-            objects: (0..layout.object_entries.len())
-                .map(|n| {
-                    let e = &layout.entries[nt + n];
-                    (layout.header_len + e.start, e.len, crcs[nt + n].first().copied().unwrap_or(0))
-                })
-                .collect(),
-        };
-        Ok((header, written))
+    pub fn finish_file(&self, crcs: Vec<Vec<u32>>, block_size: u64) -> Result<(Vec<u8>, WrittenFile)> {
+        finish_file(self.rank, &self.plans[self.rank], &self.layout, self.file_name(), crcs, block_size)
     }
+}
+
+/// The header of data file `name` (written by `rank` with plan `plan`, laid out as `layout`) and
+/// the report of what it holds, once every byte is written with checksums `crcs` (tensors in
+/// layout order, then objects). Shared by save, async save and convert.
+pub(crate) fn finish_file(
+    rank: usize,
+    plan: &RankPlan,
+    layout: &FileLayout,
+    name: String,
+    mut crcs: Vec<Vec<u32>>,
+    block_size: u64,
+) -> Result<(Vec<u8>, WrittenFile)> {
+    // An object has exactly one checksum, even when empty.
+    for c in crcs.iter_mut().skip(layout.tensor_entries.len()) {
+        if c.is_empty() {
+            c.push(crc32c::crc32c(&[]));
+        }
+    }
+    let header =
+        file_header(rank, plan, block_size, &layout.entries, &layout.tensor_entries, &layout.object_entries, &crcs);
+    if header.len() as u64 != layout.header_len {
+        return Err(Error::invalid(format!(
+            "data-file header is {} bytes, {} were laid out",
+            header.len(),
+            layout.header_len
+        )));
+    }
+    let nt = layout.tensor_entries.len();
+    let written = WrittenFile {
+        error: None,
+        name,
+        size: layout.size,
+        header_len: layout.header_len,
+        header_crc: crc32c::crc32c(&header),
+        tensors: (0..nt).map(|n| (layout.header_len + layout.entries[n].start, crcs[n].clone())).collect(),
+        objects: (0..layout.object_entries.len())
+            .map(|n| {
+                let e = &layout.entries[nt + n];
+                (layout.header_len + e.start, e.len, crcs[nt + n].first().copied().unwrap_or(0))
+            })
+            .collect(),
+    };
+    Ok((header, written))
 }
 
 /// The collective first half of every save: collect, exchange, validate, assign writers, lay
@@ -420,14 +425,16 @@ pub(crate) fn commit(
     let mut verdict = Vec::new();
     let mut own_commit_error = None;
     if rank == 0 {
-        let r = (|| -> Result<(CheckpointIndex, u64)> {
-            let index =
-                build_index(&p.plans, &written_all, opts.block_size, p.common.clone(), opts.content_metadata.clone())?;
-            let bytes = index.encode();
-            publish_index(storage, &bytes, opts.overwrite)?;
-            remove_unreferenced(storage, &index, &bytes, p.save_id)?;
-            Ok((index, bytes.len() as u64))
-        })();
+        let r = commit_index(
+            storage,
+            &p.plans,
+            &written_all,
+            opts.block_size,
+            p.common.clone(),
+            opts.content_metadata.clone(),
+            opts.overwrite,
+            p.save_id,
+        );
         match r {
             Ok((index, index_bytes)) => {
                 let mut e = crate::format::codec::Encoder::default();
@@ -439,11 +446,7 @@ pub(crate) fn commit(
                 verdict = e.buf;
             }
             Err(err) => {
-                // Another save committed here first: this save's files are garbage now.
                 let lost = matches!(err, Error::AlreadyExists { .. });
-                if lost {
-                    remove_save_files(storage, p.save_id);
-                }
                 verdict.push(if lost { VERDICT_TAKEN } else { VERDICT_FAILED });
                 verdict.extend_from_slice(err.to_string().as_bytes());
                 own_commit_error = Some(err);
@@ -475,6 +478,36 @@ pub(crate) fn commit(
         chunks,
         index_bytes,
     })
+}
+
+/// The commit of save `save_id` once every data file is written (`written`, in the order of
+/// `plans`): assembles the index, publishes it ([`publish_index`]) and removes the data files
+/// of earlier saves it replaces. Returns the index and its size. If another save committed at
+/// the location first (`AlreadyExists`), this save's data files are removed. Shared by save
+/// (rank 0), async save and convert.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn commit_index(
+    storage: &dyn Storage,
+    plans: &[RankPlan],
+    written: &[WrittenFile],
+    block_size: u64,
+    common: Vec<(StatePath, Value)>,
+    content_metadata: Value,
+    overwrite: bool,
+    save_id: u64,
+) -> Result<(CheckpointIndex, u64)> {
+    let r = (|| {
+        let index = build_index(plans, written, block_size, common, content_metadata)?;
+        let bytes = index.encode();
+        publish_index(storage, &bytes, overwrite)?;
+        remove_unreferenced(storage, &index, &bytes, save_id)?;
+        Ok((index, bytes.len() as u64))
+    })();
+    if let Err(Error::AlreadyExists { .. }) = r {
+        // Another save committed here first: this save's files are garbage now.
+        remove_save_files(storage, save_id);
+    }
+    r
 }
 
 const VERDICT_OK: u8 = 0;
@@ -510,7 +543,7 @@ fn check_index_is(storage: &dyn Storage, bytes: &[u8]) -> Result<()> {
 }
 
 /// Removes the data files of save `save_id` (which lost the race to commit).
-fn remove_save_files(storage: &dyn Storage, save_id: u64) {
+pub(crate) fn remove_save_files(storage: &dyn Storage, save_id: u64) {
     let Ok(names) = storage.list() else { return };
     let ours = format!("{save_id:016x}-r");
     for name in names.into_iter().filter(|n| n.starts_with(&ours) && is_data_file_name(n)) {

@@ -123,6 +123,85 @@ fn rec(box_off: &[u64], box_shape: &[u64], axis: usize, s: u64, e: u64, prefix: 
     }
 }
 
+/// A part of a box: a sub-box, optionally restricted to a `[start, end)` range of its
+/// row-major flattening (the shape of a stored chunk or of a load request).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BoxPart {
+    /// Offset of the box, per axis.
+    pub off: Vec<u64>,
+    /// Shape of the box.
+    pub shape: Vec<u64>,
+    /// The part holds only this range of the box's flattening.
+    pub flat: Option<(u64, u64)>,
+}
+
+impl BoxPart {
+    /// Elements held.
+    pub fn numel(&self) -> u64 {
+        self.flat.map_or_else(|| numel(&self.shape), |(s, e)| e - s)
+    }
+}
+
+/// Splits the box (`off`, `shape`) — or the range `flat` of its flattening — into parts of at
+/// most `max_numel` elements (at least one), in row-major order: the elements of the parts,
+/// one after the other, are those of the input in its order. Each part is a valid chunk of the
+/// same tensor. A flattened range is cut into consecutive ranges of the same box. A whole box
+/// is cut into sub-boxes along the first axis whose one-index slices fit: groups of rows along
+/// axis 0 when a row fits; otherwise the axes before the cut axis are taken one index at a
+/// time. An empty box, a scalar, or a box that fits, comes back whole.
+pub fn split_box(off: &[u64], shape: &[u64], flat: Option<(u64, u64)>, max_numel: u64) -> Vec<BoxPart> {
+    let max = max_numel.max(1);
+    let whole = BoxPart { off: off.to_vec(), shape: shape.to_vec(), flat };
+    if whole.numel() <= max {
+        return vec![whole];
+    }
+    if let Some((s, e)) = flat {
+        let mut out = Vec::new();
+        let mut at = s;
+        while at < e {
+            let end = (at + max).min(e);
+            out.push(BoxPart { off: off.to_vec(), shape: shape.to_vec(), flat: Some((at, end)) });
+            at = end;
+        }
+        return out;
+    }
+    // The first axis whose one-index slices fit; the last axis always does (slices of 1 element).
+    let n = shape.len();
+    let axis = (0..n).find(|&d| numel(&shape[d + 1..]) <= max).unwrap_or(n - 1);
+    let rows = (max / numel(&shape[axis + 1..])).max(1);
+    let mut out = Vec::new();
+    let mut idx = vec![0u64; axis];
+    loop {
+        let mut start = 0;
+        while start < shape[axis] {
+            let len = rows.min(shape[axis] - start);
+            let mut p_off = off.to_vec();
+            let mut p_shape = shape.to_vec();
+            for d in 0..axis {
+                p_off[d] += idx[d];
+                p_shape[d] = 1;
+            }
+            p_off[axis] += start;
+            p_shape[axis] = len;
+            out.push(BoxPart { off: p_off, shape: p_shape, flat: None });
+            start += len;
+        }
+        // Next index of the leading axes, last axis fastest.
+        let mut d = axis;
+        loop {
+            if d == 0 {
+                return out;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
 /// Where the elements of a chunk live in its data: a box whose row-major flattening, shifted
 /// by `base` elements (the start of a flattened range), indexes the data.
 #[derive(Debug, Clone, Copy)]
@@ -326,6 +405,59 @@ mod tests {
                 assert_eq!(seen, (s..e).collect::<Vec<_>>(), "range {s}..{e}");
             }
         }
+    }
+
+    /// Row-major positions, within the box (`off`, `shape`), of the elements of `p`, in order.
+    fn positions(off: &[u64], shape: &[u64], p: &BoxPart) -> Vec<u64> {
+        let pieces = match p.flat {
+            Some((s, e)) => decompose_flat(&p.off, &p.shape, s, e),
+            None => vec![Piece::new(&p.off, &p.shape)],
+        };
+        let st = strides(shape);
+        let mut out = Vec::new();
+        for piece in pieces {
+            let total = piece.numel();
+            let ps = strides(&piece.shape);
+            for k in 0..total {
+                let mut pos = 0;
+                for d in 0..shape.len() {
+                    let i = (k / ps[d]) % piece.shape[d];
+                    pos += (piece.off[d] + i - off[d]) * st[d];
+                }
+                out.push(pos);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn split_box_cuts_in_order_within_the_limit() {
+        type Case<'a> = (&'a [u64], &'a [u64], Option<(u64, u64)>, u64);
+        let cases: &[Case<'_>] = &[
+            (&[0, 0], &[10, 6], None, 13),        // rows of 6: 2 rows per part
+            (&[4, 2], &[10, 6], None, 60),        // fits
+            (&[0, 0, 0], &[2, 3, 8], None, 5),    // a row (24) does not fit, nor a plane slice (8)
+            (&[1, 0, 0], &[3, 4, 5], None, 20),   // exactly one row per part
+            (&[0, 0], &[5, 7], Some((3, 30)), 4), // flat range: consecutive ranges
+            (&[], &[], None, 1),                  // scalar
+            (&[0, 0], &[0, 9], None, 2),          // empty
+            (&[0], &[17], None, 1),               // one element per part
+        ];
+        for &(off, shape, flat, max) in cases {
+            let parts = split_box(off, shape, flat, max);
+            assert!(parts.iter().all(|p| p.numel() <= max.max(1) || parts.len() == 1), "{shape:?} {max}: {parts:?}");
+            let got: Vec<u64> = parts.iter().flat_map(|p| positions(off, shape, p)).collect();
+            let whole = BoxPart { off: off.to_vec(), shape: shape.to_vec(), flat };
+            assert_eq!(got, positions(off, shape, &whole), "{shape:?} {flat:?} {max}: {parts:?}");
+            for p in &parts {
+                for d in 0..shape.len() {
+                    assert!(p.off[d] >= off[d] && p.off[d] + p.shape[d] <= off[d] + shape[d], "{p:?}");
+                }
+            }
+        }
+        assert_eq!(split_box(&[0, 0], &[10, 6], None, 13).len(), 5);
+        assert!(split_box(&[0, 0], &[10, 6], None, 13).iter().all(|p| p.shape[1] == 6), "rows along axis 0");
+        assert_eq!(split_box(&[0, 0, 0], &[2, 3, 8], None, 5).len(), 2 * 3 * 2);
     }
 
     #[test]

@@ -1,0 +1,374 @@
+//! Conversion of any readable checkpoint (every format a load strategy recognises) into the
+//! native format, keeping its chunk structure.
+//!
+//! Each stored chunk of the source becomes a native chunk with the same box (or flat range);
+//! a chunk larger than a job's share of the memory budget is cut into several valid chunks
+//! ([`split_box`]). Chunks are read through the generic loader, several per load call, on a
+//! background thread while the previous ones are written; the data files, their headers and
+//! checksums, and the commit of the index are those of a native save (shared code in
+//! `io/save.rs` and `io/write.rs`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, DEFAULT_BLOCK_SIZE, INDEX_FILE};
+use crate::io::load::{read_object, LoadOptions};
+use crate::io::pipeline::{batches, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
+use crate::io::save::{commit_index, finish_file, new_save_id, remove_save_files};
+use crate::io::strategy::open_checkpoint;
+use crate::io::write::{write_sources, Source};
+use crate::plan::geometry::split_box;
+use crate::plan::save::{
+    data_file_name, layout_file, validate_global, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
+};
+use crate::state::{ReplicaId, ShardedObject, StateTree};
+use crate::storage::{ObjectWriter, Storage};
+use crate::{Error, Result};
+
+/// How to convert.
+#[derive(Debug, Clone)]
+pub struct ConvertOptions {
+    /// Replace a committed checkpoint at the destination (atomically, at commit).
+    pub overwrite: bool,
+    /// About the most bytes of data held in memory at once (default 512 MiB); chunks larger
+    /// than a quarter of it are split.
+    pub memory_budget: u64,
+    /// IO threads (reads and writes).
+    pub threads: usize,
+    /// Checksum block size of the native checkpoint.
+    pub block_size: u64,
+    /// Chunks are packed into data files of about this size (a new file starts when the next
+    /// chunk would pass it). Default 4 GiB.
+    pub max_file_size: u64,
+}
+
+impl Default for ConvertOptions {
+    fn default() -> Self {
+        ConvertOptions {
+            overwrite: false,
+            memory_budget: DEFAULT_MEMORY_BUDGET,
+            threads: crate::io::save::default_threads(),
+            block_size: DEFAULT_BLOCK_SIZE,
+            max_file_size: 4 << 30,
+        }
+    }
+}
+
+/// What a conversion wrote.
+#[derive(Debug, Clone, Default)]
+pub struct ConvertReport {
+    /// Tensors converted.
+    pub tensors: usize,
+    /// Chunks of the native checkpoint.
+    pub chunks: usize,
+    /// Object shards converted.
+    pub object_shards: usize,
+    /// Data files written.
+    pub files: usize,
+    /// Bytes of tensor and object data written.
+    pub bytes: u64,
+    /// Size of the index.
+    pub index_bytes: u64,
+}
+
+/// One thing to copy: a (part of a) stored chunk, or an object shard.
+enum Item<'i> {
+    Chunk(TensorPart<'i>),
+    Object(&'i ObjectEntry, &'i StoredObject),
+}
+
+impl Item<'_> {
+    fn nbytes(&self) -> u64 {
+        match self {
+            Item::Chunk(p) => p.nbytes(),
+            Item::Object(_, s) => s.len,
+        }
+    }
+}
+
+/// Where an item goes: its data file and its entry in that file's layout.
+#[derive(Clone, Copy)]
+struct Slot {
+    file: usize,
+    entry: usize,
+}
+
+/// Copies the checkpoint in `src` (any format [`crate::open_checkpoint`] recognises) into `dst` as a
+/// native checkpoint: the same tensors with the same chunks (large ones split), the sharded
+/// objects' bytes, the common state and the content metadata. The index is committed as a save
+/// commits it: refused if `dst` holds a committed checkpoint, unless `opts.overwrite`. A
+/// failure before the commit removes the data files written; nothing is committed then.
+/// `progress(bytes_done, bytes_total)` is called as data is written.
+pub fn convert(
+    src: &dyn Storage,
+    dst: &dyn Storage,
+    opts: &ConvertOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<ConvertReport> {
+    if opts.block_size == 0 {
+        return Err(Error::invalid("block size must be positive"));
+    }
+    if !opts.overwrite {
+        match dst.size(INDEX_FILE) {
+            Ok(_) => return Err(Error::AlreadyExists { path: dst.location().into() }),
+            Err(Error::NotFound { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let ckpt = open_checkpoint(src)?;
+    let src = ckpt.storage();
+    let mut index = ckpt.index.clone();
+    if index.block_size == 0 {
+        // Foreign formats learn an object's payload size only by decoding it (cached by the view).
+        for o in &mut index.objects {
+            for s in &mut o.shards {
+                s.len = read_object(&ckpt.index, src, &o.key, &s.offset, false)?.len() as u64;
+            }
+        }
+    }
+    let per_job = job_bytes(opts.memory_budget);
+
+    // Chunks in the order of the source's files (sequential reads), then object shards.
+    let mut chunks: Vec<(u32, u64, TensorPart<'_>)> = Vec::new();
+    for t in &index.tensors {
+        let max_numel = per_job / t.dtype.size() as u64;
+        for c in &t.chunks {
+            for part in split_box(&c.offset, &c.shape, c.flat, max_numel) {
+                chunks.push((c.file, c.byte_offset, TensorPart { tensor: t, part }));
+            }
+        }
+    }
+    chunks.sort_by_key(|(file, off, _)| (*file, *off));
+    let mut items: Vec<Item<'_>> = chunks.into_iter().map(|(_, _, p)| Item::Chunk(p)).collect();
+    for o in &index.objects {
+        items.extend(o.shards.iter().map(|s| Item::Object(o, s)));
+    }
+
+    // Data files: items packed in order; each file's plan is what a rank of a save announces.
+    let keys: HashMap<&str, Arc<str>> =
+        index.tensors.iter().map(|t| (t.key.as_str(), Arc::from(t.key.as_str()))).collect();
+    let mut plans: Vec<RankPlan> = Vec::new();
+    let mut slots: Vec<Slot> = Vec::with_capacity(items.len());
+    let mut used = 0u64;
+    for item in &items {
+        let n = item.nbytes();
+        if plans.is_empty() || (used > 0 && used + n > opts.max_file_size) {
+            plans.push(RankPlan::default());
+            used = 0;
+        }
+        used += n;
+        let file = plans.len() - 1;
+        let plan = plans.last_mut().expect("pushed above");
+        let entry = plan.tensors.len() + plan.objects.len();
+        match item {
+            Item::Chunk(p) => plan.tensors.push(ShardMeta {
+                key: keys[p.tensor.key.as_str()].clone(),
+                dtype: p.tensor.dtype,
+                global_shape: p.tensor.global_shape.as_slice().into(),
+                offset: p.part.off.as_slice().into(),
+                shape: p.part.shape.as_slice().into(),
+                flat: p.part.flat,
+                main: true,
+                has_data: true,
+            }),
+            Item::Object(o, s) => plan.objects.push(ObjectMeta {
+                key: o.key.clone(),
+                global_shape: o.global_shape.clone(),
+                offset: s.offset.clone(),
+                main: true,
+                len: s.len,
+            }),
+        }
+        slots.push(Slot { file, entry });
+    }
+    // Tensors without stored chunks (no elements) keep their entry: announced, not written.
+    for t in index.tensors.iter().filter(|t| t.chunks.is_empty()) {
+        if plans.is_empty() {
+            plans.push(RankPlan::default());
+        }
+        plans.last_mut().expect("pushed above").tensors.push(ShardMeta {
+            key: keys[t.key.as_str()].clone(),
+            dtype: t.dtype,
+            global_shape: t.global_shape.as_slice().into(),
+            offset: vec![0; t.global_shape.len()].as_slice().into(),
+            shape: t.global_shape.as_slice().into(),
+            flat: None,
+            main: false,
+            has_data: false,
+        });
+    }
+    validate_global(&plans)?;
+    let layouts: Vec<FileLayout> = plans.iter().enumerate().map(|(n, p)| layout_file(n, p, opts.block_size)).collect();
+    let save_id = new_save_id();
+
+    let written = match write_files(src, dst, &index, &items, &slots, &plans, &layouts, save_id, opts, progress) {
+        Ok(w) => w,
+        Err(e) => {
+            remove_save_files(dst, save_id);
+            return Err(e);
+        }
+    };
+    // A failed commit removes this conversion's files itself when another save won the location;
+    // after any other failure the index may be committed, so the files stay (gc removes them if not).
+    let (committed, index_bytes) = commit_index(
+        dst,
+        &plans,
+        &written,
+        opts.block_size,
+        index.common.clone(),
+        index.content_metadata.clone(),
+        opts.overwrite,
+        save_id,
+    )?;
+    Ok(ConvertReport {
+        tensors: committed.tensors.len(),
+        chunks: committed.chunk_count(),
+        object_shards: committed.objects.iter().map(|o| o.shards.len()).sum(),
+        files: committed.files.len(),
+        bytes: items.iter().map(Item::nbytes).sum(),
+        index_bytes,
+    })
+}
+
+/// A data file being written.
+struct Open {
+    file: usize,
+    writer: Box<dyn ObjectWriter>,
+    crcs: Vec<Vec<u32>>,
+}
+
+/// Streams every item into its data file; returns the written files, in file order (plus an
+/// empty report for a trailing plan with nothing to write).
+#[allow(clippy::too_many_arguments)]
+fn write_files(
+    src: &dyn Storage,
+    dst: &dyn Storage,
+    index: &CheckpointIndex,
+    items: &[Item<'_>],
+    slots: &[Slot],
+    plans: &[RankPlan],
+    layouts: &[FileLayout],
+    save_id: u64,
+    opts: &ConvertOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Vec<WrittenFile>> {
+    let costs: Vec<u64> = items.iter().map(Item::nbytes).collect();
+    let total: u64 = costs.iter().sum();
+    // A batch is loaded with one call: only chunks or only objects, and within one data file.
+    let is_object = |i: usize| matches!(items[i], Item::Object(..));
+    let jobs = batches(&costs, job_bytes(opts.memory_budget), |i| {
+        slots[i].file != slots[i - 1].file || is_object(i) != is_object(i - 1)
+    });
+    let load_opts = LoadOptions { threads: opts.threads, ..Default::default() };
+
+    let read = |job: &std::ops::Range<usize>| -> Result<Vec<u8>> {
+        let batch = &items[job.clone()];
+        let mut buf = vec![0u8; costs[job.clone()].iter().sum::<u64>() as usize];
+        if is_object(job.start) {
+            let mut tree = StateTree::List(Vec::with_capacity(batch.len()));
+            if let StateTree::List(l) = &mut tree {
+                for item in batch {
+                    if let Item::Object(o, s) = item {
+                        l.push(StateTree::Object(ShardedObject {
+                            key: o.key.clone(),
+                            data: None,
+                            global_shape: o.global_shape.clone(),
+                            global_offset: s.offset.clone(),
+                            replica_id: ReplicaId::main(),
+                        }));
+                    }
+                }
+            }
+            let loaded = tree.map_leaves(&mut |_, leaf| match leaf {
+                StateTree::Object(mut o) => {
+                    o.data = Some(read_object(index, src, &o.key, &o.global_offset, true)?);
+                    Ok(StateTree::Object(o))
+                }
+                other => Ok(other),
+            })?;
+            let StateTree::List(l) = loaded else { return Err(Error::invalid("object load changed the tree")) };
+            let mut at = 0;
+            for (leaf, item) in l.iter().zip(batch) {
+                let (Some(o), Item::Object(entry, s)) = (leaf.as_object(), item) else {
+                    return Err(Error::invalid("object load changed the tree"));
+                };
+                let data = o.data.as_deref().unwrap_or_default();
+                if data.len() as u64 != s.len {
+                    return Err(Error::corrupt(
+                        src.location(),
+                        format!(
+                            "object {:?} shard {:?}: {} bytes read, {} indexed",
+                            entry.key,
+                            s.offset,
+                            data.len(),
+                            s.len
+                        ),
+                    ));
+                }
+                buf[at..at + data.len()].copy_from_slice(data);
+                at += data.len();
+            }
+        } else {
+            let parts: Vec<&TensorPart<'_>> =
+                batch.iter().filter_map(|i| if let Item::Chunk(p) = i { Some(p) } else { None }).collect();
+            load_parts(index, src, &parts, &mut buf, &load_opts)?;
+        }
+        Ok(buf)
+    };
+
+    let mut written: Vec<WrittenFile> = Vec::with_capacity(plans.len());
+    let mut open: Option<Open> = None;
+    let mut done = 0u64;
+    let finish = |o: Open, written: &mut Vec<WrittenFile>| -> Result<()> {
+        let name = data_file_name(save_id, o.file);
+        let (header, w) = finish_file(o.file, &plans[o.file], &layouts[o.file], name, o.crcs, opts.block_size)?;
+        o.writer.write_at(0, &header)?;
+        o.writer.finish()?;
+        written.push(w);
+        Ok(())
+    };
+    progress(0, total);
+    let mut write = |job: &std::ops::Range<usize>, data: Vec<u8>| -> Result<()> {
+        let file = slots[job.start].file;
+        if open.as_ref().is_none_or(|o| o.file != file) {
+            if let Some(o) = open.take() {
+                finish(o, &mut written)?;
+            }
+            let layout = &layouts[file];
+            open = Some(Open {
+                file,
+                writer: dst.create(&data_file_name(save_id, file), layout.size)?,
+                crcs: vec![Vec::new(); layout.entries.len()],
+            });
+        }
+        let o = open.as_mut().expect("opened above");
+        let layout = &layouts[file];
+        let mut sources = Vec::with_capacity(job.len());
+        let mut at = 0usize;
+        for i in job.clone() {
+            let len = costs[i] as usize;
+            sources.push(Source {
+                data: &data[at..at + len],
+                file_off: layout.header_len + layout.entries[slots[i].entry].start,
+                block: if is_object(i) { u64::MAX } else { opts.block_size },
+            });
+            at += len;
+        }
+        let crcs = write_sources(o.writer.as_ref(), &sources, opts.threads, None)?;
+        for (i, c) in job.clone().zip(crcs) {
+            o.crcs[slots[i].entry] = c;
+        }
+        done += at as u64;
+        progress(done, total);
+        Ok(())
+    };
+    pipeline(&jobs, opts.memory_budget, |j| costs[j.clone()].iter().sum(), read, &mut write)?;
+    if let Some(o) = open.take() {
+        finish(o, &mut written)?;
+    }
+    // A plan with nothing to write (only tensors without chunks, or an empty checkpoint).
+    while written.len() < plans.len() {
+        written.push(WrittenFile::default());
+    }
+    Ok(written)
+}

@@ -1,0 +1,459 @@
+//! Comparison of two checkpoints of any readable formats: tensors (streamed in row slices, like
+//! export), sharded objects (payload bytes), common state and content metadata.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use crate::dtype::elements_to_f64;
+use crate::format::{CheckpointIndex, ObjectEntry, TensorEntry};
+use crate::io::load::{read_object, LoadOptions};
+use crate::io::pipeline::{batches, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
+use crate::io::strategy::open_checkpoint;
+use crate::plan::geometry::split_box;
+use crate::state::{path_string, StatePath, Value};
+use crate::storage::Storage;
+use crate::{element_to_f64, DType, Error, Result};
+
+/// How to compare.
+#[derive(Debug, Clone)]
+pub struct DiffOptions {
+    /// Absolute tolerance: elements `a`, `b` are equal when `|a − b| ≤ atol` (compared as f64;
+    /// NaN equals NaN). With 0 (the default) and equal dtypes, elements must be equal byte for
+    /// byte.
+    pub atol: f64,
+    /// Compare only these tensor and object keys (each must be in one checkpoint at least);
+    /// the common state and content metadata are then not compared. `None`: everything.
+    pub keys: Option<Vec<String>>,
+    /// About the most bytes of tensor data (both sides) held in memory at once (default 512 MiB).
+    pub memory_budget: u64,
+    /// IO threads of the reads.
+    pub threads: usize,
+}
+
+impl Default for DiffOptions {
+    fn default() -> Self {
+        DiffOptions {
+            atol: 0.0,
+            keys: None,
+            memory_budget: DEFAULT_MEMORY_BUDGET,
+            threads: crate::io::save::default_threads(),
+        }
+    }
+}
+
+/// How the values of one tensor differ.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValueDiff {
+    /// Elements that differ.
+    pub count: u64,
+    /// Largest `|a − b|` over the differing elements (infinite when one side is NaN or the two
+    /// are infinities of opposite signs).
+    pub max_abs_diff: f64,
+    /// Index (one coordinate per axis) of the first differing element in row-major order.
+    pub first_index: Vec<u64>,
+}
+
+/// One way a tensor differs.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum TensorDifference {
+    /// Only the first checkpoint has it.
+    OnlyInA,
+    /// Only the second checkpoint has it.
+    OnlyInB,
+    /// The element types differ (values are still compared, as f64, when the shapes agree).
+    DType {
+        /// In the first checkpoint.
+        a: DType,
+        /// In the second.
+        b: DType,
+    },
+    /// The global shapes differ (values are not compared).
+    Shape {
+        /// In the first checkpoint.
+        a: Vec<u64>,
+        /// In the second.
+        b: Vec<u64>,
+    },
+    /// Some elements differ.
+    Values(ValueDiff),
+}
+
+/// A tensor that differs, and how.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorDiff {
+    /// Global key.
+    pub key: String,
+    /// Every difference found (a dtype difference may come with a value difference).
+    pub differences: Vec<TensorDifference>,
+}
+
+/// One way a sharded object differs.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum ObjectDifference {
+    /// Only the first checkpoint has it.
+    OnlyInA,
+    /// Only the second checkpoint has it.
+    OnlyInB,
+    /// The grids of shards differ (payloads are not compared).
+    Grid {
+        /// In the first checkpoint.
+        a: Vec<u64>,
+        /// In the second.
+        b: Vec<u64>,
+    },
+    /// These shards (grid positions) hold different bytes, or are stored on one side only.
+    Shards(Vec<Vec<u64>>),
+}
+
+/// A sharded object that differs, and how.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObjectDiff {
+    /// Global key.
+    pub key: String,
+    /// How it differs.
+    pub difference: ObjectDifference,
+}
+
+/// A common-state value present on one side only, or different.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommonDiff {
+    /// Path in the state tree.
+    pub path: StatePath,
+    /// The value in the first checkpoint, if any.
+    pub a: Option<Value>,
+    /// The value in the second checkpoint, if any.
+    pub b: Option<Value>,
+}
+
+/// Outcome of [`diff`]: equal when every list is empty (see [`DiffReport::is_equal`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DiffReport {
+    /// Tensors present in both checkpoints.
+    pub tensors_compared: usize,
+    /// Bytes of tensor data compared (both sides).
+    pub bytes_compared: u64,
+    /// Sharded objects present in both checkpoints.
+    pub objects_compared: usize,
+    /// Tensors that differ, by key.
+    pub tensors: Vec<TensorDiff>,
+    /// Sharded objects that differ, by key.
+    pub objects: Vec<ObjectDiff>,
+    /// Common-state values that differ, by path.
+    pub common: Vec<CommonDiff>,
+    /// The content metadata of both, when it differs.
+    pub content_metadata: Option<(Value, Value)>,
+}
+
+impl DiffReport {
+    /// True when nothing differs.
+    pub fn is_equal(&self) -> bool {
+        self.tensors.is_empty() && self.objects.is_empty() && self.common.is_empty() && self.content_metadata.is_none()
+    }
+}
+
+impl fmt::Display for TensorDifference {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TensorDifference::OnlyInA => f.write_str("only in A"),
+            TensorDifference::OnlyInB => f.write_str("only in B"),
+            TensorDifference::DType { a, b } => write!(f, "dtype {a} vs {b}"),
+            TensorDifference::Shape { a, b } => write!(f, "shape {a:?} vs {b:?}"),
+            TensorDifference::Values(v) => write!(
+                f,
+                "{} element(s) differ, max |a - b| = {}, first at {:?}",
+                v.count, v.max_abs_diff, v.first_index
+            ),
+        }
+    }
+}
+
+impl fmt::Display for ObjectDifference {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ObjectDifference::OnlyInA => f.write_str("only in A"),
+            ObjectDifference::OnlyInB => f.write_str("only in B"),
+            ObjectDifference::Grid { a, b } => write!(f, "grid {a:?} vs {b:?}"),
+            ObjectDifference::Shards(s) => write!(f, "{} shard(s) differ, first {:?}", s.len(), s[0]),
+        }
+    }
+}
+
+impl fmt::Display for CommonDiff {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let path = path_string(&self.path);
+        let show = |v: &Value| v.to_json().to_string();
+        match (&self.a, &self.b) {
+            (Some(a), Some(b)) => write!(f, "{path}: {} vs {}", show(a), show(b)),
+            (Some(a), None) => write!(f, "{path}: only in A ({})", show(a)),
+            (None, Some(b)) => write!(f, "{path}: only in B ({})", show(b)),
+            (None, None) => write!(f, "{path}"),
+        }
+    }
+}
+
+/// Plain values equal, floats compared by value with NaN equal to NaN.
+fn values_equal(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Float(x), Value::Float(y)) => x == y || (x.is_nan() && y.is_nan()),
+        (Value::List(x), Value::List(y)) => x.len() == y.len() && x.iter().zip(y).all(|(a, b)| values_equal(a, b)),
+        (Value::Map(x), Value::Map(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|((ka, a), (kb, b))| ka == kb && values_equal(a, b))
+        }
+        _ => a == b,
+    }
+}
+
+/// Differences found so far in the values of one tensor.
+#[derive(Default)]
+struct Acc {
+    count: u64,
+    max: f64,
+    first: Option<u64>,
+}
+
+impl Acc {
+    fn add(&mut self, flat: u64, d: f64) {
+        self.count += 1;
+        if d > self.max || d.is_nan() {
+            self.max = d;
+        }
+        self.first.get_or_insert(flat);
+    }
+}
+
+/// `|a − b|` for two elements that differ (infinite when exactly one is NaN).
+fn abs_diff(a: f64, b: f64) -> f64 {
+    match (a.is_nan(), b.is_nan()) {
+        (true, true) => 0.0,
+        (false, false) => (a - b).abs(),
+        _ => f64::INFINITY,
+    }
+}
+
+/// Elements decoded per block when comparing through f64.
+const BLOCK: usize = 4096;
+
+/// Compares two runs of elements, the first being element `base` of the tensor.
+fn compare(a: &[u8], da: DType, b: &[u8], db: DType, atol: f64, base: u64, acc: &mut Acc) {
+    let (sa, sb) = (da.size(), db.size());
+    if atol == 0.0 && da == db {
+        if a == b {
+            return;
+        }
+        for (k, (x, y)) in a.chunks_exact(sa).zip(b.chunks_exact(sb)).enumerate() {
+            if x != y {
+                acc.add(base + k as u64, abs_diff(element_to_f64(x, da), element_to_f64(y, db)));
+            }
+        }
+        return;
+    }
+    let (mut xs, mut ys) = (vec![0.0; BLOCK], vec![0.0; BLOCK]);
+    for (i, (ca, cb)) in a.chunks(BLOCK * sa).zip(b.chunks(BLOCK * sb)).enumerate() {
+        let n = ca.len() / sa;
+        elements_to_f64(ca, da, &mut xs[..n]);
+        elements_to_f64(cb, db, &mut ys[..n]);
+        for (k, (&x, &y)) in xs[..n].iter().zip(&ys[..n]).enumerate() {
+            let equal = x == y || (x - y).abs() <= atol || (x.is_nan() && y.is_nan());
+            if !equal {
+                acc.add(base + (i * BLOCK + k) as u64, abs_diff(x, y));
+            }
+        }
+    }
+}
+
+/// Row-major coordinates of element `flat` of a tensor of `shape`.
+fn unravel(mut flat: u64, shape: &[u64]) -> Vec<u64> {
+    let mut idx = vec![0; shape.len()];
+    for d in (0..shape.len()).rev() {
+        if shape[d] > 0 {
+            idx[d] = flat % shape[d];
+            flat /= shape[d];
+        }
+    }
+    idx
+}
+
+/// Compares the checkpoints in `a` and `b` (any formats [`crate::open_checkpoint`] recognises): which
+/// tensors and sharded objects are on one side only, dtype and shape differences, element
+/// values (see [`DiffOptions::atol`]) with the largest difference and the first differing
+/// element per tensor, object payloads shard by shard, the common state path by path, and the
+/// content metadata. Tensors are read in slices of rows, both sides at once, the next slices
+/// being read while the previous are compared.
+pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<DiffReport> {
+    if opts.atol.is_nan() || opts.atol < 0.0 {
+        return Err(Error::invalid(format!("the tolerance must be a non-negative number, got {}", opts.atol)));
+    }
+    let (ca, cb) = (open_checkpoint(a)?, open_checkpoint(b)?);
+    let (ia, ib) = (&ca.index, &cb.index);
+    let (a, b) = (ca.storage(), cb.storage());
+    let wanted: Option<BTreeSet<&str>> = opts.keys.as_ref().map(|ks| ks.iter().map(String::as_str).collect());
+    if let Some(ks) = &wanted {
+        let known = |i: &CheckpointIndex, k: &str| i.tensor(k).is_some() || i.object(k).is_some();
+        if let Some(k) = ks.iter().find(|k| !known(&ia, k) && !known(&ib, k)) {
+            return Err(Error::NotFound { path: format!("{} and {}: key {k:?}", a.location(), b.location()).into() });
+        }
+    }
+    let selected = |k: &str| wanted.as_ref().is_none_or(|ks| ks.contains(k));
+    let mut report = DiffReport::default();
+
+    // Tensors: keys, dtypes and shapes from the indexes.
+    let ta: BTreeMap<&str, &TensorEntry> =
+        ia.tensors.iter().filter(|t| selected(&t.key)).map(|t| (t.key.as_str(), t)).collect();
+    let tb: BTreeMap<&str, &TensorEntry> =
+        ib.tensors.iter().filter(|t| selected(&t.key)).map(|t| (t.key.as_str(), t)).collect();
+    let mut diffs: BTreeMap<&str, Vec<TensorDifference>> = BTreeMap::new();
+    let mut pairs: Vec<(&TensorEntry, &TensorEntry)> = Vec::new();
+    for (&key, &x) in &ta {
+        let Some(&y) = tb.get(key) else {
+            diffs.entry(key).or_default().push(TensorDifference::OnlyInA);
+            continue;
+        };
+        report.tensors_compared += 1;
+        if x.dtype != y.dtype {
+            diffs.entry(key).or_default().push(TensorDifference::DType { a: x.dtype, b: y.dtype });
+        }
+        if x.global_shape != y.global_shape {
+            diffs
+                .entry(key)
+                .or_default()
+                .push(TensorDifference::Shape { a: x.global_shape.clone(), b: y.global_shape.clone() });
+        } else {
+            pairs.push((x, y));
+        }
+    }
+    for &key in tb.keys().filter(|k| !ta.contains_key(*k)) {
+        diffs.entry(key).or_default().push(TensorDifference::OnlyInB);
+    }
+
+    // Values: both sides in the same row slices.
+    let per_job = job_bytes(opts.memory_budget);
+    let mut parts: Vec<(usize, u64, TensorPart<'_>, TensorPart<'_>)> = Vec::new();
+    for (i, (x, y)) in pairs.iter().enumerate() {
+        let elem = (x.dtype.size() + y.dtype.size()) as u64;
+        let mut base = 0;
+        for part in split_box(&vec![0; x.global_shape.len()], &x.global_shape, None, per_job / elem) {
+            let n = part.numel();
+            parts.push((i, base, TensorPart { tensor: x, part: part.clone() }, TensorPart { tensor: y, part }));
+            base += n;
+        }
+    }
+    let costs: Vec<u64> = parts.iter().map(|(_, _, p, q)| p.nbytes() + q.nbytes()).collect();
+    report.bytes_compared = costs.iter().sum();
+    let jobs = batches(&costs, per_job, |_| false);
+    let load_opts = LoadOptions { threads: opts.threads, ..Default::default() };
+    let read = |job: &std::ops::Range<usize>| -> Result<(Vec<u8>, Vec<u8>)> {
+        let batch = &parts[job.clone()];
+        let side = |index: &CheckpointIndex, storage: &dyn Storage, first: bool| -> Result<Vec<u8>> {
+            let refs: Vec<&TensorPart<'_>> = batch.iter().map(|(_, _, p, q)| if first { p } else { q }).collect();
+            let mut buf = vec![0u8; refs.iter().map(|p| p.nbytes()).sum::<u64>() as usize];
+            load_parts(index, storage, &refs, &mut buf, &load_opts)?;
+            Ok(buf)
+        };
+        Ok((side(&ia, a, true)?, side(&ib, b, false)?))
+    };
+    let mut accs: Vec<Acc> = pairs.iter().map(|_| Acc::default()).collect();
+    let mut write = |job: &std::ops::Range<usize>, (da, db): (Vec<u8>, Vec<u8>)| -> Result<()> {
+        let (mut at_a, mut at_b) = (0usize, 0usize);
+        for (i, base, p, q) in &parts[job.clone()] {
+            let (la, lb) = (p.nbytes() as usize, q.nbytes() as usize);
+            let (x, y) = pairs[*i];
+            compare(&da[at_a..at_a + la], x.dtype, &db[at_b..at_b + lb], y.dtype, opts.atol, *base, &mut accs[*i]);
+            at_a += la;
+            at_b += lb;
+        }
+        Ok(())
+    };
+    pipeline(&jobs, opts.memory_budget, |j| costs[j.clone()].iter().sum(), read, &mut write)?;
+    for ((x, _), acc) in pairs.iter().zip(accs) {
+        if let Some(first) = acc.first {
+            diffs.entry(x.key.as_str()).or_default().push(TensorDifference::Values(ValueDiff {
+                count: acc.count,
+                max_abs_diff: acc.max,
+                first_index: unravel(first, &x.global_shape),
+            }));
+        }
+    }
+    report.tensors =
+        diffs.into_iter().map(|(key, differences)| TensorDiff { key: key.to_string(), differences }).collect();
+
+    // Sharded objects.
+    let oa: BTreeMap<&str, &ObjectEntry> =
+        ia.objects.iter().filter(|o| selected(&o.key)).map(|o| (o.key.as_str(), o)).collect();
+    let ob: BTreeMap<&str, &ObjectEntry> =
+        ib.objects.iter().filter(|o| selected(&o.key)).map(|o| (o.key.as_str(), o)).collect();
+    let keys: BTreeSet<&str> = oa.keys().chain(ob.keys()).copied().collect();
+    let mut both: Vec<(&ObjectEntry, &ObjectEntry)> = Vec::new();
+    for key in keys {
+        let difference = match (oa.get(key), ob.get(key)) {
+            (Some(_), None) => ObjectDifference::OnlyInA,
+            (None, Some(_)) => ObjectDifference::OnlyInB,
+            (Some(x), Some(y)) => {
+                report.objects_compared += 1;
+                if x.global_shape != y.global_shape {
+                    ObjectDifference::Grid { a: x.global_shape.clone(), b: y.global_shape.clone() }
+                } else {
+                    both.push((x, y));
+                    continue;
+                }
+            }
+            (None, None) => continue,
+        };
+        report.objects.push(ObjectDiff { key: key.to_string(), difference });
+    }
+    // Payloads, a few objects at a time (one load call per side and batch).
+    let object_costs: Vec<u64> =
+        both.iter().map(|(x, y)| x.shards.iter().chain(&y.shards).map(|s| s.len).sum()).collect();
+    for range in batches(&object_costs, per_job, |_| false) {
+        let batch = &both[range];
+        let pa = object_payloads(ia, a, batch.iter().map(|(x, _)| *x))?;
+        let pb = object_payloads(ib, b, batch.iter().map(|(_, y)| *y))?;
+        for (x, _) in batch {
+            let (sa, sb) = (&pa[x.key.as_str()], &pb[x.key.as_str()]);
+            let cells: BTreeSet<&Vec<u64>> = sa.keys().chain(sb.keys()).collect();
+            let differing: Vec<Vec<u64>> = cells.into_iter().filter(|c| sa.get(*c) != sb.get(*c)).cloned().collect();
+            if !differing.is_empty() {
+                report.objects.push(ObjectDiff { key: x.key.clone(), difference: ObjectDifference::Shards(differing) });
+            }
+        }
+    }
+    report.objects.sort_by(|p, q| p.key.cmp(&q.key));
+
+    // Common state and content metadata (whole-checkpoint comparisons only).
+    if wanted.is_none() {
+        let ca: BTreeMap<&StatePath, &Value> = ia.common.iter().map(|(p, v)| (p, v)).collect();
+        let cb: BTreeMap<&StatePath, &Value> = ib.common.iter().map(|(p, v)| (p, v)).collect();
+        let paths: BTreeSet<&StatePath> = ca.keys().chain(cb.keys()).copied().collect();
+        for path in paths {
+            let (x, y) = (ca.get(path).copied(), cb.get(path).copied());
+            let same = matches!((x, y), (Some(x), Some(y)) if values_equal(x, y));
+            if !same {
+                report.common.push(CommonDiff { path: path.clone(), a: x.cloned(), b: y.cloned() });
+            }
+        }
+        if !values_equal(&ia.content_metadata, &ib.content_metadata) {
+            report.content_metadata = Some((ia.content_metadata.clone(), ib.content_metadata.clone()));
+        }
+    }
+    Ok(report)
+}
+
+/// Payloads of the shards of some objects: by key, then grid position.
+type Payloads<'e> = BTreeMap<&'e str, BTreeMap<Vec<u64>, Vec<u8>>>;
+
+/// The payload of every shard of `objects`, through the generic object-reading path.
+fn object_payloads<'e>(
+    index: &CheckpointIndex,
+    storage: &dyn Storage,
+    objects: impl Iterator<Item = &'e ObjectEntry>,
+) -> Result<Payloads<'e>> {
+    let mut out: Payloads<'e> = BTreeMap::new();
+    for o in objects {
+        let shards = out.entry(o.key.as_str()).or_default();
+        for s in &o.shards {
+            shards.insert(s.offset.clone(), read_object(index, storage, &o.key, &s.offset, true)?);
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,330 @@
+//! Export of the tensors of any readable checkpoint as plain Hugging Face safetensors files
+//! (one file, or shards with a `model.safetensors.index.json`), streamed with bounded memory.
+//!
+//! The headers come from the index (shapes, dtypes) before any data is read; then each tensor
+//! is loaded as groups of rows (sub-boxes along axis 0, [`split_box`]) through the generic
+//! loader, so a tensor larger than the memory budget is never held whole. A background thread
+//! reads (and casts) the next slices while the calling thread writes the previous ones.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Map, Value as J};
+
+use crate::format::{build_header, SafetensorsEntry, TensorEntry};
+use crate::io::load::LoadOptions;
+use crate::io::pipeline::{batches, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
+use crate::io::strategy::open_checkpoint;
+use crate::plan::geometry::split_box;
+use crate::storage::Storage;
+use crate::{cast_into, DType, Error, Result};
+
+/// Name of the index of a sharded export (as Hugging Face `transformers` names it).
+pub const SAFETENSORS_INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// How to export.
+#[derive(Debug, Clone)]
+pub struct ExportOptions {
+    /// Export only these tensors (exact keys; every one must exist). `None`: every tensor.
+    pub keys: Option<Vec<String>>,
+    /// Cast floating-point tensors (f64, f32, f16, bf16) to this type, which must be one of
+    /// those four; fp8, integer and bool tensors are written unchanged.
+    pub dtype: Option<DType>,
+    /// Shard the output: `out` is then a directory that receives
+    /// `model-00001-of-0000N.safetensors`, … and [`SAFETENSORS_INDEX_FILE`]. Tensors are packed
+    /// in key order, a new file starting when the next tensor would pass this size; a tensor
+    /// larger than it gets a file of its own. `None`: `out` is one `.safetensors` file.
+    pub max_shard_size: Option<u64>,
+    /// About the most bytes of tensor data held in memory at once (default 512 MiB).
+    pub memory_budget: u64,
+    /// IO threads of the reads.
+    pub threads: usize,
+}
+
+impl Default for ExportOptions {
+    fn default() -> Self {
+        ExportOptions {
+            keys: None,
+            dtype: None,
+            max_shard_size: None,
+            memory_budget: DEFAULT_MEMORY_BUDGET,
+            threads: crate::io::save::default_threads(),
+        }
+    }
+}
+
+/// What an export wrote.
+#[derive(Debug, Clone, Default)]
+pub struct ExportReport {
+    /// Tensors exported.
+    pub tensors: usize,
+    /// Bytes of tensor data written (after casting).
+    pub bytes: u64,
+    /// The safetensors files written, in order.
+    pub files: Vec<PathBuf>,
+    /// The index written next to them (sharded exports only).
+    pub index: Option<PathBuf>,
+}
+
+/// One tensor of the export.
+struct Out<'i> {
+    entry: &'i TensorEntry,
+    dtype: DType,
+    file: usize,
+}
+
+impl Out<'_> {
+    fn nbytes(&self) -> u64 {
+        self.entry.global_shape.iter().product::<u64>() * self.dtype.size() as u64
+    }
+}
+
+/// A file being written under a temporary name.
+struct Pending {
+    tmp: PathBuf,
+    dest: PathBuf,
+}
+
+/// Writes the tensors of the checkpoint in `src` as safetensors (see [`ExportOptions`]): a
+/// header with `__metadata__ = {"format": "pt"}` and the tensors in sorted key order, each with
+/// its global shape, C-contiguous. Every file is written under a temporary name in its final
+/// directory and renamed into place once all are complete; an existing file of the same name
+/// is replaced. `progress(bytes_done, bytes_total)` is called as data is written.
+pub fn export_safetensors(
+    src: &dyn Storage,
+    out: &Path,
+    opts: &ExportOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<ExportReport> {
+    let ckpt = open_checkpoint(src)?;
+    let (index, src) = (&ckpt.index, ckpt.storage());
+    if let Some(d) = opts.dtype {
+        if !d.is_castable() {
+            return Err(Error::invalid(format!("cannot export as {d}: the target type must be f64, f32, f16 or bf16")));
+        }
+    }
+    let selected: Vec<&TensorEntry> = match &opts.keys {
+        None => index.tensors.iter().collect(),
+        Some(keys) => {
+            let mut keys: Vec<&String> = keys.iter().collect();
+            keys.sort();
+            keys.dedup();
+            keys.into_iter()
+                .map(|k| {
+                    index
+                        .tensor(k)
+                        .ok_or_else(|| Error::NotFound { path: format!("{}: tensor {k:?}", src.location()).into() })
+                })
+                .collect::<Result<_>>()?
+        }
+    };
+    if selected.is_empty() {
+        return Err(Error::invalid(format!("{}: no tensors to export", src.location())));
+    }
+    if opts.max_shard_size == Some(0) {
+        return Err(Error::invalid("the maximum shard size must be positive"));
+    }
+
+    // Tensors, packed into files.
+    let mut tensors: Vec<Out<'_>> = Vec::with_capacity(selected.len());
+    let mut file_bytes: Vec<u64> = Vec::new();
+    for entry in selected {
+        let dtype = match opts.dtype {
+            Some(d) if entry.dtype.is_castable() => d,
+            _ => entry.dtype,
+        };
+        let mut t = Out { entry, dtype, file: 0 };
+        let n = t.nbytes();
+        let start_new = match (opts.max_shard_size, file_bytes.last()) {
+            (_, None) => true,
+            (Some(limit), Some(&used)) => used > 0 && used + n > limit,
+            (None, Some(_)) => false,
+        };
+        if start_new {
+            file_bytes.push(0);
+        }
+        t.file = file_bytes.len() - 1;
+        *file_bytes.last_mut().expect("pushed above") += n;
+        tensors.push(t);
+    }
+    let nfiles = file_bytes.len();
+    let (dir, names): (PathBuf, Vec<String>) = match opts.max_shard_size {
+        None => {
+            let name = out
+                .file_name()
+                .and_then(|n| n.to_str())
+                .ok_or_else(|| Error::invalid(format!("{}: not a file name", out.display())))?;
+            if out.is_dir() {
+                return Err(Error::invalid(format!(
+                    "{} is a directory: give a file name (or a maximum shard size to write shards into it)",
+                    out.display()
+                )));
+            }
+            let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+            (parent.to_path_buf(), vec![name.to_string()])
+        }
+        Some(_) => {
+            std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+            (out.to_path_buf(), (1..=nfiles).map(|i| format!("model-{i:05}-of-{nfiles:05}.safetensors")).collect())
+        }
+    };
+    let pending: Vec<Pending> = names
+        .iter()
+        .map(|n| Pending { tmp: dir.join(format!(".{n}.tmp-{}", std::process::id())), dest: dir.join(n) })
+        .collect();
+    let mut headers: Vec<Vec<u8>> = Vec::with_capacity(nfiles);
+    for f in 0..nfiles {
+        let mut entries = Vec::new();
+        let mut start = 0;
+        for t in tensors.iter().filter(|t| t.file == f) {
+            let len = t.nbytes();
+            entries.push(SafetensorsEntry {
+                name: t.entry.key.clone(),
+                dtype: t.dtype,
+                shape: t.entry.global_shape.clone(),
+                start,
+                len,
+            });
+            start += len;
+        }
+        let mut meta = Map::new();
+        meta.insert("format".into(), J::String("pt".into()));
+        headers.push(build_header(&entries, &meta));
+    }
+
+    let result = write_files(src, &index, &tensors, &pending, &headers, opts, progress);
+    let total: u64 = file_bytes.iter().sum();
+    let finish = result.and_then(|()| {
+        for p in &pending {
+            std::fs::rename(&p.tmp, &p.dest).map_err(|e| Error::io(&p.dest, e))?;
+        }
+        if opts.max_shard_size.is_none() {
+            return Ok(None);
+        }
+        let mut weight_map = Map::new();
+        for t in &tensors {
+            weight_map.insert(t.entry.key.clone(), J::String(names[t.file].clone()));
+        }
+        let json = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let text = serde_json::to_vec_pretty(&json).expect("JSON of plain values");
+        let dest = dir.join(SAFETENSORS_INDEX_FILE);
+        let tmp = dir.join(format!(".{SAFETENSORS_INDEX_FILE}.tmp-{}", std::process::id()));
+        let r =
+            write_file_synced(&tmp, &text).and_then(|()| std::fs::rename(&tmp, &dest).map_err(|e| Error::io(&dest, e)));
+        if r.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        r.map(|()| Some(dest))
+    });
+    match finish {
+        Ok(index_path) => Ok(ExportReport {
+            tensors: tensors.len(),
+            bytes: total,
+            files: pending.into_iter().map(|p| p.dest).collect(),
+            index: index_path,
+        }),
+        Err(e) => {
+            for p in &pending {
+                let _ = std::fs::remove_file(&p.tmp);
+            }
+            Err(e)
+        }
+    }
+}
+
+fn write_file_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(|e| Error::io(path, e))?;
+    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| Error::io(path, e))
+}
+
+/// Streams every tensor into the temporary files, in order.
+fn write_files(
+    src: &dyn Storage,
+    index: &crate::CheckpointIndex,
+    tensors: &[Out<'_>],
+    pending: &[Pending],
+    headers: &[Vec<u8>],
+    opts: &ExportOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
+    // Slices of rows, each costing at most a job's share of the budget (source bytes, plus the
+    // cast copy when there is one).
+    let per_job = job_bytes(opts.memory_budget);
+    let mut parts: Vec<(usize, TensorPart<'_>)> = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        let e = t.entry;
+        let elem_cost = (e.dtype.size() + if t.dtype != e.dtype { t.dtype.size() } else { 0 }) as u64;
+        let zeros = vec![0; e.global_shape.len()];
+        for part in split_box(&zeros, &e.global_shape, None, per_job / elem_cost) {
+            parts.push((i, TensorPart { tensor: e, part }));
+        }
+    }
+    let cost_of = |(i, p): &(usize, TensorPart<'_>)| {
+        let t = &tensors[*i];
+        p.nbytes() + if t.dtype != t.entry.dtype { p.part.numel() * t.dtype.size() as u64 } else { 0 }
+    };
+    let costs: Vec<u64> = parts.iter().map(cost_of).collect();
+    let jobs = batches(&costs, per_job, |_| false);
+    let load_opts = LoadOptions { threads: opts.threads, ..Default::default() };
+    let total: u64 = tensors.iter().map(Out::nbytes).sum();
+    let mut done = 0u64;
+    let mut current: Option<(usize, BufWriter<File>)> = None;
+    progress(0, total);
+
+    let read = |job: &std::ops::Range<usize>| -> Result<Vec<u8>> {
+        let batch = &parts[job.clone()];
+        let refs: Vec<&TensorPart<'_>> = batch.iter().map(|(_, p)| p).collect();
+        let mut buf = vec![0u8; refs.iter().map(|p| p.nbytes()).sum::<u64>() as usize];
+        load_parts(index, src, &refs, &mut buf, &load_opts)?;
+        if batch.iter().all(|(i, _)| tensors[*i].dtype == tensors[*i].entry.dtype) {
+            return Ok(buf);
+        }
+        let out_len: u64 = batch.iter().map(|(i, p)| p.part.numel() * tensors[*i].dtype.size() as u64).sum();
+        let mut out = vec![0u8; out_len as usize];
+        let (mut at_in, mut at_out) = (0usize, 0usize);
+        for (i, p) in batch {
+            let t = &tensors[*i];
+            let n = p.part.numel() as usize;
+            let (len_in, len_out) = (n * t.entry.dtype.size(), n * t.dtype.size());
+            cast_into(&buf[at_in..at_in + len_in], t.entry.dtype, t.dtype, &mut out[at_out..at_out + len_out])?;
+            at_in += len_in;
+            at_out += len_out;
+        }
+        Ok(out)
+    };
+    let mut write = |job: &std::ops::Range<usize>, data: Vec<u8>| -> Result<()> {
+        let mut at = 0usize;
+        for (i, p) in &parts[job.clone()] {
+            let t = &tensors[*i];
+            if current.as_ref().is_none_or(|(f, _)| *f != t.file) {
+                if let Some((f, w)) = current.take() {
+                    close(w, &pending[f].tmp)?;
+                }
+                let path = &pending[t.file].tmp;
+                let mut w = BufWriter::with_capacity(1 << 20, File::create(path).map_err(|e| Error::io(path, e))?);
+                w.write_all(&headers[t.file]).map_err(|e| Error::io(path, e))?;
+                current = Some((t.file, w));
+            }
+            let len = (p.part.numel() * t.dtype.size() as u64) as usize;
+            let (f, w) = current.as_mut().expect("opened above");
+            w.write_all(&data[at..at + len]).map_err(|e| Error::io(&pending[*f].tmp, e))?;
+            at += len;
+        }
+        done += at as u64;
+        progress(done, total);
+        Ok(())
+    };
+    pipeline(&jobs, opts.memory_budget, |j| costs[j.clone()].iter().sum(), read, &mut write)?;
+    if let Some((f, w)) = current.take() {
+        close(w, &pending[f].tmp)?;
+    }
+    Ok(())
+}
+
+/// Flushes and syncs a finished file.
+fn close(w: BufWriter<File>, path: &Path) -> Result<()> {
+    let f = w.into_inner().map_err(|e| Error::io(path, e.into_error()))?;
+    f.sync_all().map_err(|e| Error::io(path, e))
+}
