@@ -1,5 +1,5 @@
 """Unsharding a PyTorch DCP checkpoint into one file: ``tessera unshard`` vs torch's
-``dcp_to_torch_save``, against the time to read the checkpoint's bytes once.
+``dcp_to_torch_save``, against the time to copy the checkpoint's bytes once.
 
 1. Generation (skipped when ``--dir`` already holds a checkpoint made with the same options):
    two gloo ranks save, with ``torch.distributed.checkpoint.save`` (default ``FileSystemWriter``:
@@ -14,14 +14,16 @@
      (a) tessera: ``TESSERA unshard SRC --out OUT.safetensors`` (``--tessera``, default
          ``target/release/tessera``);
      (b) torch:   ``python -c "...dcp_to_torch_save(SRC, OUT.pt)"``;
-     (c) read:    ``cat SRC/* SRC/.metadata > /dev/null`` (every checkpoint byte read once).
+     (c) copy:    ``cat SRC/* SRC/.metadata > OUT.copy && sync OUT.copy`` (every checkpoint byte
+         read once and written once into the output directory, flushed to disk like
+         tessera's output; the least work any unshard does).
    Outputs are deleted before each run. After the first round both outputs are compared, all
    tensors (``torch.load`` of the .pt, ``safetensors.torch.load_file`` of the .safetensors).
-3. Report: median seconds of each, torch / tessera and tessera / read, and (informational)
+3. Report: median seconds of each, torch / tessera and tessera / copy, and (informational)
    throughput = checkpoint tensor bytes / time, then one markdown table row.
 
 If the tessera binary is missing or has no ``unshard`` subcommand yet, (a) is skipped (and so
-are the ratios that need it): generation, the torch path and the read reference still run.
+are the ratios that need it): generation, the torch path and the copy reference still run.
 
 Usage: .venv/bin/python scripts/bench_unshard.py [--gib 1.0] [--rounds 3] [--hidden 1024]
        [--dir DIR] [--keep] [--tessera PATH]
@@ -48,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 WORLD = 2
 GIB = 1024**3
 INFO = "bench_unshard.json"  # generation options and sizes, next to the checkpoint
-METHODS = ["tessera", "torch", "read"]
+METHODS = ["tessera", "torch", "copy"]
 
 Spec = List[Tuple[str, Tuple[int, ...], torch.dtype]]
 
@@ -172,13 +174,13 @@ def command(method: str, ckpt: Path, out_dir: Path, tessera: Path) -> List[str]:
         return [str(tessera), "unshard", str(ckpt), "--out", str(out_dir / "out.safetensors")]
     if method == "torch":
         return [sys.executable, "-c", TORCH_CONVERT, str(ckpt), str(out_dir / "out.pt")]
-    if method == "read":
-        return ["sh", "-c", 'cat "$1"/* "$1"/.metadata > /dev/null', "sh", str(ckpt)]
+    if method == "copy":
+        return ["sh", "-c", 'cat "$1"/* "$1"/.metadata > "$2" && sync "$2"', "sh", str(ckpt), str(out_dir / "out.copy")]
     raise ValueError(method)
 
 
 def run_timed(method: str, ckpt: Path, out_dir: Path, tessera: Path) -> float:
-    for name in ("out.safetensors", "out.pt"):
+    for name in ("out.safetensors", "out.pt", "out.copy"):
         (out_dir / name).unlink(missing_ok=True)
     cmd = command(method, ckpt, out_dir, tessera)
     t0 = time.perf_counter()
@@ -285,7 +287,7 @@ def report(info: Dict[str, Any], times: Dict[str, List[float]], rounds: int) -> 
     def cell(x: Optional[float], fmt: str, unit: str = "") -> str:
         return "n/a" if x is None else format(x, fmt) + unit
 
-    tessera, torch_t, read = med.get("tessera"), med.get("torch"), med.get("read")
+    tessera, torch_t, read = med.get("tessera"), med.get("torch"), med.get("copy")
     torch_over_tessera = torch_t / tessera if tessera and torch_t else None
     tessera_over_read = tessera / read if tessera and read else None
     print()
@@ -294,16 +296,16 @@ def report(info: Dict[str, Any], times: Dict[str, List[float]], rounds: int) -> 
         if m in med:
             print(f"  {m:8s} median {med[m]:7.2f} s  ({size / GIB / med[m]:5.2f} GiB/s)  all: "
                   + ", ".join(f"{t:.2f}" for t in times[m]))
-    print(f"  torch / tessera: {cell(torch_over_tessera, '.2f', 'x')}   tessera / read: {cell(tessera_over_read, '.2f', 'x')}")
+    print(f"  torch / tessera: {cell(torch_over_tessera, '.2f', 'x')}   tessera / copy: {cell(tessera_over_read, '.2f', 'x')}")
     print()
-    print("| checkpoint | rounds | tessera unshard | torch dcp_to_torch_save | read once | torch / tessera | tessera / read | tessera GiB/s | torch GiB/s | read GiB/s |")
+    print("| checkpoint | rounds | tessera unshard | torch dcp_to_torch_save | copy once | torch / tessera | tessera / copy | tessera GiB/s | torch GiB/s | copy GiB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     gibs = {m: size / GIB / t for m, t in med.items()}
     print(
         f"| {size / GIB:.2f} GiB DCP, {info['world']} ranks | {rounds} | {cell(tessera, '.2f', ' s')} | "
         f"{cell(torch_t, '.2f', ' s')} | {cell(read, '.2f', ' s')} | {cell(torch_over_tessera, '.2f', '×')} | "
         f"{cell(tessera_over_read, '.2f', '×')} | {cell(gibs.get('tessera'), '.2f')} | {cell(gibs.get('torch'), '.2f')} | "
-        f"{cell(gibs.get('read'), '.2f')} |"
+        f"{cell(gibs.get('copy'), '.2f')} |"
     )
 
 

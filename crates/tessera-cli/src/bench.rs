@@ -200,7 +200,7 @@ fn run_round(args: &BenchArgs, setup: &Setup, round: usize, keep: bool) -> Resul
     // The raw read goes first in odd rounds and second in even ones, so that whatever the disk
     // does to a first (or second) read after a write weighs on both sides alike.
     let mut reference = None;
-    if round % 2 == 0 {
+    if round.is_multiple_of(2) {
         reference = Some(raw_read(&setup.ckpt)?);
     }
     system::drop_dir_cache(&setup.ckpt)?;

@@ -180,8 +180,14 @@ pub fn index_json(index: &CheckpointIndex) -> J {
 fn text(dir: &Location, index: &CheckpointIndex) {
     let file_bytes: u64 = index.files.iter().map(|f| f.size).sum();
     println!("checkpoint {dir}");
-    println!("format     {} v{} (checksum block {})", index.backend, index.version, fmt_bytes(index.block_size));
-    println!("files      {} ({})", index.files.len(), fmt_bytes(file_bytes));
+    if index.block_size == 0 {
+        // Foreign formats: the index lists one virtual file per stored item, and no checksums.
+        println!("format     {} v{} (foreign, read-only; no checksums)", index.backend, index.version);
+        println!("items      {} ({} of tensor data)", index.files.len(), fmt_bytes(file_bytes));
+    } else {
+        println!("format     {} v{} (checksum block {})", index.backend, index.version, fmt_bytes(index.block_size));
+        println!("files      {} ({})", index.files.len(), fmt_bytes(file_bytes));
+    }
     println!(
         "tensors    {} ({} in {} chunks)",
         index.tensors.len(),
@@ -209,7 +215,11 @@ fn text(dir: &Location, index: &CheckpointIndex) {
         println!("objects");
         for o in &index.objects {
             let bytes: u64 = o.shards.iter().map(|s| s.len).sum();
-            println!("  {}  grid {:?}, {} shards, {}", o.key, o.global_shape, o.shards.len(), fmt_bytes(bytes));
+            if index.block_size == 0 {
+                println!("  {}  grid {:?}, {} shards", o.key, o.global_shape, o.shards.len());
+            } else {
+                println!("  {}  grid {:?}, {} shards, {}", o.key, o.global_shape, o.shards.len(), fmt_bytes(bytes));
+            }
         }
     }
     if !index.common.is_empty() {

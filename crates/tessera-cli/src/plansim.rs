@@ -137,7 +137,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     anyhow::ensure!(args.ranks >= 1 && args.tensors >= 1, "--ranks and --tensors must be at least 1");
     let begin = Instant::now();
     let n = args.ranks as u64;
-    let tp = [8u64, 4, 2, 1].into_iter().find(|t| n % t == 0).unwrap_or(1);
+    let tp = [8u64, 4, 2, 1].into_iter().find(|t| n.is_multiple_of(*t)).unwrap_or(1);
     let dp = n / tp;
     let specs = specs(args.tensors, tp, dp);
 

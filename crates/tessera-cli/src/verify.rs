@@ -27,19 +27,21 @@ pub fn run(dir: &Location) -> Result<ExitCode> {
     };
     if report.problems.is_empty() {
         println!(
-            "{dir}: sound ({} files, {} chunks, {} checksummed)",
+            "{dir}: sound ({} files, {} chunks, {} {})",
             report.files,
             report.chunks,
-            fmt_bytes(report.bytes_checked)
+            fmt_bytes(report.bytes_checked),
+            if report.checksummed { "checksummed" } else { "read and decoded (no checksums in this format)" }
         );
         Ok(ExitCode::SUCCESS)
     } else {
         println!(
-            "{dir}: CORRUPT: {} problem(s) in {} files, {} chunks ({} checksummed)",
+            "{dir}: CORRUPT: {} problem(s) in {} files, {} chunks ({} {})",
             report.problems.len(),
             report.files,
             report.chunks,
-            fmt_bytes(report.bytes_checked)
+            fmt_bytes(report.bytes_checked),
+            if report.checksummed { "checksummed" } else { "read and decoded (no checksums in this format)" }
         );
         for p in &report.problems {
             println!("  {p}");

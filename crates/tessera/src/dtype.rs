@@ -256,7 +256,7 @@ fn read_le(bytes: &[u8]) -> u64 {
 /// [`Error::InvalidArgument`].
 pub fn cast_into(src: &[u8], from: DType, to: DType, dst: &mut [u8]) -> Result<()> {
     let (fs, ts) = (from.size(), to.size());
-    if src.len() % fs != 0 {
+    if !src.len().is_multiple_of(fs) {
         return Err(Error::invalid(format!("{} bytes are not a whole number of {from} elements", src.len())));
     }
     let n = src.len() / fs;

@@ -495,3 +495,74 @@ fn foreign_checkpoints_are_read_only() {
     assert!(tessera::gc(&s).is_err());
     assert!(tessera::remove_sharded_tensors(&s, "model").is_err());
 }
+
+// ---- tools on foreign checkpoints -----------------------------------------------------------
+
+#[test]
+fn every_fixture_unshards_to_its_expected_safetensors() {
+    for (name, _) in ALL {
+        let dir = scratch(&format!("unshard-{name}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("model.safetensors");
+        let opts = tessera::ExportOptions::default();
+        tessera::export_safetensors(&open(name), &out, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
+        // Read the produced file with the same reader as the expected one.
+        let got = {
+            let bytes = std::fs::read(&out).unwrap();
+            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+            let mut m = BTreeMap::new();
+            for (k, v) in header.as_object().unwrap() {
+                if k == "__metadata__" {
+                    continue;
+                }
+                let off = v["data_offsets"].as_array().unwrap();
+                let (a, b) = (off[0].as_u64().unwrap() as usize + 8 + n, off[1].as_u64().unwrap() as usize + 8 + n);
+                m.insert(k.clone(), (v["dtype"].clone(), v["shape"].clone(), bytes[a..b].to_vec()));
+            }
+            m
+        };
+        let want = expected_tensors(name);
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (k, w) in &want {
+            let (dtype, shape, data) = &got[k];
+            assert_eq!(dtype.as_str().unwrap(), w.dtype.safetensors_name(), "{name}: {k}");
+            assert_eq!(shape, &serde_json::json!(w.shape), "{name}: {k}");
+            assert!(data == &w.data, "{name}: {k}: values differ");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn every_fixture_converts_to_an_equal_native_checkpoint() {
+    for (name, _) in ALL {
+        let src = open(name);
+        let dst = tessera::MemoryStorage::named(&format!("foreign-convert-{name}-{}", std::process::id()));
+        let opts = tessera::ConvertOptions::default();
+        tessera::convert(&src, &dst, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(detect_format(&dst).unwrap().0.backend, "tessera", "{name}");
+        let report = verify(&dst, 2).unwrap();
+        assert!(report.problems.is_empty(), "{name}: {:?}", report.problems);
+        let d = tessera::diff(&src, &dst, &tessera::DiffOptions::default()).unwrap();
+        assert!(d.is_equal(), "{name}: {d:?}");
+        let want = expected_tensors(name);
+        let got = load_plain_tensors(&dst, None).unwrap();
+        for (k, w) in &want {
+            assert!(got[k].data == w.data, "{name}: {k}");
+        }
+    }
+}
+
+#[test]
+fn diff_names_the_keys_that_differ_between_formats() {
+    // dcp_single vs its native conversion with one tensor dropped is a difference naming it.
+    let src = open("dcp_single");
+    let dst = tessera::MemoryStorage::named(&format!("foreign-diff-{}", std::process::id()));
+    tessera::convert(&src, &dst, &tessera::ConvertOptions::default(), &mut |_, _| {}).unwrap();
+    tessera::remove_sharded_tensors(&dst, "model.w_f16").unwrap();
+    let d = tessera::diff(&src, &dst, &tessera::DiffOptions::default()).unwrap();
+    assert!(!d.is_equal());
+    let named: Vec<&str> = d.tensors.iter().map(|t| t.key.as_str()).collect();
+    assert_eq!(named, ["model.w_f16"]);
+}

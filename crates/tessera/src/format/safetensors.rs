@@ -42,7 +42,7 @@ pub fn build_header(entries: &[SafetensorsEntry], metadata: &Map<String, J>) -> 
         );
     }
     let mut text = serde_json::to_vec(&J::Object(root)).expect("JSON of plain values");
-    while (text.len() + 8) % 8 != 0 {
+    while !(text.len() + 8).is_multiple_of(8) {
         text.push(b' ');
     }
     let mut out = Vec::with_capacity(text.len() + 8);

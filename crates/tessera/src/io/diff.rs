@@ -291,7 +291,7 @@ pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<Diff
     let wanted: Option<BTreeSet<&str>> = opts.keys.as_ref().map(|ks| ks.iter().map(String::as_str).collect());
     if let Some(ks) = &wanted {
         let known = |i: &CheckpointIndex, k: &str| i.tensor(k).is_some() || i.object(k).is_some();
-        if let Some(k) = ks.iter().find(|k| !known(&ia, k) && !known(&ib, k)) {
+        if let Some(k) = ks.iter().find(|k| !known(ia, k) && !known(ib, k)) {
             return Err(Error::NotFound { path: format!("{} and {}: key {k:?}", a.location(), b.location()).into() });
         }
     }
@@ -351,7 +351,7 @@ pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<Diff
             load_parts(index, storage, &refs, &mut buf, &load_opts)?;
             Ok(buf)
         };
-        Ok((side(&ia, a, true)?, side(&ib, b, false)?))
+        Ok((side(ia, a, true)?, side(ib, b, false)?))
     };
     let mut accs: Vec<Acc> = pairs.iter().map(|_| Acc::default()).collect();
     let mut write = |job: &std::ops::Range<usize>, (da, db): (Vec<u8>, Vec<u8>)| -> Result<()> {

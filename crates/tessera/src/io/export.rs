@@ -194,7 +194,7 @@ pub fn export_safetensors(
         headers.push(build_header(&entries, &meta));
     }
 
-    let result = write_files(src, &index, &tensors, &pending, &headers, opts, progress);
+    let result = write_files(src, index, &tensors, &pending, &headers, opts, progress);
     let total: u64 = file_bytes.iter().sum();
     let finish = result.and_then(|()| {
         for p in &pending {

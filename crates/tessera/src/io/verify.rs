@@ -18,6 +18,8 @@ pub struct VerifyReport {
     pub chunks: usize,
     /// Bytes read and checksummed.
     pub bytes_checked: u64,
+    /// False for foreign formats, which carry no checksums: their bytes were read and decoded.
+    pub checksummed: bool,
     /// Everything found wrong, each naming the file or key.
     pub problems: Vec<String>,
 }
@@ -50,6 +52,7 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
             report.problems.push(format!("object {:?}: {} of {want} shards stored", o.key, o.shards.len()));
         }
     }
+    report.checksummed = index.block_size > 0;
     if index.block_size == 0 {
         verify_readable(storage, index, threads, &mut report);
         return Ok(report);

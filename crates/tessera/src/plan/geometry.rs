@@ -107,7 +107,7 @@ fn rec(box_off: &[u64], box_shape: &[u64], axis: usize, s: u64, e: u64, prefix: 
         return;
     }
     let mut first_full = r0;
-    if s % inner != 0 {
+    if !s.is_multiple_of(inner) {
         prefix.push(box_off[axis] + r0);
         rec(box_off, box_shape, axis + 1, s % inner, inner, prefix, out);
         prefix.pop();
@@ -116,7 +116,7 @@ fn rec(box_off: &[u64], box_shape: &[u64], axis: usize, s: u64, e: u64, prefix: 
     if r1 > first_full {
         emit(prefix, first_full, r1 - first_full, out);
     }
-    if e % inner != 0 {
+    if !e.is_multiple_of(inner) {
         prefix.push(box_off[axis] + r1);
         rec(box_off, box_shape, axis + 1, 0, e % inner, prefix, out);
         prefix.pop();

@@ -310,7 +310,7 @@ impl<'a> ShardedTensor<'a> {
             }
             for d in 0..ndim {
                 let f = frags[d];
-                if f == 0 || self.global_shape[d] % f != 0 || box_shape[d] * f != self.global_shape[d] {
+                if f == 0 || !self.global_shape[d].is_multiple_of(f) || box_shape[d] * f != self.global_shape[d] {
                     return Err(Error::sharding(
                         key,
                         format!(
@@ -319,7 +319,7 @@ impl<'a> ShardedTensor<'a> {
                         ),
                     ));
                 }
-                if self.global_offset[d] % box_shape[d].max(1) != 0 {
+                if !self.global_offset[d].is_multiple_of(box_shape[d].max(1)) {
                     return Err(Error::sharding(
                         key,
                         format!("axis {d}: offset {} is not on a fragment boundary", self.global_offset[d]),

@@ -164,7 +164,10 @@ impl FaultPlan {
             // One draw per request, whatever the outcome, so the sequence does not shift.
             let slow = rng.chance(slow_down_percent, 100);
             let idempotent = matches!(r.kind, Kind::Get | Kind::GetRange | Kind::Head | Kind::PutPart);
-            if idempotent && max_stalls > 0 && (eligible.fetch_add(1, Ordering::Relaxed) + 1) % stall_every == 0 {
+            if idempotent
+                && max_stalls > 0
+                && (eligible.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(stall_every)
+            {
                 // Only as many stalls as asked for.
                 if stalls.fetch_add(1, Ordering::Relaxed) < max_stalls {
                     return Some(Fault::Stall);
