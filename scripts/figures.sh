@@ -57,4 +57,9 @@ run() {
   # Distributed-optimizer state: model-space flat ranges vs raw per-rank buckets.
   echo "\$ .venv/bin/python scripts/bench_dist_optimizer.py --reps 5"
   .venv/bin/python scripts/bench_dist_optimizer.py --reps 5
+  echo
+  # Unsharding a 1 GiB PyTorch DCP checkpoint (2 ranks): tessera unshard vs torch's
+  # dcp_to_torch_save vs a plain copy of the same bytes, alternating, 3 rounds.
+  echo "\$ .venv/bin/python scripts/bench_unshard.py --gib 1.0 --rounds 3 --tessera $bin"
+  .venv/bin/python scripts/bench_unshard.py --gib 1.0 --rounds 3 --tessera "$bin"
 } 2>&1 | tee "$out"

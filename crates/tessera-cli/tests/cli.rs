@@ -688,3 +688,49 @@ fn unshard_convert_diff_with_s3_locations() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("already exists"), "{}", text(&out.stderr));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Foreign checkpoints (fixtures of the library's tests).
+
+fn foreign(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tessera/tests/fixtures/foreign")
+        .join(name)
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[test]
+fn inspect_verify_unshard_convert_and_diff_a_megatron_checkpoint() {
+    let src = foreign("megatron_tp2_dp2");
+    let shown = expect(&["inspect", &src], 0);
+    assert!(shown.contains("torch_dist v1"), "{shown}");
+    assert!(shown.contains("layers.qkv.weight") && shown.contains("rng_state"), "{shown}");
+    assert!(shown.contains("iteration = 1234"), "{shown}");
+    let j = json(&expect(&["inspect", &src, "--json"], 0));
+    assert_eq!(j["format"]["backend"], "torch_dist", "{j}");
+    expect(&["verify", &src], 0);
+
+    let scratch = Scratch::new("foreign-tools");
+    let out = scratch.path().join("model.safetensors");
+    expect(&["unshard", &src, "--out", out.to_str().unwrap(), "--keys", "^layers\\."], 0);
+    let (_, tensors) = read_safetensors(&out);
+    assert_eq!(tensors.keys().collect::<Vec<_>>(), ["layers.norm.weight", "layers.proj.weight", "layers.qkv.weight"]);
+    let plain = tessera::load_plain_tensors(&tessera::LocalStorage::new(&src), None).unwrap();
+    for (k, (_, shape, data)) in &tensors {
+        assert_eq!((shape, data), (&plain[k].shape, &plain[k].data), "{k}");
+    }
+
+    let native = scratch.path().join("native");
+    expect(&["convert", &src, native.to_str().unwrap()], 0);
+    expect(&["verify", native.to_str().unwrap()], 0);
+    let same = expect(&["diff", &src, native.to_str().unwrap()], 0);
+    assert!(same.contains("equal"), "{same}");
+    // Against a different checkpoint: exit 1, naming keys.
+    let other = foreign("dcp_mesh2d");
+    let differ = expect(&["diff", &src, &other], 1);
+    assert!(differ.contains("embedding.weight"), "{differ}");
+    // A foreign checkpoint is read-only.
+    let out = tessera(&["gc", &src]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+}
