@@ -253,7 +253,7 @@ fn delete_is_idempotent(storage: &dyn Storage) {
 }
 
 fn names_outside_are_rejected(storage: &dyn Storage) {
-    for name in ["a/b", "../x", "..", ".", "", "/abs", "a\\b", "x\0y", "dir/", "../../etc/passwd"] {
+    for name in ["../x", "..", ".", "", "/abs", "a\\b", "x\0y", "dir/", "a//b", "a/../b", "../../etc/passwd"] {
         let what = |op: &str| format!("{op}({name:?})");
         assert_invalid(storage.size(name), &what("size"));
         assert_invalid(storage.read(name), &what("read"));
@@ -262,6 +262,12 @@ fn names_outside_are_rejected(storage: &dyn Storage) {
         assert_invalid(storage.put_atomic(name, b"x"), &what("put_atomic"));
         assert_invalid(storage.delete(name), &what("delete"));
     }
+    // Nested names are readable (foreign formats keep folders) but never written.
+    assert!(matches!(storage.size("a/b"), Err(Error::NotFound { .. })), "size(\"a/b\") of nothing is NotFound");
+    assert_invalid(storage.create("a/b", 1).map(|_| ()), "create(\"a/b\")");
+    assert_invalid(storage.put_atomic("a/b", b"x"), "put_atomic(\"a/b\")");
+    assert_invalid(storage.put_if_absent("a/b", b"x"), "put_if_absent(\"a/b\")");
+    assert_invalid(storage.delete("a/b"), "delete(\"a/b\")");
     assert!(names(storage).is_empty(), "nothing was written");
 }
 

@@ -54,6 +54,7 @@ impl LocalStorage {
         bytes: &[u8],
         install: impl FnOnce(&Path, &Path) -> std::io::Result<()>,
     ) -> Result<()> {
+        super::check_plain_name(name)?;
         let path = self.path(name)?;
         fs::create_dir_all(&self.root).map_err(|e| Error::io(&self.root, e))?;
         let nonce =
@@ -120,6 +121,7 @@ impl Storage for LocalStorage {
     }
 
     fn create(&self, name: &str, size: u64) -> Result<Box<dyn ObjectWriter>> {
+        super::check_plain_name(name)?;
         let path = self.path(name)?;
         fs::create_dir_all(&self.root).map_err(|e| Error::io(&self.root, e))?;
         self.forget(name);
@@ -130,10 +132,12 @@ impl Storage for LocalStorage {
     }
 
     fn put_atomic(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        super::check_plain_name(name)?;
         self.publish(name, bytes, |tmp, path| fs::rename(tmp, path))
     }
 
     fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        super::check_plain_name(name)?;
         // link(2) fails with EEXIST instead of replacing: an atomic create-if-absent.
         self.publish(name, bytes, |tmp, path| {
             let linked = fs::hard_link(tmp, path);
@@ -190,6 +194,7 @@ impl Storage for LocalStorage {
     }
 
     fn delete(&self, name: &str) -> Result<()> {
+        super::check_plain_name(name)?;
         let path = self.path(name)?;
         self.forget(name);
         match fs::remove_file(&path) {

@@ -21,8 +21,9 @@ use crate::{Error, Result};
 ///
 /// Names are relative paths: plain components joined by `/` (no empty component, no `.` or
 /// `..`, no `\\` or NUL); backends reject anything else with [`Error::InvalidArgument`], so
-/// nothing is ever read or written outside the checkpoint. tessera writes only single-component
-/// names; nested names are read in the folders of foreign formats (zarr arrays, OLMo-core).
+/// nothing is ever read or written outside the checkpoint. Writes and deletes take
+/// single-component names only (nested ones are `InvalidArgument`); nested names are read in
+/// the folders of foreign formats (zarr arrays, OLMo-core).
 pub trait Storage: Send + Sync + fmt::Debug {
     /// Human-readable location, used in error messages (`/ckpt/step100`, `mem://x`).
     fn location(&self) -> String;
@@ -116,6 +117,12 @@ pub fn open_location(location: &str) -> Result<Arc<dyn Storage>> {
     Ok(Arc::new(LocalStorage::new(path)))
 }
 
+/// Names tessera writes (and deletes): one plain component.
+pub(crate) fn check_plain_name(name: &str) -> Result<()> {
+    crate::format::check_file_name(name).map_err(Error::invalid)
+}
+
+/// Names that may be read: plain components joined by `/`.
 pub(crate) fn check_name(name: &str) -> Result<()> {
     if name.is_empty() {
         return Err(Error::invalid("empty object name"));

@@ -322,6 +322,7 @@ impl Storage for ObjectStorage {
     }
 
     fn create(&self, name: &str, size: u64) -> Result<Box<dyn ObjectWriter>> {
+        super::check_plain_name(name)?;
         let path = self.path(name)?;
         let multipart = match &self.multipart {
             Some(m) if size > self.opts.single_put_max => m.clone(),
@@ -352,6 +353,7 @@ impl Storage for ObjectStorage {
     }
 
     fn put_atomic(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        super::check_plain_name(name)?;
         let path = self.path(name)?;
         add(&self.counters.puts, 1);
         add(&self.counters.bytes_uploaded, bytes.len() as u64);
@@ -359,6 +361,7 @@ impl Storage for ObjectStorage {
     }
 
     fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        super::check_plain_name(name)?;
         let path = self.path(name)?;
         add(&self.counters.puts, 1);
         add(&self.counters.bytes_uploaded, bytes.len() as u64);
@@ -417,6 +420,7 @@ impl Storage for ObjectStorage {
     }
 
     fn delete(&self, name: &str) -> Result<()> {
+        super::check_plain_name(name)?;
         let path = self.path(name)?;
         add(&self.counters.deletes, 1);
         match block_on(self.store.delete(&path)) {
