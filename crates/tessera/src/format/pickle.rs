@@ -28,6 +28,11 @@
 //!   when valid UTF-8, [`PickleValue::Bytes`] otherwise.
 //! - Text integers (`INT`, `LONG`) of more than 4300 digits are refused, as CPython refuses
 //!   to convert them.
+//! - Known callables (`collections.OrderedDict`, `torch.Size`, `_codecs.encode`, the
+//!   `builtins` containers and bytes, the `copyreg` helpers; Python 2 names too) become plain
+//!   values only when their arguments have the expected shape; otherwise the call stays a
+//!   [`PickleValue::Object`]. Trailing bytes after `STOP` are ignored, as are values left on
+//!   the stack under the result.
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
@@ -98,11 +103,14 @@ pub struct PickleObject {
 /// Bounds on what one pickle may make the unpickler do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UnpickleLimits {
-    /// Deepest nesting of containers and objects.
+    /// Deepest nesting of containers and objects (in the result; scalars do not count).
     pub max_depth: usize,
-    /// Most values created (every opcode that pushes counts).
+    /// Most values created (every opcode that pushes counts, and every item a known call or a
+    /// merging `BUILD` copies); separately, most values in the result, where a value shared
+    /// through the memo counts once per copy.
     pub max_values: usize,
-    /// Most bytes of string and bytes payloads, in total.
+    /// Most bytes of string and bytes payloads, in total (read from the input; separately,
+    /// held by the result, counting every copy and the class names of objects).
     pub max_bytes: usize,
 }
 
@@ -462,7 +470,8 @@ fn parse_int_text(s: &[u8]) -> std::result::Result<PickleValue, String> {
     };
     if radix != 10 {
         let text = std::str::from_utf8(digits.get(2..).unwrap_or_default()).map_err(|_| "invalid integer")?;
-        let v = u64::from_str_radix(text, radix).map_err(|_| format!("invalid or too large integer {text:?}"))?;
+        let v = u64::from_str_radix(text, radix)
+            .map_err(|_| format!("invalid or too large integer {:?}", text.chars().take(40).collect::<String>()))?;
         let v = if neg { -i128::from(v) } else { i128::from(v) };
         return Ok(int_from_le_twos(v.to_le_bytes().to_vec()));
     }
@@ -681,8 +690,8 @@ enum Node {
     Leaf(PickleValue),
     List(Vec<Id>),
     Tuple(Vec<Id>),
-    Dict(Keyed),
-    Set(Keyed),
+    Dict(Box<Keyed>),
+    Set(Box<Keyed>),
     Object(Box<ObjNode>),
     Persistent(Id),
 }
@@ -1101,7 +1110,7 @@ impl<'a> Machine<'a> {
 
     fn keyed(&self, target: Id, slot: Slot) -> Option<&Keyed> {
         match (self.nodes.get(target), slot) {
-            (Some(Node::Dict(k) | Node::Set(k)), Slot::Main) => Some(k),
+            (Some(Node::Dict(k) | Node::Set(k)), Slot::Main) => Some(&**k),
             (Some(Node::Object(o)), Slot::ObjItems) => Some(&o.dict_items),
             _ => None,
         }
@@ -1109,7 +1118,7 @@ impl<'a> Machine<'a> {
 
     fn keyed_mut(&mut self, target: Id, slot: Slot) -> Option<&mut Keyed> {
         match (self.nodes.get_mut(target), slot) {
-            (Some(Node::Dict(k) | Node::Set(k)), Slot::Main) => Some(k),
+            (Some(Node::Dict(k) | Node::Set(k)), Slot::Main) => Some(&mut **k),
             (Some(Node::Object(o)), Slot::ObjItems) => Some(&mut o.dict_items),
             _ => None,
         }
@@ -1168,13 +1177,13 @@ impl<'a> Machine<'a> {
 
     /// A new dict holding `pairs`.
     fn new_dict(&mut self, pairs: &[(Id, Id)]) -> Result<Id> {
-        let id = self.alloc(Node::Dict(Keyed::default()))?;
+        let id = self.alloc(Node::Dict(Box::default()))?;
         self.insert_pairs(id, Slot::Main, pairs)?;
         Ok(id)
     }
 
     fn new_set(&mut self, items: &[Id]) -> Result<Id> {
-        let id = self.alloc(Node::Set(Keyed::default()))?;
+        let id = self.alloc(Node::Set(Box::default()))?;
         for &item in items {
             self.insert(id, Slot::Main, item, None)?;
         }
@@ -1325,34 +1334,44 @@ impl<'a> Machine<'a> {
         // Build it in a scratch dict node, then take it out (the node stays, empty).
         let id = self.new_dict(pairs)?;
         match self.node_mut(id)? {
-            Node::Dict(k) => Ok(std::mem::take(k)),
+            Node::Dict(k) => Ok(std::mem::take(&mut **k)),
             _ => Err(self.err("internal: not a dict")),
         }
     }
 
     // --- opcodes ---------------------------------------------------------------------------------
 
+    /// The pairs of a dict node, charged to `max_values` (they are copied).
+    fn copied_pairs(&mut self, id: Id) -> Result<Option<Vec<(Id, Id)>>> {
+        let n = match self.nodes.get(id) {
+            Some(Node::Dict(k)) => k.keys.len(),
+            _ => return Ok(None),
+        };
+        self.charge_values(n)?;
+        Ok(self.dict_pairs(id))
+    }
+
+    fn is_dict(&self, id: Id) -> bool {
+        matches!(self.nodes.get(id), Some(Node::Dict(_)))
+    }
+
     fn build(&mut self) -> Result<()> {
         let state = self.pop()?;
         let target = self.top()?;
-        let state_pairs = self.dict_pairs(state);
         match self.node(target)? {
             Node::Object(o) => {
                 let (old, owned) = (o.state, o.state_owned);
-                let merge_into = match (old, &state_pairs) {
-                    (Some(old), Some(_)) if self.dict_pairs(old).is_some() => Some((old, owned)),
-                    _ => None,
-                };
-                let (new_state, new_owned) = match (merge_into, state_pairs) {
-                    (Some((old, owned)), Some(pairs)) => {
+                let (new_state, new_owned) = match old {
+                    // dict.update of the earlier dict state: into a copy, unless this object
+                    // made that dict itself by an earlier merge.
+                    Some(old) if self.is_dict(old) && self.is_dict(state) => {
                         let merged = if owned {
                             old
                         } else {
-                            let old_pairs = self.dict_pairs(old).unwrap_or_default();
-                            self.charge_values(old_pairs.len())?;
+                            let old_pairs = self.copied_pairs(old)?.unwrap_or_default();
                             self.new_dict(&old_pairs)?
                         };
-                        self.charge_values(pairs.len())?;
+                        let pairs = self.copied_pairs(state)?.unwrap_or_default();
                         self.insert_pairs(merged, Slot::Main, &pairs)?;
                         (merged, true)
                     }
@@ -1364,11 +1383,8 @@ impl<'a> Machine<'a> {
                 }
                 Ok(())
             }
-            Node::Dict(_) => match state_pairs {
-                Some(pairs) => {
-                    self.charge_values(pairs.len())?;
-                    self.insert_pairs(target, Slot::Main, &pairs)
-                }
+            Node::Dict(_) => match self.copied_pairs(state)? {
+                Some(pairs) => self.insert_pairs(target, Slot::Main, &pairs),
                 None if matches!(self.leaf(state), Some(PickleValue::None)) => Ok(()),
                 None => Err(self.err("BUILD of a dict with a state that is not a dict")),
             },
@@ -1603,7 +1619,7 @@ impl<'a> Machine<'a> {
                     self.push_new(Node::Tuple(items))?;
                 }
                 // Dicts.
-                b'}' => self.push_new(Node::Dict(Keyed::default()))?,
+                b'}' => self.push_new(Node::Dict(Box::default()))?,
                 b'd' => {
                     let items = self.pop_mark()?;
                     let pairs = self.pairs_of(&items, "DICT")?;
@@ -1621,7 +1637,7 @@ impl<'a> Machine<'a> {
                     self.setitems(pairs)?;
                 }
                 // Sets.
-                0x8f => self.push_new(Node::Set(Keyed::default()))?,
+                0x8f => self.push_new(Node::Set(Box::default()))?,
                 0x90 => {
                     let items = self.pop_mark()?;
                     let target = self.top()?;
@@ -1652,6 +1668,7 @@ impl<'a> Machine<'a> {
                         return Err(self.err("REDUCE of a value that is not a global"));
                     }
                     let args = self.seq(args).ok_or_else(|| self.err("REDUCE arguments are not a tuple"))?;
+                    self.charge_values(args.len())?;
                     let id = self.call(func, args, Keyed::default(), "REDUCE", true)?;
                     self.stack.push(id);
                 }
@@ -1659,6 +1676,7 @@ impl<'a> Machine<'a> {
                     let args = self.pop()?;
                     let cls = self.pop()?;
                     let args = self.seq(args).ok_or_else(|| self.err("NEWOBJ arguments are not a tuple"))?;
+                    self.charge_values(args.len())?;
                     let id = self.call(cls, args, Keyed::default(), "NEWOBJ", true)?;
                     self.stack.push(id);
                 }
@@ -1670,6 +1688,7 @@ impl<'a> Machine<'a> {
                     let kw = self
                         .dict_pairs(kwargs)
                         .ok_or_else(|| self.err("NEWOBJ_EX keyword arguments are not a dict"))?;
+                    self.charge_values(args.len() + kw.len())?;
                     let kwargs = self.keyed_from(&kw)?;
                     let id = self.call(cls, args, kwargs, "NEWOBJ_EX", true)?;
                     self.stack.push(id);
@@ -2407,7 +2426,8 @@ mod tests {
         let limits = UnpickleLimits { max_depth: 32, max_values: 10_000, max_bytes: 1 << 16 };
         for data in VALID {
             let mut m = data.to_vec();
-            for pos in 0..m.len() {
+            // Every byte of the small vectors, about 150 positions of the larger files.
+            for pos in (0..m.len()).step_by(m.len() / 150 + 1) {
                 let orig = m[pos];
                 for x in [0x00, 0x01, 0x7f, 0x80, 0xff, orig ^ 0x20, b'(', b'h', b'.'] {
                     m[pos] = x;
