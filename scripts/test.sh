@@ -26,3 +26,5 @@ fi
 
 cargo test --workspace --all-targets
 .venv/bin/python -m pytest tests/python -q
+# Multi-process Rust over MPI (installs OpenMPI if missing): save under 4 ranks, load under 3 and 1.
+bash scripts/mpi-example.sh

@@ -24,6 +24,8 @@ pub mod plan;
 mod state;
 mod storage;
 
+#[cfg(feature = "mpi")]
+pub use comm::MpiComm;
 pub use comm::{default_all_to_all, Communicator, InProcessComm, SoloComm};
 pub use dtype::{cast_bytes, cast_into, element_to_f64, DType, ALL_DTYPES};
 pub use error::{Error, Result};
@@ -54,6 +56,9 @@ pub use io::strategy::{
     FormatRecord, LoadStrategy, NativeStrategy, OpenCheckpoint, SaveStrategy, StrategyAction,
 };
 pub use io::verify::{verify, VerifyReport};
+/// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).
+#[cfg(feature = "mpi")]
+pub use mpi;
 pub use state::{
     path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,
     StatePath, StateTree, TensorData, TensorFactory, Value,

@@ -4,6 +4,12 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
+#[cfg(feature = "mpi")]
+mod mpi;
+
+#[cfg(feature = "mpi")]
+pub use self::mpi::MpiComm;
+
 use crate::format::codec::{Decoder, Encoder};
 use crate::{Error, Result};
 

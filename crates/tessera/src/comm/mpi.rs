@@ -1,0 +1,170 @@
+//! A [`Communicator`] over MPI (cargo feature `mpi`): how Rust programs run tessera across
+//! processes and machines, with `mpirun` starting the ranks and a shared filesystem or an object
+//! store holding the checkpoint.
+//!
+//! Messages of varying size travel as a size exchange followed by the `v` variant of the
+//! collective (`MPI_Allgatherv`, `MPI_Alltoallv`), so nothing is padded to the largest message.
+//! MPI counts are 32-bit: a message of 2 GiB or more is refused with [`Error::Comm`] (tessera's
+//! collectives carry metadata, and exchanged reads are sent in rounds of 256 MiB by default).
+
+use std::sync::Mutex;
+
+use mpi::datatype::PartitionMut;
+use mpi::environment::Universe;
+use mpi::topology::Communicator as _;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use mpi::Threading;
+
+use super::Communicator;
+use crate::{Error, Result};
+
+/// The ranks of an MPI communicator. Calls are serialized per communicator; give a background
+/// commit (async save) its own with [`MpiComm::duplicate`].
+pub struct MpiComm {
+    comm: Mutex<SimpleCommunicator>,
+    rank: usize,
+    size: usize,
+}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiComm").field("rank", &self.rank).field("size", &self.size).finish()
+    }
+}
+
+// SAFETY: MPI is initialized with `Threading::Multiple` by `MpiComm::init` (and
+// `MpiComm::new` requires it of its caller), so MPI may be called from any thread; calls on one
+// communicator are serialized by the mutex, as MPI requires of collectives on one communicator.
+unsafe impl Send for MpiComm {}
+unsafe impl Sync for MpiComm {}
+
+impl MpiComm {
+    /// Initializes MPI (thread level `MPI_THREAD_MULTIPLE`) and returns the universe, which
+    /// finalizes MPI when dropped (keep it alive while ranks talk), and `MPI_COMM_WORLD`.
+    pub fn init() -> Result<(Universe, MpiComm)> {
+        let (universe, level) = mpi::initialize_with_threading(Threading::Multiple)
+            .ok_or_else(|| Error::Comm { reason: "MPI is already initialized".into() })?;
+        if level < Threading::Multiple {
+            return Err(Error::Comm {
+                reason: format!("this MPI provides thread level {level:?}; tessera needs Multiple"),
+            });
+        }
+        let world = universe.world();
+        Ok((universe, MpiComm::new(world)))
+    }
+
+    /// Wraps a communicator of an MPI initialized with `MPI_THREAD_MULTIPLE`.
+    pub fn new(comm: SimpleCommunicator) -> Self {
+        let (rank, size) = (comm.rank() as usize, comm.size() as usize);
+        MpiComm { comm: Mutex::new(comm), rank, size }
+    }
+
+    /// A new communicator over the same ranks (`MPI_Comm_dup`; collective).
+    pub fn duplicate(&self) -> Self {
+        MpiComm::new(self.comm.lock().unwrap().duplicate())
+    }
+}
+
+fn count(n: usize, what: &str) -> Result<i32> {
+    i32::try_from(n).map_err(|_| Error::Comm { reason: format!("{what}: {n} bytes is over MPI's 2 GiB message limit") })
+}
+
+fn displacements(counts: &[i32]) -> Result<Vec<i32>> {
+    let mut at = 0i64;
+    counts
+        .iter()
+        .map(|&c| {
+            let d =
+                i32::try_from(at).map_err(|_| Error::Comm { reason: "over 2 GiB received in one collective".into() });
+            at += c as i64;
+            d
+        })
+        .collect()
+}
+
+fn split(buf: &[u8], counts: &[i32]) -> Vec<Vec<u8>> {
+    let mut at = 0usize;
+    counts
+        .iter()
+        .map(|&c| {
+            let m = buf[at..at + c as usize].to_vec();
+            at += c as usize;
+            m
+        })
+        .collect()
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let comm = self.comm.lock().unwrap();
+        let mine = count(data.len(), "all_gather")?;
+        let mut counts = vec![0i32; self.size];
+        comm.all_gather_into(&mine, &mut counts[..]);
+        let displs = displacements(&counts)?;
+        let mut buf = vec![0u8; counts.iter().map(|&c| c as usize).sum()];
+        {
+            let mut part = PartitionMut::new(&mut buf[..], &counts[..], &displs[..]);
+            comm.all_gather_varcount_into(data, &mut part);
+        }
+        Ok(split(&buf, &counts))
+    }
+
+    fn broadcast(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
+        if root >= self.size {
+            return Err(Error::Comm { reason: format!("broadcast from rank {root} of {}", self.size) });
+        }
+        let comm = self.comm.lock().unwrap();
+        let root_proc = comm.process_at_rank(root as i32);
+        let mut len = if self.rank == root { count(data.len(), "broadcast")? } else { 0 };
+        root_proc.broadcast_into(&mut len);
+        let mut buf = if self.rank == root { data.to_vec() } else { vec![0u8; len.max(0) as usize] };
+        root_proc.broadcast_into(&mut buf[..]);
+        Ok(buf)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.comm.lock().unwrap().barrier();
+        Ok(())
+    }
+
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        let comm = self.comm.lock().unwrap();
+        // A wrong message count must fail on every rank, not leave the others waiting: the
+        // counts travel first, with -1 marking a rank whose call is invalid.
+        let ok = send.len() == self.size;
+        let mut send_counts: Vec<i32> = if ok {
+            send.iter().map(|m| count(m.len(), "all_to_all")).collect::<Result<_>>()?
+        } else {
+            vec![-1; self.size]
+        };
+        if !ok {
+            send_counts.resize(self.size, -1);
+        }
+        let mut recv_counts = vec![0i32; self.size];
+        comm.all_to_all_into(&send_counts[..], &mut recv_counts[..]);
+        if let Some(r) = recv_counts.iter().position(|&c| c < 0) {
+            return Err(Error::Comm {
+                reason: format!("all_to_all: rank {r} gave a message count other than {} ranks", self.size),
+            });
+        }
+        let send_buf: Vec<u8> = send.concat();
+        let send_displs = displacements(&send_counts)?;
+        let recv_displs = displacements(&recv_counts)?;
+        let mut recv_buf = vec![0u8; recv_counts.iter().map(|&c| c as usize).sum()];
+        {
+            let part_send = mpi::datatype::Partition::new(&send_buf[..], &send_counts[..], &send_displs[..]);
+            let mut part_recv = PartitionMut::new(&mut recv_buf[..], &recv_counts[..], &recv_displs[..]);
+            comm.all_to_all_varcount_into(&part_send, &mut part_recv);
+        }
+        Ok(split(&recv_buf, &recv_counts))
+    }
+}
