@@ -49,7 +49,7 @@ pub use io::load::{
 };
 pub use io::maintenance::{gc, remove_sharded_tensors};
 pub use io::pipeline::DEFAULT_MEMORY_BUDGET;
-pub use io::save::{save, validate_sharding_integrity, SaveOptions, SaveReport};
+pub use io::save::{save, validate_sharding_integrity, PlanCache, SaveOptions, SaveReport};
 pub use io::staging::{StagingPool, DEFAULT_STAGING_BUFFER};
 pub use io::strategy::{
     detect_format, get_save_strategy, open_checkpoint, open_index, register_load_strategy, register_save_strategy,

@@ -11,8 +11,8 @@ use crate::format::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
 use crate::io::factories::apply_factories;
 use crate::io::write::{write_sources, Source};
 use crate::plan::save::{
-    assign_writers, build_index, data_file_name, file_header, layout_file, validate_global, FileLayout, ObjectMeta,
-    RankPlan, ShardMeta, WrittenFile,
+    assign_writers, build_index, cache_hit, data_file_name, file_header, layout_file, plan_digest, validate_global,
+    CacheCheck, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
 };
 use crate::state::{StatePath, StateTree, Value};
 use crate::storage::Storage;
@@ -39,6 +39,56 @@ pub struct SaveOptions {
     /// that hold their bytes) over their holders instead of leaving it all to the main replica.
     /// The checkpoint holds the same chunks either way.
     pub distribute_replicas: bool,
+    /// Reuse the global plan of the previous save through this cache when the structure is
+    /// unchanged (PyTorch DCP's plan caching): see [`PlanCache`]. Give every rank its own
+    /// cache, kept across saves; `None` (the default) plans every save from scratch.
+    pub plan_cache: Option<Arc<PlanCache>>,
+}
+
+/// The global plan of a rank's last save, so that a save with the same structure skips the
+/// exchange of full plans, the global validation and the writer assignment.
+///
+/// Every rank announces, in one all-gather of a few dozen bytes, whether its own plan (keys,
+/// dtypes, shapes, boxes, replica ids, object sizes, and the options that shape the plan) hashes
+/// to the one it cached, and which save its cache comes from. Only when every rank matches and
+/// every cache comes from the same save is the cached plan reused, on every rank alike;
+/// otherwise the save falls back to the full exchange and validation (one more all-gather) and
+/// caches the result. The hash is 128 bits of a non-cryptographic hash over the plan's binary
+/// encoding: it detects changes, not adversaries (the ranks are one trusted job). Rank 0 keeps
+/// every rank's plan (it builds the index); the other ranks keep only their own.
+#[derive(Default)]
+pub struct PlanCache {
+    last: std::sync::Mutex<Option<CachedPlan>>,
+    hits: std::sync::atomic::AtomicU64,
+    misses: std::sync::atomic::AtomicU64,
+}
+
+struct CachedPlan {
+    digest: [u64; 2],
+    /// Save id of the save that planned it: the same on every rank.
+    generation: u64,
+    plans: Vec<RankPlan>,
+}
+
+impl std::fmt::Debug for PlanCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlanCache").field("hits", &self.hits()).field("misses", &self.misses()).finish()
+    }
+}
+
+impl PlanCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Saves that reused the cached plan.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// Saves that planned from scratch with this cache.
+    pub fn misses(&self) -> u64 {
+        self.misses.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 impl Default for SaveOptions {
@@ -51,6 +101,7 @@ impl Default for SaveOptions {
             block_size: DEFAULT_BLOCK_SIZE,
             cancel: None,
             distribute_replicas: true,
+            plan_cache: None,
         }
     }
 }
@@ -330,16 +381,10 @@ pub(crate) fn prepare<'t>(
             }
         }
     }
-    let mut plans = exchange_plans(comm, &mut c)?;
-    if plans[0].refuse_overwrite {
-        return Err(Error::AlreadyExists { path: storage.location().into() });
-    }
-    if opts.validate {
-        validate_global(&plans)?;
-    }
-    if opts.distribute_replicas {
-        assign_writers(&mut plans);
-    }
+    let plans = match &opts.plan_cache {
+        Some(cache) => plan_with_cache(comm, &mut c, cache, opts, storage)?,
+        None => plan_globally(comm, &mut c, opts, storage)?,
+    };
     let save_id = plans[0].save_id;
     let layout = layout_file(rank, &plans[rank], opts.block_size);
     let tensor_data = plans[rank]
@@ -352,6 +397,97 @@ pub(crate) fn prepare<'t>(
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Prepared { rank, plans, save_id, layout, tensor_data, object_data: c.object_data, common: c.common })
+}
+
+/// The full exchange: every rank's plan, validated, writers assigned.
+fn plan_globally(
+    comm: &dyn Communicator,
+    c: &mut Collected<'_>,
+    opts: &SaveOptions,
+    storage: &dyn Storage,
+) -> Result<Vec<RankPlan>> {
+    let mut plans = exchange_plans(comm, c)?;
+    if plans[0].refuse_overwrite {
+        return Err(Error::AlreadyExists { path: storage.location().into() });
+    }
+    if opts.validate {
+        validate_global(&plans)?;
+    }
+    if opts.distribute_replicas {
+        assign_writers(&mut plans);
+    }
+    Ok(plans)
+}
+
+/// The options that shape the global plan, for the plan digest.
+fn plan_options(opts: &SaveOptions) -> Vec<u8> {
+    let mut b = opts.block_size.to_le_bytes().to_vec();
+    b.push(opts.validate as u8);
+    b.push(opts.distribute_replicas as u8);
+    b
+}
+
+/// [`plan_globally`], skipped when every rank's structure matches the plan cached from the same
+/// earlier save: one small all-gather decides, identically on every rank.
+fn plan_with_cache(
+    comm: &dyn Communicator,
+    c: &mut Collected<'_>,
+    cache: &PlanCache,
+    opts: &SaveOptions,
+    storage: &dyn Storage,
+) -> Result<Vec<RankPlan>> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let rank = comm.rank();
+    let digest = plan_digest(&c.plan, &plan_options(opts));
+    let mut last = cache.last.lock().unwrap();
+    let mine = CacheCheck {
+        matches: last.as_ref().is_some_and(|l| l.digest == digest),
+        generation: last.as_ref().map_or(0, |l| l.generation),
+        save_id: c.plan.save_id,
+        refuse_overwrite: c.plan.refuse_overwrite,
+        error: c.local_error.as_ref().map(encode_local_error),
+    };
+    let checks = comm
+        .all_gather(&mine.encode())?
+        .iter()
+        .enumerate()
+        .map(|(r, m)| {
+            CacheCheck::decode(m)
+                .map_err(|e| Error::Comm { reason: format!("bad plan-cache message from rank {r}: {e}") })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if let Some((r, msg)) = checks.iter().enumerate().find_map(|(r, c)| c.error.as_ref().map(|m| (r, m))) {
+        if r == rank {
+            if let Some(e) = c.local_error.take() {
+                return Err(e);
+            }
+        }
+        return Err(decode_peer_error(r, msg));
+    }
+    let (save_id, refuse) = (checks[0].save_id, checks[0].refuse_overwrite);
+    if refuse {
+        return Err(Error::AlreadyExists { path: storage.location().into() });
+    }
+    if cache_hit(&checks) {
+        let mut plans = last.as_ref().map(|l| l.plans.clone()).unwrap_or_default();
+        if plans.len() == comm.world_size() {
+            plans[0].save_id = save_id;
+            plans[0].refuse_overwrite = false;
+            cache.hits.fetch_add(1, Relaxed);
+            return Ok(plans);
+        }
+    }
+    cache.misses.fetch_add(1, Relaxed);
+    *last = None;
+    let plans = plan_globally(comm, c, opts, storage)?;
+    // Rank 0 builds the index from every plan; the others only need their own.
+    let kept = if rank == 0 {
+        plans.clone()
+    } else {
+        (0..plans.len()).map(|r| if r == rank { plans[r].clone() } else { RankPlan::default() }).collect()
+    };
+    *last = Some(CachedPlan { digest, generation: plans[0].save_id, plans: kept });
+    Ok(plans)
 }
 
 /// Saves this rank's part of the state. Every rank of `comm` must call it with its own tree.
