@@ -76,6 +76,10 @@ pub struct RequestPlan {
 
 /// Plans one request against the index: every element must come from exactly one stored chunk.
 pub fn plan_request(index: &CheckpointIndex, req: &Request) -> Result<RequestPlan> {
+    plan_request_with(index, req, true)
+}
+
+fn plan_request_with(index: &CheckpointIndex, req: &Request, fast_rows: bool) -> Result<RequestPlan> {
     let ti = index.tensors.binary_search_by(|t| t.key.as_str().cmp(&req.key)).map_err(|_| Error::NotCovered {
         key: req.key.clone(),
         region: "(the whole tensor: key not in checkpoint)".into(),
@@ -112,15 +116,39 @@ pub fn plan_request(index: &CheckpointIndex, req: &Request) -> Result<RequestPla
         zero_fill = pieces.iter().map(Piece::numel).sum::<u64>() != want;
     }
     let expected: u64 = pieces.iter().map(Piece::numel).sum();
-    let req_box = Piece::new(&req.offset, &req.shape);
     let dst = Layout { box_off: &req.offset, box_shape: &req.shape, base: req.flat.map_or(0, |f| f.0) };
     let mut segs = Vec::new();
     let mut covered = 0u64;
+    // Rows fast path: a dense request that spans whole rows of a chunk (the same extent on every
+    // axis after the first) meets the chunk, or any flat range of it, in one contiguous range of
+    // both: one segment, computed directly. This is every TP/DP row split.
+    let rows_path = fast_rows && nd > 0 && req.flat.is_none() && entry.global_shape == req.global_shape;
     for (ci, c) in entry.chunks.iter().enumerate() {
-        let chunk_box = Piece::new(&c.offset, &c.shape);
-        if chunk_box.intersect(&req_box).is_none() && nd > 0 {
+        if nd > 0 && !boxes_meet(&c.offset, &c.shape, &req.offset, &req.shape) {
             continue;
         }
+        if rows_path && c.offset[1..] == req.offset[1..] && c.shape[1..] == req.shape[1..] {
+            let row: u64 = c.shape[1..].iter().product();
+            let (s, e) = c.flat.unwrap_or((0, c.shape[0] * row));
+            // The request's rows, in the chunk's flattening (clipped to the chunk).
+            let lo = req.offset[0].saturating_sub(c.offset[0]).min(c.shape[0]) * row;
+            let hi = (req.offset[0] + req.shape[0]).saturating_sub(c.offset[0]).min(c.shape[0]) * row;
+            let (a, b) = (s.max(lo), e.min(hi));
+            if a < b {
+                covered += b - a;
+                segs.push(CopySeg {
+                    file: c.file,
+                    file_off: c.byte_offset + (a - s) * esize,
+                    len: (b - a) * esize,
+                    target: req.target,
+                    dst_off: (c.offset[0] * row + a - req.offset[0] * row) * esize,
+                    tensor: ti as u32,
+                    chunk: ci as u32,
+                });
+            }
+            continue;
+        }
+        let chunk_box = Piece::new(&c.offset, &c.shape);
         let src = Layout { box_off: &c.offset, box_shape: &c.shape, base: c.flat.map_or(0, |f| f.0) };
         let chunk_pieces = match c.flat {
             Some((s, e)) => decompose_flat(&c.offset, &c.shape, s, e),
@@ -155,6 +183,12 @@ pub fn plan_request(index: &CheckpointIndex, req: &Request) -> Result<RequestPla
         });
     }
     Ok(RequestPlan { segs, zero_fill })
+}
+
+/// Whether two boxes overlap (every axis).
+fn boxes_meet(a_off: &[u64], a_shape: &[u64], b_off: &[u64], b_shape: &[u64]) -> bool {
+    a_off.len() == b_off.len()
+        && (0..a_off.len()).all(|d| a_off[d] < b_off[d] + b_shape[d] && b_off[d] < a_off[d] + a_shape[d])
 }
 
 /// A checksum block to verify.
@@ -226,7 +260,7 @@ pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool,
     // Foreign formats carry no checksums (block size 0): there is nothing to verify.
     let verify = verify && index.block_size > 0;
     let tuning = ReadTuning { max_span: tuning.max_span.max(4096), ..tuning };
-    segs.sort_unstable();
+    segs.sort_unstable_by_key(|s| (s.file, s.file_off, s.len, s.target, s.dst_off));
     let bytes_needed = segs.iter().map(|s| s.len).sum();
     // Units: byte ranges that must be read whole (blocks when verifying, else segments).
     let mut blocks: Vec<Block> = Vec::new();
@@ -251,7 +285,10 @@ pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool,
                 });
             }
         }
-        blocks.sort_unstable();
+        // Segments in file order give blocks in file order (chunks never overlap in a file).
+        if !blocks.is_sorted_by_key(|b| (b.file, b.file_off)) {
+            blocks.sort_unstable();
+        }
         blocks.dedup_by_key(|b| (b.file, b.file_off));
         units.extend(blocks.iter().map(|b| (b.file, b.file_off, b.len)));
     } else {
@@ -297,31 +334,43 @@ pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool,
         }
     }
     // Assign segments to spans, splitting a segment that crosses span boundaries.
-    let mut pieces: Vec<(usize, CopySeg)> = Vec::with_capacity(segs.len());
+    // Segments and spans are both in file order: one merge walk assigns every piece of every
+    // segment to its span, already grouped by span.
+    let mut span_of: Vec<usize> = Vec::with_capacity(segs.len());
+    let mut out_segs: Vec<CopySeg> = Vec::with_capacity(segs.len());
+    let mut first = 0usize;
     for s in &segs {
-        let mut i = spans.partition_point(|sp| (sp.file, sp.off + sp.len) <= (s.file, s.file_off));
+        while (spans[first].file, spans[first].off + spans[first].len) <= (s.file, s.file_off) {
+            first += 1;
+        }
+        let mut i = first;
         let mut cur = *s;
         while cur.len > 0 {
             let sp = &spans[i];
             debug_assert!(sp.file == cur.file && sp.off <= cur.file_off);
             let take = cur.len.min(sp.off + sp.len - cur.file_off);
-            pieces.push((i, CopySeg { len: take, ..cur }));
+            span_of.push(i);
+            out_segs.push(CopySeg { len: take, ..cur });
             cur.file_off += take;
             cur.dst_off += take;
             cur.len -= take;
             i += 1;
         }
     }
-    pieces.sort_by_key(|(i, _)| *i);
-    let mut out_segs: Vec<CopySeg> = Vec::with_capacity(pieces.len());
+    if !span_of.is_sorted() {
+        // Overlapping segments (two targets wanting the same bytes) can interleave spans.
+        let mut order: Vec<usize> = (0..out_segs.len()).collect();
+        order.sort_by_key(|&k| span_of[k]);
+        out_segs = order.iter().map(|&k| out_segs[k]).collect();
+        span_of = order.iter().map(|&k| span_of[k]).collect();
+    }
     let mut pi = 0;
     for (i, sp) in spans.iter_mut().enumerate() {
-        let start = out_segs.len();
-        while pi < pieces.len() && pieces[pi].0 == i {
-            out_segs.push(pieces[pi].1);
+        let start = pi;
+        while pi < span_of.len() && span_of[pi] == i {
             pi += 1;
         }
-        sp.segs = start..out_segs.len();
+        sp.segs = start..pi;
         sp.direct = sp.segs.len() == 1 && {
             let s = &out_segs[start];
             s.file_off == sp.off && s.len == sp.len
@@ -329,4 +378,87 @@ pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool,
     }
     let bytes_read = spans.iter().map(|s| s.len).sum();
     ReadPlan { segs: out_segs, blocks, spans, bytes_needed, bytes_read }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{StoredChunk, TensorEntry};
+
+    /// (dst, src, len) runs with adjacent ones merged: equal coverage whatever the splitting.
+    fn runs(mut segs: Vec<CopySeg>) -> Vec<(u64, u64, u64)> {
+        segs.sort_by_key(|s| s.dst_off);
+        let mut out: Vec<(u64, u64, u64)> = Vec::new();
+        for s in segs {
+            match out.last_mut() {
+                Some(l) if l.0 + l.2 == s.dst_off && l.1 + l.2 == s.file_off => l.2 += s.len,
+                _ => out.push((s.dst_off, s.file_off, s.len)),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_rows_fast_path_plans_what_the_general_path_plans() {
+        // A [rows, 6, 4] tensor stored as TP row boxes, each cut into DP flat ranges.
+        let mut seed = 0x1234_5678_u64;
+        let mut next = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for _ in 0..300 {
+            let tp = 1 + next(4);
+            let rows_per = 1 + next(5);
+            let shape = vec![tp * rows_per, 6, 4];
+            let per_box = rows_per * 24;
+            let mut chunks = Vec::new();
+            let mut at = 0u64;
+            for t in 0..tp {
+                let dp = 1 + next(4);
+                let mut cuts: Vec<u64> = (0..dp - 1).map(|_| next(per_box + 1)).collect();
+                cuts.extend([0, per_box]);
+                cuts.sort_unstable();
+                for w in cuts.windows(2) {
+                    if w[0] == w[1] {
+                        continue;
+                    }
+                    let flat = if w[0] == 0 && w[1] == per_box && next(2) == 0 { None } else { Some((w[0], w[1])) };
+                    chunks.push(StoredChunk {
+                        file: 0,
+                        byte_offset: at,
+                        offset: [t * rows_per, 0, 0].as_slice().into(),
+                        shape: [rows_per, 6, 4].as_slice().into(),
+                        flat,
+                        crcs: Vec::new(),
+                    });
+                    at += (w[1] - w[0]) * 4;
+                }
+            }
+            let index = CheckpointIndex {
+                backend: "t".into(),
+                version: 1,
+                block_size: 0,
+                content_metadata: crate::Value::Null,
+                common: Vec::new(),
+                files: Vec::new(),
+                tensors: vec![TensorEntry { key: "x".into(), dtype: DType::F32, global_shape: shape.clone(), chunks }],
+                objects: Vec::new(),
+            };
+            let r0 = next(shape[0]);
+            let r1 = r0 + 1 + next(shape[0] - r0);
+            let req = Request {
+                key: "x".into(),
+                dtype: DType::F32,
+                global_shape: shape.clone(),
+                offset: vec![r0, 0, 0],
+                shape: vec![r1 - r0, 6, 4],
+                flat: None,
+                allow_shape_mismatch: false,
+                target: 0,
+            };
+            let fast = plan_request_with(&index, &req, true).unwrap();
+            let general = plan_request_with(&index, &req, false).unwrap();
+            assert_eq!(runs(fast.segs), runs(general.segs), "rows {r0}..{r1} of {shape:?}");
+        }
+    }
 }
