@@ -77,11 +77,23 @@ def save(
     validate: bool = True,
     content_metadata: PlainValue = None,
     threads: Optional[int] = None,
+    plan_cache: Optional["PlanCache"] = None,
 ) -> Dict[str, Union[int, Optional[str]]]:
     """Saves this rank's part (collective). Common values are written from rank 0.
 
     Returns ``{"file", "bytes_written", "total_tensor_bytes", "files", "chunks", "index_bytes"}``.
     """
+
+class PlanCache:
+    """This rank's last global save plan, reused by a save whose structure is unchanged on every
+    rank (one small all-gather instead of the plan exchange and validation). One per rank, kept
+    across saves; every rank passes one or none."""
+
+    def __init__(self) -> None: ...
+    @property
+    def hits(self) -> int: ...
+    @property
+    def misses(self) -> int: ...
 
 class AsyncSave:
     """One async save in flight."""
@@ -109,6 +121,7 @@ class AsyncSaver:
         validate: bool = True,
         content_metadata: PlainValue = None,
         threads: Optional[int] = None,
+        plan_cache: Optional["PlanCache"] = None,
     ) -> AsyncSave:
         """Like :func:`save`, returning once the bytes are staged; a save in flight is waited for first."""
     def is_idle(self) -> bool: ...

@@ -290,3 +290,28 @@ def test_remove_sharded_tensors(tmp_path: Any) -> None:
     dc.save({k: ShardedTensor.from_rank_offsets(k, torch.ones(2)) for k in ("opt.a", "opt.b", "model.w")}, ckpt)
     assert sorted(dc.remove_sharded_tensors(ckpt, "opt.")) == ["opt.a", "opt.b"]
     assert set(dc.load_tensors_metadata(ckpt)) == {"model.w"}
+
+
+def _cached_saves(rank: int, world: int, root: str) -> None:
+    """Three saves with one caching strategy per rank: the first plans, the next two reuse it
+    (the structure is the same), every checkpoint holds its own step's values; a changed
+    structure replans."""
+    from tessera.dist_checkpointing.strategies import TesseraSaveShardedStrategy
+
+    strategy = TesseraSaveShardedStrategy(cached_metadata=True)
+    for step in range(3):
+        w = torch.full((4, 8), float(step * 10 + rank))
+        sd = {"w": ShardedTensor.from_rank_offsets("w", w, (0, rank, world)), "step": step}
+        dc.save(sd, f"{root}/step{step}", sharded_strategy=strategy)
+    assert (strategy.plan_cache.hits, strategy.plan_cache.misses) == (2, 1)
+    for step in range(3):
+        full = dc.load_plain_tensors(f"{root}/step{step}")["w"]
+        for r in range(world):
+            assert torch.equal(full[4 * r : 4 * (r + 1)], torch.full((4, 8), float(step * 10 + r)))
+    wide = torch.zeros(4, 16)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", wide, (0, rank, world))}, f"{root}/wide", sharded_strategy=strategy)
+    assert (strategy.plan_cache.hits, strategy.plan_cache.misses) == (2, 2)
+
+
+def test_cached_metadata_reuses_the_plan_across_saves(tmp_path: Any) -> None:
+    run_ranks(2, _cached_saves, str(tmp_path))

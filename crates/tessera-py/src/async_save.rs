@@ -50,7 +50,7 @@ impl AsyncSaver {
 
     /// Starts a save (collective over `comm`); returns once every byte is staged.
     #[pyo3(signature = (tensors, objects, common, location, comm=None, overwrite=false, validate=true,
-                        content_metadata=None, threads=None))]
+                        content_metadata=None, threads=None, plan_cache=None))]
     #[allow(clippy::too_many_arguments)]
     fn save<'py>(
         &self,
@@ -64,12 +64,14 @@ impl AsyncSaver {
         validate: bool,
         content_metadata: Option<Bound<'py, PyAny>>,
         threads: Option<usize>,
+        plan_cache: Option<PyRef<'py, crate::plan_cache::PlanCache>>,
     ) -> PyResult<AsyncSave> {
         // SAFETY: the caller keeps every tensor's memory alive and unmodified until this call
         // returns; by then the bytes are staged and the tree is dropped.
-        let (tree, opts, cancel) = unsafe {
+        let (tree, mut opts, cancel) = unsafe {
             save_request(py, &tensors, &objects, &common, overwrite, validate, content_metadata.as_ref(), threads)?
         };
+        opts.plan_cache = plan_cache.map(|c| c.inner.clone());
         let comm = communicator(comm.as_ref())?;
         let storage = open(py, location)?;
         let mut guard = self.inner.lock().unwrap();

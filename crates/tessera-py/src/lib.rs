@@ -10,6 +10,7 @@ mod async_save;
 mod comm;
 mod convert;
 mod errors;
+mod plan_cache;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -168,7 +169,7 @@ fn report_to_py<'py>(py: Python<'py>, report: tessera::SaveReport) -> PyResult<B
 /// Saves this rank's tensors, objects and (from rank 0) common values; collective over `comm`.
 #[pyfunction]
 #[pyo3(signature = (tensors, objects, common, location, comm=None, overwrite=false, validate=true,
-                    content_metadata=None, threads=None))]
+                    content_metadata=None, threads=None, plan_cache=None))]
 #[allow(clippy::too_many_arguments)]
 fn save<'py>(
     py: Python<'py>,
@@ -181,12 +182,14 @@ fn save<'py>(
     validate: bool,
     content_metadata: Option<Bound<'py, PyAny>>,
     threads: Option<usize>,
+    plan_cache: Option<PyRef<'py, plan_cache::PlanCache>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     // SAFETY: the contract of `save`: the Python caller keeps every tensor's memory alive,
     // C-contiguous and unmodified until `save` returns; the tree is dropped before that.
-    let (tree, opts, cancel) = unsafe {
+    let (tree, mut opts, cancel) = unsafe {
         save_request(py, &tensors, &objects, &common, overwrite, validate, content_metadata.as_ref(), threads)?
     };
+    opts.plan_cache = plan_cache.map(|c| c.inner.clone());
     let comm = communicator(comm.as_ref())?;
     let storage = open(py, location)?;
     let report = lib(py, interruptible(py, &cancel, || tessera::save(tree, &*storage, &*comm, &opts))?)?;
@@ -416,6 +419,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_value, m)?)?;
     m.add_class::<async_save::AsyncSaver>()?;
     m.add_class::<async_save::AsyncSave>()?;
+    m.add_class::<plan_cache::PlanCache>()?;
     errors::register(m)?;
     m.add("DTYPES", tessera::ALL_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>())?;
     m.add("FORMAT_VERSION", tessera::FORMAT_VERSION)?;

@@ -371,6 +371,9 @@ def save(
         validate=validate_access_integrity,
         content_metadata=_to_plain(content_metadata) if content_metadata is not None else None,
     )
+    plan_cache = getattr(sharded_strategy, "plan_cache", None)
+    if plan_cache is not None:
+        kwargs["plan_cache"] = plan_cache
     if saver is None:
         _native.save(*args, **kwargs)
         return None

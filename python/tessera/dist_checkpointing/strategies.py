@@ -186,11 +186,24 @@ def _check_tessera(backend: Any, version: Any) -> None:
 
 
 class TesseraSaveShardedStrategy(AsyncSaveShardedStrategy):
-    """tessera's native save: tensors, objects and common state in one commit."""
+    """tessera's native save: tensors, objects and common state in one commit.
 
-    def __init__(self, backend: str = TESSERA_BACKEND, version: int = TESSERA_BACKEND_VERSION) -> None:
+    ``cached_metadata=True`` (Megatron's name for it; ``--ckpt-assume-constant-structure``)
+    keeps this rank's global plan across saves made with this strategy object: a save whose
+    structure is unchanged on every rank then skips the plan exchange and validation. Every rank
+    of the group must use such a strategy, or none.
+    """
+
+    def __init__(
+        self, backend: str = TESSERA_BACKEND, version: int = TESSERA_BACKEND_VERSION, cached_metadata: bool = False
+    ) -> None:
         _check_tessera(backend, version)
         super().__init__(backend, version)
+        self.plan_cache = None
+        if cached_metadata:
+            from tessera import _native
+
+            self.plan_cache = _native.PlanCache()
 
     @property
     def can_handle_sharded_objects(self) -> bool:
