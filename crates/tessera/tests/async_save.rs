@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -144,36 +144,13 @@ fn the_caller_may_change_its_tensors_as_soon_as_save_returns() {
     assert_holds(&LocalStorage::new(dir.path()), &t);
 }
 
-/// Counts collectives, to show that polling an async save costs none.
-struct Counting<'a> {
-    inner: &'a InProcessComm,
-    calls: AtomicUsize,
-}
-
-impl Communicator for Counting<'_> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.inner.all_gather(data)
-    }
-    fn broadcast(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.inner.broadcast(data, root)
-    }
-}
-
 #[test]
 fn a_second_save_waits_for_the_first_and_polls_need_no_collective() {
     let t1 = truth(3, 32, 512);
     let t2 = truth(4, 32, 512);
     let root = TempDir::created("async-two");
     run_async(2, |r, c, k| {
-        let counting = Counting { inner: c, calls: AtomicUsize::new(0) };
+        let counting = CountingComm::new(c);
         let mut saver = AsyncSaver::new(StagingPool::new(2 << 20).unwrap(), k);
         let s1 = Arc::new(LocalStorage::new(root.join("step1")));
         let first = saver.save(tp_tree(r, 2, &t1, 1), s1, &counting, &SaveOptions::default()).unwrap();

@@ -61,33 +61,6 @@ fn load_both(
     (stats, data)
 }
 
-/// Wraps a communicator and records, for each all-to-all, the bytes this rank sent to others.
-struct Counting<'c> {
-    inner: &'c InProcessComm,
-    sent: std::sync::Mutex<Vec<u64>>,
-}
-
-impl Communicator for Counting<'_> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.inner.all_gather(data)
-    }
-    fn broadcast(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
-        self.inner.broadcast(data, root)
-    }
-    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
-        let me = self.rank();
-        let bytes = send.iter().enumerate().filter(|(r, _)| *r != me).map(|(_, m)| m.len() as u64).sum();
-        self.sent.lock().unwrap().push(bytes);
-        self.inner.all_to_all(send)
-    }
-}
-
 fn total_read(stats: &[LoadStats]) -> u64 {
     stats.iter().map(|s| s.bytes_read).sum()
 }
@@ -161,9 +134,9 @@ fn replicated_state_is_read_once_across_four_ranks() {
         // byte per message).
         let opts = LoadOptions { exchange_reads: true, ..opts };
         let sent = run_ranks(4, |c| {
-            let counting = Counting { inner: c, sent: Default::default() };
+            let counting = CountingComm::new(c);
             load(replicated_request(&specs), &storage, &counting, &opts).unwrap();
-            counting.sent.into_inner().unwrap()
+            counting.all_to_all_sent.into_inner().unwrap()
         });
         let rounds = (total * 3 / 4).div_ceil(round_bytes);
         for (r, s) in sent.iter().enumerate() {

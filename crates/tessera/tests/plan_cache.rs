@@ -5,35 +5,13 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use common::*;
 use tessera::*;
 
 const WORLD: usize = 4;
-
-/// Counts the bytes a rank contributes to all-gathers.
-struct Counting<'a> {
-    inner: &'a InProcessComm,
-    sent: AtomicU64,
-}
-
-impl Communicator for Counting<'_> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
-        self.inner.all_gather(data)
-    }
-    fn broadcast(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
-        self.inner.broadcast(data, root)
-    }
-}
 
 /// Rank `rank`'s rows of `w` ([8 × WORLD, 64] f32) and `b` ([64], replicated), filled from
 /// `step`, plus one object per rank.
@@ -68,11 +46,11 @@ fn save_step(
     rows: impl Fn(usize) -> u64 + Sync,
 ) -> Vec<Result<(u64, u64, u64)>> {
     run_ranks(WORLD, |c| {
-        let counting = Counting { inner: c, sent: AtomicU64::new(0) };
+        let counting = CountingComm::new(c);
         let (tree, _) = state(c.rank(), step, rows(c.rank()));
         let cache = &caches[c.rank()];
         save(tree, storage, &counting, &options(cache))?;
-        Ok((cache.hits(), cache.misses(), counting.sent.load(Ordering::Relaxed)))
+        Ok((cache.hits(), cache.misses(), counting.gathered.load(Ordering::Relaxed)))
     })
 }
 

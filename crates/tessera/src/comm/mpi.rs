@@ -66,8 +66,14 @@ impl MpiComm {
     }
 }
 
-fn count(n: usize, what: &str) -> Result<i32> {
-    i32::try_from(n).map_err(|_| Error::Comm { reason: format!("{what}: {n} bytes is over MPI's 2 GiB message limit") })
+/// A message size as an MPI count; -1 (sent in its place, so that every rank fails alike
+/// instead of some waiting forever) when it does not fit MPI's 32-bit counts.
+fn count(n: usize) -> i32 {
+    i32::try_from(n).unwrap_or(-1)
+}
+
+fn refused(what: &str, rank: usize) -> Error {
+    Error::Comm { reason: format!("{what}: rank {rank}'s message is invalid or over MPI's 2 GiB limit") }
 }
 
 fn displacements(counts: &[i32]) -> Result<Vec<i32>> {
@@ -106,9 +112,11 @@ impl Communicator for MpiComm {
 
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         let comm = self.comm.lock().unwrap();
-        let mine = count(data.len(), "all_gather")?;
         let mut counts = vec![0i32; self.size];
-        comm.all_gather_into(&mine, &mut counts[..]);
+        comm.all_gather_into(&count(data.len()), &mut counts[..]);
+        if let Some(r) = counts.iter().position(|&c| c < 0) {
+            return Err(refused("all_gather", r));
+        }
         let displs = displacements(&counts)?;
         let mut buf = vec![0u8; counts.iter().map(|&c| c as usize).sum()];
         {
@@ -124,8 +132,11 @@ impl Communicator for MpiComm {
         }
         let comm = self.comm.lock().unwrap();
         let root_proc = comm.process_at_rank(root as i32);
-        let mut len = if self.rank == root { count(data.len(), "broadcast")? } else { 0 };
+        let mut len = if self.rank == root { count(data.len()) } else { 0 };
         root_proc.broadcast_into(&mut len);
+        if len < 0 {
+            return Err(refused("broadcast", root));
+        }
         let mut buf = if self.rank == root { data.to_vec() } else { vec![0u8; len.max(0) as usize] };
         root_proc.broadcast_into(&mut buf[..]);
         Ok(buf)
@@ -140,21 +151,15 @@ impl Communicator for MpiComm {
         let comm = self.comm.lock().unwrap();
         // A wrong message count must fail on every rank, not leave the others waiting: the
         // counts travel first, with -1 marking a rank whose call is invalid.
-        let ok = send.len() == self.size;
-        let mut send_counts: Vec<i32> = if ok {
-            send.iter().map(|m| count(m.len(), "all_to_all")).collect::<Result<_>>()?
-        } else {
-            vec![-1; self.size]
-        };
-        if !ok {
-            send_counts.resize(self.size, -1);
+        let mut send_counts: Vec<i32> = send.iter().map(|m| count(m.len())).collect();
+        if send_counts.len() != self.size || send_counts.contains(&-1) {
+            // Marks every message, so that every rank learns of it.
+            send_counts = vec![-1; self.size];
         }
         let mut recv_counts = vec![0i32; self.size];
         comm.all_to_all_into(&send_counts[..], &mut recv_counts[..]);
         if let Some(r) = recv_counts.iter().position(|&c| c < 0) {
-            return Err(Error::Comm {
-                reason: format!("all_to_all: rank {r} gave a message count other than {} ranks", self.size),
-            });
+            return Err(refused("all_to_all (one message per rank, each under 2 GiB)", r));
         }
         let send_buf: Vec<u8> = send.concat();
         let send_displs = displacements(&send_counts)?;

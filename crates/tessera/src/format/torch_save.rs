@@ -20,8 +20,13 @@ pub(crate) struct ZipEntry {
 impl ZipEntry {
     /// The name without its top folder (`data/0`, `data.pkl`).
     pub fn inner_name(&self) -> &str {
-        self.name.split_once('/').map_or(self.name.as_str(), |(_, rest)| rest)
+        inner_name(&self.name)
     }
+}
+
+/// An archive entry's name without its top folder (torch.save puts every entry under one).
+pub(crate) fn inner_name(name: &str) -> &str {
+    name.split_once('/').map_or(name, |(_, rest)| rest)
 }
 
 const LOCAL_SIG: u32 = 0x0403_4b50;

@@ -67,7 +67,7 @@ struct CachedPlan {
     digest: [u64; 2],
     /// Save id of the save that planned it: the same on every rank.
     generation: u64,
-    plans: Vec<RankPlan>,
+    plans: Arc<Vec<RankPlan>>,
 }
 
 impl std::fmt::Debug for PlanCache {
@@ -277,7 +277,8 @@ pub fn validate_sharding_integrity(tree: StateTree<'_>, comm: &dyn Communicator)
 /// assigned), this save's id, and this rank's file layout with the bytes to put in it.
 pub(crate) struct Prepared<'t> {
     pub rank: usize,
-    pub plans: Vec<RankPlan>,
+    /// Every rank's plan on rank 0; elsewhere at least this rank's (shared with a plan cache).
+    pub plans: Arc<Vec<RankPlan>>,
     pub save_id: u64,
     pub layout: FileLayout,
     /// Bytes of each tensor shard this rank writes, in layout order.
@@ -381,11 +382,14 @@ pub(crate) fn prepare<'t>(
             }
         }
     }
-    let plans = match &opts.plan_cache {
+    let (plans, save_id) = match &opts.plan_cache {
         Some(cache) => plan_with_cache(comm, &mut c, cache, opts, storage)?,
-        None => plan_globally(comm, &mut c, opts, storage)?,
+        None => {
+            let plans = plan_globally(comm, &mut c, opts, storage)?;
+            let save_id = plans[0].save_id;
+            (Arc::new(plans), save_id)
+        }
     };
-    let save_id = plans[0].save_id;
     let layout = layout_file(rank, &plans[rank], opts.block_size);
     let tensor_data = plans[rank]
         .tensors
@@ -435,13 +439,13 @@ fn plan_with_cache(
     cache: &PlanCache,
     opts: &SaveOptions,
     storage: &dyn Storage,
-) -> Result<Vec<RankPlan>> {
+) -> Result<(Arc<Vec<RankPlan>>, u64)> {
     use std::sync::atomic::Ordering::Relaxed;
     let rank = comm.rank();
     let digest = plan_digest(&c.plan, &plan_options(opts));
     let mut last = cache.last.lock().unwrap();
     let mine = CacheCheck {
-        matches: last.as_ref().is_some_and(|l| l.digest == digest),
+        matches: last.as_ref().is_some_and(|l| l.digest == digest && l.plans.len() == comm.world_size()),
         generation: last.as_ref().map_or(0, |l| l.generation),
         save_id: c.plan.save_id,
         refuse_overwrite: c.plan.refuse_overwrite,
@@ -469,25 +473,22 @@ fn plan_with_cache(
         return Err(Error::AlreadyExists { path: storage.location().into() });
     }
     if cache_hit(&checks) {
-        let mut plans = last.as_ref().map(|l| l.plans.clone()).unwrap_or_default();
-        if plans.len() == comm.world_size() {
-            plans[0].save_id = save_id;
-            plans[0].refuse_overwrite = false;
+        if let Some(l) = last.as_ref() {
             cache.hits.fetch_add(1, Relaxed);
-            return Ok(plans);
+            return Ok((l.plans.clone(), save_id));
         }
     }
     cache.misses.fetch_add(1, Relaxed);
     *last = None;
-    let plans = plan_globally(comm, c, opts, storage)?;
+    let plans = Arc::new(plan_globally(comm, c, opts, storage)?);
     // Rank 0 builds the index from every plan; the others only need their own.
     let kept = if rank == 0 {
         plans.clone()
     } else {
-        (0..plans.len()).map(|r| if r == rank { plans[r].clone() } else { RankPlan::default() }).collect()
+        Arc::new((0..plans.len()).map(|r| if r == rank { plans[r].clone() } else { RankPlan::default() }).collect())
     };
-    *last = Some(CachedPlan { digest, generation: plans[0].save_id, plans: kept });
-    Ok(plans)
+    *last = Some(CachedPlan { digest, generation: save_id, plans: kept });
+    Ok((plans, save_id))
 }
 
 /// Saves this rank's part of the state. Every rank of `comm` must call it with its own tree.

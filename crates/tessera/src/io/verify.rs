@@ -86,56 +86,47 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     }
     let problems = Mutex::new(Vec::new());
     let checked = AtomicUsize::new(0);
-    let next = AtomicUsize::new(0);
-    std::thread::scope(|scope| {
-        for _ in 0..threads.clamp(1, index.files.len().max(1)) {
-            scope.spawn(|| loop {
-                let fi = next.fetch_add(1, Ordering::Relaxed);
-                if fi >= index.files.len() {
-                    return;
-                }
-                let f = &index.files[fi];
-                let path = format!("{}/{}", storage.location(), f.name);
-                match storage.size(&f.name) {
-                    Ok(n) if n == f.size => {}
-                    Ok(n) => {
-                        problems.lock().unwrap().push(format!("{path}: size {n}, the index says {}", f.size));
-                        continue;
-                    }
-                    Err(e) => {
-                        problems.lock().unwrap().push(format!("{path}: {e}"));
-                        continue;
-                    }
-                }
-                let mut read = |off: u64, buf: &mut [u8]| storage.read_at(&f.name, off, buf);
-                match parse_header(&mut read, f.size) {
-                    Err(e) => problems.lock().unwrap().push(format!("{path}: bad safetensors header: {e}")),
-                    Ok((_, len)) if len != f.header_len => problems
-                        .lock()
-                        .unwrap()
-                        .push(format!("{path}: safetensors header is {len} bytes, the index says {}", f.header_len)),
-                    Ok(_) => {}
-                }
-                if let Err(e) = crate::io::read::verify_headers(storage, index, &[fi as u32]) {
-                    problems.lock().unwrap().push(e.to_string());
-                }
-                checked.fetch_add(f.header_len as usize, Ordering::Relaxed);
-                let mut buf = Vec::new();
-                for (off, len, crc, what) in &ranges[fi] {
-                    buf.resize(*len as usize, 0);
-                    if let Err(e) = storage.read_at(&f.name, *off, &mut buf) {
-                        problems.lock().unwrap().push(format!("{path}: {e}"));
-                        break;
-                    }
-                    checked.fetch_add(*len as usize, Ordering::Relaxed);
-                    if crc32c::crc32c(&buf) != *crc {
-                        problems
-                            .lock()
-                            .unwrap()
-                            .push(format!("{path}: checksum mismatch in {what} at bytes {off}..{}", off + len));
-                    }
-                }
-            });
+    each_file(index.files.len(), threads, |fi| {
+        let f = &index.files[fi];
+        let path = format!("{}/{}", storage.location(), f.name);
+        match storage.size(&f.name) {
+            Ok(n) if n == f.size => {}
+            Ok(n) => {
+                problems.lock().unwrap().push(format!("{path}: size {n}, the index says {}", f.size));
+                return;
+            }
+            Err(e) => {
+                problems.lock().unwrap().push(format!("{path}: {e}"));
+                return;
+            }
+        }
+        let mut read = |off: u64, buf: &mut [u8]| storage.read_at(&f.name, off, buf);
+        match parse_header(&mut read, f.size) {
+            Err(e) => problems.lock().unwrap().push(format!("{path}: bad safetensors header: {e}")),
+            Ok((_, len)) if len != f.header_len => problems
+                .lock()
+                .unwrap()
+                .push(format!("{path}: safetensors header is {len} bytes, the index says {}", f.header_len)),
+            Ok(_) => {}
+        }
+        if let Err(e) = crate::io::read::verify_headers(storage, index, &[fi as u32]) {
+            problems.lock().unwrap().push(e.to_string());
+        }
+        checked.fetch_add(f.header_len as usize, Ordering::Relaxed);
+        let mut buf = Vec::new();
+        for (off, len, crc, what) in &ranges[fi] {
+            buf.resize(*len as usize, 0);
+            if let Err(e) = storage.read_at(&f.name, *off, &mut buf) {
+                problems.lock().unwrap().push(format!("{path}: {e}"));
+                break;
+            }
+            checked.fetch_add(*len as usize, Ordering::Relaxed);
+            if crc32c::crc32c(&buf) != *crc {
+                problems
+                    .lock()
+                    .unwrap()
+                    .push(format!("{path}: checksum mismatch in {what} at bytes {off}..{}", off + len));
+            }
         }
     });
     report.bytes_checked = checked.into_inner() as u64;
@@ -148,45 +139,52 @@ fn verify_readable(storage: &dyn Storage, index: &crate::CheckpointIndex, thread
     const PIECE: u64 = 64 << 20;
     let problems = Mutex::new(Vec::new());
     let checked = AtomicUsize::new(0);
-    let next = AtomicUsize::new(0);
     let object_files: std::collections::HashSet<u32> =
         index.objects.iter().flat_map(|o| o.shards.iter().map(|s| s.file)).collect();
-    std::thread::scope(|scope| {
-        for _ in 0..threads.clamp(1, index.files.len().max(1)) {
-            scope.spawn(|| loop {
-                let fi = next.fetch_add(1, Ordering::Relaxed);
-                if fi >= index.files.len() {
-                    return;
+    each_file(index.files.len(), threads, |fi| {
+        let f = &index.files[fi];
+        let r = if object_files.contains(&(fi as u32)) {
+            storage.read(&f.name).map(|b| b.len())
+        } else {
+            let mut buf = Vec::new();
+            let mut off = 0;
+            let mut r = Ok(0);
+            while off < f.size {
+                let len = PIECE.min(f.size - off);
+                buf.resize(len as usize, 0);
+                if let Err(e) = storage.read_at(&f.name, off, &mut buf) {
+                    r = Err(e);
+                    break;
                 }
-                let f = &index.files[fi];
-                let r = if object_files.contains(&(fi as u32)) {
-                    storage.read(&f.name).map(|b| b.len())
-                } else {
-                    let mut buf = Vec::new();
-                    let mut off = 0;
-                    let mut r = Ok(0);
-                    while off < f.size {
-                        let len = PIECE.min(f.size - off);
-                        buf.resize(len as usize, 0);
-                        if let Err(e) = storage.read_at(&f.name, off, &mut buf) {
-                            r = Err(e);
-                            break;
-                        }
-                        off += len;
-                    }
-                    r.map(|_: usize| f.size as usize)
-                };
-                match r {
-                    Ok(n) => {
-                        checked.fetch_add(n, Ordering::Relaxed);
-                    }
-                    Err(e) => problems.lock().unwrap().push(e.to_string()),
-                }
-            });
+                off += len;
+            }
+            r.map(|_: usize| f.size as usize)
+        };
+        match r {
+            Ok(n) => {
+                checked.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(e) => problems.lock().unwrap().push(e.to_string()),
         }
     });
     report.bytes_checked = checked.into_inner() as u64;
     let mut p = problems.into_inner().unwrap();
     p.sort();
     report.problems.extend(p);
+}
+
+/// Calls `check(file)` for every file index in `0..files`, from up to `threads` threads.
+fn each_file(files: usize, threads: usize, check: impl Fn(usize) + Sync) {
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..threads.clamp(1, files.max(1)) {
+            scope.spawn(|| loop {
+                let fi = next.fetch_add(1, Ordering::Relaxed);
+                if fi >= files {
+                    return;
+                }
+                check(fi);
+            });
+        }
+    });
 }

@@ -102,6 +102,12 @@ impl RankPlan {
         }
         e.u8(self.refuse_overwrite as u8);
         e.var(self.save_id);
+        self.encode_structure(&mut e);
+        e.buf
+    }
+
+    /// The shards and objects (what a plan cache compares), appended to `e`.
+    fn encode_structure(&self, e: &mut Encoder) {
         e.var(self.tensors.len() as u64);
         let mut last_key: &str = "";
         for t in &self.tensors {
@@ -136,7 +142,6 @@ impl RankPlan {
             e.u8(o.main as u8);
             e.var(o.len);
         }
-        e.buf
     }
 
     /// Inverse of [`RankPlan::encode`].
@@ -798,14 +803,8 @@ pub fn cache_hit(checks: &[CacheCheck]) -> bool {
 /// The structure of a rank's plan (without the save's id, flags or error), plus `extra` bytes
 /// (the options that shape the global plan), hashed to 128 bits.
 pub fn plan_digest(plan: &RankPlan, extra: &[u8]) -> [u64; 2] {
-    let p = RankPlan {
-        error: None,
-        refuse_overwrite: false,
-        save_id: 0,
-        tensors: plan.tensors.clone(),
-        objects: plan.objects.clone(),
-    };
-    let mut bytes = p.encode();
-    bytes.extend_from_slice(extra);
-    super::fasthash::digest128(&bytes)
+    let mut e = Encoder::default();
+    plan.encode_structure(&mut e);
+    e.buf.extend_from_slice(extra);
+    super::fasthash::digest128(&e.buf)
 }

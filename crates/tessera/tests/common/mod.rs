@@ -9,7 +9,8 @@ pub mod s3;
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use tessera::*;
@@ -157,6 +158,53 @@ pub fn run_ranks<T: Send>(world: usize, f: impl Fn(&InProcessComm) -> T + Sync) 
         let handles: Vec<_> = comms.iter().map(|c| s.spawn(|| f(c))).collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
     })
+}
+
+/// A rank's communicator that counts what goes through it.
+pub struct CountingComm<'c> {
+    inner: &'c InProcessComm,
+    /// Collectives called (all-gathers, broadcasts, all-to-alls).
+    pub calls: AtomicUsize,
+    /// Bytes this rank contributed to all-gathers.
+    pub gathered: AtomicU64,
+    /// For each all-to-all, the bytes this rank sent to the other ranks.
+    pub all_to_all_sent: Mutex<Vec<u64>>,
+}
+
+impl<'c> CountingComm<'c> {
+    pub fn new(inner: &'c InProcessComm) -> Self {
+        CountingComm {
+            inner,
+            calls: AtomicUsize::new(0),
+            gathered: AtomicU64::new(0),
+            all_to_all_sent: Mutex::default(),
+        }
+    }
+}
+
+impl Communicator for CountingComm<'_> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.gathered.fetch_add(data.len() as u64, Ordering::Relaxed);
+        self.inner.all_gather(data)
+    }
+    fn broadcast(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.broadcast(data, root)
+    }
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let me = self.rank();
+        let bytes = send.iter().enumerate().filter(|(r, _)| *r != me).map(|(_, m)| m.len() as u64).sum();
+        self.all_to_all_sent.lock().unwrap().push(bytes);
+        self.inner.all_to_all(send)
+    }
 }
 
 /// Save options with a small checksum block, so multi-block chunks are common.

@@ -1,13 +1,11 @@
 //! PyTorch Distributed Checkpoint directories, read-only: plain DCP (`torch_dcp`), Megatron
 //! `torch_dist` (DCP + `metadata.json` + `common.pt`) and OLMo-core (`model_and_optim/`).
 
-use std::collections::BTreeMap;
-
-use super::{common_value, ForeignView, Source};
+use super::{common_entries, foreign_index, ForeignView, ObjectShards, Source};
 use crate::format::dcp::{parse_metadata, DcpMetadata};
 use crate::format::pickle::PickleValue;
 use crate::format::torch_save::limits;
-use crate::format::{unpickle, CheckpointIndex, ObjectEntry, StoredChunk, StoredObject, TensorEntry};
+use crate::format::{unpickle, CheckpointIndex, StoredChunk, TensorEntry};
 use crate::io::strategy::{FormatRecord, LoadStrategy};
 use crate::plan::geometry::{check_tiling, Piece};
 use crate::state::{PathSeg, StatePath};
@@ -171,9 +169,9 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
         tensors.push(TensorEntry { key: t.fqn, dtype: t.dtype, global_shape: t.size, chunks });
     }
 
-    let mut objects: BTreeMap<String, ObjectEntry> = BTreeMap::new();
+    let mut objects = ObjectShards::default();
     let mut common: Vec<(StatePath, Value)> = Vec::new();
-    let mut common_object: Option<Value> = None;
+    let mut common_object: Option<PickleValue> = None;
     for b in meta.bytes {
         if flavor == DcpFlavor::Megatron {
             if let Some((key, offset, shape)) = parse_object_fqn(&b.fqn) {
@@ -181,11 +179,10 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
                     let archive = view.read_item(&b.location, None)?;
                     let v =
                         view.decode_value(&archive, &format!("{}/{}", storage.location(), b.location.relative_path))?;
-                    let v = match v {
+                    common_object = Some(match v {
                         PickleValue::List(mut xs) if xs.len() == 1 => xs.pop().unwrap(),
                         other => other,
-                    };
-                    common_object = Some(common_value(&v));
+                    });
                     continue;
                 }
                 let name = format!("{}@{}", b.location.relative_path, b.location.offset);
@@ -194,18 +191,7 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
                     None,
                     Source::DcpObject { item: b.location, key: key.to_string(), list_wrapped: true },
                 );
-                let entry = objects.entry(key.to_string()).or_insert_with(|| ObjectEntry {
-                    key: key.to_string(),
-                    global_shape: shape.clone(),
-                    shards: Vec::new(),
-                });
-                if entry.global_shape != shape {
-                    return Err(Error::corrupt(
-                        &shown,
-                        format!("object {key:?}: shards disagree on the grid ({:?} vs {shape:?})", entry.global_shape),
-                    ));
-                }
-                entry.shards.push(StoredObject { offset, file, byte_offset: 0, len: 0, crc: 0 });
+                objects.add(key, offset, shape, file, &shown)?;
                 continue;
             }
         }
@@ -222,65 +208,17 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
     }
 
     if flavor == DcpFlavor::Megatron {
-        match storage.read(MEGATRON_COMMON) {
-            Ok(archive) => {
-                let shown = format!("{}/{MEGATRON_COMMON}", storage.location());
-                let v = view.decode_value(&archive, &shown)?;
-                common.extend(common_entries(&v));
-            }
-            Err(Error::NotFound { .. }) => {
-                if let Some(v) = common_object {
-                    common.extend(common_entries_from_value(v));
-                }
-            }
-            Err(e) => return Err(e),
+        match view.megatron_common()? {
+            Some(entries) => common.extend(entries),
+            None => common.extend(common_object.as_ref().map(common_entries).unwrap_or_default()),
         }
     }
-
-    tensors.sort_by(|a, b| a.key.cmp(&b.key));
-    let objects: Vec<ObjectEntry> = objects
-        .into_values()
-        .map(|mut o| {
-            o.shards.sort_by(|a, b| a.offset.cmp(&b.offset));
-            o
-        })
-        .collect();
-    let index = CheckpointIndex {
-        backend: flavor.backend().into(),
-        version: 1,
-        block_size: 0,
-        content_metadata: Value::Null,
-        common,
-        files: view.file_entries(),
-        tensors,
-        objects,
-    };
+    let index = foreign_index(flavor.backend(), &view, common, tensors, objects);
     Ok((index, view))
 }
 
 /// The key Python's glue uses for a value it must rebuild with `torch.load`.
 pub(crate) const TORCH_SAVE_KEY: &str = "__tessera_torch_save__";
-
-/// Entries of a common-state dict: one per top-level key (plain values where possible).
-pub(crate) fn common_entries(v: &PickleValue) -> Vec<(StatePath, Value)> {
-    match v {
-        PickleValue::Dict(items) if items.iter().all(|(k, _)| matches!(k, PickleValue::Str(_))) => items
-            .iter()
-            .map(|(k, v)| {
-                let PickleValue::Str(k) = k else { unreachable!() };
-                (vec![PathSeg::Key(k.clone())], common_value(v))
-            })
-            .collect(),
-        other => vec![(vec![PathSeg::Key("common".into())], common_value(other))],
-    }
-}
-
-fn common_entries_from_value(v: Value) -> Vec<(StatePath, Value)> {
-    match v {
-        Value::Map(m) => m.into_iter().map(|(k, v)| (vec![PathSeg::Key(k)], v)).collect(),
-        other => vec![(vec![PathSeg::Key("common".into())], other)],
-    }
-}
 
 #[cfg(test)]
 mod tests {

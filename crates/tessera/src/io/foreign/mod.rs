@@ -13,7 +13,7 @@
 pub(crate) mod dcp;
 pub(crate) mod zarr;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -21,9 +21,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use crate::format::dcp::ItemLocation;
 use crate::format::pickle::PickleValue;
 use crate::format::torch_save::{
-    decode_archive, find_central_directory, find_entry, gather, local_header_len, parse_central_directory,
+    decode_archive, find_central_directory, find_entry, gather, inner_name, local_header_len, parse_central_directory,
     tensor_record, zip_entries, CentralEntry, TensorRecord, ZipEntry,
 };
+use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, TensorEntry};
+use crate::plan::geometry::{copy_runs, Layout, Piece};
+use crate::state::{PathSeg, StatePath};
 use crate::storage::{ObjectWriter, Storage};
 use crate::{DType, Error, Result, Value};
 
@@ -177,6 +180,19 @@ impl<'s> ForeignView<'s> {
         decode_archive(archive, shown).map_err(|e| Error::corrupt(shown, format!("torch.save archive: {e}")))
     }
 
+    /// The common state in Megatron's `common.pt`, if the checkpoint has one.
+    pub(crate) fn megatron_common(&self) -> Result<Option<Vec<(StatePath, Value)>>> {
+        let name = self.real(dcp::MEGATRON_COMMON);
+        match self.base.read(&name) {
+            Ok(archive) => {
+                let shown = format!("{}/{name}", self.base.location());
+                Ok(Some(common_entries(&self.decode_value(&archive, &shown)?)))
+            }
+            Err(Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     fn item_error(&self, item: &ItemLocation, key: &str, reason: impl fmt::Display) -> Error {
         Error::corrupt(
             self.shown(&item.relative_path),
@@ -213,7 +229,7 @@ impl<'s> ForeignView<'s> {
             return Ok(None);
         };
         let entries = parse_central_directory(cd, count, item.length).map_err(err)?;
-        let inner = |e: &CentralEntry, want: &str| e.name.split_once('/').is_some_and(|(_, rest)| rest == want);
+        let inner = |e: &CentralEntry, want: &str| inner_name(&e.name) == want;
         let pkl = entries.iter().find(|e| inner(e, "data.pkl")).ok_or_else(|| err("no data.pkl".into()))?;
         let head = read(0, PROBE_BYTES)?;
         let in_head = |off: u64, len: u64| off.checked_add(len).is_some_and(|e| e <= PROBE_BYTES);
@@ -327,35 +343,20 @@ impl<'s> ForeignView<'s> {
                 Ok(object_payload(&value, OBJECT_TAG_TORCH, archive))
             }
             Source::RawBox { path, stored, shape, esize } => {
+                // The box's rows inside the stored (padded) chunk: the runs copy_runs finds.
                 let real = self.real(path);
-                let row = *shape.last().unwrap_or(&1) * esize;
-                let numel: u64 = shape.iter().product();
-                let mut out = vec![0u8; (numel * esize) as usize];
-                if numel == 0 {
-                    return Ok(out);
-                }
-                let rows = numel / shape.last().copied().unwrap_or(1).max(1);
-                let nd = shape.len();
-                let mut idx = vec![0u64; nd.saturating_sub(1)];
-                for r in 0..rows {
-                    // Element offset of this row's start in the stored (padded) box.
-                    let mut off = 0u64;
-                    let mut mul = *stored.last().unwrap_or(&1);
-                    for d in (0..idx.len()).rev() {
-                        off += idx[d] * mul;
-                        mul *= stored[d];
+                let mut out = vec![0u8; (shape.iter().product::<u64>() * esize) as usize];
+                let origin = vec![0u64; shape.len()];
+                let src = Layout { box_off: &origin, box_shape: stored, base: 0 };
+                let dst = Layout { box_off: &origin, box_shape: shape, base: 0 };
+                let mut result = Ok(());
+                copy_runs(src, dst, &Piece::new(&origin, shape), &mut |s, d, len| {
+                    if result.is_ok() {
+                        let (at, n) = ((d * esize) as usize, (len * esize) as usize);
+                        result = self.base.read_at(&real, s * esize, &mut out[at..at + n]);
                     }
-                    let dst = &mut out[(r * row) as usize..((r + 1) * row) as usize];
-                    self.base.read_at(&real, off * esize, dst)?;
-                    for d in (0..idx.len()).rev() {
-                        idx[d] += 1;
-                        if idx[d] < shape[d] {
-                            break;
-                        }
-                        idx[d] = 0;
-                    }
-                }
-                Ok(out)
+                });
+                result.map(|()| out)
             }
         }
     }
@@ -396,6 +397,75 @@ fn object_payload(value: &PickleValue, torch_tag: &[u8; 4], archive: Vec<u8>) ->
 /// A common-state value from a decoded pickle: plain when it is, else the lossy rendering.
 pub(crate) fn common_value(v: &PickleValue) -> Value {
     v.to_plain().unwrap_or_else(|| v.to_value_lossy())
+}
+
+/// Entries of a common-state dict: one per top-level key (plain values where possible); any
+/// other value is one entry, `common`.
+pub(crate) fn common_entries(v: &PickleValue) -> Vec<(StatePath, Value)> {
+    match v {
+        PickleValue::Dict(items) if items.iter().all(|(k, _)| matches!(k, PickleValue::Str(_))) => items
+            .iter()
+            .map(|(k, v)| {
+                let PickleValue::Str(k) = k else { unreachable!() };
+                (vec![PathSeg::Key(k.clone())], common_value(v))
+            })
+            .collect(),
+        other => vec![(vec![PathSeg::Key("common".into())], common_value(other))],
+    }
+}
+
+/// The sharded objects of a foreign checkpoint, gathered shard by shard as they are found.
+#[derive(Default)]
+pub(crate) struct ObjectShards(BTreeMap<String, ObjectEntry>);
+
+impl ObjectShards {
+    /// Adds the shard at grid position `offset` of `key`'s `grid`, stored in virtual file
+    /// `file`; shards of one key must agree on the grid (`shown` names the file otherwise).
+    pub(crate) fn add(&mut self, key: &str, offset: Vec<u64>, grid: Vec<u64>, file: u32, shown: &str) -> Result<()> {
+        let entry = self.0.entry(key.to_string()).or_insert_with(|| ObjectEntry {
+            key: key.to_string(),
+            global_shape: grid.clone(),
+            shards: Vec::new(),
+        });
+        if entry.global_shape != grid {
+            return Err(Error::corrupt(
+                shown,
+                format!("object {key:?}: shards disagree on the grid ({:?} vs {grid:?})", entry.global_shape),
+            ));
+        }
+        entry.shards.push(StoredObject { offset, file, byte_offset: 0, len: 0, crc: 0 });
+        Ok(())
+    }
+}
+
+/// The index of a foreign checkpoint read through `view`: no checksums (`block_size` 0), keys
+/// and shards sorted as the loader's lookups need.
+pub(crate) fn foreign_index(
+    backend: &str,
+    view: &ForeignView<'_>,
+    common: Vec<(StatePath, Value)>,
+    mut tensors: Vec<TensorEntry>,
+    objects: ObjectShards,
+) -> CheckpointIndex {
+    tensors.sort_by(|a, b| a.key.cmp(&b.key));
+    let objects = objects
+        .0
+        .into_values()
+        .map(|mut o| {
+            o.shards.sort_by(|a, b| a.offset.cmp(&b.offset));
+            o
+        })
+        .collect();
+    CheckpointIndex {
+        backend: backend.into(),
+        version: 1,
+        block_size: 0,
+        content_metadata: Value::Null,
+        common,
+        files: view.file_entries(),
+        tensors,
+        objects,
+    }
 }
 
 fn zstd_decode(raw: &[u8], limit: u64) -> std::result::Result<Vec<u8>, String> {

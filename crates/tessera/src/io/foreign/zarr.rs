@@ -2,15 +2,13 @@
 //! Zarr v2 array folder per tensor key (uncompressed chunk files), sharded objects as
 //! `KEY/shard_OFFSETS_SHAPE.pt`, and `common.pt`.
 
-use std::collections::BTreeMap;
-
-use super::dcp::{common_entries, megatron_backend, parse_object_fqn, MEGATRON_COMMON};
-use super::{ForeignView, Source};
+use super::dcp::{megatron_backend, parse_object_fqn};
+use super::{foreign_index, ForeignView, ObjectShards, Source};
 use crate::format::zarr::parse_zarray;
-use crate::format::{CheckpointIndex, ObjectEntry, StoredChunk, StoredObject, TensorEntry};
+use crate::format::{CheckpointIndex, StoredChunk, TensorEntry};
 use crate::io::strategy::{FormatRecord, LoadStrategy};
 use crate::storage::Storage;
-use crate::{Error, Result, Value};
+use crate::{Error, Result};
 
 /// Reads Megatron `zarr` checkpoints (backend `"zarr"`, version 1).
 #[derive(Debug, Clone, Copy, Default)]
@@ -51,7 +49,7 @@ fn open_zarr(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)
     let mut names = storage.list_recursive()?;
     names.sort();
     let mut tensors = Vec::new();
-    let mut objects: BTreeMap<String, ObjectEntry> = BTreeMap::new();
+    let mut objects = ObjectShards::default();
     for name in &names {
         if let Some(key) = name.strip_suffix(&format!("/{ZARRAY}")) {
             let shown = format!("{}/{name}", storage.location());
@@ -90,46 +88,10 @@ fn open_zarr(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)
         } else if let Some(stem) = name.strip_suffix(".pt") {
             let Some((key, offset, shape)) = parse_object_fqn(stem) else { continue };
             let file = view.add(name.clone(), None, Source::TorchFile { path: name.clone() });
-            let entry = objects.entry(key.to_string()).or_insert_with(|| ObjectEntry {
-                key: key.to_string(),
-                global_shape: shape.clone(),
-                shards: Vec::new(),
-            });
-            if entry.global_shape != shape {
-                return Err(Error::corrupt(
-                    format!("{}/{name}", storage.location()),
-                    format!("object {key:?}: shards disagree on the grid ({:?} vs {shape:?})", entry.global_shape),
-                ));
-            }
-            entry.shards.push(StoredObject { offset, file, byte_offset: 0, len: 0, crc: 0 });
+            objects.add(key, offset, shape, file, &format!("{}/{name}", storage.location()))?;
         }
     }
-    let mut common = Vec::new();
-    match storage.read(MEGATRON_COMMON) {
-        Ok(archive) => {
-            let shown = format!("{}/{MEGATRON_COMMON}", storage.location());
-            common = common_entries(&view.decode_value(&archive, &shown)?);
-        }
-        Err(Error::NotFound { .. }) => {}
-        Err(e) => return Err(e),
-    }
-    tensors.sort_by(|a, b| a.key.cmp(&b.key));
-    let objects = objects
-        .into_values()
-        .map(|mut o| {
-            o.shards.sort_by(|a, b| a.offset.cmp(&b.offset));
-            o
-        })
-        .collect();
-    let index = CheckpointIndex {
-        backend: "zarr".into(),
-        version: 1,
-        block_size: 0,
-        content_metadata: Value::Null,
-        common,
-        files: view.file_entries(),
-        tensors,
-        objects,
-    };
+    let common = view.megatron_common()?.unwrap_or_default();
+    let index = foreign_index("zarr", &view, common, tensors, objects);
     Ok((index, view))
 }
