@@ -3,6 +3,7 @@
 import copy
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -465,7 +466,33 @@ def test_check_is_distributed_checkpoint_with_real_native(tmp_path):
 
     assert not check_is_distributed_checkpoint(tmp_path)
     serialization.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, str(tmp_path / "ckpt"))
-    assert maybe_load_config(tmp_path / "ckpt") == CheckpointingConfig("tessera", 1)
+    assert maybe_load_config(tmp_path / "ckpt") == CheckpointingConfig("tessera", strategies.TESSERA_BACKEND_VERSION)
+
+
+def test_the_python_format_version_is_the_native_one():
+    native = pytest.importorskip("tessera._native")
+    assert strategies.TESSERA_BACKEND_VERSION == native.FORMAT_VERSION
+    assert native.FORMAT_VERSION in strategies.TESSERA_READ_VERSIONS
+
+
+def test_a_version_1_checkpoint_loads_through_the_default_strategies():
+    # The golden checkpoint written by tessera 0.1 in format version 1.
+    pytest.importorskip("tessera._native")
+    from tessera.dist_checkpointing import serialization
+
+    golden = Path(__file__).resolve().parents[2] / "crates/tessera/tests/fixtures/golden_v1"
+    config = maybe_load_config(golden)
+    assert config == CheckpointingConfig("tessera", 1, "tessera", 1)
+    strategy = strategies.get_default_strategy(
+        StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+    )
+    strategy.check_version_compatibility(config.sharded_backend_version)
+    loaded = serialization.load(
+        {"norm": ShardedTensor.from_rank_offsets("final_norm", torch.zeros(3, dtype=torch.float16))},
+        str(golden),
+        sharded_strategy=strategy,
+    )
+    assert loaded["norm"].tolist() == [1.0, -2.0, 0.5]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,23 +504,31 @@ def test_strategy_actions():
 
 
 def test_default_tessera_strategies():
-    save = strategies.get_default_strategy(StrategyAction.SAVE_SHARDED, "tessera", 1)
-    load = strategies.get_default_strategy(StrategyAction.LOAD_SHARDED, "tessera", 1)
-    common = strategies.get_default_strategy(StrategyAction.LOAD_COMMON, "tessera", 1)
+    save = strategies.get_default_strategy(StrategyAction.SAVE_SHARDED, "tessera", 2)
+    load = strategies.get_default_strategy(StrategyAction.LOAD_SHARDED, "tessera", 2)
+    common = strategies.get_default_strategy(StrategyAction.LOAD_COMMON, "tessera", 2)
     assert isinstance(save, strategies.TesseraSaveShardedStrategy)
     assert isinstance(load, strategies.TesseraLoadShardedStrategy)
     assert isinstance(common, strategies.TesseraLoadCommonStrategy)
-    assert (save.backend, save.version, load.backend, load.version) == ("tessera", 1, "tessera", 1)
+    assert (save.backend, save.version, load.backend, load.version) == ("tessera", 2, "tessera", 2)
     assert save.can_handle_sharded_objects and load.can_handle_sharded_objects
-    assert str(save) == "TesseraSaveShardedStrategy(tessera, 1)"
+    assert str(save) == "TesseraSaveShardedStrategy(tessera, 2)"
     load.check_backend_compatibility("tessera")
+    # Version 1 checkpoints are read by the same strategies; tessera writes only version 2.
     load.check_version_compatibility(1)
+    load.check_version_compatibility(2)
+    assert isinstance(strategies.get_default_strategy(StrategyAction.LOAD_SHARDED, "tessera", 1), type(load))
+    assert isinstance(strategies.get_default_strategy(StrategyAction.LOAD_COMMON, "tessera", 1), type(common))
+    with pytest.raises(CheckpointingException, match="no default save_sharded strategy for backend 'tessera' version 1"):
+        strategies.get_default_strategy(StrategyAction.SAVE_SHARDED, "tessera", 1)
+    with pytest.raises(CheckpointingException, match="version 1 is not supported"):
+        strategies.TesseraSaveShardedStrategy("tessera", 1)
     with pytest.raises(CheckpointingException, match="not 'zarr'"):
         load.check_backend_compatibility("zarr")
-    with pytest.raises(CheckpointingException, match="version 2 is not supported"):
-        common.check_version_compatibility(2)
+    with pytest.raises(CheckpointingException, match="version 3 is not supported"):
+        common.check_version_compatibility(3)
     with pytest.raises(CheckpointingException, match="not 'torch'"):
-        strategies.TesseraSaveShardedStrategy("torch", 1)
+        strategies.TesseraSaveShardedStrategy("torch", 2)
 
 
 def test_unknown_default_strategy_raises():
@@ -558,9 +593,9 @@ def test_load_strategy_metadata_defaults():
 def test_tessera_strategies_run_the_native_engine(tmp_path):
     pytest.importorskip("tessera._native")
     location = str(tmp_path / "ckpt")
-    save = strategies.get_default_strategy(StrategyAction.SAVE_SHARDED, "tessera", 1)
-    load = strategies.get_default_strategy(StrategyAction.LOAD_SHARDED, "tessera", 1)
-    common = strategies.get_default_strategy(StrategyAction.LOAD_COMMON, "tessera", 1)
+    save = strategies.get_default_strategy(StrategyAction.SAVE_SHARDED, "tessera", 2)
+    load = strategies.get_default_strategy(StrategyAction.LOAD_SHARDED, "tessera", 2)
+    common = strategies.get_default_strategy(StrategyAction.LOAD_COMMON, "tessera", 2)
     weight = torch.arange(6.0).reshape(2, 3)
     save.save(
         {"w": ShardedTensor.from_rank_offsets("w", weight), "b": ShardedTensor.from_rank_offsets("b", torch.ones(2))},

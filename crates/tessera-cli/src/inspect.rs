@@ -36,7 +36,7 @@ pub enum Format {
 }
 
 fn tensor_bytes(t: &TensorEntry) -> u64 {
-    t.chunks.iter().map(|c| c.numel()).sum::<u64>() * t.dtype.size() as u64
+    t.chunks().iter().map(|c| c.numel()).sum::<u64>() * t.dtype.size() as u64
 }
 
 /// Inserts `value` at `path` in a nested JSON value (maps for keys, arrays for indices).
@@ -82,7 +82,7 @@ pub fn summary_json(dir: &Location, index: &CheckpointIndex) -> J {
     for t in &index.tensors {
         tensors.insert(
             t.key.clone(),
-            json!({"dtype": t.dtype.name(), "shape": t.global_shape, "chunks": t.chunks.len(), "bytes": tensor_bytes(t)}),
+            json!({"dtype": t.dtype.name(), "shape": t.global_shape, "chunks": t.chunks().len(), "bytes": tensor_bytes(t)}),
         );
     }
     let mut objects = Map::new();
@@ -123,7 +123,7 @@ pub fn index_json(index: &CheckpointIndex) -> J {
         .iter()
         .map(|t| {
             let chunks: Vec<J> = t
-                .chunks
+                .chunks()
                 .iter()
                 .map(|c| {
                     json!({
@@ -205,7 +205,7 @@ fn text(dir: &Location, index: &CheckpointIndex) {
                 t.key,
                 t.dtype.name(),
                 format!("{:?}", t.global_shape),
-                t.chunks.len(),
+                t.chunks().len(),
                 fmt_bytes(tensor_bytes(t))
             );
         }

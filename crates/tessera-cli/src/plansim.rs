@@ -6,20 +6,25 @@
 //! It runs the same pure functions as a real save: every rank's [`RankPlan`] is encoded (the
 //! all-gather message), decoded by the receiver, validated globally, laid out, reported as
 //! [`WrittenFile`]s, assembled into the index, encoded and opened again; then one rank of
-//! another layout (TP doubled) plans its load against that index.
+//! another layout (TP doubled) plans its load against that index, and a rank that loads one
+//! layer opens the stored index for those keys only and plans their load.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde_json::json;
 use tessera::plan::dims::Dims;
-use tessera::plan::load::{plan_reads, plan_request, ReadTuning, Request};
+use tessera::plan::load::{plan_reads, plan_request, ReadPlan, ReadTuning, Request};
 use tessera::plan::save::{
     build_index, cache_hit, data_file_name, layout_file, plan_digest, validate_global, CacheCheck, ObjectMeta,
     RankPlan, ShardMeta, WrittenFile,
 };
-use tessera::{CheckpointIndex, DType, PathSeg, Value, DEFAULT_BLOCK_SIZE};
+use tessera::{
+    open_checkpoint_keys, CheckpointIndex, DType, MemoryStorage, ObjectWriter, PathSeg, Storage, Value,
+    DEFAULT_BLOCK_SIZE, INDEX_FILE,
+};
 
 use crate::model::{jittered_bounds, key_seed, split_range};
 use crate::sizes::{fmt_bytes, fmt_secs};
@@ -127,6 +132,60 @@ fn written(rank: usize, plan: &RankPlan, header_len: u64) -> WrittenFile {
     }
 }
 
+/// Rank 0's load plan at tensor-parallel size `tp` (rows split, no DP sharding) for `specs`.
+fn load_plan(index: &CheckpointIndex, specs: &[&TensorSpec], tp: u64) -> Result<ReadPlan> {
+    let mut segs = Vec::new();
+    for (i, s) in specs.iter().enumerate() {
+        let (row, rows) = split_range(s.global[0], tp, 0);
+        let req = Request {
+            key: s.key.to_string(),
+            dtype: s.dtype,
+            global_shape: s.global.to_vec(),
+            offset: vec![row, 0],
+            shape: vec![rows, s.global[1]],
+            flat: None,
+            allow_shape_mismatch: false,
+            target: i,
+        };
+        segs.extend(plan_request(index, &req)?.segs);
+    }
+    Ok(plan_reads(index, segs, true, ReadTuning::default()))
+}
+
+/// Counts the ranged reads made through it.
+#[derive(Debug)]
+struct CountedReads<'a> {
+    inner: &'a dyn Storage,
+    bytes: AtomicU64,
+    reads: AtomicU64,
+}
+
+impl Storage for CountedReads<'_> {
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+    fn size(&self, name: &str) -> tessera::Result<u64> {
+        self.inner.size(name)
+    }
+    fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> tessera::Result<()> {
+        self.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.read_at(name, offset, buf)
+    }
+    fn create(&self, name: &str, size: u64) -> tessera::Result<Box<dyn ObjectWriter>> {
+        self.inner.create(name, size)
+    }
+    fn put_atomic(&self, name: &str, bytes: &[u8]) -> tessera::Result<()> {
+        self.inner.put_atomic(name, bytes)
+    }
+    fn list(&self) -> tessera::Result<Vec<String>> {
+        self.inner.list()
+    }
+    fn delete(&self, name: &str) -> tessera::Result<()> {
+        self.inner.delete(name)
+    }
+}
+
 fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
     let start = Instant::now();
     let out = f();
@@ -190,28 +249,26 @@ pub fn run(args: PlanArgs) -> Result<()> {
     drop(index);
     let (opened, t_open) = timed(|| CheckpointIndex::from_bytes(&encoded, "plan-only"));
     let index = opened.context("opening the encoded index")?;
+    // 4'. A rank that loads one layer (its weight and optimizer state) opens the stored index
+    // for those keys: the head, then their chunk records only.
+    let few: Vec<&str> = specs.iter().take(2).map(|s| &*s.key).collect();
+    let stored = MemoryStorage::named("plan-only");
+    stored.put_atomic(INDEX_FILE, &encoded)?;
+    let counted = CountedReads { inner: &stored, bytes: AtomicU64::new(0), reads: AtomicU64::new(0) };
+    let (few_open, t_few_open) = timed(|| open_checkpoint_keys(&counted, &few));
+    let few_open = few_open.context("opening the index for a few keys")?;
+    let few_read = (counted.bytes.load(Ordering::Relaxed), counted.reads.load(Ordering::Relaxed));
+    let few_specs: Vec<&TensorSpec> = specs.iter().take(2).collect();
+    let (few_plan, t_few_plan) = timed(|| load_plan(&few_open.index, &few_specs, 2 * tp));
+    let few_plan = few_plan?;
+    drop(few_open);
+    drop(stored);
 
-    // 5. Rank 0 of another layout (TP doubled, no DP sharding) plans its load.
-    let new_tp = 2 * tp;
-    let (plan, t_load_plan) = timed(|| -> Result<_> {
-        let mut segs = Vec::new();
-        for (i, s) in specs.iter().enumerate() {
-            let (row, rows) = split_range(s.global[0], new_tp, 0);
-            let req = Request {
-                key: s.key.to_string(),
-                dtype: s.dtype,
-                global_shape: s.global.to_vec(),
-                offset: vec![row, 0],
-                shape: vec![rows, s.global[1]],
-                flat: None,
-                allow_shape_mismatch: false,
-                target: i,
-            };
-            segs.extend(plan_request(&index, &req)?.segs);
-        }
-        Ok(plan_reads(&index, segs, true, ReadTuning::default()))
-    });
+    // 5. Rank 0 of another layout (TP doubled, no DP sharding) plans its load of every tensor.
+    let all_specs: Vec<&TensorSpec> = specs.iter().collect();
+    let (plan, t_load_plan) = timed(|| load_plan(&index, &all_specs, 2 * tp));
     let plan = plan?;
+    let new_tp = 2 * tp;
     let total_secs = begin.elapsed().as_secs_f64();
     let per_rank_encode = t_encode_all / n as f64;
     let critical = per_rank_encode + t_decode + t_validate + t_layout + t_written + t_build + t_index_encode;
@@ -247,6 +304,14 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "load_plan_bytes_needed": plan.bytes_needed,
             "load_plan_bytes_read": plan.bytes_read,
             "load_plan_reads": plan.spans.len(),
+            "few_keys": {
+                "keys": few.len(),
+                "index_open_secs": t_few_open,
+                "index_bytes_read": few_read.0,
+                "index_reads": few_read.1,
+                "load_plan_secs": t_few_plan,
+                "load_plan_bytes_needed": few_plan.bytes_needed,
+            },
             "save_critical_path_secs": critical,
             "plan_cache_hit": {
                 "rank_plan_digest_secs": per_rank_digest,
@@ -295,6 +360,14 @@ pub fn run(args: PlanArgs) -> Result<()> {
             fmt_bytes(plan.bytes_needed),
             fmt_bytes(plan.bytes_read),
             plan.spans.len()
+        );
+        println!(
+            "few keys    a rank loading {} keys: index open {} ({} read in {} reads), load plan {}",
+            few.len(),
+            fmt_secs(t_few_open),
+            fmt_bytes(few_read.0),
+            few_read.1,
+            fmt_secs(t_few_plan)
         );
         println!(
             "plan cache  hit: {} per rank to describe and hash its plan, {:.0} bytes sent per rank, {} to decide; \

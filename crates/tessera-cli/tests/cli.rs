@@ -76,7 +76,7 @@ fn demo_then_inspect_verify_corrupt_and_gc() {
     // The JSON summary.
     let s = json(&expect(&["inspect", dir, "--json"], 0));
     assert_eq!(s["format"]["backend"], "tessera");
-    assert_eq!(s["format"]["version"], 1);
+    assert_eq!(s["format"]["version"], tessera::FORMAT_VERSION);
     let tensors = s["tensors"].as_object().unwrap();
     let emb = &tensors["embedding.word_embeddings.weight"];
     assert_eq!(emb["dtype"], "bf16");
@@ -107,7 +107,12 @@ fn demo_then_inspect_verify_corrupt_and_gc() {
 
     // The text view and the full index dump.
     let t = expect(&["inspect", dir], 0);
-    assert!(t.contains("tessera v1") && t.contains("rng_state") && t.contains("iteration = 1000"), "{t}");
+    assert!(
+        t.contains(&format!("tessera v{}", tessera::FORMAT_VERSION))
+            && t.contains("rng_state")
+            && t.contains("iteration = 1000"),
+        "{t}"
+    );
     let idx = json(&expect(&["inspect", dir, "--index-json"], 0));
     let chunks = idx["tensors"][0]["chunks"].as_array().unwrap();
     assert!(!chunks.is_empty());

@@ -240,6 +240,7 @@ fn load<'py>(
     let objects = each(&objects, convert::load_object)?;
     let (n_tensors, n_objects) = (specs.len(), objects.len());
     convert::check_disjoint(py, &specs)?;
+    let keys: Vec<String> = specs.iter().map(|s| s.tensor.key.clone()).collect();
     let tensors = specs
         .into_iter()
         // SAFETY: the contract of `load`: the Python caller keeps every tensor's memory alive,
@@ -263,8 +264,12 @@ fn load<'py>(
     let (common, result) = lib(
         py,
         interruptible(py, &cancel, || {
-            let ckpt = tessera::open_checkpoint(&*storage)?;
-            let result = tessera::load_from_index(&ckpt.index, tree, ckpt.storage(), &*comm, &opts)?;
+            let ckpt = if exchange_reads {
+                tessera::open_checkpoint(&*storage)?
+            } else {
+                tessera::open_checkpoint_keys(&*storage, &keys)?
+            };
+            let result = tessera::load_checkpoint(&ckpt, tree, &*comm, &opts)?;
             Ok((ckpt.index.common.clone(), result))
         })?,
     )?;

@@ -23,6 +23,8 @@ mod io;
 pub mod plan;
 mod state;
 mod storage;
+#[cfg(test)]
+mod test_rng;
 
 #[cfg(feature = "mpi")]
 pub use comm::MpiComm;
@@ -44,16 +46,18 @@ pub use io::foreign::dcp::{DcpFlavor, DcpStrategy};
 pub use io::foreign::zarr::ZarrStrategy;
 pub use io::foreign::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
 pub use io::load::{
-    load, load_common_state, load_content_metadata, load_from_index, load_plain_tensors, load_sharded_objects,
-    load_tensors_metadata, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling, TensorMeta,
+    load, load_checkpoint, load_common_state, load_content_metadata, load_from_index, load_plain_tensors,
+    load_sharded_objects, load_tensors_metadata, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling,
+    TensorMeta,
 };
 pub use io::maintenance::{gc, remove_sharded_tensors};
 pub use io::pipeline::DEFAULT_MEMORY_BUDGET;
 pub use io::save::{save, validate_sharding_integrity, PlanCache, SaveOptions, SaveReport};
 pub use io::staging::{StagingPool, DEFAULT_STAGING_BUFFER};
 pub use io::strategy::{
-    detect_format, get_save_strategy, open_checkpoint, open_index, register_load_strategy, register_save_strategy,
-    FormatRecord, LoadStrategy, NativeStrategy, OpenCheckpoint, SaveStrategy, StrategyAction,
+    detect_format, get_save_strategy, open_checkpoint, open_checkpoint_keys, open_index, register_load_strategy,
+    register_save_strategy, FormatRecord, LoadStrategy, NativeStrategy, OpenCheckpoint, OpenedKeys, SaveStrategy,
+    StrategyAction,
 };
 pub use io::verify::{verify, VerifyReport};
 /// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).

@@ -117,7 +117,7 @@ fn async_save_stages_in_waves_through_a_small_pool_and_commits_identically() {
     assert_eq!(a.tensors.len(), b.tensors.len());
     for (x, y) in a.tensors.iter().zip(&b.tensors) {
         let geom = |e: &TensorEntry| {
-            e.chunks.iter().map(|c| (c.offset.clone(), c.shape.clone(), c.crcs.clone())).collect::<Vec<_>>()
+            e.chunks().iter().map(|c| (c.offset.clone(), c.shape.clone(), c.crcs.clone())).collect::<Vec<_>>()
         };
         assert_eq!((&x.key, geom(x)), (&y.key, geom(y)));
     }

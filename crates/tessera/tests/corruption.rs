@@ -157,7 +157,7 @@ fn the_fixture_is_sound() {
 fn data_ranges(index: &CheckpointIndex) -> Vec<(u32, u64, u64, String)> {
     let mut out = Vec::new();
     for t in &index.tensors {
-        for c in &t.chunks {
+        for c in t.chunks() {
             out.push((c.file, c.byte_offset, c.numel() * t.dtype.size() as u64, format!("tensor {}", t.key)));
         }
     }
@@ -198,7 +198,7 @@ fn load_without_checksum_verification_reads_a_flipped_byte_silently() {
     let fx = fixture();
     let index = fx.index();
     let w = index.tensor("w").unwrap();
-    let c = &w.chunks[1];
+    let c = &w.chunks()[1];
     let name = &index.files[c.file as usize].name;
     flip(&fx.path(name), c.byte_offset + 5);
     let storage = fx.storage();
@@ -389,7 +389,7 @@ fn another_format_version_is_incompatible() {
     let original = std::fs::read(&path).unwrap();
     assert_eq!(&original[..8], INDEX_MAGIC);
     assert_eq!(u32::from_le_bytes(original[8..12].try_into().unwrap()), FORMAT_VERSION);
-    for v in [2u32, 0, 1000, u32::MAX] {
+    for v in [FORMAT_VERSION + 1, 0, 1000, u32::MAX] {
         let mut b = original.clone();
         b[8..12].copy_from_slice(&v.to_le_bytes());
         std::fs::write(&path, &b).unwrap();
@@ -409,15 +409,22 @@ fn another_format_version_is_incompatible() {
             }
         }
     }
-    // An index re-encoded as version 2 (checksum intact) is refused the same way.
+    // Version 1 in the header of a version-2 index is not guessed around: the layout is wrong.
+    let mut b = original.clone();
+    b[8..12].copy_from_slice(&1u32.to_le_bytes());
+    assert_corrupt(CheckpointIndex::from_bytes(&b, "v1 header"), "v1 header", "v1 header on a v2 index");
+    // An index re-encoded as version 1 (what tessera 0.1 wrote) still reads, to the same index.
     let mut index = CheckpointIndex::from_bytes(&original, "orig").unwrap();
-    index.version = 2;
-    match CheckpointIndex::from_bytes(&index.encode(), "v2") {
-        Err(Error::IncompatibleVersion { found, supported }) => {
-            assert!(found.contains('2') && supported.contains('1'), "{found} / {supported}")
-        }
-        other => panic!("{other:?}"),
+    index.version = 1;
+    let v1 = index.encode();
+    assert_eq!(u32::from_le_bytes(v1[8..12].try_into().unwrap()), 1);
+    assert_eq!(CheckpointIndex::from_bytes(&v1, "v1").unwrap(), index);
+    std::fs::write(&path, &v1).unwrap();
+    let (tensors, objects) = load_all(&fx.storage(), &fx, true).unwrap();
+    for (k, (_, _, truth)) in &fx.tensors {
+        assert_eq!(&tensors[k], truth, "{k} from a version-1 index");
     }
+    assert_eq!(objects, fx.objects);
 }
 
 #[test]
@@ -439,8 +446,11 @@ fn an_index_whose_chunks_point_past_their_file_is_refused() {
     let fx = fixture();
     let original = std::fs::read(fx.path(INDEX_FILE)).unwrap();
     let mut index = CheckpointIndex::from_bytes(&original, "orig").unwrap();
-    let size = index.files[index.tensors[0].chunks[0].file as usize].size;
-    index.tensors[0].chunks[0].byte_offset = size;
+    let t = index.tensors.remove(0);
+    let (key, dtype, shape) = (t.key.clone(), t.dtype, t.global_shape.clone());
+    let mut chunks = t.into_chunks();
+    chunks[0].byte_offset = index.files[chunks[0].file as usize].size;
+    index.tensors.insert(0, TensorEntry::new(key, dtype, shape, chunks));
     assert_corrupt(CheckpointIndex::from_bytes(&index.encode(), "bad.index"), "bad.index", "chunk past the end");
 }
 

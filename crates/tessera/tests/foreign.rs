@@ -7,12 +7,14 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
+
+use common::Counting;
 
 use tessera::{
     detect_format, load, load_common_state, load_plain_tensors, load_sharded_objects, open_checkpoint, verify, DType,
-    Error, LoadOptions, LocalStorage, ObjectWriter, ShardedObject, ShardedTensor, SoloComm, StateTree, Storage,
-    TensorData, Value, OBJECT_TAG_VALUE,
+    Error, LoadOptions, LocalStorage, ShardedObject, ShardedTensor, SoloComm, StateTree, Storage, TensorData, Value,
+    OBJECT_TAG_VALUE,
 };
 
 fn fixtures() -> PathBuf {
@@ -275,46 +277,11 @@ fn verify_reads_every_item() {
     }
 }
 
-/// Counts the bytes read through it.
-#[derive(Debug)]
-struct Counting<'a> {
-    inner: &'a dyn Storage,
-    bytes: AtomicU64,
-}
-
-impl Storage for Counting<'_> {
-    fn location(&self) -> String {
-        self.inner.location()
-    }
-    fn size(&self, name: &str) -> tessera::Result<u64> {
-        self.inner.size(name)
-    }
-    fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> tessera::Result<()> {
-        self.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
-        self.inner.read_at(name, offset, buf)
-    }
-    fn create(&self, name: &str, size: u64) -> tessera::Result<Box<dyn ObjectWriter>> {
-        self.inner.create(name, size)
-    }
-    fn put_atomic(&self, name: &str, bytes: &[u8]) -> tessera::Result<()> {
-        self.inner.put_atomic(name, bytes)
-    }
-    fn list(&self) -> tessera::Result<Vec<String>> {
-        self.inner.list()
-    }
-    fn list_recursive(&self) -> tessera::Result<Vec<String>> {
-        self.inner.list_recursive()
-    }
-    fn delete(&self, name: &str) -> tessera::Result<()> {
-        self.inner.delete(name)
-    }
-}
-
 #[test]
 fn a_small_box_reads_only_its_bytes_after_locating_the_item() {
     // megatron_zarr chunks are plain files: a box inside one chunk reads exactly its rows.
     let base = open("megatron_zarr");
-    let counting = Counting { inner: &base, bytes: AtomicU64::new(0) };
+    let counting = Counting::new(&base);
     let ckpt = open_checkpoint(&counting).unwrap();
     let t = ckpt.index.tensors.iter().find(|t| t.global_shape.len() == 2 && t.global_shape[0] >= 2).unwrap();
     let (key, dtype, shape) = (t.key.clone(), t.dtype, t.global_shape.clone());
@@ -334,7 +301,7 @@ fn a_few_rows_of_a_dcp_item_are_read_in_place() {
     // dcp_large_item's "w" item holds 68 KiB of data: rows 100..102 cost the 4 KiB read at
     // each end of the item to locate the data, plus the rows, not the whole item.
     let base = open("dcp_large_item");
-    let counting = Counting { inner: &base, bytes: AtomicU64::new(0) };
+    let counting = Counting::new(&base);
     let ckpt = open_checkpoint(&counting).unwrap();
     let before = counting.bytes.load(Ordering::Relaxed);
     let w = expected_tensors("dcp_large_item").remove("w").unwrap();

@@ -1,12 +1,15 @@
-//! The golden v1 checkpoint: a tiny checkpoint committed under `tests/fixtures/golden_v1/`,
-//! saved once from two in-process ranks, that every future build must load bit-exactly.
-//! A change that breaks this test breaks every v1 checkpoint in the wild: bump the format
-//! version (and keep a reader for v1) instead of regenerating the fixture.
+//! The golden checkpoints: tiny checkpoints committed under `tests/fixtures/golden_vN/`, one
+//! per format version, each saved once from two in-process ranks, that every future build must
+//! load bit-exactly. A change that breaks one of these tests breaks every checkpoint of that
+//! version in the wild: bump the format version (and keep a reader for the old one) instead of
+//! regenerating a fixture. `golden_v1` was written by tessera 0.1 (format version 1) and can no
+//! longer be regenerated; `golden_v2` holds the same state in format version 2.
 //!
-//! Regenerate only when deliberately creating the fixture (file names change, content does not):
+//! Regenerate the current version's fixture only when deliberately creating it (file names
+//! change, content does not):
 //!
 //! ```text
-//! cargo test -p tessera --test golden -- --ignored regenerate_golden_v1
+//! cargo test -p tessera --test golden -- --ignored regenerate_golden_v2
 //! ```
 
 mod common;
@@ -16,7 +19,8 @@ use std::collections::BTreeMap;
 use common::*;
 use tessera::*;
 
-const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden_v1");
+const GOLDEN_V1: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden_v1");
+const GOLDEN_V2: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden_v2");
 
 /// `embedding` (bf16 [4, 6]): element (i, j) is `(6i + j) / 2 - 3`, exact in bf16.
 fn embedding() -> Vec<f32> {
@@ -147,10 +151,11 @@ fn expected_tensors() -> BTreeMap<&'static str, (DType, Vec<u64>, Vec<u8>)> {
 
 #[test]
 #[ignore = "writes the committed fixture; run only to create it (see the module docs)"]
-fn regenerate_golden_v1() {
-    let _ = std::fs::remove_dir_all(FIXTURE);
-    std::fs::create_dir_all(FIXTURE).unwrap();
-    let storage = LocalStorage::new(FIXTURE);
+fn regenerate_golden_v2() {
+    assert_eq!(FORMAT_VERSION, 2, "add a fixture for the new version instead");
+    let _ = std::fs::remove_dir_all(GOLDEN_V2);
+    std::fs::create_dir_all(GOLDEN_V2).unwrap();
+    let storage = LocalStorage::new(GOLDEN_V2);
     let opts = SaveOptions { content_metadata: content_metadata(), ..small_blocks(16) };
     for r in run_ranks(2, |c| save(golden_state(c.rank() as u64), &storage, c, &opts)) {
         r.unwrap();
@@ -161,7 +166,22 @@ fn regenerate_golden_v1() {
 
 #[test]
 fn golden_v1_loads_forever() {
-    let storage = LocalStorage::new(FIXTURE);
+    golden_loads(GOLDEN_V1, 1);
+}
+
+#[test]
+fn golden_v2_loads_forever() {
+    golden_loads(GOLDEN_V2, 2);
+    // Version 2's directory: a reader of one tensor decodes only that tensor's chunks.
+    let storage = LocalStorage::new(GOLDEN_V2);
+    let ckpt = open_checkpoint_keys(&storage, &["final_norm"]).unwrap();
+    assert_eq!(ckpt.index.tensors.len(), 1);
+    assert_eq!(ckpt.tensor_keys.len(), expected_tensors().len());
+    assert_eq!(ckpt.index.tensor("final_norm"), open_index(&storage).unwrap().tensor("final_norm"));
+}
+
+fn golden_loads(dir: &str, version: u32) {
+    let storage = LocalStorage::new(dir);
     // Files: the index and one data file per rank, a few KB in all.
     let files = names(&storage);
     assert_eq!(files.len(), 3, "{files:?}");
@@ -170,9 +190,9 @@ fn golden_v1_loads_forever() {
     assert!(total < 16 << 10, "the fixture must stay tiny ({total} bytes)");
 
     let index = open_index(&storage).unwrap();
-    assert_eq!((index.backend.as_str(), index.version, index.block_size), ("tessera", 1, 16));
+    assert_eq!((index.backend.as_str(), index.version, index.block_size), ("tessera", version, 16));
     assert_eq!(index.files.len(), 2);
-    assert_eq!(detect_format(&storage).unwrap().0, FormatRecord { backend: "tessera".into(), version: 1 });
+    assert_eq!(detect_format(&storage).unwrap().0, FormatRecord { backend: "tessera".into(), version });
 
     // Metadata and whole tensors, bit-exact.
     let expected = expected_tensors();

@@ -1,7 +1,15 @@
 //! The index scales: a synthetic index of 1,000,000 chunks (1000 tensors × 1000 chunks, 2-D,
-//! spread over 64 files) encodes to at most 100 bytes per chunk and decodes back unchanged.
+//! spread over 64 files) encodes to at most 100 bytes per chunk and decodes back unchanged; a
+//! reader of a few keys reads the head and those keys' chunk records only, and damage to one
+//! tensor's records fails exactly the readers of that tensor.
 //! No timing assertions: speed is measured by the CLI's bench, not by tests.
 
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+
+use common::*;
 use tessera::*;
 
 const FILES: u64 = 64;
@@ -47,12 +55,12 @@ fn synthetic_index(tensors: u64, chunks_per_tensor: u64) -> CheckpointIndex {
                     }
                 })
                 .collect();
-            TensorEntry {
-                key: format!("model.decoder.layers.{t:04}.self_attention.linear_qkv.weight"),
-                dtype: DType::BF16,
-                global_shape: vec![chunks_per_tensor, cols],
+            TensorEntry::new(
+                format!("model.decoder.layers.{t:04}.self_attention.linear_qkv.weight"),
+                DType::BF16,
+                vec![chunks_per_tensor, cols],
                 chunks,
-            }
+            )
         })
         .collect();
     CheckpointIndex {
@@ -84,7 +92,7 @@ fn a_million_chunk_index_is_compact_and_round_trips() {
     let decoded = CheckpointIndex::from_bytes(&bytes, "synthetic").unwrap();
     assert!(decoded == index, "decoded index differs");
     assert_eq!(
-        decoded.tensor("model.decoder.layers.0999.self_attention.linear_qkv.weight").unwrap().chunks.len(),
+        decoded.tensor("model.decoder.layers.0999.self_attention.linear_qkv.weight").unwrap().chunks().len(),
         1000
     );
     // Re-encoding is byte-identical (the encoding is canonical).
@@ -101,4 +109,107 @@ fn encode_sorts_keys_whatever_the_build_order() {
     sorted.sort_unstable();
     assert_eq!(keys, sorted);
     assert!(decoded.tensor(&index.tensors[3].key).is_some(), "binary search finds every key");
+}
+
+/// A synthetic index: its bytes, as decoded (chunks in canonical order), and in a storage.
+fn committed(tensors: u64, chunks_per_tensor: u64) -> (Vec<u8>, CheckpointIndex, MemoryStorage) {
+    let bytes = synthetic_index(tensors, chunks_per_tensor).encode();
+    let full = CheckpointIndex::from_bytes(&bytes, "full").unwrap();
+    let storage = stored(&bytes);
+    (bytes, full, storage)
+}
+
+fn stored(bytes: &[u8]) -> MemoryStorage {
+    let m = MemoryStorage::new();
+    m.put_atomic(INDEX_FILE, bytes).unwrap();
+    m
+}
+
+/// The full index with only the tensors in `keys`.
+fn restricted(full: &CheckpointIndex, keys: &BTreeSet<String>) -> CheckpointIndex {
+    let mut want = full.clone();
+    want.tensors.retain(|t| keys.contains(&t.key));
+    want
+}
+
+fn is_corrupt_index<T: std::fmt::Debug>(r: &Result<T>) -> bool {
+    matches!(r, Err(Error::Corrupt { path, .. }) if path.to_string_lossy().ends_with(INDEX_FILE))
+}
+
+#[test]
+fn a_reader_of_a_few_keys_reads_only_the_head_and_their_chunk_records() {
+    let (bytes, full, base) = committed(1000, 200);
+    let counting = Counting::new(&base);
+    let keys = [&full.tensors[10].key, &full.tensors[500].key, &full.tensors[999].key];
+    let ckpt = open_checkpoint_keys(&counting, &keys).unwrap();
+    let keys: BTreeSet<String> = keys.iter().map(|k| k.to_string()).collect();
+    assert!(ckpt.index == restricted(&full, &keys), "the three tensors, objects, files and metadata");
+    assert_eq!(ckpt.tensor_keys, full.tensors.iter().map(|t| t.key.clone()).collect::<Vec<_>>());
+    let read = counting.bytes.load(Ordering::Relaxed);
+    let reads = counting.reads.load(Ordering::Relaxed);
+    eprintln!("index of {} bytes: {read} bytes read in {reads} reads for 3 keys", bytes.len());
+    // One read for format detection, one for the head, one per section past the head's read.
+    assert!(reads <= 5, "{reads} reads");
+    assert!(read * 8 < bytes.len() as u64, "{read} of {} bytes read", bytes.len());
+}
+
+#[test]
+fn any_set_of_keys_opens_to_the_full_index_restricted_to_it() {
+    // About 1.3 MB: sections lie inside the first read, across its end, and past it.
+    let (_, full, storage) = committed(300, 300);
+    let all: Vec<String> = full.tensors.iter().map(|t| t.key.clone()).collect();
+    for_each_seed("any_set_of_keys_opens_to_the_full_index_restricted_to_it", 40, |seed| {
+        let mut rng = Rng::new(seed);
+        let density = *rng.pick(&[0u64, 1, 5, 50, 100]);
+        let mut keys: BTreeSet<String> = all.iter().filter(|_| rng.below(100) < density).cloned().collect();
+        if rng.chance(1, 2) {
+            keys.insert("not.stored".into());
+        }
+        let list: Vec<&String> = keys.iter().collect();
+        let ckpt = open_checkpoint_keys(&storage, &list).unwrap();
+        assert!(ckpt.index == restricted(&full, &keys), "seed {seed}: density {density}%");
+        assert_eq!(ckpt.tensor_keys, all);
+    });
+}
+
+#[test]
+fn a_damaged_chunk_record_fails_exactly_the_readers_of_its_tensor() {
+    let (bytes, full, _) = committed(6, 8);
+    // FORMAT.md: the head is `head_len` bytes at offset 20, then its crc, then the sections.
+    let head_end = 24 + u64::from_le_bytes(bytes[12..20].try_into().unwrap()) as usize;
+    assert!(head_end < bytes.len());
+    for at in 12..bytes.len() {
+        let mut damaged = bytes.clone();
+        damaged[at] ^= 0x20;
+        let storage = stored(&damaged);
+        assert!(is_corrupt_index(&open_index(&storage)), "byte {at}: the whole index is corrupt");
+        let mut failed = 0;
+        for t in &full.tensors {
+            match open_checkpoint_keys(&storage, &[&t.key]) {
+                Ok(c) => assert_eq!(c.index.tensor(&t.key), Some(t), "byte {at}: {} decoded wrong", t.key),
+                r => {
+                    assert!(is_corrupt_index(&r), "byte {at}: {r:?}");
+                    failed += 1;
+                }
+            }
+        }
+        let want = if at < head_end { full.tensors.len() } else { 1 };
+        assert_eq!(failed, want, "byte {at} (head ends at {head_end}): readers that failed");
+    }
+}
+
+#[test]
+fn a_truncated_or_extended_index_fails_every_reader() {
+    let index = synthetic_index(6, 8);
+    let bytes = index.encode();
+    let key = &index.tensors[5].key;
+    let head_end = 24 + u64::from_le_bytes(bytes[12..20].try_into().unwrap()) as usize;
+    for len in [0, 8, 12, 19, 20, head_end - 5, head_end - 1, head_end, head_end + 1, bytes.len() - 1] {
+        let storage = stored(&bytes[..len]);
+        let r = open_checkpoint_keys(&storage, &[key]);
+        assert!(is_corrupt_index(&r) || matches!(r, Err(Error::NotCommitted { .. })), "length {len}: {r:?}");
+    }
+    let mut longer = bytes.clone();
+    longer.push(0);
+    assert!(is_corrupt_index(&open_checkpoint_keys(&stored(&longer), &[key])));
 }

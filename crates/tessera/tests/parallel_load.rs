@@ -366,7 +366,7 @@ fn replicated_on_disk(tag: &str) -> (TempDir, Vec<Spec>, CheckpointIndex) {
 fn a_corrupt_chunk_fails_on_its_reader_and_on_every_peer() {
     let (dir, specs, index) = replicated_on_disk("exchange-corrupt");
     let storage = LocalStorage::new(dir.path());
-    let c = &index.tensor("b").unwrap().chunks[0];
+    let c = &index.tensor("b").unwrap().chunks()[0];
     let file = index.files[c.file as usize].name.clone();
     let path = dir.join(&file);
     let mut bytes = std::fs::read(&path).unwrap();

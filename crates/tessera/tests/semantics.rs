@@ -1152,7 +1152,7 @@ fn data_files_are_valid_safetensors_describing_their_chunks() {
             let t = index.tensor(key).unwrap();
             let off: Vec<u64> = c["global_offset"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
             let stored =
-                t.chunks.iter().find(|s| s.file as usize == fi && s.offset == off).expect("chunk in the index");
+                t.chunks().iter().find(|s| s.file as usize == fi && s.offset == off).expect("chunk in the index");
             let entry = &obj[c["name"].as_str().unwrap()];
             let start = entry["data_offsets"][0].as_u64().unwrap();
             assert_eq!(8 + n as u64 + start, stored.byte_offset, "{key}: entry and index agree on the bytes");

@@ -316,7 +316,7 @@ fn chunk_boxes(index: &CheckpointIndex) -> BTreeMap<String, Vec<ChunkBox>> {
         .tensors
         .iter()
         .map(|t| {
-            let mut c: Vec<_> = t.chunks.iter().map(|c| (c.offset.to_vec(), c.shape.to_vec(), c.flat)).collect();
+            let mut c: Vec<_> = t.chunks().iter().map(|c| (c.offset.to_vec(), c.shape.to_vec(), c.flat)).collect();
             c.sort();
             (t.key.clone(), c)
         })
@@ -450,12 +450,12 @@ fn convert_with_a_tiny_budget_splits_chunks_into_valid_ones() {
     assert_eq!(report.files, data_files(&dst).len());
     let esize = |key: &str| di.tensor(key).unwrap().dtype.size() as u64;
     for t in &di.tensors {
-        for c in &t.chunks {
+        for c in t.chunks() {
             assert!(c.numel() * esize(&t.key) <= 16, "{}: chunk of {} elements", t.key, c.numel());
         }
     }
     let opt = di.tensor("opt.exp_avg").unwrap();
-    assert!(opt.chunks.iter().all(|c| c.flat.is_some_and(|(s, e)| e - s <= 4)), "{:?}", opt.chunks);
+    assert!(opt.chunks().iter().all(|c| c.flat.is_some_and(|(s, e)| e - s <= 4)), "{:?}", opt.chunks());
 }
 
 #[test]
@@ -652,7 +652,7 @@ fn failures_on_a_corrupt_source_leave_nothing_behind() {
     export_safetensors(&src, &out.join("ok.safetensors"), &ExportOptions::default(), &mut no_progress()).unwrap();
     let index = open_index(&src).unwrap();
     let w = index.tensor("w").unwrap();
-    let chunk = &w.chunks[0];
+    let chunk = &w.chunks()[0];
     let name = &index.files[chunk.file as usize].name;
     let path = dir.join("src").join(name);
     let mut bytes = std::fs::read(&path).unwrap();

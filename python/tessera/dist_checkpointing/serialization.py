@@ -28,6 +28,7 @@ from .._comm import default_comm
 from ..errors import TesseraError
 from .core import MEGATRON_BACKENDS, local_dir
 from .dict_utils import extract_matching_values
+from .strategies import TESSERA_BACKEND, TESSERA_BACKEND_VERSION
 from .mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -332,7 +333,7 @@ def save(
     """Saves a sharded state dict; every rank of the process group calls it.
 
     ``sharded_strategy`` / ``common_strategy`` may be None, a strategy object or a
-    ``(backend, version)`` tuple; only the native backend ("tessera", 1) writes.
+    ``(backend, version)`` tuple; only the native backend ("tessera", 2) writes.
 
     ``async_sharded_save=True`` returns an :class:`~.async_utils.AsyncRequest` as soon as this
     rank's bytes are staged (the tensors may then change); schedule it on an
@@ -391,10 +392,13 @@ def save(
 def _check_save_strategy(strategy: Any) -> None:
     if strategy is None:
         return
-    backend = strategy[0] if isinstance(strategy, tuple) else getattr(strategy, "backend", "tessera")
-    version = strategy[1] if isinstance(strategy, tuple) else getattr(strategy, "version", 1)
-    if (backend, version) != ("tessera", 1):
-        raise TesseraError(f"no save strategy for backend {backend!r} version {version}; tessera writes ('tessera', 1)")
+    backend = strategy[0] if isinstance(strategy, tuple) else getattr(strategy, "backend", TESSERA_BACKEND)
+    version = strategy[1] if isinstance(strategy, tuple) else getattr(strategy, "version", TESSERA_BACKEND_VERSION)
+    if (backend, version) != (TESSERA_BACKEND, TESSERA_BACKEND_VERSION):
+        raise TesseraError(
+            f"no save strategy for backend {backend!r} version {version}; "
+            f"tessera writes ({TESSERA_BACKEND!r}, {TESSERA_BACKEND_VERSION})"
+        )
 
 
 def _load_target(sh: ShardedTensor) -> Tuple[Any, Any]:

@@ -1,8 +1,8 @@
 """Strategies: which backend writes and reads a checkpoint, with a registry of defaults.
 
 The interfaces mirror Megatron-Core's ``strategies.base``. tessera has one native backend,
-``("tessera", 1)``, which saves the sharded tensors, sharded objects and common state in a
-single commit; its strategy classes carry no algorithm of their own: ``serialization``
+``"tessera"``, written in format version 2 (``("tessera", 2)``) and read in versions 1 and 2,
+which saves the sharded tensors, sharded objects and common state in a single commit; its strategy classes carry no algorithm of their own: ``serialization``
 recognises them and runs the native engine, and calling their methods directly goes through the
 same entry points.
 """
@@ -34,12 +34,16 @@ __all__ = [
     "TesseraLoadCommonStrategy",
     "TESSERA_BACKEND",
     "TESSERA_BACKEND_VERSION",
+    "TESSERA_READ_VERSIONS",
     "get_default_strategy",
     "register_default_strategy",
 ]
 
 TESSERA_BACKEND = "tessera"
-TESSERA_BACKEND_VERSION = 1
+#: The format version tessera writes (``tessera._native.FORMAT_VERSION``).
+TESSERA_BACKEND_VERSION = 2
+#: The format versions tessera reads.
+TESSERA_READ_VERSIONS = (1, 2)
 
 
 class StrategyAction(Enum):
@@ -175,13 +179,13 @@ def _serialization() -> ModuleType:
     return serialization
 
 
-def _check_tessera(backend: Any, version: Any) -> None:
+def _check_tessera(backend: Any, version: Any, versions: Tuple[int, ...] = (TESSERA_BACKEND_VERSION,)) -> None:
     if backend != TESSERA_BACKEND:
         raise CheckpointingException(f"tessera strategies read and write backend {TESSERA_BACKEND!r}, not {backend!r}")
-    if version != TESSERA_BACKEND_VERSION:
+    if version not in versions:
+        handled = ", ".join(str(v) for v in versions)
         raise CheckpointingException(
-            f"tessera {TESSERA_BACKEND!r} format version {version} is not supported (this version handles "
-            f"{TESSERA_BACKEND_VERSION})"
+            f"tessera {TESSERA_BACKEND!r} format version {version} is not supported (this version handles {handled})"
         )
 
 
@@ -228,7 +232,7 @@ class _TesseraReader:
         _check_tessera(loaded_backend, self.version)
 
     def check_version_compatibility(self, loaded_version: int) -> None:
-        _check_tessera(self.backend, loaded_version)
+        _check_tessera(self.backend, loaded_version, TESSERA_READ_VERSIONS)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -363,9 +367,6 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
 register_default_strategy(
     StrategyAction.SAVE_SHARDED, TESSERA_BACKEND, TESSERA_BACKEND_VERSION, TesseraSaveShardedStrategy()
 )
-register_default_strategy(
-    StrategyAction.LOAD_SHARDED, TESSERA_BACKEND, TESSERA_BACKEND_VERSION, TesseraLoadShardedStrategy()
-)
-register_default_strategy(
-    StrategyAction.LOAD_COMMON, TESSERA_BACKEND, TESSERA_BACKEND_VERSION, TesseraLoadCommonStrategy()
-)
+for _version in TESSERA_READ_VERSIONS:
+    register_default_strategy(StrategyAction.LOAD_SHARDED, TESSERA_BACKEND, _version, TesseraLoadShardedStrategy())
+    register_default_strategy(StrategyAction.LOAD_COMMON, TESSERA_BACKEND, _version, TesseraLoadCommonStrategy())

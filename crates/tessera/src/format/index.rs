@@ -12,8 +12,8 @@ use crate::{DType, Value};
 pub const INDEX_FILE: &str = "tessera.index";
 /// First bytes of every index file.
 pub const INDEX_MAGIC: &[u8; 8] = b"TESSERA\x00";
-/// The native format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The native format version this build writes; it reads this one and version 1.
+pub const FORMAT_VERSION: u32 = 2;
 /// Name of the native backend, as recorded for strategy lookup.
 pub const NATIVE_BACKEND: &str = "tessera";
 /// Default size of checksum blocks inside a chunk.
@@ -60,6 +60,10 @@ impl StoredChunk {
 }
 
 /// A global tensor: its type, shape and stored chunks.
+///
+/// The chunks are kept in canonical order (by box offset, then flat range), with what it takes
+/// to find the chunks meeting a range of rows by binary search instead of a scan
+/// ([`TensorEntry::chunks_meeting_rows`]). Build one with [`TensorEntry::new`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorEntry {
     /// Global key.
@@ -68,8 +72,96 @@ pub struct TensorEntry {
     pub dtype: DType,
     /// Global shape.
     pub global_shape: Vec<u64>,
-    /// Chunks (main replicas), tiling the tensor exactly.
-    pub chunks: Vec<StoredChunk>,
+    chunks: Vec<StoredChunk>,
+    search: ChunkSearch,
+}
+
+/// Bounds that make a binary search over the canonical order exact.
+#[derive(Debug, Clone, PartialEq)]
+struct ChunkSearch {
+    /// Largest extent of a chunk along axis 0.
+    max_rows: u64,
+    /// When every chunk spans whole rows (all of axes 1..) and their first elements, in the
+    /// tensor's row-major flattening, ascend in canonical order: the row length, so that a
+    /// search can go by element (a row split of flat-range chunks, the distributed optimizer's
+    /// layout, then narrows to the chunks holding the rows, not their whole box).
+    row: Option<u64>,
+    /// Most elements stored in one chunk.
+    max_numel: u64,
+}
+
+impl ChunkSearch {
+    fn of(global_shape: &[u64], chunks: &[StoredChunk]) -> ChunkSearch {
+        let mut row = global_shape.get(1..).and_then(|rest| rest.iter().try_fold(1u64, |a, &b| a.checked_mul(b)));
+        let (mut max_rows, mut max_numel, mut last_first) = (0, 0, 0);
+        for c in chunks {
+            max_rows = max_rows.max(c.shape.first().copied().unwrap_or(0));
+            max_numel = max_numel.max(c.numel());
+            if let Some(r) = row {
+                let whole_rows = c.offset[1..].iter().all(|&o| o == 0) && c.shape[1..] == global_shape[1..];
+                match first_element(c, r) {
+                    Some(first) if whole_rows && first >= last_first => last_first = first,
+                    _ => row = None,
+                }
+            }
+        }
+        ChunkSearch { max_rows, row, max_numel }
+    }
+}
+
+/// The position of a whole-rows chunk's first element in the tensor's flattening.
+fn first_element(c: &StoredChunk, row: u64) -> Option<u64> {
+    c.offset[0].checked_mul(row)?.checked_add(c.flat.map_or(0, |f| f.0))
+}
+
+/// The canonical order of a tensor's chunks: by box offset (lexicographic), then flat range.
+fn chunk_order(a: &StoredChunk, b: &StoredChunk) -> std::cmp::Ordering {
+    (&a.offset, a.flat).cmp(&(&b.offset, b.flat))
+}
+
+impl TensorEntry {
+    /// A tensor entry with its chunks (main replicas, tiling the tensor), put in canonical order.
+    pub fn new(key: String, dtype: DType, global_shape: Vec<u64>, mut chunks: Vec<StoredChunk>) -> Self {
+        if !chunks.is_sorted_by(|a, b| chunk_order(a, b).is_le()) {
+            chunks.sort_by(chunk_order);
+        }
+        let search = ChunkSearch::of(&global_shape, &chunks);
+        TensorEntry { key, dtype, global_shape, chunks, search }
+    }
+
+    /// The stored chunks, in canonical order (by box offset, then flat range).
+    pub fn chunks(&self) -> &[StoredChunk] {
+        &self.chunks
+    }
+
+    /// Takes the chunks out.
+    pub fn into_chunks(self) -> Vec<StoredChunk> {
+        self.chunks
+    }
+
+    /// The positions in [`TensorEntry::chunks`] of every chunk that may hold elements of rows
+    /// `[lo, hi)` (axis 0): a superset found by binary search, exact for any set of chunks;
+    /// chunks outside it hold none of those rows. All chunks for a scalar.
+    pub fn chunks_meeting_rows(&self, lo: u64, hi: u64) -> std::ops::Range<usize> {
+        if self.global_shape.is_empty() {
+            return 0..self.chunks.len();
+        }
+        let ChunkSearch { max_rows, row, max_numel } = self.search;
+        match row {
+            Some(row) => {
+                let (lo, hi) = (lo.saturating_mul(row), hi.saturating_mul(row));
+                let first = |c: &StoredChunk| first_element(c, row).expect("checked when built");
+                let end = self.chunks.partition_point(|c| first(c) < hi);
+                let start = self.chunks[..end].partition_point(|c| first(c).saturating_add(max_numel) <= lo);
+                start..end
+            }
+            None => {
+                let end = self.chunks.partition_point(|c| c.offset[0] < hi);
+                let start = self.chunks[..end].partition_point(|c| c.offset[0].saturating_add(max_rows) <= lo);
+                start..end
+            }
+        }
+    }
 }
 
 /// One stored shard of a sharded object.
@@ -119,13 +211,6 @@ pub struct CheckpointIndex {
     pub objects: Vec<ObjectEntry>,
 }
 
-/// Why an index could not be read.
-#[derive(Debug)]
-pub(crate) enum IndexError {
-    Version(u32),
-    Corrupt(String),
-}
-
 impl CheckpointIndex {
     /// The tensor with this key.
     pub fn tensor(&self, key: &str) -> Option<&TensorEntry> {
@@ -147,15 +232,51 @@ impl CheckpointIndex {
         self.tensors.iter().map(|t| t.chunks.len()).sum()
     }
 
-    /// Serializes to the on-disk layout.
+    /// Serializes to the on-disk layout of [`FORMAT_VERSION`], or of version 1 if this index
+    /// says it is version 1 (rewriting an old checkpoint keeps it readable by old readers).
     pub fn encode(&self) -> Vec<u8> {
+        let mut tensors: Vec<&TensorEntry> = self.tensors.iter().collect();
+        let mut objects: Vec<&ObjectEntry> = self.objects.iter().collect();
+        // Readers binary-search keys: write them sorted whatever order the caller built.
+        tensors.sort_by(|a, b| a.key.cmp(&b.key));
+        objects.sort_by(|a, b| a.key.cmp(&b.key));
         let mut e = Encoder::default();
+        self.encode_prelude(&mut e);
+        if self.version == 1 {
+            e.var(tensors.len() as u64);
+            for t in tensors {
+                encode_tensor_head(&mut e, t);
+                for c in &t.chunks {
+                    encode_chunk(&mut e, c);
+                }
+            }
+            encode_objects(&mut e, &objects);
+            return frame(1, &e.buf, &[]);
+        }
+        let mut sections = Encoder::default();
+        e.var(tensors.len() as u64);
+        for t in tensors {
+            let start = sections.buf.len();
+            for c in &t.chunks {
+                encode_chunk(&mut sections, c);
+            }
+            let section = &sections.buf[start..];
+            encode_tensor_head(&mut e, t);
+            e.var(section.len() as u64);
+            e.u32_le(crc32c::crc32c(section));
+        }
+        encode_objects(&mut e, &objects);
+        e.var(sections.buf.len() as u64);
+        frame(FORMAT_VERSION, &e.buf, &sections.buf)
+    }
+
+    fn encode_prelude(&self, e: &mut Encoder) {
         e.str(&self.backend);
         e.var(self.block_size);
         e.value(&self.content_metadata);
         e.var(self.common.len() as u64);
         for (path, v) in &self.common {
-            encode_path(&mut e, path);
+            encode_path(e, path);
             e.value(v);
         }
         e.var(self.files.len() as u64);
@@ -165,71 +286,12 @@ impl CheckpointIndex {
             e.var(f.header_len);
             e.u32_le(f.header_crc);
         }
-        // Readers binary-search keys: write them sorted whatever order the caller built.
-        let mut tensors: Vec<&TensorEntry> = self.tensors.iter().collect();
-        tensors.sort_by(|a, b| a.key.cmp(&b.key));
-        let mut objects: Vec<&ObjectEntry> = self.objects.iter().collect();
-        objects.sort_by(|a, b| a.key.cmp(&b.key));
-        e.var(tensors.len() as u64);
-        for t in tensors {
-            e.str(&t.key);
-            e.u8(t.dtype.code());
-            e.dims(&t.global_shape);
-            e.var(t.chunks.len() as u64);
-            for c in &t.chunks {
-                e.var(c.file as u64);
-                e.var(c.byte_offset);
-                for &x in c.offset.iter().chain(&c.shape) {
-                    e.var(x);
-                }
-                match c.flat {
-                    None => e.u8(0),
-                    Some((s, x)) => {
-                        e.u8(1);
-                        e.var(s);
-                        e.var(x - s);
-                    }
-                }
-                for &crc in &c.crcs {
-                    e.u32_le(crc);
-                }
-            }
-        }
-        e.var(objects.len() as u64);
-        for o in objects {
-            e.str(&o.key);
-            e.dims(&o.global_shape);
-            e.var(o.shards.len() as u64);
-            for s in &o.shards {
-                for &x in &s.offset {
-                    e.var(x);
-                }
-                e.var(s.file as u64);
-                e.var(s.byte_offset);
-                e.var(s.len);
-                e.u32_le(s.crc);
-            }
-        }
-        let body = e.buf;
-        let mut out = Vec::with_capacity(body.len() + 24);
-        out.extend_from_slice(INDEX_MAGIC);
-        out.extend_from_slice(&self.version.to_le_bytes());
-        out.extend_from_slice(&(body.len() as u64).to_le_bytes());
-        out.extend_from_slice(&body);
-        out.extend_from_slice(&crc32c::crc32c(&body).to_le_bytes());
-        out
     }
 
     /// Parses index bytes (as read from `path`, used in errors), checking magic, version,
     /// checksum, bounds and names.
     pub fn from_bytes(bytes: &[u8], path: &str) -> crate::Result<CheckpointIndex> {
-        Self::decode(bytes).map_err(|e| match e {
-            IndexError::Version(v) => crate::Error::IncompatibleVersion {
-                found: format!("{NATIVE_BACKEND} v{v}"),
-                supported: format!("{NATIVE_BACKEND} v{FORMAT_VERSION}"),
-            },
-            IndexError::Corrupt(reason) => crate::Error::corrupt(path, reason),
-        })
+        Self::decode(bytes).map_err(|e| e.into_error(path))
     }
 
     /// Reads the version from the first bytes of an index, if they are one.
@@ -241,13 +303,30 @@ impl CheckpointIndex {
         }
     }
 
-    /// Parses and checks an index (checksum, bounds, names, chunk sizes).
+    /// Parses and checks an index of any supported version (checksums, bounds, names, chunk
+    /// sizes, order).
     pub(crate) fn decode(bytes: &[u8]) -> Result<CheckpointIndex, IndexError> {
-        let corrupt = |s: String| IndexError::Corrupt(s);
-        let version = Self::peek_version(bytes).ok_or_else(|| corrupt("not a tessera index (bad magic)".into()))?;
-        if version != FORMAT_VERSION {
-            return Err(IndexError::Version(version));
+        let version = Self::peek_version(bytes)
+            .ok_or_else(|| IndexError::Corrupt("not a tessera index (bad magic or truncated header)".into()))?;
+        match version {
+            1 => Self::decode_v1(bytes),
+            FORMAT_VERSION => {
+                let head = IndexHead::decode(bytes)?;
+                if bytes.len() as u64 != head.file_size() {
+                    return Err(IndexError::Corrupt(format!(
+                        "index is {} bytes, its head says {} (truncated or extended)",
+                        bytes.len(),
+                        head.file_size()
+                    )));
+                }
+                head.decode_all(bytes).map_err(IndexError::Corrupt)
+            }
+            v => Err(IndexError::Version(v)),
         }
+    }
+
+    fn decode_v1(bytes: &[u8]) -> Result<CheckpointIndex, IndexError> {
+        let corrupt = |s: String| IndexError::Corrupt(s);
         if bytes.len() < 24 {
             return Err(corrupt(format!("index truncated at {} bytes", bytes.len())));
         }
@@ -263,11 +342,160 @@ impl CheckpointIndex {
         if crc32c::crc32c(body) != crc {
             return Err(corrupt("index checksum mismatch".into()));
         }
-        Self::decode_body(version, body).map_err(corrupt)
+        Self::decode_v1_body(body).map_err(corrupt)
     }
 
-    fn decode_body(version: u32, body: &[u8]) -> Result<CheckpointIndex, String> {
+    fn decode_v1_body(body: &[u8]) -> Result<CheckpointIndex, String> {
         let mut d = Decoder::new(body);
+        let prelude = Prelude::decode(&mut d)?;
+        let n = d.count()?;
+        let mut tensors: Vec<TensorEntry> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (key, dtype, global_shape, nchunks) = decode_tensor_head(&mut d)?;
+            let shape = TensorShape { key: &key, dtype, global_shape: &global_shape };
+            let chunks = decode_chunks(&mut d, &shape, nchunks, &prelude, false)?;
+            if tensors.last().is_some_and(|prev| prev.key >= key) {
+                return Err(format!("tensor keys not sorted/unique at {key:?}"));
+            }
+            tensors.push(TensorEntry::new(key, dtype, global_shape, chunks));
+        }
+        let objects = decode_objects(&mut d, &prelude.files)?;
+        if !d.is_done() {
+            return Err("trailing bytes after the index body".into());
+        }
+        Ok(prelude.into_index(1, tensors, objects))
+    }
+}
+
+/// Why an index could not be read.
+#[derive(Debug)]
+pub(crate) enum IndexError {
+    Version(u32),
+    Corrupt(String),
+}
+
+impl IndexError {
+    pub(crate) fn into_error(self, path: &str) -> crate::Error {
+        match self {
+            IndexError::Version(v) => crate::Error::IncompatibleVersion {
+                found: format!("{NATIVE_BACKEND} v{v}"),
+                supported: format!("{NATIVE_BACKEND} v1, v{FORMAT_VERSION}"),
+            },
+            IndexError::Corrupt(reason) => crate::Error::corrupt(path, reason),
+        }
+    }
+}
+
+/// `magic | version | len u64le | bytes | crc32c(bytes) u32le | tail`.
+fn frame(version: u32, bytes: &[u8], tail: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len() + 24 + tail.len());
+    out.extend_from_slice(INDEX_MAGIC);
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    out.extend_from_slice(bytes);
+    out.extend_from_slice(&crc32c::crc32c(bytes).to_le_bytes());
+    out.extend_from_slice(tail);
+    out
+}
+
+fn encode_tensor_head(e: &mut Encoder, t: &TensorEntry) {
+    e.str(&t.key);
+    e.u8(t.dtype.code());
+    e.dims(&t.global_shape);
+    e.var(t.chunks.len() as u64);
+}
+
+fn decode_tensor_head(d: &mut Decoder<'_>) -> Result<(String, DType, Vec<u64>, usize), String> {
+    let key = d.str()?;
+    let code = d.u8()?;
+    let dtype = DType::from_code(code).ok_or_else(|| format!("{key:?}: unknown dtype code {code}"))?;
+    let global_shape = d.dims()?;
+    let nchunks = d.var()?;
+    // Every chunk record takes at least 3 bytes: a count beyond what any section could hold is
+    // corruption, and must not size an allocation.
+    let nchunks = usize::try_from(nchunks).map_err(|_| format!("{key:?}: chunk count {nchunks} too large"))?;
+    Ok((key, dtype, global_shape, nchunks))
+}
+
+fn encode_chunk(e: &mut Encoder, c: &StoredChunk) {
+    e.var(c.file as u64);
+    e.var(c.byte_offset);
+    for &x in c.offset.iter().chain(&c.shape) {
+        e.var(x);
+    }
+    match c.flat {
+        None => e.u8(0),
+        Some((s, x)) => {
+            e.u8(1);
+            e.var(s);
+            e.var(x - s);
+        }
+    }
+    for &crc in &c.crcs {
+        e.u32_le(crc);
+    }
+}
+
+fn encode_objects(e: &mut Encoder, objects: &[&ObjectEntry]) {
+    e.var(objects.len() as u64);
+    for o in objects {
+        e.str(&o.key);
+        e.dims(&o.global_shape);
+        e.var(o.shards.len() as u64);
+        for s in &o.shards {
+            for &x in &s.offset {
+                e.var(x);
+            }
+            e.var(s.file as u64);
+            e.var(s.byte_offset);
+            e.var(s.len);
+            e.u32_le(s.crc);
+        }
+    }
+}
+
+fn decode_objects(d: &mut Decoder<'_>, files: &[FileEntry]) -> Result<Vec<ObjectEntry>, String> {
+    let n = d.count()?;
+    let mut objects: Vec<ObjectEntry> = Vec::with_capacity(n);
+    for _ in 0..n {
+        let key = d.str()?;
+        let global_shape = d.dims()?;
+        let ns = d.count()?;
+        let mut shards = Vec::with_capacity(ns);
+        for _ in 0..ns {
+            let mut offset = Vec::with_capacity(global_shape.len());
+            for _ in 0..global_shape.len() {
+                offset.push(d.var()?);
+            }
+            let file = d.var()?;
+            let byte_offset = d.var()?;
+            let len = d.var()?;
+            let crc = d.u32_le()?;
+            let f = files.get(file as usize).ok_or_else(|| format!("{key:?}: object names file #{file}"))?;
+            if byte_offset.checked_add(len).is_none_or(|end| end > f.size) {
+                return Err(format!("{key:?}: object bytes past the end of {}", f.name));
+            }
+            shards.push(StoredObject { offset, file: file as u32, byte_offset, len, crc });
+        }
+        if objects.last().is_some_and(|prev| prev.key >= key) {
+            return Err(format!("object keys not sorted/unique at {key:?}"));
+        }
+        objects.push(ObjectEntry { key, global_shape, shards });
+    }
+    Ok(objects)
+}
+
+/// What precedes the tensors in every version: backend, block size, metadata, common, files.
+struct Prelude {
+    backend: String,
+    block_size: u64,
+    content_metadata: Value,
+    common: Vec<(StatePath, Value)>,
+    files: Vec<FileEntry>,
+}
+
+impl Prelude {
+    fn decode(d: &mut Decoder<'_>) -> Result<Prelude, String> {
         let backend = d.str()?;
         let block_size = d.var()?;
         if block_size == 0 {
@@ -277,7 +505,7 @@ impl CheckpointIndex {
         let n = d.count()?;
         let mut common = Vec::with_capacity(n);
         for _ in 0..n {
-            let path = decode_path(&mut d)?;
+            let path = decode_path(d)?;
             common.push((path, d.value()?));
         }
         let n = d.count()?;
@@ -293,106 +521,260 @@ impl CheckpointIndex {
             let header_crc = d.u32_le()?;
             files.push(FileEntry { name, size, header_len, header_crc });
         }
-        let n = d.count()?;
-        let mut tensors: Vec<TensorEntry> = Vec::with_capacity(n);
-        for _ in 0..n {
-            let key = d.str()?;
-            let code = d.u8()?;
-            let dtype = DType::from_code(code).ok_or_else(|| format!("{key:?}: unknown dtype code {code}"))?;
-            let global_shape = d.dims()?;
-            let ndim = global_shape.len();
-            let nchunks = d.count()?;
-            let mut chunks = Vec::with_capacity(nchunks);
-            for _ in 0..nchunks {
-                let file = d.var()?;
-                let byte_offset = d.var()?;
-                let mut offset = Dims::with_capacity(ndim);
-                let mut shape = Dims::with_capacity(ndim);
-                for _ in 0..ndim {
-                    offset.push(d.var()?);
-                }
-                for _ in 0..ndim {
-                    shape.push(d.var()?);
-                }
-                let flat = match d.u8()? {
-                    0 => None,
-                    1 => {
-                        let s = d.var()?;
-                        let len = d.var()?;
-                        Some((s, s.checked_add(len).ok_or("flat range overflows")?))
-                    }
-                    t => return Err(format!("{key:?}: bad flat-range tag {t}")),
-                };
-                for dd in 0..ndim {
-                    if offset[dd].checked_add(shape[dd]).is_none_or(|end| end > global_shape[dd]) {
-                        return Err(format!("{key:?}: chunk box outside the global shape"));
-                    }
-                }
-                let box_numel = shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b)).ok_or("chunk too large")?;
-                if let Some((s, e)) = flat {
-                    if e > box_numel {
-                        return Err(format!("{key:?}: flat range past the chunk box"));
-                    }
-                    let _ = s;
-                }
-                let numel = flat.map_or(box_numel, |(s, e)| e - s);
-                let nbytes = numel.checked_mul(dtype.size() as u64).ok_or("chunk too large")?;
-                let f = files
-                    .get(file as usize)
-                    .ok_or_else(|| format!("{key:?}: chunk names file #{file}, there are {}", files.len()))?;
-                if byte_offset.checked_add(nbytes).is_none_or(|end| end > f.size) {
-                    return Err(format!("{key:?}: chunk bytes past the end of {}", f.name));
-                }
-                let ncrc = nbytes.div_ceil(block_size);
-                if ncrc > d.remaining() as u64 / 4 {
-                    return Err("truncated checksums".into());
-                }
-                let mut crcs = Vec::with_capacity(ncrc as usize);
-                for _ in 0..ncrc {
-                    crcs.push(d.u32_le()?);
-                }
-                chunks.push(StoredChunk { file: file as u32, byte_offset, offset, shape, flat, crcs });
-            }
-            if let Some(prev) = tensors.last() {
-                if prev.key >= key {
-                    return Err(format!("tensor keys not sorted/unique at {key:?}"));
-                }
-            }
-            tensors.push(TensorEntry { key, dtype, global_shape, chunks });
+        Ok(Prelude { backend, block_size, content_metadata, common, files })
+    }
+
+    fn into_index(self, version: u32, tensors: Vec<TensorEntry>, objects: Vec<ObjectEntry>) -> CheckpointIndex {
+        let Prelude { backend, block_size, content_metadata, common, files } = self;
+        CheckpointIndex { backend, version, block_size, content_metadata, common, files, tensors, objects }
+    }
+}
+
+/// What chunk records are checked against.
+struct TensorShape<'a> {
+    key: &'a str,
+    dtype: DType,
+    global_shape: &'a [u64],
+}
+
+/// Decodes `nchunks` chunk records, checking boxes, flat ranges, file bounds and (with
+/// `canonical`) their order.
+fn decode_chunks(
+    d: &mut Decoder<'_>,
+    t: &TensorShape<'_>,
+    nchunks: usize,
+    prelude: &Prelude,
+    canonical: bool,
+) -> Result<Vec<StoredChunk>, String> {
+    let (key, ndim, files, block_size) = (t.key, t.global_shape.len(), &prelude.files, prelude.block_size);
+    if nchunks > d.remaining() / 3 {
+        return Err(format!("{key:?}: {nchunks} chunks cannot fit in {} bytes", d.remaining()));
+    }
+    let mut chunks: Vec<StoredChunk> = Vec::with_capacity(nchunks);
+    for _ in 0..nchunks {
+        let file = d.var()?;
+        let byte_offset = d.var()?;
+        let mut offset = Dims::with_capacity(ndim);
+        let mut shape = Dims::with_capacity(ndim);
+        for _ in 0..ndim {
+            offset.push(d.var()?);
         }
-        let n = d.count()?;
-        let mut objects: Vec<ObjectEntry> = Vec::with_capacity(n);
-        for _ in 0..n {
-            let key = d.str()?;
-            let global_shape = d.dims()?;
-            let ns = d.count()?;
-            let mut shards = Vec::with_capacity(ns);
-            for _ in 0..ns {
-                let mut offset = Vec::with_capacity(global_shape.len());
-                for _ in 0..global_shape.len() {
-                    offset.push(d.var()?);
-                }
-                let file = d.var()?;
-                let byte_offset = d.var()?;
+        for _ in 0..ndim {
+            shape.push(d.var()?);
+        }
+        let flat = match d.u8()? {
+            0 => None,
+            1 => {
+                let s = d.var()?;
                 let len = d.var()?;
-                let crc = d.u32_le()?;
-                let f = files.get(file as usize).ok_or_else(|| format!("{key:?}: object names file #{file}"))?;
-                if byte_offset.checked_add(len).is_none_or(|end| end > f.size) {
-                    return Err(format!("{key:?}: object bytes past the end of {}", f.name));
-                }
-                shards.push(StoredObject { offset, file: file as u32, byte_offset, len, crc });
+                Some((s, s.checked_add(len).ok_or("flat range overflows")?))
             }
-            if let Some(prev) = objects.last() {
-                if prev.key >= key {
-                    return Err(format!("object keys not sorted/unique at {key:?}"));
-                }
+            tag => return Err(format!("{key:?}: bad flat-range tag {tag}")),
+        };
+        for dd in 0..ndim {
+            if offset[dd].checked_add(shape[dd]).is_none_or(|end| end > t.global_shape[dd]) {
+                return Err(format!("{key:?}: chunk box outside the global shape"));
             }
-            objects.push(ObjectEntry { key, global_shape, shards });
+        }
+        let box_numel = shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b)).ok_or("chunk too large")?;
+        if flat.is_some_and(|(_, e)| e > box_numel) {
+            return Err(format!("{key:?}: flat range past the chunk box"));
+        }
+        let numel = flat.map_or(box_numel, |(s, e)| e - s);
+        let nbytes = numel.checked_mul(t.dtype.size() as u64).ok_or("chunk too large")?;
+        let f = files
+            .get(file as usize)
+            .ok_or_else(|| format!("{key:?}: chunk names file #{file}, there are {}", files.len()))?;
+        if byte_offset.checked_add(nbytes).is_none_or(|end| end > f.size) {
+            return Err(format!("{key:?}: chunk bytes past the end of {}", f.name));
+        }
+        let ncrc = nbytes.div_ceil(block_size);
+        if ncrc > d.remaining() as u64 / 4 {
+            return Err("truncated checksums".into());
+        }
+        let mut crcs = Vec::with_capacity(ncrc as usize);
+        for _ in 0..ncrc {
+            crcs.push(d.u32_le()?);
+        }
+        let chunk = StoredChunk { file: file as u32, byte_offset, offset, shape, flat, crcs };
+        if canonical && chunks.last().is_some_and(|prev| chunk_order(prev, &chunk).is_gt()) {
+            return Err(format!("{key:?}: chunks not in canonical order (by offset, then flat range)"));
+        }
+        chunks.push(chunk);
+    }
+    Ok(chunks)
+}
+
+/// Where one tensor's chunk records are in a version-2 index.
+#[derive(Debug, Clone)]
+pub(crate) struct TensorDir {
+    pub(crate) key: String,
+    dtype: DType,
+    global_shape: Vec<u64>,
+    chunk_count: usize,
+    /// Byte range of the section in the index file.
+    pub(crate) range: std::ops::Range<u64>,
+    crc: u32,
+}
+
+/// The head of a version-2 index: everything but the chunk records, plus where each tensor's
+/// records are. A reader decodes it, then only the sections it needs.
+pub(crate) struct IndexHead {
+    prelude: Prelude,
+    pub(crate) tensors: Vec<TensorDir>,
+    objects: Vec<ObjectEntry>,
+    /// Total size of the index file.
+    file_size: u64,
+}
+
+/// Bytes before the head: magic, version, head length.
+const FIXED_HEADER: u64 = 20;
+
+impl IndexHead {
+    /// From the first 20 bytes (or more) of a version-2 index: the bytes to read, from the
+    /// start of the file, to hold its whole head.
+    pub(crate) fn extent(prefix: &[u8]) -> Result<u64, IndexError> {
+        match CheckpointIndex::peek_version(prefix) {
+            None => return Err(IndexError::Corrupt("not a tessera index (bad magic or truncated header)".into())),
+            Some(FORMAT_VERSION) => {}
+            Some(v) => return Err(IndexError::Version(v)),
+        }
+        if prefix.len() < FIXED_HEADER as usize {
+            return Err(IndexError::Corrupt(format!("index truncated at {} bytes", prefix.len())));
+        }
+        let head_len = u64::from_le_bytes(prefix[12..20].try_into().unwrap());
+        head_len
+            .checked_add(FIXED_HEADER + 4)
+            .ok_or_else(|| IndexError::Corrupt(format!("head length {head_len} overflows")))
+    }
+
+    /// Decodes and checks the head from the start of the index file (`bytes` holds at least
+    /// [`IndexHead::extent`] bytes).
+    pub(crate) fn decode(bytes: &[u8]) -> Result<IndexHead, IndexError> {
+        let extent = Self::extent(bytes)?;
+        if (bytes.len() as u64) < extent {
+            return Err(IndexError::Corrupt(format!(
+                "index head needs {extent} bytes, the file has {} (truncated)",
+                bytes.len()
+            )));
+        }
+        let head = &bytes[FIXED_HEADER as usize..extent as usize - 4];
+        let crc = u32::from_le_bytes(bytes[extent as usize - 4..extent as usize].try_into().unwrap());
+        if crc32c::crc32c(head) != crc {
+            return Err(IndexError::Corrupt("index head checksum mismatch".into()));
+        }
+        Self::decode_head(head, extent).map_err(IndexError::Corrupt)
+    }
+
+    fn decode_head(head: &[u8], sections_start: u64) -> Result<IndexHead, String> {
+        let mut d = Decoder::new(head);
+        let prelude = Prelude::decode(&mut d)?;
+        let n = d.count()?;
+        let mut tensors: Vec<TensorDir> = Vec::with_capacity(n);
+        let mut at = sections_start;
+        for _ in 0..n {
+            let (key, dtype, global_shape, chunk_count) = decode_tensor_head(&mut d)?;
+            let len = d.var()?;
+            let crc = d.u32_le()?;
+            if chunk_count as u64 > len / 3 {
+                return Err(format!("{key:?}: {chunk_count} chunks cannot fit in a {len}-byte section"));
+            }
+            if tensors.last().is_some_and(|prev| prev.key >= key) {
+                return Err(format!("tensor keys not sorted/unique at {key:?}"));
+            }
+            let end = at.checked_add(len).ok_or("section lengths overflow")?;
+            tensors.push(TensorDir { key, dtype, global_shape, chunk_count, range: at..end, crc });
+            at = end;
+        }
+        let objects = decode_objects(&mut d, &prelude.files)?;
+        let sections_len = d.var()?;
+        if sections_len != at - sections_start {
+            return Err(format!(
+                "sections hold {sections_len} bytes, the tensors' sections add up to {}",
+                at - sections_start
+            ));
         }
         if !d.is_done() {
-            return Err("trailing bytes after the index body".into());
+            return Err("trailing bytes after the index head".into());
         }
-        Ok(CheckpointIndex { backend, version, block_size, content_metadata, common, files, tensors, objects })
+        Ok(IndexHead { prelude, tensors, objects, file_size: at })
+    }
+
+    /// Size the index file must have.
+    pub(crate) fn file_size(&self) -> u64 {
+        self.file_size
+    }
+
+    /// Decodes the section of tensor `i` (`bytes`: exactly its [`TensorDir::range`]).
+    pub(crate) fn tensor(&self, i: usize, bytes: &[u8]) -> Result<TensorEntry, String> {
+        let t = &self.tensors[i];
+        if bytes.len() as u64 != t.range.end - t.range.start {
+            return Err(format!("{:?}: section truncated", t.key));
+        }
+        if crc32c::crc32c(bytes) != t.crc {
+            return Err(format!("{:?}: checksum mismatch in its chunk records", t.key));
+        }
+        let mut d = Decoder::new(bytes);
+        let shape = TensorShape { key: &t.key, dtype: t.dtype, global_shape: &t.global_shape };
+        let chunks = decode_chunks(&mut d, &shape, t.chunk_count, &self.prelude, true)?;
+        if !d.is_done() {
+            return Err(format!("{:?}: trailing bytes after its chunk records", t.key));
+        }
+        Ok(TensorEntry::new(t.key.clone(), t.dtype, t.global_shape.clone(), chunks))
+    }
+
+    /// Decodes every section of the whole index file `file`, on several threads when there are
+    /// many chunks.
+    pub(crate) fn decode_all(self, file: &[u8]) -> Result<CheckpointIndex, String> {
+        let all: Vec<usize> = (0..self.tensors.len()).collect();
+        let tensors = self.decode_some(&all, |i| {
+            let r = &self.tensors[i].range;
+            &file[r.start as usize..r.end as usize]
+        })?;
+        Ok(self.into_index(tensors))
+    }
+
+    /// Decodes the sections of tensors `which` (positions in [`IndexHead::tensors`]), getting
+    /// each one's bytes from `section`.
+    pub(crate) fn decode_some<'b>(
+        &self,
+        which: &[usize],
+        section: impl Fn(usize) -> &'b [u8] + Sync,
+    ) -> Result<Vec<TensorEntry>, String> {
+        const PER_THREAD: usize = 1 << 18;
+        let chunks: usize = which.iter().map(|&i| self.tensors[i].chunk_count).sum();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(chunks / PER_THREAD).max(1);
+        if threads == 1 {
+            return which.iter().map(|&i| self.tensor(i, section(i))).collect();
+        }
+        // Contiguous groups of about equal chunk counts, decoded side by side.
+        let mut groups: Vec<&[usize]> = Vec::with_capacity(threads);
+        let (mut start, mut acc) = (0, 0);
+        for (k, &i) in which.iter().enumerate() {
+            acc += self.tensors[i].chunk_count;
+            if acc * threads >= chunks * (groups.len() + 1) && groups.len() + 1 < threads {
+                groups.push(&which[start..=k]);
+                start = k + 1;
+            }
+        }
+        groups.push(&which[start..]);
+        let section = &section;
+        std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .iter()
+                .map(|g| s.spawn(move || g.iter().map(|&i| self.tensor(i, section(i))).collect::<Result<Vec<_>, _>>()))
+                .collect();
+            let mut out = Vec::with_capacity(which.len());
+            for h in handles {
+                out.extend(h.join().expect("index decoding does not panic")?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// The index with only `tensors` (decoded sections) among its tensors.
+    pub(crate) fn into_index(self, tensors: Vec<TensorEntry>) -> CheckpointIndex {
+        self.prelude.into_index(FORMAT_VERSION, tensors, self.objects)
     }
 }
 
@@ -435,4 +817,84 @@ fn decode_path(d: &mut Decoder<'_>) -> Result<StatePath, String> {
             t => Err(format!("bad path tag {t}")),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_outside_the_searched_range_never_meet_the_rows() {
+        let mut rng = crate::test_rng::TestRng::new(0x9e37_79b9_u64);
+        let mut next = |n: u64| rng.below(n);
+        for _ in 0..500 {
+            let rows = 1 + next(40);
+            let chunks: Vec<StoredChunk> = (0..next(30))
+                .map(|_| {
+                    let r0 = next(rows);
+                    let flat = if next(3) == 0 { Some((next(4), 4 + next(4))) } else { None };
+                    StoredChunk {
+                        file: 0,
+                        byte_offset: 0,
+                        offset: [r0, next(3)].as_slice().into(),
+                        shape: [next(rows - r0 + 1), 1 + next(3)].as_slice().into(),
+                        flat,
+                        crcs: Vec::new(),
+                    }
+                })
+                .collect();
+            let t = TensorEntry::new("t".into(), DType::F32, vec![rows, 8], chunks);
+            assert!(t.chunks().is_sorted_by(|a, b| chunk_order(a, b).is_le()));
+            let lo = next(rows + 1);
+            let hi = lo + next(rows + 1 - lo);
+            let range = t.chunks_meeting_rows(lo, hi);
+            for (i, c) in t.chunks().iter().enumerate() {
+                let meets = match t.search.row {
+                    // Whole rows (by chance, or no chunks): by the elements held.
+                    Some(row) => {
+                        let first = c.offset[0] * row + c.flat.map_or(0, |f| f.0);
+                        first < hi * row && first + c.numel() > lo * row
+                    }
+                    None => c.offset[0] < hi && c.offset[0] + c.shape[0] > lo,
+                };
+                assert!(!meets || range.contains(&i), "chunk {i} {c:?} meets rows {lo}..{hi}, range {range:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn whole_row_chunks_outside_the_searched_range_hold_none_of_the_rows() {
+        let mut rng = crate::test_rng::TestRng::new(0x2545_f491_u64);
+        let mut next = |n: u64| rng.below(n);
+        for _ in 0..500 {
+            // TP boxes of whole rows, each cut into flat ranges (or whole), 3 elements per row.
+            let (row, boxes) = (3u64, 1 + next(5));
+            let mut chunks = Vec::new();
+            let mut r0 = 0;
+            for _ in 0..boxes {
+                let h = 1 + next(4);
+                let n = h * row;
+                let mut cuts: Vec<u64> = (0..next(4)).map(|_| next(n + 1)).collect();
+                cuts.extend([0, n]);
+                cuts.sort_unstable();
+                cuts.dedup();
+                for w in cuts.windows(2) {
+                    let flat = if w == [0, n] && next(2) == 0 { None } else { Some((w[0], w[1])) };
+                    let (offset, shape) = ([r0, 0].as_slice().into(), [h, row].as_slice().into());
+                    chunks.push(StoredChunk { file: 0, byte_offset: 0, offset, shape, flat, crcs: Vec::new() });
+                }
+                r0 += h;
+            }
+            let t = TensorEntry::new("t".into(), DType::F32, vec![r0, row], chunks);
+            assert_eq!(t.search.row, Some(row));
+            let lo = next(r0 + 1);
+            let hi = lo + next(r0 + 1 - lo);
+            let range = t.chunks_meeting_rows(lo, hi);
+            for (i, c) in t.chunks().iter().enumerate() {
+                let first = c.offset[0] * row + c.flat.map_or(0, |f| f.0);
+                let holds = first < hi * row && first + c.numel() > lo * row;
+                assert!(!holds || range.contains(&i), "chunk {i} {c:?} holds rows {lo}..{hi}, range {range:?}");
+            }
+        }
+    }
 }

@@ -132,7 +132,7 @@ pub fn convert(
     let mut chunks: Vec<(u32, u64, TensorPart<'_>)> = Vec::new();
     for t in &index.tensors {
         let max_numel = per_job / t.dtype.size() as u64;
-        for c in &t.chunks {
+        for c in t.chunks() {
             for part in split_box(&c.offset, &c.shape, c.flat, max_numel) {
                 chunks.push((c.file, c.byte_offset, TensorPart { tensor: t, part }));
             }
@@ -182,7 +182,7 @@ pub fn convert(
         slots.push(Slot { file, entry });
     }
     // Tensors without stored chunks (no elements) keep their entry: announced, not written.
-    for t in index.tensors.iter().filter(|t| t.chunks.is_empty()) {
+    for t in index.tensors.iter().filter(|t| t.chunks().is_empty()) {
         if plans.is_empty() {
             plans.push(RankPlan::default());
         }

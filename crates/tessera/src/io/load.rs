@@ -11,7 +11,7 @@ use crate::comm::Communicator;
 use crate::format::CheckpointIndex;
 use crate::io::factories::{apply_factories, apply_merges, remove_paths, AppliedFactory};
 use crate::io::read::{execute, verify_headers, Target};
-use crate::io::strategy::open_checkpoint;
+use crate::io::strategy::{open_checkpoint, open_checkpoint_key_set, open_checkpoint_keys, OpenCheckpoint};
 use crate::plan::exchange::{
     decode_needs, encode_needs, needed_ranges, plan_exchange, split_segs, ByteRange, ExchangePlan, ExchangeTuning,
     FileChunks, DEFAULT_MAX_PIECE, DEFAULT_ROUND_BYTES,
@@ -139,15 +139,51 @@ pub struct LoadResult<'a> {
     pub stats: LoadStats,
 }
 
-/// Loads the state described by `tree` from the checkpoint in `storage`.
+/// Loads the state described by `tree` from the checkpoint in `storage`. Only the index
+/// entries of the requested tensors are read and decoded (native format), except with
+/// `exchange_reads`, where a rank reads for its peers and needs every tensor's chunks.
 pub fn load<'a>(
     tree: StateTree<'a>,
     storage: &dyn Storage,
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadResult<'a>> {
-    let ckpt = open_checkpoint(storage)?;
-    load_from_index(&ckpt.index, tree, ckpt.storage(), comm, opts)
+    if opts.exchange_reads {
+        let ckpt = open_checkpoint(storage)?;
+        return load_checkpoint(&ckpt, tree, comm, opts);
+    }
+    let factories = apply_factories(tree);
+    let mut keys = BTreeSet::new();
+    if let Ok((tree, _)) = &factories {
+        tree.for_each_leaf(&mut |_, leaf| {
+            if let StateTree::Tensor(t) = leaf {
+                keys.insert(t.key.clone());
+            }
+        });
+    }
+    let ckpt = match open_checkpoint_key_set(storage, &keys) {
+        Ok(c) => c,
+        Err(e) => {
+            // The `*All` modes gather keys from every rank: take part, then report.
+            if opts.strict.needs_missing() && !matches!(e, Error::Comm { .. }) {
+                comm.all_gather(&[])?;
+            }
+            return Err(e);
+        }
+    };
+    load_with(&ckpt.index, &ckpt.tensor_keys, factories, ckpt.storage(), comm, opts)
+}
+
+/// [`load`] from a checkpoint already opened (reuse across loads) by
+/// [`crate::open_checkpoint`], or by [`crate::open_checkpoint_keys`] with at least the keys
+/// requested (`exchange_reads` needs the whole index).
+pub fn load_checkpoint<'a>(
+    ckpt: &OpenCheckpoint<'_>,
+    tree: StateTree<'a>,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<LoadResult<'a>> {
+    load_with(&ckpt.index, &ckpt.tensor_keys, apply_factories(tree), ckpt.storage(), comm, opts)
 }
 
 /// [`load`] with an index already opened (reuse across loads): `index` and `storage` as
@@ -160,8 +196,24 @@ pub fn load_from_index<'a>(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadResult<'a>> {
+    let keys: Vec<String> = index.tensors.iter().map(|t| t.key.clone()).collect();
+    load_with(index, &keys, apply_factories(tree), storage, comm, opts)
+}
+
+type Built<'a> = Result<(StateTree<'a>, Vec<AppliedFactory>)>;
+
+/// The load itself: `factories` is the tree with its factories applied (or why they failed:
+/// reported in step with the other ranks), `tensor_keys` every tensor key in the checkpoint.
+fn load_with<'a>(
+    index: &CheckpointIndex,
+    tensor_keys: &[String],
+    factories: Built<'a>,
+    storage: &dyn Storage,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<LoadResult<'a>> {
     let mut strict_gathered = false;
-    let prepared = prepare(index, tree, comm, opts, &mut strict_gathered);
+    let prepared = prepare(index, tensor_keys, factories, comm, opts, &mut strict_gathered);
     let (prepared, stats) = if opts.exchange_reads {
         let p = match prepared {
             Ok(p) => p,
@@ -243,12 +295,18 @@ struct Prepared<'a> {
 /// extend past a stored tensor.
 fn prepare<'a>(
     index: &CheckpointIndex,
-    tree: StateTree<'a>,
+    tensor_keys: &[String],
+    factories: Built<'a>,
     comm: &dyn Communicator,
     opts: &LoadOptions,
     strict_gathered: &mut bool,
 ) -> Result<Prepared<'a>> {
-    let (mut tree, applied) = apply_factories(tree)?;
+    if opts.exchange_reads && index.tensors.len() != tensor_keys.len() {
+        return Err(Error::invalid(
+            "exchange_reads reads for other ranks and needs every tensor's chunks: open with open_checkpoint",
+        ));
+    }
+    let (mut tree, applied) = factories?;
 
     // Keys requested and their paths.
     let mut requested: BTreeSet<String> = BTreeSet::new();
@@ -279,7 +337,7 @@ fn prepare<'a>(
         for b in &all {
             anyone.extend(b.split(|&x| x == 0).filter(|s| !s.is_empty()));
         }
-        let stored = index.tensors.iter().map(|t| &t.key).chain(index.objects.iter().map(|o| &o.key));
+        let stored = tensor_keys.iter().chain(index.objects.iter().map(|o| &o.key));
         missing = stored.filter(|k| !anyone.contains(k.as_bytes())).cloned().collect();
     }
     let unexpected_keys: Vec<String> = unexpected.keys().cloned().collect();
@@ -639,7 +697,10 @@ pub struct PlainTensor {
 
 /// Loads whole tensors (all, or those whose key is in `keys`), unsharded.
 pub fn load_plain_tensors(storage: &dyn Storage, keys: Option<&[&str]>) -> Result<BTreeMap<String, PlainTensor>> {
-    let ckpt = open_checkpoint(storage)?;
+    let ckpt = match keys {
+        Some(ks) => open_checkpoint_keys(storage, ks)?,
+        None => open_checkpoint(storage)?,
+    };
     let (index, storage) = (&ckpt.index, ckpt.storage());
     let mut tree = StateTree::map();
     for t in &index.tensors {

@@ -9,6 +9,7 @@ pub(crate) mod diff;
 pub(crate) mod export;
 pub(crate) mod factories;
 pub(crate) mod foreign;
+pub(crate) mod index_read;
 pub(crate) mod load;
 pub(crate) mod maintenance;
 pub(crate) mod pipeline;

@@ -2,12 +2,14 @@
 //! records its backend and version; load asks every registered loader to recognise the
 //! location and then picks one that supports the recorded version.
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, OnceLock, RwLock};
 
 use crate::comm::Communicator;
 use crate::format::{CheckpointIndex, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
 use crate::io::foreign::dcp::{DcpFlavor, DcpStrategy};
 use crate::io::foreign::zarr::ZarrStrategy;
+use crate::io::index_read::open_native_keys;
 use crate::io::save::{save, SaveOptions, SaveReport};
 use crate::state::StateTree;
 use crate::storage::Storage;
@@ -69,9 +71,28 @@ pub trait LoadStrategy: Send + Sync {
     ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
         Ok((self.open(storage)?, None))
     }
+    /// [`LoadStrategy::open_checkpoint`] for a reader that needs the chunks of the tensors
+    /// `keys` only: the index MAY leave every other tensor out of [`CheckpointIndex::tensors`];
+    /// the keys of all tensors stored come with it. The default opens everything.
+    fn open_checkpoint_keys<'s>(&self, storage: &'s dyn Storage, keys: &BTreeSet<String>) -> Result<OpenedKeys<'s>> {
+        let _ = keys;
+        let (index, view) = self.open_checkpoint(storage)?;
+        let tensor_keys = index.tensors.iter().map(|t| t.key.clone()).collect();
+        Ok(OpenedKeys { index, tensor_keys, view })
+    }
 }
 
-/// The native format, version 1.
+/// What [`LoadStrategy::open_checkpoint_keys`] gives.
+pub struct OpenedKeys<'s> {
+    /// The index, with at least the requested tensors that are stored.
+    pub index: CheckpointIndex,
+    /// The keys of every tensor in the checkpoint.
+    pub tensor_keys: Vec<String>,
+    /// As in [`LoadStrategy::open_checkpoint`]: the view the index's file names resolve in.
+    pub view: Option<Box<dyn Storage + 's>>,
+}
+
+/// The native format (writes [`FORMAT_VERSION`], reads versions 1 and 2).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct NativeStrategy;
 
@@ -98,10 +119,10 @@ impl LoadStrategy for NativeStrategy {
         NATIVE_BACKEND
     }
     fn supports_version(&self, version: u32) -> bool {
-        version == FORMAT_VERSION
+        (1..=FORMAT_VERSION).contains(&version)
     }
     fn supported_versions(&self) -> String {
-        format!("{NATIVE_BACKEND} v{FORMAT_VERSION}")
+        format!("{NATIVE_BACKEND} v1, v{FORMAT_VERSION}")
     }
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
         let size = match storage.size(INDEX_FILE) {
@@ -119,6 +140,10 @@ impl LoadStrategy for NativeStrategy {
     fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
         let bytes = storage.read(INDEX_FILE)?;
         CheckpointIndex::from_bytes(&bytes, &index_path(storage).to_string_lossy())
+    }
+    fn open_checkpoint_keys<'s>(&self, storage: &'s dyn Storage, keys: &BTreeSet<String>) -> Result<OpenedKeys<'s>> {
+        let (index, tensor_keys) = open_native_keys(storage, keys)?;
+        Ok(OpenedKeys { index, tensor_keys, view: None })
     }
 }
 
@@ -214,8 +239,10 @@ pub fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
 pub struct OpenCheckpoint<'s> {
     /// Backend and version detected.
     pub record: FormatRecord,
-    /// The checkpoint's index.
+    /// The checkpoint's index (with only some tensors when opened by [`open_checkpoint_keys`]).
     pub index: CheckpointIndex,
+    /// The keys of every tensor in the checkpoint.
+    pub tensor_keys: Vec<String>,
     base: &'s dyn Storage,
     view: Option<Box<dyn Storage + 's>>,
 }
@@ -238,5 +265,24 @@ impl OpenCheckpoint<'_> {
 pub fn open_checkpoint(storage: &dyn Storage) -> Result<OpenCheckpoint<'_>> {
     let (record, strategy) = detect_format(storage)?;
     let (index, view) = strategy.open_checkpoint(storage)?;
-    Ok(OpenCheckpoint { record, index, base: storage, view })
+    let tensor_keys = index.tensors.iter().map(|t| t.key.clone()).collect();
+    Ok(OpenCheckpoint { record, index, tensor_keys, base: storage, view })
+}
+
+/// [`open_checkpoint`] for a reader of the tensors `keys` only: a native checkpoint's index is
+/// read and decoded for those tensors alone (the others are absent from
+/// [`OpenCheckpoint::index`]; [`OpenCheckpoint::tensor_keys`] lists all). Objects, common state
+/// and files are always complete.
+pub fn open_checkpoint_keys<'s, K: AsRef<str>>(storage: &'s dyn Storage, keys: &[K]) -> Result<OpenCheckpoint<'s>> {
+    let keys: BTreeSet<String> = keys.iter().map(|k| k.as_ref().to_string()).collect();
+    open_checkpoint_key_set(storage, &keys)
+}
+
+pub(crate) fn open_checkpoint_key_set<'s>(
+    storage: &'s dyn Storage,
+    keys: &BTreeSet<String>,
+) -> Result<OpenCheckpoint<'s>> {
+    let (record, strategy) = detect_format(storage)?;
+    let OpenedKeys { index, tensor_keys, view } = strategy.open_checkpoint_keys(storage, keys)?;
+    Ok(OpenCheckpoint { record, index, tensor_keys, base: storage, view })
 }

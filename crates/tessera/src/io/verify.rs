@@ -35,7 +35,7 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     let mut report = VerifyReport { files: index.files.len(), chunks: index.chunk_count(), ..Default::default() };
     for t in &index.tensors {
         let pieces: Vec<Piece> = t
-            .chunks
+            .chunks()
             .iter()
             .flat_map(|c| match c.flat {
                 Some((s, e)) => decompose_flat(&c.offset, &c.shape, s, e),
@@ -61,7 +61,7 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     let mut ranges: Vec<Vec<(u64, u64, u32, String)>> = vec![Vec::new(); index.files.len()];
     for t in &index.tensors {
         let esize = t.dtype.size() as u64;
-        for c in &t.chunks {
+        for c in t.chunks() {
             let len = c.numel() * esize;
             for (b, &crc) in c.crcs.iter().enumerate() {
                 let off = b as u64 * index.block_size;

@@ -79,7 +79,7 @@ pub fn needed_ranges(index: &CheckpointIndex, segs: &[CopySeg], verify: bool) ->
                 return ByteRange { file: s.file, off: s.file_off, len: s.len };
             }
             let t = &index.tensors[s.tensor as usize];
-            let c = &t.chunks[s.chunk as usize];
+            let c = &t.chunks()[s.chunk as usize];
             let clen = c.numel() * t.dtype.size() as u64;
             let bs = index.block_size;
             let first = (s.file_off - c.byte_offset) / bs;
@@ -162,7 +162,7 @@ impl FileChunks {
         let mut files: Vec<Vec<ChunkBytes>> = vec![Vec::new(); index.files.len()];
         for (ti, t) in index.tensors.iter().enumerate() {
             let esize = t.dtype.size() as u64;
-            for (ci, c) in t.chunks.iter().enumerate() {
+            for (ci, c) in t.chunks().iter().enumerate() {
                 let len = c.numel() * esize;
                 if len > 0 && (c.file as usize) < files.len() {
                     let cb = ChunkBytes { off: c.byte_offset, len, tensor: ti as u32, chunk: ci as u32 };

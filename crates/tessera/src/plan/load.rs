@@ -123,7 +123,11 @@ fn plan_request_with(index: &CheckpointIndex, req: &Request, fast_rows: bool) ->
     // axis after the first) meets the chunk, or any flat range of it, in one contiguous range of
     // both: one segment, computed directly. This is every TP/DP row split.
     let rows_path = fast_rows && nd > 0 && req.flat.is_none() && entry.global_shape == req.global_shape;
-    for (ci, c) in entry.chunks.iter().enumerate() {
+    let candidates = match nd {
+        0 => 0..entry.chunks().len(),
+        _ => entry.chunks_meeting_rows(req.offset[0], req.offset[0].saturating_add(req.shape[0])),
+    };
+    for (ci, c) in entry.chunks().iter().enumerate().take(candidates.end).skip(candidates.start) {
         if nd > 0 && !boxes_meet(&c.offset, &c.shape, &req.offset, &req.shape) {
             continue;
         }
@@ -183,6 +187,39 @@ fn plan_request_with(index: &CheckpointIndex, req: &Request, fast_rows: bool) ->
         });
     }
     Ok(RequestPlan { segs, zero_fill })
+}
+
+/// Sorts by `(file, offset)`, stably. A load meets many files, and each request's items come
+/// in file order: one counting pass by file, then a check (rarely a sort) within each file,
+/// beats a comparison sort of the whole list.
+fn sort_by_file<T: Copy>(items: Vec<T>, key: impl Fn(&T) -> (u32, u64)) -> Vec<T> {
+    let Some(files) = items.iter().map(|x| key(x).0 as usize + 1).max() else { return items };
+    if files > 4 * items.len() + 1024 {
+        let mut items = items;
+        items.sort_by_key(|x| key(x));
+        return items;
+    }
+    let mut start = vec![0usize; files + 1];
+    for x in &items {
+        start[key(x).0 as usize + 1] += 1;
+    }
+    for f in 0..files {
+        start[f + 1] += start[f];
+    }
+    let mut at = start.clone();
+    let mut out = items.clone();
+    for x in items {
+        let f = key(&x).0 as usize;
+        out[at[f]] = x;
+        at[f] += 1;
+    }
+    for f in 0..files {
+        let bucket = &mut out[start[f]..start[f + 1]];
+        if !bucket.is_sorted_by_key(|x| key(x).1) {
+            bucket.sort_by_key(|x| key(x).1);
+        }
+    }
+    out
 }
 
 /// Whether two boxes overlap (every axis).
@@ -256,19 +293,18 @@ pub struct ReadPlan {
 }
 
 /// Groups segments into reads. With `verify`, every block touched is read whole and checked.
-pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool, tuning: ReadTuning) -> ReadPlan {
+pub fn plan_reads(index: &CheckpointIndex, segs: Vec<CopySeg>, verify: bool, tuning: ReadTuning) -> ReadPlan {
     // Foreign formats carry no checksums (block size 0): there is nothing to verify.
     let verify = verify && index.block_size > 0;
     let tuning = ReadTuning { max_span: tuning.max_span.max(4096), ..tuning };
-    segs.sort_unstable_by_key(|s| (s.file, s.file_off, s.len, s.target, s.dst_off));
     let bytes_needed = segs.iter().map(|s| s.len).sum();
-    // Units: byte ranges that must be read whole (blocks when verifying, else segments).
     let mut blocks: Vec<Block> = Vec::new();
-    let mut units: Vec<(u32, u64, u64)> = Vec::new();
     if verify {
+        // Blocks are listed before the segments are sorted: in request order, each tensor's
+        // chunks (and their checksums) are visited in memory order.
         let bs = index.block_size;
         for s in &segs {
-            let c = &index.tensors[s.tensor as usize].chunks[s.chunk as usize];
+            let c = &index.tensors[s.tensor as usize].chunks()[s.chunk as usize];
             let esize = index.tensors[s.tensor as usize].dtype.size() as u64;
             let clen = c.numel() * esize;
             let first = (s.file_off - c.byte_offset) / bs;
@@ -285,43 +321,22 @@ pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool,
                 });
             }
         }
-        // Segments in file order give blocks in file order (chunks never overlap in a file).
-        if !blocks.is_sorted_by_key(|b| (b.file, b.file_off)) {
-            blocks.sort_unstable();
-        }
+        blocks = sort_by_file(blocks, |b| (b.file, b.file_off));
         blocks.dedup_by_key(|b| (b.file, b.file_off));
-        units.extend(blocks.iter().map(|b| (b.file, b.file_off, b.len)));
-    } else {
-        for s in &segs {
-            match units.last_mut() {
-                Some(u) if u.0 == s.file && u.1 + u.2 >= s.file_off => u.2 = u.2.max(s.file_off + s.len - u.1),
-                _ => units.push((s.file, s.file_off, s.len)),
-            }
-        }
-        let mut split = Vec::with_capacity(units.len());
-        for (f, mut off, mut len) in units {
-            while len > tuning.max_span {
-                split.push((f, off, tuning.max_span));
-                off += tuning.max_span;
-                len -= tuning.max_span;
-            }
-            split.push((f, off, len));
-        }
-        units = split;
     }
+    let segs = sort_by_file(segs, |s| (s.file, s.file_off));
+    // Units are byte ranges that must be read whole (blocks when verifying, else segments
+    // merged where they overlap, cut at `max_span`); spans group nearby units into one read.
     let mut spans: Vec<Span> = Vec::new();
-    for (i, &(f, off, len)) in units.iter().enumerate() {
-        let extend = match spans.last() {
-            Some(sp) => {
-                let gap = off.wrapping_sub(sp.off + sp.len);
-                sp.file == f
-                    && off >= sp.off + sp.len
-                    && gap <= tuning.max_gap
-                    && gap * 32 <= off + len - sp.off
-                    && off + len - sp.off <= tuning.max_span
-            }
-            None => false,
-        };
+    let mut add_unit = |i: usize, f: u32, off: u64, len: u64| {
+        let extend = spans.last().is_some_and(|sp| {
+            let gap = off.wrapping_sub(sp.off + sp.len);
+            sp.file == f
+                && off >= sp.off + sp.len
+                && gap <= tuning.max_gap
+                && gap * 32 <= off + len - sp.off
+                && off + len - sp.off <= tuning.max_span
+        });
         if extend {
             let sp = spans.last_mut().unwrap();
             sp.len = off + len - sp.off;
@@ -332,14 +347,73 @@ pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool,
             let blocks = if verify { i..i + 1 } else { 0..0 };
             spans.push(Span { file: f, off, len, segs: 0..0, blocks, direct: false });
         }
+    };
+    if verify {
+        for (i, b) in blocks.iter().enumerate() {
+            add_unit(i, b.file, b.file_off, b.len);
+        }
+    } else {
+        let mut emit = |(f, mut off, mut len): (u32, u64, u64)| {
+            while len > tuning.max_span {
+                add_unit(0, f, off, tuning.max_span);
+                off += tuning.max_span;
+                len -= tuning.max_span;
+            }
+            add_unit(0, f, off, len);
+        };
+        let mut unit: Option<(u32, u64, u64)> = None;
+        for s in &segs {
+            match &mut unit {
+                Some(u) if u.0 == s.file && u.1 + u.2 >= s.file_off => u.2 = u.2.max(s.file_off + s.len - u.1),
+                _ => {
+                    if let Some(u) = unit.replace((s.file, s.file_off, s.len)) {
+                        emit(u);
+                    }
+                }
+            }
+        }
+        if let Some(u) = unit {
+            emit(u);
+        }
     }
-    // Assign segments to spans, splitting a segment that crosses span boundaries.
-    // Segments and spans are both in file order: one merge walk assigns every piece of every
-    // segment to its span, already grouped by span.
-    let mut span_of: Vec<usize> = Vec::with_capacity(segs.len());
-    let mut out_segs: Vec<CopySeg> = Vec::with_capacity(segs.len());
+    // Assign segments to spans. Segments and spans are both in file order: one merge walk finds
+    // each segment's span. Usually every segment lies inside one span and they come grouped
+    // by span, so the sorted segments are the result as they are.
     let mut first = 0usize;
+    let mut span_of: Vec<u32> = Vec::with_capacity(segs.len());
+    let mut whole = true;
     for s in &segs {
+        while (spans[first].file, spans[first].off + spans[first].len) <= (s.file, s.file_off) {
+            first += 1;
+        }
+        whole &= s.file_off + s.len <= spans[first].off + spans[first].len;
+        span_of.push(first as u32);
+    }
+    let segs = if whole && span_of.is_sorted() { segs } else { split_at_spans(&segs, &spans, &mut span_of) };
+    let mut pi = 0;
+    for (i, sp) in spans.iter_mut().enumerate() {
+        let start = pi;
+        while pi < span_of.len() && span_of[pi] as usize == i {
+            pi += 1;
+        }
+        sp.segs = start..pi;
+        sp.direct = sp.segs.len() == 1 && {
+            let s = &segs[start];
+            s.file_off == sp.off && s.len == sp.len
+        };
+    }
+    let bytes_read = spans.iter().map(|s| s.len).sum();
+    ReadPlan { segs, blocks, spans, bytes_needed, bytes_read }
+}
+
+/// The general case of span assignment: segments (file order) cut where they cross span ends,
+/// grouped by span (overlapping segments, two targets wanting the same bytes, can interleave
+/// spans). `span_of` gets the span of each returned piece.
+fn split_at_spans(segs: &[CopySeg], spans: &[Span], span_of: &mut Vec<u32>) -> Vec<CopySeg> {
+    span_of.clear();
+    let mut out: Vec<CopySeg> = Vec::with_capacity(segs.len());
+    let mut first = 0usize;
+    for s in segs {
         while (spans[first].file, spans[first].off + spans[first].len) <= (s.file, s.file_off) {
             first += 1;
         }
@@ -349,8 +423,8 @@ pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool,
             let sp = &spans[i];
             debug_assert!(sp.file == cur.file && sp.off <= cur.file_off);
             let take = cur.len.min(sp.off + sp.len - cur.file_off);
-            span_of.push(i);
-            out_segs.push(CopySeg { len: take, ..cur });
+            span_of.push(i as u32);
+            out.push(CopySeg { len: take, ..cur });
             cur.file_off += take;
             cur.dst_off += take;
             cur.len -= take;
@@ -358,26 +432,12 @@ pub fn plan_reads(index: &CheckpointIndex, mut segs: Vec<CopySeg>, verify: bool,
         }
     }
     if !span_of.is_sorted() {
-        // Overlapping segments (two targets wanting the same bytes) can interleave spans.
-        let mut order: Vec<usize> = (0..out_segs.len()).collect();
+        let mut order: Vec<usize> = (0..out.len()).collect();
         order.sort_by_key(|&k| span_of[k]);
-        out_segs = order.iter().map(|&k| out_segs[k]).collect();
-        span_of = order.iter().map(|&k| span_of[k]).collect();
+        out = order.iter().map(|&k| out[k]).collect();
+        *span_of = order.iter().map(|&k| span_of[k]).collect();
     }
-    let mut pi = 0;
-    for (i, sp) in spans.iter_mut().enumerate() {
-        let start = pi;
-        while pi < span_of.len() && span_of[pi] == i {
-            pi += 1;
-        }
-        sp.segs = start..pi;
-        sp.direct = sp.segs.len() == 1 && {
-            let s = &out_segs[start];
-            s.file_off == sp.off && s.len == sp.len
-        };
-    }
-    let bytes_read = spans.iter().map(|s| s.len).sum();
-    ReadPlan { segs: out_segs, blocks, spans, bytes_needed, bytes_read }
+    out
 }
 
 #[cfg(test)]
@@ -401,11 +461,8 @@ mod tests {
     #[test]
     fn the_rows_fast_path_plans_what_the_general_path_plans() {
         // A [rows, 6, 4] tensor stored as TP row boxes, each cut into DP flat ranges.
-        let mut seed = 0x1234_5678_u64;
-        let mut next = |n: u64| {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (seed >> 33) % n
-        };
+        let mut rng = crate::test_rng::TestRng::new(0x1234_5678_u64);
+        let mut next = |n: u64| rng.below(n);
         for _ in 0..300 {
             let tp = 1 + next(4);
             let rows_per = 1 + next(5);
@@ -441,7 +498,7 @@ mod tests {
                 content_metadata: crate::Value::Null,
                 common: Vec::new(),
                 files: Vec::new(),
-                tensors: vec![TensorEntry { key: "x".into(), dtype: DType::F32, global_shape: shape.clone(), chunks }],
+                tensors: vec![TensorEntry::new("x".into(), DType::F32, shape.clone(), chunks)],
                 objects: Vec::new(),
             };
             let r0 = next(shape[0]);

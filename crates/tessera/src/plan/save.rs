@@ -662,7 +662,8 @@ pub fn build_index(
     content_metadata: Value,
 ) -> Result<CheckpointIndex> {
     let mut files = Vec::new();
-    let mut tensors: Vec<TensorEntry> = Vec::new();
+    // (key, dtype, global shape) and the chunks of each tensor, in order of first appearance.
+    let mut tensors: Vec<(&ShardMeta, Vec<StoredChunk>)> = Vec::new();
     // Keys are interned per decoding thread: look up by pointer first, by text on a miss.
     let mut by_ptr: FastMap<usize, usize> = FastMap::default();
     let mut by_key: FastMap<&str, usize> = FastMap::default();
@@ -693,12 +694,7 @@ pub fn build_index(
                 Some(&i) => i,
                 None => {
                     let i = *by_key.entry(&*t.key).or_insert_with(|| {
-                        tensors.push(TensorEntry {
-                            key: t.key.to_string(),
-                            dtype: t.dtype,
-                            global_shape: t.global_shape.to_vec(),
-                            chunks: Vec::with_capacity(plans.len()),
-                        });
+                        tensors.push((t, Vec::with_capacity(plans.len())));
                         tensors.len() - 1
                     });
                     by_ptr.insert(ptr, i);
@@ -710,7 +706,7 @@ pub fn build_index(
                 continue;
             }
             let (byte_offset, crcs) = written_chunks.next().expect("counted above");
-            tensors[ti].chunks.push(StoredChunk {
+            tensors[ti].1.push(StoredChunk {
                 file,
                 byte_offset: *byte_offset,
                 offset: t.offset.clone(),
@@ -728,10 +724,11 @@ pub fn build_index(
             entry.shards.push(StoredObject { offset: o.offset.clone(), file, byte_offset, len, crc });
         }
     }
+    let mut tensors: Vec<TensorEntry> = tensors
+        .into_iter()
+        .map(|(t, chunks)| TensorEntry::new(t.key.to_string(), t.dtype, t.global_shape.to_vec(), chunks))
+        .collect();
     tensors.sort_by(|a, b| a.key.cmp(&b.key));
-    for t in &mut tensors {
-        t.chunks.sort_by(|a, b| (&a.offset, a.flat).cmp(&(&b.offset, b.flat)));
-    }
     let mut objects: Vec<ObjectEntry> = objects.into_values().collect();
     objects.sort_by(|a, b| a.key.cmp(&b.key));
     for o in &mut objects {

@@ -166,7 +166,7 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
         let pieces: Vec<Piece> = chunks.iter().map(|c| Piece::new(&c.offset, &c.shape)).collect();
         check_tiling(&t.size, &pieces)
             .map_err(|e| Error::corrupt(&shown, format!("chunks of {:?} do not tile it: {e}", t.fqn)))?;
-        tensors.push(TensorEntry { key: t.fqn, dtype: t.dtype, global_shape: t.size, chunks });
+        tensors.push(TensorEntry::new(t.fqn, t.dtype, t.size, chunks));
     }
 
     let mut objects = ObjectShards::default();

@@ -84,7 +84,7 @@ fn open_zarr(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)
                     idx[d] = 0;
                 }
             }
-            tensors.push(TensorEntry { key: key.to_string(), dtype: arr.dtype, global_shape: arr.shape, chunks });
+            tensors.push(TensorEntry::new(key.to_string(), arr.dtype, arr.shape, chunks));
         } else if let Some(stem) = name.strip_suffix(".pt") {
             let Some((key, offset, shape)) = parse_object_fqn(stem) else { continue };
             let file = view.add(name.clone(), None, Source::TorchFile { path: name.clone() });

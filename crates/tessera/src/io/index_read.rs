@@ -1,0 +1,99 @@
+//! Reading the native index for some keys only: the head (directory of every tensor) with one
+//! ranged read in the common case, then only the chunk sections of the wanted tensors, so a
+//! rank loading a few keys of a 100 MiB index reads and decodes a few KiB of it.
+
+use std::collections::BTreeSet;
+
+use crate::format::index::IndexHead;
+use crate::format::{CheckpointIndex, FORMAT_VERSION, INDEX_FILE};
+use crate::storage::Storage;
+use crate::{Error, Result};
+
+/// The first read of an index: most heads (every key, file and object) fit in it.
+const FIRST_READ: u64 = 256 << 10;
+/// Sections closer than this are fetched by one read (a gap costs less than a request).
+const MERGE_GAP: u64 = 64 << 10;
+/// When the wanted sections are at least this share of all of them, read everything at once.
+const READ_ALL_SHARE: u64 = 4;
+
+/// The native index at `storage` with the chunk maps of only the tensors in `keys` (keys not
+/// stored are left out), and the keys of every tensor it holds. Version 1 has no directory:
+/// it is read whole.
+pub(crate) fn open_native_keys(
+    storage: &dyn Storage,
+    keys: &BTreeSet<String>,
+) -> Result<(CheckpointIndex, Vec<String>)> {
+    let shown = format!("{}/{INDEX_FILE}", storage.location());
+    let size = storage.size(INDEX_FILE)?;
+    let mut prefix = vec![0u8; size.min(FIRST_READ) as usize];
+    storage.read_at(INDEX_FILE, 0, &mut prefix)?;
+    if CheckpointIndex::peek_version(&prefix) != Some(FORMAT_VERSION) {
+        let bytes = if prefix.len() as u64 == size { prefix } else { storage.read(INDEX_FILE)? };
+        let mut index = CheckpointIndex::from_bytes(&bytes, &shown)?;
+        let all = index.tensors.iter().map(|t| t.key.clone()).collect();
+        index.tensors.retain(|t| keys.contains(&t.key));
+        return Ok((index, all));
+    }
+    let extent = IndexHead::extent(&prefix).map_err(|e| e.into_error(&shown))?;
+    if extent > size {
+        return Err(Error::corrupt(
+            &shown,
+            format!("index head needs {extent} bytes, the file has {size} (truncated)"),
+        ));
+    }
+    if extent > prefix.len() as u64 {
+        let at = prefix.len();
+        prefix.resize(extent as usize, 0);
+        storage.read_at(INDEX_FILE, at as u64, &mut prefix[at..])?;
+    }
+    let head = IndexHead::decode(&prefix).map_err(|e| e.into_error(&shown))?;
+    if head.file_size() != size {
+        return Err(Error::corrupt(
+            &shown,
+            format!("index is {size} bytes, its head says {} (truncated or extended)", head.file_size()),
+        ));
+    }
+    let all: Vec<String> = head.tensors.iter().map(|t| t.key.clone()).collect();
+    let wanted: Vec<usize> = (0..head.tensors.len()).filter(|&i| keys.contains(&head.tensors[i].key)).collect();
+
+    // The byte ranges to fetch, each covering whole sections: everything after the head when
+    // most sections are wanted, else the wanted sections not inside the prefix, merged across
+    // small gaps.
+    let have = prefix.len() as u64;
+    let wanted_bytes: u64 = wanted.iter().map(|&i| section_len(&head, i)).sum();
+    let mut fetch: Vec<(u64, u64)> = Vec::new();
+    if wanted_bytes * READ_ALL_SHARE >= size - extent {
+        if size > have {
+            fetch.push((extent, size));
+        }
+    } else {
+        for r in wanted.iter().map(|&i| &head.tensors[i].range).filter(|r| r.end > have) {
+            match fetch.last_mut() {
+                Some(last) if r.start <= last.1 + MERGE_GAP => last.1 = r.end,
+                _ => fetch.push((r.start, r.end)),
+            }
+        }
+    }
+    let mut fetched: Vec<(u64, Vec<u8>)> = Vec::with_capacity(fetch.len());
+    for (start, end) in fetch {
+        let mut buf = vec![0u8; (end - start) as usize];
+        storage.read_at(INDEX_FILE, start, &mut buf)?;
+        fetched.push((start, buf));
+    }
+    let section = |i: usize| -> &[u8] {
+        let r = &head.tensors[i].range;
+        if r.end <= have {
+            return &prefix[r.start as usize..r.end as usize];
+        }
+        let k = fetched.partition_point(|(s, b)| s + b.len() as u64 <= r.start);
+        let (s, b) = &fetched[k];
+        &b[(r.start - s) as usize..(r.end - s) as usize]
+    };
+    let tensors = head.decode_some(&wanted, section).map_err(|reason| Error::corrupt(&shown, reason))?;
+    Ok((head.into_index(tensors), all))
+}
+
+fn section_len(head: &IndexHead, i: usize) -> u64 {
+    let r = &head.tensors[i].range;
+    r.end - r.start
+}
