@@ -466,7 +466,8 @@ def test_check_is_distributed_checkpoint_with_real_native(tmp_path):
 
     assert not check_is_distributed_checkpoint(tmp_path)
     serialization.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, str(tmp_path / "ckpt"))
-    assert maybe_load_config(tmp_path / "ckpt") == CheckpointingConfig("tessera", strategies.TESSERA_BACKEND_VERSION)
+    version = strategies.TESSERA_BACKEND_VERSION
+    assert maybe_load_config(tmp_path / "ckpt") == CheckpointingConfig("tessera", version, "tessera", version)
 
 
 def test_the_python_format_version_is_the_native_one():

@@ -264,11 +264,7 @@ fn load<'py>(
     let (common, result) = lib(
         py,
         interruptible(py, &cancel, || {
-            let ckpt = if exchange_reads {
-                tessera::open_checkpoint(&*storage)?
-            } else {
-                tessera::open_checkpoint_keys(&*storage, &keys)?
-            };
+            let ckpt = tessera::open_for_load(&*storage, &keys, &*comm, &opts)?;
             let result = tessera::load_checkpoint(&ckpt, tree, &*comm, &opts)?;
             Ok((ckpt.index.common.clone(), result))
         })?,

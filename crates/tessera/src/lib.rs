@@ -47,8 +47,8 @@ pub use io::foreign::zarr::ZarrStrategy;
 pub use io::foreign::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
 pub use io::load::{
     load, load_checkpoint, load_common_state, load_content_metadata, load_from_index, load_plain_tensors,
-    load_sharded_objects, load_tensors_metadata, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling,
-    TensorMeta,
+    load_sharded_objects, load_tensors_metadata, open_for_load, LoadOptions, LoadResult, LoadStats, PlainTensor,
+    StrictHandling, TensorMeta,
 };
 pub use io::maintenance::{gc, remove_sharded_tensors};
 pub use io::pipeline::DEFAULT_MEMORY_BUDGET;
@@ -56,8 +56,7 @@ pub use io::save::{save, validate_sharding_integrity, PlanCache, SaveOptions, Sa
 pub use io::staging::{StagingPool, DEFAULT_STAGING_BUFFER};
 pub use io::strategy::{
     detect_format, get_save_strategy, open_checkpoint, open_checkpoint_keys, open_index, register_load_strategy,
-    register_save_strategy, FormatRecord, LoadStrategy, NativeStrategy, OpenCheckpoint, OpenedKeys, SaveStrategy,
-    StrategyAction,
+    register_save_strategy, FormatRecord, LoadStrategy, NativeStrategy, OpenCheckpoint, SaveStrategy, StrategyAction,
 };
 pub use io::verify::{verify, VerifyReport};
 /// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).

@@ -482,3 +482,50 @@ fn a_directory_of_unrelated_files_is_not_committed() {
     std::fs::write(dir.join(INDEX_FILE), b"{\"json\": true}").unwrap();
     assert_corrupt(open_index(&LocalStorage::new(dir.path())), INDEX_FILE, "foreign index");
 }
+
+#[test]
+fn a_damaged_section_fails_only_its_readers_and_leaves_no_rank_waiting() {
+    let fx = fixture();
+    // Sections are in key order (norm, opt, w): the index's last byte is in w's chunk records.
+    let path = fx.path(INDEX_FILE);
+    flip(&path, std::fs::metadata(&path).unwrap().len() - 1);
+    let storage = fx.storage();
+    assert_corrupt(open_index(&storage), INDEX_FILE, "a full open decodes every section");
+    let (_, _, norm) = &fx.tensors["norm"];
+    for strict in [StrictHandling::AssumeOkUnexpected, StrictHandling::RaiseAll] {
+        // Rank 0 loads w and fails; rank 1 loads norm. In the strict mode both take part in the
+        // key exchange (run_ranks fails the test if a rank is left waiting).
+        let out = run_ranks(2, |c| {
+            let (key, dtype, shape) =
+                if c.rank() == 0 { ("w", DType::F32, vec![8, 6]) } else { ("norm", DType::F32, vec![6]) };
+            let tree = StateTree::map()
+                .with(key, StateTree::Tensor(ShardedTensor::full(key, dtype, &shape, TensorData::None)));
+            load(tree, &storage, c, &LoadOptions { strict, ..load_opts() }).map(|r| bytes_at(&r.state, key).to_vec())
+        });
+        let mut out = out.into_iter();
+        assert_corrupt(out.next().unwrap(), INDEX_FILE, "the reader of w");
+        match (strict, out.next().unwrap()) {
+            (StrictHandling::AssumeOkUnexpected, Ok(bytes)) => assert_eq!(&bytes, norm),
+            // Nobody loaded w or opt (rank 0 failed): they are missing.
+            (StrictHandling::RaiseAll, Err(Error::KeyMismatch { missing, .. })) => {
+                assert!(missing.contains(&"w".to_string()))
+            }
+            (s, other) => panic!("{s:?}: the reader of norm got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn exchange_reads_refuse_a_partial_index() {
+    let fx = fixture();
+    let storage = fx.storage();
+    let ckpt = open_checkpoint_keys(&storage, &["norm"]).unwrap();
+    assert_eq!(ckpt.index.omitted_tensors, ["opt", "w"]);
+    let tree = StateTree::map()
+        .with("norm", StateTree::Tensor(ShardedTensor::full("norm", DType::F32, &[6], TensorData::None)));
+    let opts = LoadOptions { exchange_reads: true, ..load_opts() };
+    match load_checkpoint(&ckpt, tree, &SoloComm, &opts) {
+        Err(Error::InvalidArgument { reason }) => assert!(reason.contains("exchange_reads"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -124,14 +124,14 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
             common_backend=backend,
             common_backend_version=version,
         )
-    # tessera commits the common state in the same index as the shards; other formats keep
-    # Megatron's torch-pickled common state.
-    common_backend = "tessera" if backend == "tessera" else "torch"
+    # tessera commits the common state in the same index as the shards (same format version);
+    # other formats keep Megatron's torch-pickled common state.
+    native = backend == "tessera"
     return CheckpointingConfig(
         sharded_backend=backend,
         sharded_backend_version=version,
-        common_backend=common_backend,
-        common_backend_version=1,
+        common_backend="tessera" if native else "torch",
+        common_backend_version=version if native else 1,
     )
 
 

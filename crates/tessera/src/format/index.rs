@@ -1,6 +1,8 @@
 //! The global index (`tessera.index`): the commit marker and the map of every chunk.
 //!
-//! Layout (see FORMAT.md): `magic[8] | version u32le | body_len u64le | body | crc32c(body) u32le`.
+//! Layout (see FORMAT.md): `magic[8] | version u32le | head_len u64le | head | crc32c(head) u32le |
+//! sections`, the head holding a directory of tensors and each section one tensor's chunk records
+//! (version 2); version 1 has the chunk records inline in one checksummed body.
 
 use super::codec::{Decoder, Encoder};
 use crate::plan::dims::Dims;
@@ -209,9 +211,18 @@ pub struct CheckpointIndex {
     pub tensors: Vec<TensorEntry>,
     /// Sharded objects, sorted by key.
     pub objects: Vec<ObjectEntry>,
+    /// Keys of the tensors a partial open left out of `tensors` (sorted; empty for a complete
+    /// index). A partial index serves loads of the tensors it holds; it is never written back.
+    pub omitted_tensors: Vec<String>,
 }
 
 impl CheckpointIndex {
+    /// The keys of every tensor in the checkpoint: those held and those omitted by a partial
+    /// open.
+    pub fn tensor_keys(&self) -> impl Iterator<Item = &str> {
+        self.tensors.iter().map(|t| t.key.as_str()).chain(self.omitted_tensors.iter().map(String::as_str))
+    }
+
     /// The tensor with this key.
     pub fn tensor(&self, key: &str) -> Option<&TensorEntry> {
         self.tensors.binary_search_by(|t| t.key.as_str().cmp(key)).ok().map(|i| &self.tensors[i])
@@ -234,7 +245,9 @@ impl CheckpointIndex {
 
     /// Serializes to the on-disk layout of [`FORMAT_VERSION`], or of version 1 if this index
     /// says it is version 1 (rewriting an old checkpoint keeps it readable by old readers).
+    /// Panics on a partial index (one with omitted tensors): writing it would drop them.
     pub fn encode(&self) -> Vec<u8> {
+        assert!(self.omitted_tensors.is_empty(), "a partial index (opened for some keys) is never written back");
         let mut tensors: Vec<&TensorEntry> = self.tensors.iter().collect();
         let mut objects: Vec<&ObjectEntry> = self.objects.iter().collect();
         // Readers binary-search keys: write them sorted whatever order the caller built.
@@ -526,7 +539,17 @@ impl Prelude {
 
     fn into_index(self, version: u32, tensors: Vec<TensorEntry>, objects: Vec<ObjectEntry>) -> CheckpointIndex {
         let Prelude { backend, block_size, content_metadata, common, files } = self;
-        CheckpointIndex { backend, version, block_size, content_metadata, common, files, tensors, objects }
+        CheckpointIndex {
+            backend,
+            version,
+            block_size,
+            content_metadata,
+            common,
+            files,
+            tensors,
+            objects,
+            omitted_tensors: Vec::new(),
+        }
     }
 }
 
@@ -772,9 +795,25 @@ impl IndexHead {
         })
     }
 
-    /// The index with only `tensors` (decoded sections) among its tensors.
+    /// The index with `tensors` (decoded sections, in directory order) and every other tensor
+    /// of the directory listed as omitted.
     pub(crate) fn into_index(self, tensors: Vec<TensorEntry>) -> CheckpointIndex {
-        self.prelude.into_index(FORMAT_VERSION, tensors, self.objects)
+        let mut held = tensors.iter().map(|t| t.key.as_str()).peekable();
+        let omitted = self
+            .tensors
+            .into_iter()
+            .filter(|d| {
+                let here = held.peek() == Some(&d.key.as_str());
+                if here {
+                    held.next();
+                }
+                !here
+            })
+            .map(|d| d.key)
+            .collect();
+        let mut index = self.prelude.into_index(FORMAT_VERSION, tensors, self.objects);
+        index.omitted_tensors = omitted;
+        index
     }
 }
 

@@ -16,13 +16,9 @@ const MERGE_GAP: u64 = 64 << 10;
 /// When the wanted sections are at least this share of all of them, read everything at once.
 const READ_ALL_SHARE: u64 = 4;
 
-/// The native index at `storage` with the chunk maps of only the tensors in `keys` (keys not
-/// stored are left out), and the keys of every tensor it holds. Version 1 has no directory:
-/// it is read whole.
-pub(crate) fn open_native_keys(
-    storage: &dyn Storage,
-    keys: &BTreeSet<String>,
-) -> Result<(CheckpointIndex, Vec<String>)> {
+/// The native index at `storage` with the chunk maps of only the tensors in `keys`; the other
+/// tensors are listed as omitted. Version 1 has no directory: it is read whole.
+pub(crate) fn open_native_keys(storage: &dyn Storage, keys: &BTreeSet<String>) -> Result<CheckpointIndex> {
     let shown = format!("{}/{INDEX_FILE}", storage.location());
     let size = storage.size(INDEX_FILE)?;
     let mut prefix = vec![0u8; size.min(FIRST_READ) as usize];
@@ -30,9 +26,10 @@ pub(crate) fn open_native_keys(
     if CheckpointIndex::peek_version(&prefix) != Some(FORMAT_VERSION) {
         let bytes = if prefix.len() as u64 == size { prefix } else { storage.read(INDEX_FILE)? };
         let mut index = CheckpointIndex::from_bytes(&bytes, &shown)?;
-        let all = index.tensors.iter().map(|t| t.key.clone()).collect();
-        index.tensors.retain(|t| keys.contains(&t.key));
-        return Ok((index, all));
+        let (held, omitted) = std::mem::take(&mut index.tensors).into_iter().partition(|t| keys.contains(&t.key));
+        index.tensors = held;
+        index.omitted_tensors = omitted.into_iter().map(|t: crate::format::TensorEntry| t.key).collect();
+        return Ok(index);
     }
     let extent = IndexHead::extent(&prefix).map_err(|e| e.into_error(&shown))?;
     if extent > size {
@@ -53,7 +50,6 @@ pub(crate) fn open_native_keys(
             format!("index is {size} bytes, its head says {} (truncated or extended)", head.file_size()),
         ));
     }
-    let all: Vec<String> = head.tensors.iter().map(|t| t.key.clone()).collect();
     let wanted: Vec<usize> = (0..head.tensors.len()).filter(|&i| keys.contains(&head.tensors[i].key)).collect();
 
     // The byte ranges to fetch, each covering whole sections: everything after the head when
@@ -67,7 +63,8 @@ pub(crate) fn open_native_keys(
             fetch.push((extent, size));
         }
     } else {
-        for r in wanted.iter().map(|&i| &head.tensors[i].range).filter(|r| r.end > have) {
+        // Empty sections (tensors with no stored chunk) need no read.
+        for r in wanted.iter().map(|&i| &head.tensors[i].range).filter(|r| r.end > have && r.end > r.start) {
             match fetch.last_mut() {
                 Some(last) if r.start <= last.1 + MERGE_GAP => last.1 = r.end,
                 _ => fetch.push((r.start, r.end)),
@@ -82,6 +79,9 @@ pub(crate) fn open_native_keys(
     }
     let section = |i: usize| -> &[u8] {
         let r = &head.tensors[i].range;
+        if r.start == r.end {
+            return &[];
+        }
         if r.end <= have {
             return &prefix[r.start as usize..r.end as usize];
         }
@@ -90,7 +90,7 @@ pub(crate) fn open_native_keys(
         &b[(r.start - s) as usize..(r.end - s) as usize]
     };
     let tensors = head.decode_some(&wanted, section).map_err(|reason| Error::corrupt(&shown, reason))?;
-    Ok((head.into_index(tensors), all))
+    Ok(head.into_index(tensors))
 }
 
 fn section_len(head: &IndexHead, i: usize) -> u64 {

@@ -148,34 +148,51 @@ pub fn load<'a>(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadResult<'a>> {
-    if opts.exchange_reads {
-        let ckpt = open_checkpoint(storage)?;
-        return load_checkpoint(&ckpt, tree, comm, opts);
-    }
     let factories = apply_factories(tree);
-    let mut keys = BTreeSet::new();
+    let mut keys: Vec<String> = Vec::new();
     if let Ok((tree, _)) = &factories {
         tree.for_each_leaf(&mut |_, leaf| {
             if let StateTree::Tensor(t) = leaf {
-                keys.insert(t.key.clone());
+                keys.push(t.key.clone());
             }
         });
     }
-    let ckpt = match open_checkpoint_key_set(storage, &keys) {
-        Ok(c) => c,
-        Err(e) => {
-            // The `*All` modes gather keys from every rank: take part, then report.
-            if opts.strict.needs_missing() && !matches!(e, Error::Comm { .. }) {
-                comm.all_gather(&[])?;
-            }
-            return Err(e);
-        }
-    };
-    load_with(&ckpt.index, &ckpt.tensor_keys, factories, ckpt.storage(), comm, opts)
+    let ckpt = open_for_load(storage, &keys, comm, opts)?;
+    load_with(&ckpt.index, factories, ckpt.storage(), comm, opts)
 }
 
-/// [`load`] from a checkpoint already opened (reuse across loads) by
-/// [`crate::open_checkpoint`], or by [`crate::open_checkpoint_keys`] with at least the keys
+/// Opens the checkpoint at `storage` as [`load`] does for a rank loading the tensors `keys`:
+/// only their index entries, or the whole index with `exchange_reads`. Then
+/// [`load_checkpoint`] loads from it. Opening can fail on some ranks only (a damaged section
+/// is seen by the readers of its tensor): a rank that fails still makes the collectives its
+/// peers' load makes before reading (the strict-mode key exchange; with `exchange_reads`, the
+/// exchange of needs, carrying the failure), so no rank is left waiting.
+pub fn open_for_load<'s, K: AsRef<str>>(
+    storage: &'s dyn Storage,
+    keys: &[K],
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<OpenCheckpoint<'s>> {
+    let opened = if opts.exchange_reads {
+        open_checkpoint(storage)
+    } else {
+        open_checkpoint_key_set(storage, &keys.iter().map(|k| k.as_ref().to_string()).collect())
+    };
+    opened.or_else(|e| {
+        if !matches!(e, Error::Comm { .. }) {
+            if opts.strict.needs_missing() {
+                comm.all_gather(&[])?;
+            }
+            if opts.exchange_reads {
+                comm.all_gather(&failure_message(&e))?;
+            }
+        }
+        Err(e)
+    })
+}
+
+/// [`load`] from a checkpoint already opened (reuse across loads) by [`open_for_load`],
+/// [`crate::open_checkpoint`], or [`crate::open_checkpoint_keys`] with at least the keys
 /// requested (`exchange_reads` needs the whole index).
 pub fn load_checkpoint<'a>(
     ckpt: &OpenCheckpoint<'_>,
@@ -183,7 +200,7 @@ pub fn load_checkpoint<'a>(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadResult<'a>> {
-    load_with(&ckpt.index, &ckpt.tensor_keys, apply_factories(tree), ckpt.storage(), comm, opts)
+    load_with(&ckpt.index, apply_factories(tree), ckpt.storage(), comm, opts)
 }
 
 /// [`load`] with an index already opened (reuse across loads): `index` and `storage` as
@@ -196,24 +213,22 @@ pub fn load_from_index<'a>(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadResult<'a>> {
-    let keys: Vec<String> = index.tensors.iter().map(|t| t.key.clone()).collect();
-    load_with(index, &keys, apply_factories(tree), storage, comm, opts)
+    load_with(index, apply_factories(tree), storage, comm, opts)
 }
 
 type Built<'a> = Result<(StateTree<'a>, Vec<AppliedFactory>)>;
 
 /// The load itself: `factories` is the tree with its factories applied (or why they failed:
-/// reported in step with the other ranks), `tensor_keys` every tensor key in the checkpoint.
+/// reported in step with the other ranks).
 fn load_with<'a>(
     index: &CheckpointIndex,
-    tensor_keys: &[String],
     factories: Built<'a>,
     storage: &dyn Storage,
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadResult<'a>> {
     let mut strict_gathered = false;
-    let prepared = prepare(index, tensor_keys, factories, comm, opts, &mut strict_gathered);
+    let prepared = prepare(index, factories, comm, opts, &mut strict_gathered);
     let (prepared, stats) = if opts.exchange_reads {
         let p = match prepared {
             Ok(p) => p,
@@ -295,13 +310,12 @@ struct Prepared<'a> {
 /// extend past a stored tensor.
 fn prepare<'a>(
     index: &CheckpointIndex,
-    tensor_keys: &[String],
     factories: Built<'a>,
     comm: &dyn Communicator,
     opts: &LoadOptions,
     strict_gathered: &mut bool,
 ) -> Result<Prepared<'a>> {
-    if opts.exchange_reads && index.tensors.len() != tensor_keys.len() {
+    if opts.exchange_reads && !index.omitted_tensors.is_empty() {
         return Err(Error::invalid(
             "exchange_reads reads for other ranks and needs every tensor's chunks: open with open_checkpoint",
         ));
@@ -337,8 +351,8 @@ fn prepare<'a>(
         for b in &all {
             anyone.extend(b.split(|&x| x == 0).filter(|s| !s.is_empty()));
         }
-        let stored = tensor_keys.iter().chain(index.objects.iter().map(|o| &o.key));
-        missing = stored.filter(|k| !anyone.contains(k.as_bytes())).cloned().collect();
+        let stored = index.tensor_keys().chain(index.objects.iter().map(|o| o.key.as_str()));
+        missing = stored.filter(|k| !anyone.contains(k.as_bytes())).map(str::to_string).collect();
     }
     let unexpected_keys: Vec<String> = unexpected.keys().cloned().collect();
     use StrictHandling as S;

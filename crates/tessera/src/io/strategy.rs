@@ -72,24 +72,16 @@ pub trait LoadStrategy: Send + Sync {
         Ok((self.open(storage)?, None))
     }
     /// [`LoadStrategy::open_checkpoint`] for a reader that needs the chunks of the tensors
-    /// `keys` only: the index MAY leave every other tensor out of [`CheckpointIndex::tensors`];
-    /// the keys of all tensors stored come with it. The default opens everything.
-    fn open_checkpoint_keys<'s>(&self, storage: &'s dyn Storage, keys: &BTreeSet<String>) -> Result<OpenedKeys<'s>> {
+    /// `keys` only: the index MAY move every other tensor from [`CheckpointIndex::tensors`] to
+    /// [`CheckpointIndex::omitted_tensors`]. The default opens everything.
+    fn open_checkpoint_keys<'s>(
+        &self,
+        storage: &'s dyn Storage,
+        keys: &BTreeSet<String>,
+    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
         let _ = keys;
-        let (index, view) = self.open_checkpoint(storage)?;
-        let tensor_keys = index.tensors.iter().map(|t| t.key.clone()).collect();
-        Ok(OpenedKeys { index, tensor_keys, view })
+        self.open_checkpoint(storage)
     }
-}
-
-/// What [`LoadStrategy::open_checkpoint_keys`] gives.
-pub struct OpenedKeys<'s> {
-    /// The index, with at least the requested tensors that are stored.
-    pub index: CheckpointIndex,
-    /// The keys of every tensor in the checkpoint.
-    pub tensor_keys: Vec<String>,
-    /// As in [`LoadStrategy::open_checkpoint`]: the view the index's file names resolve in.
-    pub view: Option<Box<dyn Storage + 's>>,
 }
 
 /// The native format (writes [`FORMAT_VERSION`], reads versions 1 and 2).
@@ -141,9 +133,12 @@ impl LoadStrategy for NativeStrategy {
         let bytes = storage.read(INDEX_FILE)?;
         CheckpointIndex::from_bytes(&bytes, &index_path(storage).to_string_lossy())
     }
-    fn open_checkpoint_keys<'s>(&self, storage: &'s dyn Storage, keys: &BTreeSet<String>) -> Result<OpenedKeys<'s>> {
-        let (index, tensor_keys) = open_native_keys(storage, keys)?;
-        Ok(OpenedKeys { index, tensor_keys, view: None })
+    fn open_checkpoint_keys<'s>(
+        &self,
+        storage: &'s dyn Storage,
+        keys: &BTreeSet<String>,
+    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+        Ok((open_native_keys(storage, keys)?, None))
     }
 }
 
@@ -239,10 +234,8 @@ pub fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
 pub struct OpenCheckpoint<'s> {
     /// Backend and version detected.
     pub record: FormatRecord,
-    /// The checkpoint's index (with only some tensors when opened by [`open_checkpoint_keys`]).
+    /// The checkpoint's index (partial when opened by [`open_checkpoint_keys`]).
     pub index: CheckpointIndex,
-    /// The keys of every tensor in the checkpoint.
-    pub tensor_keys: Vec<String>,
     base: &'s dyn Storage,
     view: Option<Box<dyn Storage + 's>>,
 }
@@ -265,14 +258,12 @@ impl OpenCheckpoint<'_> {
 pub fn open_checkpoint(storage: &dyn Storage) -> Result<OpenCheckpoint<'_>> {
     let (record, strategy) = detect_format(storage)?;
     let (index, view) = strategy.open_checkpoint(storage)?;
-    let tensor_keys = index.tensors.iter().map(|t| t.key.clone()).collect();
-    Ok(OpenCheckpoint { record, index, tensor_keys, base: storage, view })
+    Ok(OpenCheckpoint { record, index, base: storage, view })
 }
 
 /// [`open_checkpoint`] for a reader of the tensors `keys` only: a native checkpoint's index is
-/// read and decoded for those tensors alone (the others are absent from
-/// [`OpenCheckpoint::index`]; [`OpenCheckpoint::tensor_keys`] lists all). Objects, common state
-/// and files are always complete.
+/// read and decoded for those tensors alone (the others are listed in the index's
+/// `omitted_tensors`). Objects, common state and files are always complete.
 pub fn open_checkpoint_keys<'s, K: AsRef<str>>(storage: &'s dyn Storage, keys: &[K]) -> Result<OpenCheckpoint<'s>> {
     let keys: BTreeSet<String> = keys.iter().map(|k| k.as_ref().to_string()).collect();
     open_checkpoint_key_set(storage, &keys)
@@ -283,6 +274,6 @@ pub(crate) fn open_checkpoint_key_set<'s>(
     keys: &BTreeSet<String>,
 ) -> Result<OpenCheckpoint<'s>> {
     let (record, strategy) = detect_format(storage)?;
-    let OpenedKeys { index, tensor_keys, view } = strategy.open_checkpoint_keys(storage, keys)?;
-    Ok(OpenCheckpoint { record, index, tensor_keys, base: storage, view })
+    let (index, view) = strategy.open_checkpoint_keys(storage, keys)?;
+    Ok(OpenCheckpoint { record, index, base: storage, view })
 }

@@ -500,6 +500,7 @@ mod tests {
                 files: Vec::new(),
                 tensors: vec![TensorEntry::new("x".into(), DType::F32, shape.clone(), chunks)],
                 objects: Vec::new(),
+                omitted_tensors: Vec::new(),
             };
             let r0 = next(shape[0]);
             let r1 = r0 + 1 + next(shape[0] - r0);

@@ -743,6 +743,7 @@ pub fn build_index(
         files,
         tensors,
         objects,
+        omitted_tensors: Vec::new(),
     })
 }
 

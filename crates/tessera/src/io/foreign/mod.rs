@@ -465,6 +465,7 @@ pub(crate) fn foreign_index(
         files: view.file_entries(),
         tensors,
         objects,
+        omitted_tensors: Vec::new(),
     }
 }
 
