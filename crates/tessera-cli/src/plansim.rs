@@ -9,7 +9,6 @@
 //! another layout (TP doubled) plans its load against that index, and a rank that loads one
 //! layer opens the stored index for those keys only and plans their load.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,11 +17,11 @@ use serde_json::json;
 use tessera::plan::dims::Dims;
 use tessera::plan::load::{plan_reads, plan_request, ReadPlan, ReadTuning, Request};
 use tessera::plan::save::{
-    build_index, cache_hit, data_file_name, layout_file, plan_digest, validate_global, CacheCheck, ObjectMeta,
-    RankPlan, ShardMeta, WrittenFile,
+    build_index, cache_hit, data_file_name, layout_file, plan_digest, plan_options, validate_global, CacheCheck,
+    ObjectMeta, RankPlan, ShardMeta, WrittenFile,
 };
 use tessera::{
-    open_checkpoint_keys, CheckpointIndex, DType, MemoryStorage, ObjectWriter, PathSeg, Storage, Value,
+    open_checkpoint_keys, CheckpointIndex, CountingStorage, DType, MemoryStorage, PathSeg, Storage, Value,
     DEFAULT_BLOCK_SIZE, INDEX_FILE,
 };
 
@@ -152,40 +151,6 @@ fn load_plan(index: &CheckpointIndex, specs: &[&TensorSpec], tp: u64) -> Result<
     Ok(plan_reads(index, segs, true, ReadTuning::default()))
 }
 
-/// Counts the ranged reads made through it.
-#[derive(Debug)]
-struct CountedReads<'a> {
-    inner: &'a dyn Storage,
-    bytes: AtomicU64,
-    reads: AtomicU64,
-}
-
-impl Storage for CountedReads<'_> {
-    fn location(&self) -> String {
-        self.inner.location()
-    }
-    fn size(&self, name: &str) -> tessera::Result<u64> {
-        self.inner.size(name)
-    }
-    fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> tessera::Result<()> {
-        self.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
-        self.reads.fetch_add(1, Ordering::Relaxed);
-        self.inner.read_at(name, offset, buf)
-    }
-    fn create(&self, name: &str, size: u64) -> tessera::Result<Box<dyn ObjectWriter>> {
-        self.inner.create(name, size)
-    }
-    fn put_atomic(&self, name: &str, bytes: &[u8]) -> tessera::Result<()> {
-        self.inner.put_atomic(name, bytes)
-    }
-    fn list(&self) -> tessera::Result<Vec<String>> {
-        self.inner.list()
-    }
-    fn delete(&self, name: &str) -> tessera::Result<()> {
-        self.inner.delete(name)
-    }
-}
-
 fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
     let start = Instant::now();
     let out = f();
@@ -213,8 +178,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
     valid.context("validation of the simulated layout")?;
     // 2'. The same save with a plan cache hit: each rank hashes its plan and sends a few bytes;
     // every rank decodes all of them and decides; no plan is decoded or validated.
+    let options = plan_options(DEFAULT_BLOCK_SIZE, true, true);
     let (digests, t_digest_all) =
-        timed(|| (0..n).map(|r| plan_digest(&rank_plan(r, tp, dp, &specs), &[])).collect::<Vec<_>>());
+        timed(|| (0..n).map(|r| plan_digest(&rank_plan(r, tp, dp, &specs), &options)).collect::<Vec<_>>());
     let checks: Vec<Vec<u8>> = digests
         .iter()
         .enumerate()
@@ -254,10 +220,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let few: Vec<&str> = specs.iter().take(2).map(|s| &*s.key).collect();
     let stored = MemoryStorage::named("plan-only");
     stored.put_atomic(INDEX_FILE, &encoded)?;
-    let counted = CountedReads { inner: &stored, bytes: AtomicU64::new(0), reads: AtomicU64::new(0) };
+    let counted = CountingStorage::new(&stored);
     let (few_open, t_few_open) = timed(|| open_checkpoint_keys(&counted, &few));
     let few_open = few_open.context("opening the index for a few keys")?;
-    let few_read = (counted.bytes.load(Ordering::Relaxed), counted.reads.load(Ordering::Relaxed));
+    let few_read = (counted.bytes_read(), counted.reads());
     let few_specs: Vec<&TensorSpec> = specs.iter().take(2).collect();
     let (few_plan, t_few_plan) = timed(|| load_plan(&few_open.index, &few_specs, 2 * tp));
     let few_plan = few_plan?;

@@ -66,6 +66,6 @@ pub use state::{
     path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,
     StatePath, StateTree, TensorData, TensorFactory, Value,
 };
-pub use storage::{open_location, LocalStorage, MemoryStorage, ObjectWriter, Storage};
+pub use storage::{open_location, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage};
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
 pub use storage::{ObjectStorage, ObjectStoreOptions, RequestCounts};

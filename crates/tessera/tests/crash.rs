@@ -93,15 +93,6 @@ const TENSORS: &[Spec] = &[
 /// (DP ranks hold replicas).
 const OBJECTS: &[(&str, u64)] = &[("rng", WORLD as u64), ("dataloader", TP as u64)];
 
-fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
-    let mut rng = Rng::new(seed);
-    let mut out = vec![0u8; n];
-    for c in out.chunks_mut(8) {
-        c.copy_from_slice(&rng.next_u64().to_le_bytes()[..c.len()]);
-    }
-    out
-}
-
 /// Random global bytes of every tensor, generated once per process (slow in a debug build).
 fn bases() -> &'static [Vec<u8>] {
     static BASES: std::sync::OnceLock<Vec<Vec<u8>>> = std::sync::OnceLock::new();
@@ -109,7 +100,7 @@ fn bases() -> &'static [Vec<u8>] {
         TENSORS
             .iter()
             .enumerate()
-            .map(|(i, s)| random_bytes(0x7e55_e4a0 + i as u64, numel(s.shape) as usize * s.dtype.size()))
+            .map(|(i, s)| Rng::new(0x7e55_e4a0 + i as u64).bytes(numel(s.shape) as usize * s.dtype.size()))
             .collect()
     })
 }

@@ -7,14 +7,11 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
-
-use common::Counting;
 
 use tessera::{
-    detect_format, load, load_common_state, load_plain_tensors, load_sharded_objects, open_checkpoint, verify, DType,
-    Error, LoadOptions, LocalStorage, ShardedObject, ShardedTensor, SoloComm, StateTree, Storage, TensorData, Value,
-    OBJECT_TAG_VALUE,
+    detect_format, load, load_common_state, load_plain_tensors, load_sharded_objects, open_checkpoint, verify,
+    CountingStorage, DType, Error, LoadOptions, LocalStorage, ShardedObject, ShardedTensor, SoloComm, StateTree,
+    Storage, TensorData, Value, OBJECT_TAG_VALUE,
 };
 
 fn fixtures() -> PathBuf {
@@ -281,11 +278,11 @@ fn verify_reads_every_item() {
 fn a_small_box_reads_only_its_bytes_after_locating_the_item() {
     // megatron_zarr chunks are plain files: a box inside one chunk reads exactly its rows.
     let base = open("megatron_zarr");
-    let counting = Counting::new(&base);
+    let counting = CountingStorage::new(&base);
     let ckpt = open_checkpoint(&counting).unwrap();
     let t = ckpt.index.tensors.iter().find(|t| t.global_shape.len() == 2 && t.global_shape[0] >= 2).unwrap();
     let (key, dtype, shape) = (t.key.clone(), t.dtype, t.global_shape.clone());
-    let before = counting.bytes.load(Ordering::Relaxed);
+    let before = counting.bytes_read();
     let mut st = ShardedTensor::full(key.clone(), dtype, &[1, shape[1]], TensorData::None);
     st.global_shape = shape.clone();
     let mut tree = StateTree::map();
@@ -293,7 +290,7 @@ fn a_small_box_reads_only_its_bytes_after_locating_the_item() {
     let opts = LoadOptions::default();
     tessera::load_from_index(&ckpt.index, tree, ckpt.storage(), &SoloComm, &opts).unwrap();
     let row = shape[1] * dtype.size() as u64;
-    assert_eq!(counting.bytes.load(Ordering::Relaxed) - before, row, "{key}: one row read");
+    assert_eq!(counting.bytes_read() - before, row, "{key}: one row read");
 }
 
 #[test]
@@ -301,9 +298,9 @@ fn a_few_rows_of_a_dcp_item_are_read_in_place() {
     // dcp_large_item's "w" item holds 68 KiB of data: rows 100..102 cost the 4 KiB read at
     // each end of the item to locate the data, plus the rows, not the whole item.
     let base = open("dcp_large_item");
-    let counting = Counting::new(&base);
+    let counting = CountingStorage::new(&base);
     let ckpt = open_checkpoint(&counting).unwrap();
-    let before = counting.bytes.load(Ordering::Relaxed);
+    let before = counting.bytes_read();
     let w = expected_tensors("dcp_large_item").remove("w").unwrap();
     let mut st = ShardedTensor::full("w", DType::F32, &[2, 128], TensorData::None);
     st.global_shape = vec![136, 128];
@@ -311,19 +308,19 @@ fn a_few_rows_of_a_dcp_item_are_read_in_place() {
     let mut tree = StateTree::map();
     tree.insert("x", StateTree::Tensor(st));
     let out = tessera::load_from_index(&ckpt.index, tree, ckpt.storage(), &SoloComm, &LoadOptions::default()).unwrap();
-    let read = counting.bytes.load(Ordering::Relaxed) - before;
+    let read = counting.bytes_read() - before;
     assert_eq!(read, 2 * (4 << 10) + 2 * 128 * 4, "both ends + two rows");
     let StateTree::Map(m) = out.state else { panic!() };
     let StateTree::Tensor(t) = &m["x"] else { panic!() };
     assert_eq!(t.data.bytes().unwrap(), &w.data[100 * 512..102 * 512]);
     // Located once: a second load of other rows reads only those rows.
-    let before = counting.bytes.load(Ordering::Relaxed);
+    let before = counting.bytes_read();
     let mut st = ShardedTensor::full("w", DType::F32, &[1, 128], TensorData::None);
     st.global_shape = vec![136, 128];
     let mut tree = StateTree::map();
     tree.insert("y", StateTree::Tensor(st));
     tessera::load_from_index(&ckpt.index, tree, ckpt.storage(), &SoloComm, &LoadOptions::default()).unwrap();
-    assert_eq!(counting.bytes.load(Ordering::Relaxed) - before, 512);
+    assert_eq!(counting.bytes_read() - before, 512);
 }
 
 // ---- damage ---------------------------------------------------------------------------------

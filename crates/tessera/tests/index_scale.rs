@@ -7,7 +7,6 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::sync::atomic::Ordering;
 
 use common::*;
 use tessera::*;
@@ -152,15 +151,15 @@ fn is_corrupt_index<T: std::fmt::Debug>(r: &Result<T>) -> bool {
 #[test]
 fn a_reader_of_a_few_keys_reads_only_the_head_and_their_chunk_records() {
     let (bytes, full, base) = committed(1000, 200);
-    let counting = Counting::new(&base);
+    let counting = CountingStorage::new(&base);
     // Tensors 500 and 994 have no stored chunk.
     let keys = [&full.tensors[10].key, &full.tensors[500].key, &full.tensors[994].key, &full.tensors[999].key];
     let ckpt = open_checkpoint_keys(&counting, &keys).unwrap();
     let keys: BTreeSet<String> = keys.iter().map(|k| k.to_string()).collect();
     assert!(ckpt.index == restricted(&full, &keys), "the three tensors, objects, files and metadata");
     assert_eq!(sorted_keys(&ckpt.index), sorted_keys(&full), "every key, held or omitted");
-    let read = counting.bytes.load(Ordering::Relaxed);
-    let reads = counting.reads.load(Ordering::Relaxed);
+    let read = counting.bytes_read();
+    let reads = counting.reads();
     eprintln!("index of {} bytes: {read} bytes read in {reads} reads for 4 keys", bytes.len());
     // One read for format detection, one for the head, one per section past the head's read.
     assert!(reads <= 5, "{reads} reads");

@@ -137,7 +137,7 @@ impl Communicator for MpiComm {
         if len < 0 {
             return Err(refused("broadcast", root));
         }
-        let mut buf = if self.rank == root { data.to_vec() } else { vec![0u8; len.max(0) as usize] };
+        let mut buf = if self.rank == root { data.to_vec() } else { vec![0u8; len as usize] };
         root_proc.broadcast_into(&mut buf[..]);
         Ok(buf)
     }

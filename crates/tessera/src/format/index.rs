@@ -223,6 +223,16 @@ impl CheckpointIndex {
         self.tensors.iter().map(|t| t.key.as_str()).chain(self.omitted_tensors.iter().map(String::as_str))
     }
 
+    /// Puts tensors and objects in key order and each object's shards in grid order, as
+    /// lookups ([`CheckpointIndex::tensor`], [`CheckpointIndex::object`]) need.
+    pub fn sort_entries(&mut self) {
+        self.tensors.sort_by(|a, b| a.key.cmp(&b.key));
+        self.objects.sort_by(|a, b| a.key.cmp(&b.key));
+        for o in &mut self.objects {
+            o.shards.sort_by(|a, b| a.offset.cmp(&b.offset));
+        }
+    }
+
     /// The tensor with this key.
     pub fn tensor(&self, key: &str) -> Option<&TensorEntry> {
         self.tensors.binary_search_by(|t| t.key.as_str().cmp(key)).ok().map(|i| &self.tensors[i])

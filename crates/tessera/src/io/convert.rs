@@ -21,7 +21,6 @@ use crate::plan::geometry::split_box;
 use crate::plan::save::{
     data_file_name, layout_file, validate_global, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
 };
-use crate::state::{ReplicaId, ShardedObject, StateTree};
 use crate::storage::{ObjectWriter, Storage};
 use crate::{Error, Result};
 
@@ -119,10 +118,11 @@ pub fn convert(
     let src = ckpt.storage();
     let mut index = ckpt.index.clone();
     if index.block_size == 0 {
-        // Foreign formats learn an object's payload size only by decoding it (cached by the view).
+        // Foreign formats learn an object's payload size only by decoding it (cached by the view);
+        // each shard is a whole virtual file.
         for o in &mut index.objects {
             for s in &mut o.shards {
-                s.len = read_object(&ckpt.index, src, &o.key, &s.offset, false)?.len() as u64;
+                s.len = src.size(&index.files[s.file as usize].name)?;
             }
         }
     }
@@ -265,34 +265,10 @@ fn write_files(
         let batch = &items[job.clone()];
         let mut buf = vec![0u8; costs[job.clone()].iter().sum::<u64>() as usize];
         if is_object(job.start) {
-            let mut tree = StateTree::List(Vec::with_capacity(batch.len()));
-            if let StateTree::List(l) = &mut tree {
-                for item in batch {
-                    if let Item::Object(o, s) = item {
-                        l.push(StateTree::Object(ShardedObject {
-                            key: o.key.clone(),
-                            data: None,
-                            global_shape: o.global_shape.clone(),
-                            global_offset: s.offset.clone(),
-                            replica_id: ReplicaId::main(),
-                        }));
-                    }
-                }
-            }
-            let loaded = tree.map_leaves(&mut |_, leaf| match leaf {
-                StateTree::Object(mut o) => {
-                    o.data = Some(read_object(index, src, &o.key, &o.global_offset, true)?);
-                    Ok(StateTree::Object(o))
-                }
-                other => Ok(other),
-            })?;
-            let StateTree::List(l) = loaded else { return Err(Error::invalid("object load changed the tree")) };
             let mut at = 0;
-            for (leaf, item) in l.iter().zip(batch) {
-                let (Some(o), Item::Object(entry, s)) = (leaf.as_object(), item) else {
-                    return Err(Error::invalid("object load changed the tree"));
-                };
-                let data = o.data.as_deref().unwrap_or_default();
+            for item in batch {
+                let Item::Object(entry, s) = item else { continue };
+                let data = read_object(index, src, &entry.key, &s.offset, true)?;
                 if data.len() as u64 != s.len {
                     return Err(Error::corrupt(
                         src.location(),
@@ -305,7 +281,7 @@ fn write_files(
                         ),
                     ));
                 }
-                buf[at..at + data.len()].copy_from_slice(data);
+                buf[at..at + data.len()].copy_from_slice(&data);
                 at += data.len();
             }
         } else {

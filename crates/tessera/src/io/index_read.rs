@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 
 use crate::format::index::IndexHead;
-use crate::format::{CheckpointIndex, FORMAT_VERSION, INDEX_FILE};
+use crate::format::{CheckpointIndex, TensorEntry, FORMAT_VERSION, INDEX_FILE};
 use crate::storage::Storage;
 use crate::{Error, Result};
 
@@ -21,14 +21,24 @@ const READ_ALL_SHARE: u64 = 4;
 pub(crate) fn open_native_keys(storage: &dyn Storage, keys: &BTreeSet<String>) -> Result<CheckpointIndex> {
     let shown = format!("{}/{INDEX_FILE}", storage.location());
     let size = storage.size(INDEX_FILE)?;
-    let mut prefix = vec![0u8; size.min(FIRST_READ) as usize];
-    storage.read_at(INDEX_FILE, 0, &mut prefix)?;
+    // The bytes from the start of the file read so far; grown in place, never read twice.
+    let mut prefix = Vec::new();
+    let grow = |prefix: &mut Vec<u8>, end: u64| -> Result<()> {
+        let at = prefix.len();
+        if end as usize > at {
+            prefix.resize(end as usize, 0);
+            storage.read_at(INDEX_FILE, at as u64, &mut prefix[at..])?;
+        }
+        Ok(())
+    };
+    grow(&mut prefix, size.min(FIRST_READ))?;
     if CheckpointIndex::peek_version(&prefix) != Some(FORMAT_VERSION) {
-        let bytes = if prefix.len() as u64 == size { prefix } else { storage.read(INDEX_FILE)? };
-        let mut index = CheckpointIndex::from_bytes(&bytes, &shown)?;
-        let (held, omitted) = std::mem::take(&mut index.tensors).into_iter().partition(|t| keys.contains(&t.key));
+        grow(&mut prefix, size)?;
+        let mut index = CheckpointIndex::from_bytes(&prefix, &shown)?;
+        let (held, omitted): (Vec<TensorEntry>, _) =
+            std::mem::take(&mut index.tensors).into_iter().partition(|t| keys.contains(&t.key));
         index.tensors = held;
-        index.omitted_tensors = omitted.into_iter().map(|t: crate::format::TensorEntry| t.key).collect();
+        index.omitted_tensors = omitted.into_iter().map(|t| t.key).collect();
         return Ok(index);
     }
     let extent = IndexHead::extent(&prefix).map_err(|e| e.into_error(&shown))?;
@@ -38,11 +48,7 @@ pub(crate) fn open_native_keys(storage: &dyn Storage, keys: &BTreeSet<String>) -
             format!("index head needs {extent} bytes, the file has {size} (truncated)"),
         ));
     }
-    if extent > prefix.len() as u64 {
-        let at = prefix.len();
-        prefix.resize(extent as usize, 0);
-        storage.read_at(INDEX_FILE, at as u64, &mut prefix[at..])?;
-    }
+    grow(&mut prefix, extent)?;
     let head = IndexHead::decode(&prefix).map_err(|e| e.into_error(&shown))?;
     if head.file_size() != size {
         return Err(Error::corrupt(
@@ -52,23 +58,19 @@ pub(crate) fn open_native_keys(storage: &dyn Storage, keys: &BTreeSet<String>) -
     }
     let wanted: Vec<usize> = (0..head.tensors.len()).filter(|&i| keys.contains(&head.tensors[i].key)).collect();
 
-    // The byte ranges to fetch, each covering whole sections: everything after the head when
-    // most sections are wanted, else the wanted sections not inside the prefix, merged across
-    // small gaps.
-    let have = prefix.len() as u64;
-    let wanted_bytes: u64 = wanted.iter().map(|&i| section_len(&head, i)).sum();
-    let mut fetch: Vec<(u64, u64)> = Vec::new();
+    // When most sections are wanted, the rest of the file is read at once; otherwise the wanted
+    // sections past what is read, merged across small gaps, each range covering whole sections.
+    let wanted_bytes: u64 = wanted.iter().map(|&i| head.tensors[i].range.end - head.tensors[i].range.start).sum();
     if wanted_bytes * READ_ALL_SHARE >= size - extent {
-        if size > have {
-            fetch.push((extent, size));
-        }
-    } else {
-        // Empty sections (tensors with no stored chunk) need no read.
-        for r in wanted.iter().map(|&i| &head.tensors[i].range).filter(|r| r.end > have && r.end > r.start) {
-            match fetch.last_mut() {
-                Some(last) if r.start <= last.1 + MERGE_GAP => last.1 = r.end,
-                _ => fetch.push((r.start, r.end)),
-            }
+        grow(&mut prefix, size)?;
+    }
+    let have = prefix.len() as u64;
+    let mut fetch: Vec<(u64, u64)> = Vec::new();
+    // Empty sections (tensors with no stored chunk) need no read.
+    for r in wanted.iter().map(|&i| &head.tensors[i].range).filter(|r| r.end > have && r.end > r.start) {
+        match fetch.last_mut() {
+            Some(last) if r.start <= last.1 + MERGE_GAP => last.1 = r.end,
+            _ => fetch.push((r.start, r.end)),
         }
     }
     let mut fetched: Vec<(u64, Vec<u8>)> = Vec::with_capacity(fetch.len());
@@ -91,9 +93,4 @@ pub(crate) fn open_native_keys(storage: &dyn Storage, keys: &BTreeSet<String>) -
     };
     let tensors = head.decode_some(&wanted, section).map_err(|reason| Error::corrupt(&shown, reason))?;
     Ok(head.into_index(tensors))
-}
-
-fn section_len(head: &IndexHead, i: usize) -> u64 {
-    let r = &head.tensors[i].range;
-    r.end - r.start
 }

@@ -10,9 +10,10 @@ use crate::comm::Communicator;
 use crate::format::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
 use crate::io::factories::apply_factories;
 use crate::io::write::{write_sources, Source};
+use crate::plan::fasthash::mix64;
 use crate::plan::save::{
-    assign_writers, build_index, cache_hit, data_file_name, file_header, layout_file, plan_digest, validate_global,
-    CacheCheck, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
+    assign_writers, build_index, cache_hit, data_file_name, file_header, layout_file, plan_digest, plan_options,
+    validate_global, CacheCheck, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
 };
 use crate::state::{StatePath, StateTree, Value};
 use crate::storage::Storage;
@@ -226,12 +227,25 @@ pub(crate) fn new_save_id() -> u64 {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     let nanos = now.as_nanos() as u64;
     // splitmix64 of time and pid: distinct per save, no RNG dependency.
-    let mut z = nanos ^ ((std::process::id() as u64) << 32);
-    z = z.wrapping_add(0x9e3779b97f4a7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
-    z ^= z >> 31;
+    let z = mix64((nanos ^ ((std::process::id() as u64) << 32)).wrapping_add(0x9e3779b97f4a7c15));
     ((now.as_millis() as u64 & ((1 << 40) - 1)) << 24) | (z & 0xff_ffff)
+}
+
+/// Fails with the first error any rank reported in a gathered message (`reported`, in rank
+/// order): this rank's own error keeps its type; another rank's sharding error stays
+/// `InvalidSharding`.
+fn first_failure<'m>(
+    rank: usize,
+    reported: impl Iterator<Item = Option<&'m String>>,
+    local_error: &mut Option<Error>,
+) -> Result<()> {
+    let Some((r, msg)) = reported.enumerate().find_map(|(r, m)| m.map(|m| (r, m))) else { return Ok(()) };
+    if r == rank {
+        if let Some(e) = local_error.take() {
+            return Err(e);
+        }
+    }
+    Err(decode_peer_error(r, msg))
 }
 
 /// Start time (ms) of the save that wrote data file `name`.
@@ -246,14 +260,7 @@ fn exchange_plans(comm: &dyn Communicator, c: &mut Collected<'_>) -> Result<Vec<
     let gathered = comm.all_gather(&c.plan.encode())?;
     let plans = RankPlan::decode_all(&gathered)
         .map_err(|(r, e)| Error::Comm { reason: format!("bad plan from rank {r}: {e}") })?;
-    if let Some((r, msg)) = plans.iter().enumerate().find_map(|(r, p)| p.error.as_ref().map(|m| (r, m))) {
-        if r == comm.rank() {
-            if let Some(e) = c.local_error.take() {
-                return Err(e);
-            }
-        }
-        return Err(decode_peer_error(r, msg));
-    }
+    first_failure(comm.rank(), plans.iter().map(|p| p.error.as_ref()), &mut c.local_error)?;
     Ok(plans)
 }
 
@@ -423,14 +430,6 @@ fn plan_globally(
     Ok(plans)
 }
 
-/// The options that shape the global plan, for the plan digest.
-fn plan_options(opts: &SaveOptions) -> Vec<u8> {
-    let mut b = opts.block_size.to_le_bytes().to_vec();
-    b.push(opts.validate as u8);
-    b.push(opts.distribute_replicas as u8);
-    b
-}
-
 /// [`plan_globally`], skipped when every rank's structure matches the plan cached from the same
 /// earlier save: one small all-gather decides, identically on every rank.
 fn plan_with_cache(
@@ -442,7 +441,7 @@ fn plan_with_cache(
 ) -> Result<(Arc<Vec<RankPlan>>, u64)> {
     use std::sync::atomic::Ordering::Relaxed;
     let rank = comm.rank();
-    let digest = plan_digest(&c.plan, &plan_options(opts));
+    let digest = plan_digest(&c.plan, &plan_options(opts.block_size, opts.validate, opts.distribute_replicas));
     let mut last = cache.last.lock().unwrap();
     let mine = CacheCheck {
         matches: last.as_ref().is_some_and(|l| l.digest == digest && l.plans.len() == comm.world_size()),
@@ -460,14 +459,7 @@ fn plan_with_cache(
                 .map_err(|e| Error::Comm { reason: format!("bad plan-cache message from rank {r}: {e}") })
         })
         .collect::<Result<Vec<_>>>()?;
-    if let Some((r, msg)) = checks.iter().enumerate().find_map(|(r, c)| c.error.as_ref().map(|m| (r, m))) {
-        if r == rank {
-            if let Some(e) = c.local_error.take() {
-                return Err(e);
-            }
-        }
-        return Err(decode_peer_error(r, msg));
-    }
+    first_failure(rank, checks.iter().map(|c| c.error.as_ref()), &mut c.local_error)?;
     let (save_id, refuse) = (checks[0].save_id, checks[0].refuse_overwrite);
     if refuse {
         return Err(Error::AlreadyExists { path: storage.location().into() });

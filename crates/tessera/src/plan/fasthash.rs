@@ -47,14 +47,17 @@ impl Hasher for FastHasher {
 /// `HashMap` with [`FastHasher`].
 pub type FastMap<K, V> = std::collections::HashMap<K, V, BuildHasherDefault<FastHasher>>;
 
+/// The splitmix64 finalizer: every input bit affects every output bit.
+pub(crate) fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// A 128-bit digest of `bytes` (two independently seeded lanes of 64-bit multiply-xorshift
 /// mixing, with the length): for detecting accidental change, not for security.
 pub fn digest128(bytes: &[u8]) -> [u64; 2] {
-    fn mix(mut z: u64) -> u64 {
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
+    let mix = mix64;
     let mut a: u64 = 0x243f_6a88_85a3_08d3;
     let mut b: u64 = 0x1319_8a2e_0370_7344;
     let mut chunks = bytes.chunks_exact(8);

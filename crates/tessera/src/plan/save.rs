@@ -724,17 +724,11 @@ pub fn build_index(
             entry.shards.push(StoredObject { offset: o.offset.clone(), file, byte_offset, len, crc });
         }
     }
-    let mut tensors: Vec<TensorEntry> = tensors
+    let tensors = tensors
         .into_iter()
         .map(|(t, chunks)| TensorEntry::new(t.key.to_string(), t.dtype, t.global_shape.to_vec(), chunks))
         .collect();
-    tensors.sort_by(|a, b| a.key.cmp(&b.key));
-    let mut objects: Vec<ObjectEntry> = objects.into_values().collect();
-    objects.sort_by(|a, b| a.key.cmp(&b.key));
-    for o in &mut objects {
-        o.shards.sort_by(|a, b| a.offset.cmp(&b.offset));
-    }
-    Ok(CheckpointIndex {
+    let mut index = CheckpointIndex {
         backend: NATIVE_BACKEND.into(),
         version: FORMAT_VERSION,
         block_size,
@@ -742,9 +736,11 @@ pub fn build_index(
         common,
         files,
         tensors,
-        objects,
+        objects: objects.into_values().collect(),
         omitted_tensors: Vec::new(),
-    })
+    };
+    index.sort_entries();
+    Ok(index)
 }
 
 /// What a rank announces when saving with a plan cache: one small message instead of its plan.
@@ -796,6 +792,15 @@ impl CacheCheck {
 /// save (so they hold the same global plan). Every rank decides alike from the same messages.
 pub fn cache_hit(checks: &[CacheCheck]) -> bool {
     checks.iter().all(|c| c.matches && c.generation != 0 && c.generation == checks[0].generation)
+}
+
+/// The save options that shape the global plan (checksum block size, validation, writer
+/// assignment), as the `extra` bytes of [`plan_digest`].
+pub fn plan_options(block_size: u64, validate: bool, distribute_replicas: bool) -> Vec<u8> {
+    let mut b = block_size.to_le_bytes().to_vec();
+    b.push(validate as u8);
+    b.push(distribute_replicas as u8);
+    b
 }
 
 /// The structure of a rank's plan (without the save's id, flags or error), plus `extra` bytes

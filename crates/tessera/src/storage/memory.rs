@@ -72,7 +72,6 @@ impl Storage for MemoryStorage {
 
     fn create(&self, name: &str, size: u64) -> Result<Box<dyn ObjectWriter>> {
         super::check_plain_name(name)?;
-        check_name(name)?;
         let obj = Arc::new(RwLock::new(vec![0u8; size as usize]));
         self.objects.lock().unwrap().insert(name.to_string(), obj.clone());
         Ok(Box::new(MemoryWriter { obj }))
@@ -80,7 +79,6 @@ impl Storage for MemoryStorage {
 
     fn put_atomic(&self, name: &str, bytes: &[u8]) -> Result<()> {
         super::check_plain_name(name)?;
-        check_name(name)?;
         let obj = Arc::new(RwLock::new(bytes.to_vec()));
         self.objects.lock().unwrap().insert(name.to_string(), obj);
         Ok(())
@@ -88,7 +86,6 @@ impl Storage for MemoryStorage {
 
     fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<()> {
         super::check_plain_name(name)?;
-        check_name(name)?;
         let mut objects = self.objects.lock().unwrap();
         if objects.contains_key(name) {
             return Err(Error::AlreadyExists { path: format!("mem://{}/{name}", self.name).into() });
@@ -111,7 +108,6 @@ impl Storage for MemoryStorage {
 
     fn delete(&self, name: &str) -> Result<()> {
         super::check_plain_name(name)?;
-        check_name(name)?;
         self.objects.lock().unwrap().remove(name);
         Ok(())
     }

@@ -2,11 +2,13 @@
 //! filesystem, a prefix in an object store); every backend implements [`Storage`] with the
 //! semantics written on each method, and passes the conformance suite in `tests/`.
 
+mod counting;
 mod local;
 mod memory;
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
 mod object;
 
+pub use counting::CountingStorage;
 pub use local::LocalStorage;
 pub use memory::MemoryStorage;
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]

@@ -207,51 +207,6 @@ impl Communicator for CountingComm<'_> {
     }
 }
 
-/// A storage that counts the reads and bytes read through it.
-#[derive(Debug)]
-pub struct Counting<'a> {
-    inner: &'a dyn Storage,
-    /// Bytes read.
-    pub bytes: AtomicU64,
-    /// Ranged reads made.
-    pub reads: AtomicU64,
-}
-
-impl<'a> Counting<'a> {
-    pub fn new(inner: &'a dyn Storage) -> Self {
-        Counting { inner, bytes: AtomicU64::new(0), reads: AtomicU64::new(0) }
-    }
-}
-
-impl Storage for Counting<'_> {
-    fn location(&self) -> String {
-        self.inner.location()
-    }
-    fn size(&self, name: &str) -> Result<u64> {
-        self.inner.size(name)
-    }
-    fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
-        self.reads.fetch_add(1, Ordering::Relaxed);
-        self.inner.read_at(name, offset, buf)
-    }
-    fn create(&self, name: &str, size: u64) -> Result<Box<dyn ObjectWriter>> {
-        self.inner.create(name, size)
-    }
-    fn put_atomic(&self, name: &str, bytes: &[u8]) -> Result<()> {
-        self.inner.put_atomic(name, bytes)
-    }
-    fn list(&self) -> Result<Vec<String>> {
-        self.inner.list()
-    }
-    fn list_recursive(&self) -> Result<Vec<String>> {
-        self.inner.list_recursive()
-    }
-    fn delete(&self, name: &str) -> Result<()> {
-        self.inner.delete(name)
-    }
-}
-
 /// Save options with a small checksum block, so multi-block chunks are common.
 pub fn small_blocks(block_size: u64) -> SaveOptions {
     SaveOptions { block_size, threads: 2, ..Default::default() }

@@ -444,19 +444,10 @@ pub(crate) fn foreign_index(
     backend: &str,
     view: &ForeignView<'_>,
     common: Vec<(StatePath, Value)>,
-    mut tensors: Vec<TensorEntry>,
+    tensors: Vec<TensorEntry>,
     objects: ObjectShards,
 ) -> CheckpointIndex {
-    tensors.sort_by(|a, b| a.key.cmp(&b.key));
-    let objects = objects
-        .0
-        .into_values()
-        .map(|mut o| {
-            o.shards.sort_by(|a, b| a.offset.cmp(&b.offset));
-            o
-        })
-        .collect();
-    CheckpointIndex {
+    let mut index = CheckpointIndex {
         backend: backend.into(),
         version: 1,
         block_size: 0,
@@ -464,9 +455,11 @@ pub(crate) fn foreign_index(
         common,
         files: view.file_entries(),
         tensors,
-        objects,
+        objects: objects.0.into_values().collect(),
         omitted_tensors: Vec::new(),
-    }
+    };
+    index.sort_entries();
+    index
 }
 
 fn zstd_decode(raw: &[u8], limit: u64) -> std::result::Result<Vec<u8>, String> {
@@ -503,20 +496,15 @@ impl Storage for ForeignView<'_> {
         let Some(id) = self.vfile(name) else { return self.base.read_at(&self.real(name), offset, buf) };
         let f = &self.files[id];
         if let Source::DcpTensor { item, dtype, shape, key } = &f.source {
-            let direct = match f.direct.get() {
-                Some(d) => d.clone(),
-                None => {
-                    let d = self.locate(item, *dtype, shape, key)?;
-                    let _ = f.direct.set(d.clone());
-                    d
-                }
-            };
-            if let Some((path, start)) = direct {
+            if f.direct.get().is_none() {
+                let _ = f.direct.set(self.locate(item, *dtype, shape, key)?);
+            }
+            if let Some((path, start)) = f.direct.get().expect("located above") {
                 let size = f.size.unwrap_or(0);
                 if offset.checked_add(buf.len() as u64).is_none_or(|e| e > size) {
                     return Err(Error::invalid(format!("read past the end of tensor chunk {:?}", f.name)));
                 }
-                return self.base.read_at(&path, start + offset, buf);
+                return self.base.read_at(path, start + offset, buf);
             }
         }
         if let Source::RawBox { path, stored, shape, .. } = &f.source {
