@@ -19,8 +19,10 @@ mod comm;
 mod dtype;
 mod error;
 mod format;
+mod formats;
 mod io;
 pub mod plan;
+mod save;
 mod state;
 mod storage;
 #[cfg(test)]
@@ -43,6 +45,7 @@ pub use io::diff::{
 };
 pub use io::export::{export_safetensors, ExportOptions, ExportReport, SAFETENSORS_INDEX_FILE};
 pub use io::foreign::dcp::{DcpFlavor, DcpStrategy};
+pub use io::foreign::olmo::OlmoStrategy;
 pub use io::foreign::zarr::ZarrStrategy;
 pub use io::foreign::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
 pub use io::load::{
@@ -59,6 +62,7 @@ pub use io::strategy::{
     register_save_strategy, FormatRecord, LoadStrategy, NativeStrategy, OpenCheckpoint, SaveStrategy, StrategyAction,
 };
 pub use io::verify::{verify, VerifyReport};
+pub use save::olmo::{save_olmo, OlmoSaveReport};
 /// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).
 #[cfg(feature = "mpi")]
 pub use mpi;

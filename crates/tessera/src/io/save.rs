@@ -128,18 +128,18 @@ pub struct SaveReport {
     pub index_bytes: u64,
 }
 
-struct Collected<'t> {
-    plan: RankPlan,
-    local_error: Option<Error>,
+pub(crate) struct Collected<'t> {
+    pub plan: RankPlan,
+    pub local_error: Option<Error>,
     /// Per tensor shard (plan order): its bytes, where the rank has them and may write them.
-    tensor_data: Vec<Option<&'t [u8]>>,
-    object_data: Vec<&'t [u8]>,
-    common: Vec<(StatePath, Value)>,
+    pub tensor_data: Vec<Option<&'t [u8]>>,
+    pub object_data: Vec<&'t [u8]>,
+    pub common: Vec<(StatePath, Value)>,
 }
 
 /// `require_data`: main replicas must carry their bytes (save); validation alone needs none.
 /// `offer_replicas`: replicas holding their bytes offer to write them (fully-parallel save).
-fn collect<'t>(tree: &'t StateTree<'_>, rank: usize, require_data: bool, offer_replicas: bool) -> Collected<'t> {
+pub(crate) fn collect<'t>(tree: &'t StateTree<'_>, rank: usize, require_data: bool, offer_replicas: bool) -> Collected<'t> {
     let mut c = Collected {
         plan: RankPlan::default(),
         local_error: None,
@@ -211,7 +211,7 @@ fn encode_local_error(e: &Error) -> String {
     }
 }
 
-fn decode_peer_error(rank: usize, msg: &str) -> Error {
+pub(crate) fn decode_peer_error(rank: usize, msg: &str) -> Error {
     if let Some(rest) = msg.strip_prefix('S') {
         if let Some((key, reason)) = rest.split_once('\0') {
             return Error::sharding(key, format!("rank {rank}: {reason}"));
@@ -411,7 +411,7 @@ pub(crate) fn prepare<'t>(
 }
 
 /// The full exchange: every rank's plan, validated, writers assigned.
-fn plan_globally(
+pub(crate) fn plan_globally(
     comm: &dyn Communicator,
     c: &mut Collected<'_>,
     opts: &SaveOptions,

@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock, RwLock};
 use crate::comm::Communicator;
 use crate::format::{CheckpointIndex, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
 use crate::io::foreign::dcp::{DcpFlavor, DcpStrategy};
+use crate::io::foreign::olmo::OlmoStrategy;
 use crate::io::foreign::zarr::ZarrStrategy;
 use crate::io::index_read::open_native_keys;
 use crate::io::save::{save, SaveOptions, SaveReport};
@@ -159,6 +160,7 @@ impl Default for StrategyRegistry {
             save: vec![Arc::new(NativeStrategy)],
             load: vec![
                 Arc::new(NativeStrategy),
+                Arc::new(OlmoStrategy),
                 Arc::new(DcpStrategy(DcpFlavor::Megatron)),
                 Arc::new(DcpStrategy(DcpFlavor::Torch)),
                 Arc::new(DcpStrategy(DcpFlavor::Olmo)),

@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::format::parse_header;
+use crate::io::parallel_for;
 use crate::io::strategy::open_checkpoint;
 use crate::plan::geometry::{check_tiling, decompose_flat, Piece};
 use crate::storage::Storage;
@@ -86,7 +87,7 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     }
     let problems = Mutex::new(Vec::new());
     let checked = AtomicUsize::new(0);
-    each_file(index.files.len(), threads, |fi| {
+    parallel_for(index.files.len(), threads, |fi| {
         let f = &index.files[fi];
         let path = format!("{}/{}", storage.location(), f.name);
         match storage.size(&f.name) {
@@ -141,7 +142,7 @@ fn verify_readable(storage: &dyn Storage, index: &crate::CheckpointIndex, thread
     let checked = AtomicUsize::new(0);
     let object_files: std::collections::HashSet<u32> =
         index.objects.iter().flat_map(|o| o.shards.iter().map(|s| s.file)).collect();
-    each_file(index.files.len(), threads, |fi| {
+    parallel_for(index.files.len(), threads, |fi| {
         let f = &index.files[fi];
         let r = if object_files.contains(&(fi as u32)) {
             storage.read(&f.name).map(|b| b.len())
@@ -171,20 +172,4 @@ fn verify_readable(storage: &dyn Storage, index: &crate::CheckpointIndex, thread
     let mut p = problems.into_inner().unwrap();
     p.sort();
     report.problems.extend(p);
-}
-
-/// Calls `check(file)` for every file index in `0..files`, from up to `threads` threads.
-fn each_file(files: usize, threads: usize, check: impl Fn(usize) + Sync) {
-    let next = AtomicUsize::new(0);
-    std::thread::scope(|scope| {
-        for _ in 0..threads.clamp(1, files.max(1)) {
-            scope.spawn(|| loop {
-                let fi = next.fetch_add(1, Ordering::Relaxed);
-                if fi >= files {
-                    return;
-                }
-                check(fi);
-            });
-        }
-    });
 }

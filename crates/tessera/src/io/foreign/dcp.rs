@@ -72,6 +72,9 @@ pub(crate) fn megatron_backend(storage: &dyn Storage) -> Result<Option<(String, 
     let shown = format!("{}/{MEGATRON_METADATA}", storage.location());
     let json: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| Error::corrupt(&shown, format!("not JSON: {e}")))?;
+    if json.get("sharded_backend").is_none() && crate::formats::olmo::is_olmo_metadata(&bytes, true) {
+        return Ok(None); // OLMo-core's metadata.json, not Megatron's
+    }
     let backend = json
         .get("sharded_backend")
         .and_then(|b| b.as_str())

@@ -1,5 +1,5 @@
 //! Read-only backends for checkpoints other programs wrote (PyTorch DCP, Megatron `torch_dist`
-//! and `zarr`, OLMo-core). Each opens its metadata into a [`CheckpointIndex`] whose "files"
+//! and `zarr`, OLMo-core: its DCP layout and its own 0.1.x format). Each opens its metadata into a [`CheckpointIndex`] whose "files"
 //! are virtual: one per stored chunk or object, served by a [`ForeignView`] over the real
 //! storage. The generic loader plans and reads against that index as for the native format, so
 //! every load API works unchanged; the view turns a read of a virtual file into a ranged read of
@@ -11,6 +11,7 @@
 //! crcs, and loads read only the requested bytes.
 
 pub(crate) mod dcp;
+pub(crate) mod olmo;
 pub(crate) mod zarr;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};

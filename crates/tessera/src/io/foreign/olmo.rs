@@ -1,0 +1,239 @@
+//! OLMo-core 0.1.x checkpoints (`formats::olmo`), read-only: a `Checkpointer` directory
+//! (`metadata.json` + `rank_{r}.safetensors`), or what `save_model_and_optim_state` writes, a
+//! directory holding `model/` and `optim/` (either alone opens too), whose keys are then
+//! `model/…` and `optim/…`. The data files are plain safetensors, so the index names the real
+//! files and every read is a ranged read of the bytes it needs; the read-only view only keeps
+//! writers out.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Mutex;
+
+use super::ForeignView;
+use crate::format::{parse_header, CheckpointIndex, FileEntry, TensorEntry};
+use crate::formats::olmo::{
+    build_tensors, decode_pickled, is_olmo_metadata, parse_file_header, parse_metadata, FileHeader, IndexedFile,
+    BACKEND, MAX_PICKLED_FIELD, METADATA_FILE, PARTS,
+};
+use crate::io::parallel_for;
+use crate::io::strategy::{FormatRecord, LoadStrategy};
+use crate::state::{PathSeg, StatePath};
+use crate::storage::Storage;
+use crate::{DType, Error, Result, Value};
+
+/// Reads OLMo-core 0.1.x checkpoints (backend [`BACKEND`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OlmoStrategy;
+
+/// Bytes of a `metadata.json` read to recognise it; larger files are recognised by their start.
+const SNIFF_BYTES: u64 = 64 << 10;
+/// Rank files whose headers are read at once (each a round trip on an object store).
+const HEADER_THREADS: usize = 16;
+
+impl LoadStrategy for OlmoStrategy {
+    fn backend(&self) -> &str {
+        BACKEND
+    }
+    fn supports_version(&self, version: u32) -> bool {
+        version == 1
+    }
+    fn supported_versions(&self) -> String {
+        format!("{BACKEND} v1")
+    }
+    fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
+        Ok(olmo_parts(storage)?.map(|_| FormatRecord { backend: BACKEND.into(), version: 1 }))
+    }
+    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
+        Ok(open_olmo(storage)?.0)
+    }
+    fn open_checkpoint<'s>(
+        &self,
+        storage: &'s dyn Storage,
+    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+        let (index, view) = open_olmo(storage)?;
+        Ok((index, Some(Box::new(view))))
+    }
+}
+
+/// Whether `name` is an OLMo-core `metadata.json` (by its content).
+fn is_olmo_at(storage: &dyn Storage, name: &str) -> Result<bool> {
+    let size = match storage.size(name) {
+        Ok(s) => s,
+        Err(Error::NotFound { .. }) => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    let mut head = vec![0u8; size.min(SNIFF_BYTES) as usize];
+    storage.read_at(name, 0, &mut head)?;
+    Ok(is_olmo_metadata(&head, head.len() as u64 == size))
+}
+
+/// The checkpoint directories at `storage` (as key prefixes): `[""]` for a `Checkpointer`
+/// directory, else those of `model/` and `optim/` present; `None` if this is no OLMo-core
+/// checkpoint.
+pub(crate) fn olmo_parts(storage: &dyn Storage) -> Result<Option<Vec<String>>> {
+    if is_olmo_at(storage, METADATA_FILE)? {
+        return Ok(Some(vec![String::new()]));
+    }
+    let mut parts = Vec::new();
+    for p in PARTS {
+        if is_olmo_at(storage, &format!("{p}/{METADATA_FILE}"))? {
+            parts.push(format!("{p}/"));
+        }
+    }
+    Ok((!parts.is_empty()).then_some(parts))
+}
+
+/// A rank file's header and its crc32c; `None` if the file does not exist.
+type HeaderRead = Option<(FileHeader, u32)>;
+
+/// Reads the header of `name` and its checksum.
+fn read_header(storage: &dyn Storage, name: &str) -> Result<HeaderRead> {
+    let shown = format!("{}/{name}", storage.location());
+    let size = match storage.size(name) {
+        Ok(s) => s,
+        Err(Error::NotFound { .. }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut crc = 0u32;
+    let mut read = |off: u64, buf: &mut [u8]| {
+        storage.read_at(name, off, buf)?;
+        crc = crc32c::crc32c_append(crc, buf);
+        Ok(())
+    };
+    let (json, header_len) = parse_header(&mut read, size).map_err(|e| Error::corrupt(&shown, e))?;
+    Ok(Some((parse_file_header(&json, header_len, size, &shown)?, crc)))
+}
+
+pub(crate) fn open_olmo(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)> {
+    let parts = olmo_parts(storage)?.ok_or_else(|| Error::NotCommitted { path: storage.location().into() })?;
+    let mut files: Vec<FileEntry> = Vec::new();
+    let mut tensors: Vec<TensorEntry> = Vec::new();
+    let mut common: Vec<(StatePath, Value)> = Vec::new();
+    let mut block: Option<Option<u64>> = None;
+    for prefix in &parts {
+        let meta_name = format!("{prefix}{METADATA_FILE}");
+        let shown = format!("{}/{meta_name}", storage.location());
+        let meta = parse_metadata(&storage.read(&meta_name)?, &shown)?;
+        // Files holding data, each header read once.
+        let names: Vec<&str> = meta
+            .tensors
+            .iter()
+            .flat_map(|(_, t)| t.files.iter().filter(|(_, s)| s.numel() > 0).map(|(f, _)| f.as_str()))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let headers: Vec<Mutex<Option<Result<HeaderRead>>>> = names.iter().map(|_| Mutex::new(None)).collect();
+        parallel_for(names.len(), HEADER_THREADS, |i| {
+            *headers[i].lock().unwrap() = Some(read_header(storage, &format!("{prefix}{}", names[i])));
+        });
+        let mut by_name: HashMap<&str, (u32, FileHeader)> = HashMap::with_capacity(names.len());
+        for (name, h) in names.iter().zip(headers) {
+            if let Some((header, header_crc)) = h.into_inner().unwrap().expect("every header was read")? {
+                let id = u32::try_from(files.len()).map_err(|_| Error::corrupt(&shown, "too many files"))?;
+                files.push(FileEntry {
+                    name: format!("{prefix}{name}"),
+                    size: header.size,
+                    header_len: header.header_len,
+                    header_crc,
+                });
+                by_name.insert(name, (id, header));
+            }
+        }
+        let location = storage.location();
+        let (part_tensors, part_block) = build_tensors(prefix, &meta, &shown, &|name| {
+            by_name.get(name).map(|(id, header)| IndexedFile {
+                id: *id,
+                header,
+                shown: format!("{location}/{prefix}{name}"),
+            })
+        })?;
+        block = match (block, part_block) {
+            (None, b) | (b, None) => b,
+            (Some(a), Some(b)) => Some(if a == b { a } else { None }),
+        };
+        common.extend(optimizer_values(storage, prefix, &part_tensors, &files)?);
+        tensors.extend(part_tensors);
+    }
+    let block_size = match block {
+        Some(Some(bs)) => bs,
+        _ => {
+            // Checksums are only used when every chunk has them.
+            tensors = tensors
+                .into_iter()
+                .map(|t| {
+                    let (key, dtype, shape) = (t.key.clone(), t.dtype, t.global_shape.clone());
+                    let chunks = t.into_chunks().into_iter().map(|c| crate::StoredChunk { crcs: Vec::new(), ..c });
+                    TensorEntry::new(key, dtype, shape, chunks.collect())
+                })
+                .collect();
+            0
+        }
+    };
+    let mut index = CheckpointIndex {
+        backend: BACKEND.into(),
+        version: 1,
+        block_size,
+        content_metadata: Value::Null,
+        common,
+        files,
+        tensors,
+        objects: Vec::new(),
+        omitted_tensors: Vec::new(),
+    };
+    index.sort_entries();
+    Ok((index, ForeignView::new(storage, "")))
+}
+
+/// The bytes of a whole (small) tensor of the index being built.
+fn read_whole(storage: &dyn Storage, files: &[FileEntry], t: &TensorEntry) -> Result<Vec<u8>> {
+    let esize = t.dtype.size() as u64;
+    let numel: u64 = t.global_shape.iter().product();
+    let len = numel * esize;
+    if len > MAX_PICKLED_FIELD {
+        return Err(Error::invalid(format!("{:?}: {len} bytes is too large for an optimizer field", t.key)));
+    }
+    let mut out = vec![0u8; len as usize];
+    for c in t.chunks() {
+        // 1-D or 0-d: a chunk's elements are one range of the tensor.
+        let (s, e) = c.flat.unwrap_or_else(|| {
+            let s = c.offset.first().copied().unwrap_or(0);
+            (s, s + c.numel())
+        });
+        storage.read_at(&files[c.file as usize].name, c.byte_offset, &mut out[(s * esize) as usize..(e * esize) as usize])?;
+    }
+    Ok(out)
+}
+
+/// OLMo-core's pickled optimizer fields of one directory, decoded into plain values under the
+/// directory's folder: `param_groups` (the list of `param_group{i}`, `i < num_param_groups`)
+/// and `state_keys`. A directory without `num_param_groups` holds none.
+fn optimizer_values(
+    storage: &dyn Storage,
+    prefix: &str,
+    tensors: &[TensorEntry],
+    files: &[FileEntry],
+) -> Result<Vec<(StatePath, Value)>> {
+    let find = |name: &str| tensors.iter().find(|t| t.key.strip_prefix(prefix) == Some(name));
+    let Some(count) = find("num_param_groups").filter(|t| t.global_shape.is_empty() && t.dtype == DType::I64) else {
+        return Ok(Vec::new());
+    };
+    let shown = |t: &TensorEntry| format!("{}/{prefix}{METADATA_FILE} ({:?})", storage.location(), t.key);
+    let pickle = |name: &str| -> Result<Value> {
+        let t = find(name).ok_or_else(|| {
+            Error::corrupt(format!("{}/{prefix}{METADATA_FILE}", storage.location()), format!("no tensor {name:?}"))
+        })?;
+        if t.dtype != DType::U8 || t.global_shape.len() != 1 {
+            return Err(Error::corrupt(shown(t), "a pickled optimizer field must be a 1-D uint8 tensor"));
+        }
+        decode_pickled(&read_whole(storage, files, t)?, &shown(t))
+    };
+    let n = i64::from_le_bytes(read_whole(storage, files, count)?.try_into().expect("an i64 scalar is 8 bytes"));
+    let n = u32::try_from(n).map_err(|_| Error::corrupt(shown(count), format!("{n} param groups")))?;
+    let groups = (0..n).map(|i| pickle(&format!("param_group{i}"))).collect::<Result<Vec<_>>>()?;
+    let folder: StatePath = prefix.strip_suffix('/').map(|p| vec![PathSeg::Key(p.into())]).unwrap_or_default();
+    let at = |name: &str| {
+        let mut p = folder.clone();
+        p.push(PathSeg::Key(name.into()));
+        p
+    };
+    Ok(vec![(at("param_groups"), Value::List(groups)), (at("state_keys"), pickle("state_keys")?)])
+}
