@@ -62,10 +62,10 @@ pub use io::strategy::{
     register_save_strategy, FormatRecord, LoadStrategy, NativeStrategy, OpenCheckpoint, SaveStrategy, StrategyAction,
 };
 pub use io::verify::{verify, VerifyReport};
-pub use save::olmo::{save_olmo, OlmoSaveReport};
 /// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).
 #[cfg(feature = "mpi")]
 pub use mpi;
+pub use save::olmo::{save_olmo, OlmoSaveReport};
 pub use state::{
     path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,
     StatePath, StateTree, TensorData, TensorFactory, Value,

@@ -24,8 +24,8 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value as J};
 
 use crate::format::{build_header, SafetensorsEntry, StoredChunk, TensorEntry};
-use crate::plan::save::RankPlan;
 use crate::plan::geometry::{check_tiling, decompose_flat, Piece};
+use crate::plan::save::RankPlan;
 use crate::{DType, Error, Result, Value};
 
 /// Name of the metadata file of an OLMo-core checkpoint directory.
@@ -195,10 +195,8 @@ fn tensor_of(v: &J) -> std::result::Result<TensorMeta, String> {
 /// Parses and checks a `metadata.json` (`shown` names it in errors).
 pub fn parse_metadata(bytes: &[u8], shown: &str) -> Result<StorageMetadata> {
     let root: J = serde_json::from_slice(bytes).map_err(|e| Error::corrupt(shown, format!("not JSON: {e}")))?;
-    let tensors = root
-        .get("tensors")
-        .and_then(J::as_object)
-        .ok_or_else(|| Error::corrupt(shown, "no \"tensors\" object"))?;
+    let tensors =
+        root.get("tensors").and_then(J::as_object).ok_or_else(|| Error::corrupt(shown, "no \"tensors\" object"))?;
     let mut out = Vec::with_capacity(tensors.len());
     for (key, v) in tensors {
         let t = tensor_of(v).map_err(|e| Error::corrupt(shown, format!("tensor {key:?}: {e}")))?;
@@ -672,7 +670,8 @@ pub fn metadata_from_plans(plans: &[RankPlan]) -> StorageMetadata {
     for (r, plan) in plans.iter().enumerate() {
         for k in rank_keys(plan) {
             let i = *at.entry(k.key.clone()).or_insert_with(|| {
-                let meta = TensorMeta { shape: k.global_shape.clone(), is_sharded: false, dtype: k.dtype, files: Vec::new() };
+                let meta =
+                    TensorMeta { shape: k.global_shape.clone(), is_sharded: false, dtype: k.dtype, files: Vec::new() };
                 tensors.push((k.key.to_string(), meta));
                 tensors.len() - 1
             });
@@ -789,14 +788,35 @@ mod tests {
     #[test]
     fn bad_metadata_names_the_tensor() {
         let cases = [
-            (r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"a": {"flattened_offsets": [[0, 5]]}}}}}"#, "inside the tensor"),
-            (r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"a": {"flattened_offsets": [[3, 2]]}}}}}"#, "not a range"),
-            (r#"{"tensors": {"w": {"shape": [4, 4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"a": {"local_shape": [2, 2], "global_offset": [3, 0]}}}}}"#, "outside"),
-            (r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "Q7", "shard_spec_per_file": {}}}}"#, "unknown dtype"),
+            (
+                r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"a": {"flattened_offsets": [[0, 5]]}}}}}"#,
+                "inside the tensor",
+            ),
+            (
+                r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"a": {"flattened_offsets": [[3, 2]]}}}}}"#,
+                "not a range",
+            ),
+            (
+                r#"{"tensors": {"w": {"shape": [4, 4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"a": {"local_shape": [2, 2], "global_offset": [3, 0]}}}}}"#,
+                "outside",
+            ),
+            (
+                r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "Q7", "shard_spec_per_file": {}}}}"#,
+                "unknown dtype",
+            ),
             (r#"{"tensors": {"w": {"shape": [4], "dtype": "F32", "shard_spec_per_file": {}}}}"#, "is_sharded"),
-            (r#"{"tensors": {"w": {"shape": [4294967296, 4294967296], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {}}}}"#, "overflows"),
-            (r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"../x": {"flattened_offsets": [[0, 4]]}}}}}"#, "plain name"),
-            (r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"a": {}}}}}"#, "neither"),
+            (
+                r#"{"tensors": {"w": {"shape": [4294967296, 4294967296], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {}}}}"#,
+                "overflows",
+            ),
+            (
+                r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"../x": {"flattened_offsets": [[0, 4]]}}}}}"#,
+                "plain name",
+            ),
+            (
+                r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"a": {}}}}}"#,
+                "neither",
+            ),
         ];
         for (text, want) in cases {
             let e = parse_metadata(text.as_bytes(), "dir/metadata.json").unwrap_err().to_string();
@@ -808,7 +828,10 @@ mod tests {
     fn legacy_offsets_per_file() {
         let text = r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "F32", "flattened_offsets_per_file": {"a": [0, 3], "b": [[3, 4]]}}}}"#;
         let m = parse_metadata(text.as_bytes(), "m").unwrap();
-        assert_eq!(m.tensors[0].1.files, vec![("a".into(), ShardSpec::Flat(vec![(0, 3)])), ("b".into(), ShardSpec::Flat(vec![(3, 4)]))]);
+        assert_eq!(
+            m.tensors[0].1.files,
+            vec![("a".into(), ShardSpec::Flat(vec![(0, 3)])), ("b".into(), ShardSpec::Flat(vec![(3, 4)]))]
+        );
     }
 
     #[test]

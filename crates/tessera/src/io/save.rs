@@ -139,7 +139,12 @@ pub(crate) struct Collected<'t> {
 
 /// `require_data`: main replicas must carry their bytes (save); validation alone needs none.
 /// `offer_replicas`: replicas holding their bytes offer to write them (fully-parallel save).
-pub(crate) fn collect<'t>(tree: &'t StateTree<'_>, rank: usize, require_data: bool, offer_replicas: bool) -> Collected<'t> {
+pub(crate) fn collect<'t>(
+    tree: &'t StateTree<'_>,
+    rank: usize,
+    require_data: bool,
+    offer_replicas: bool,
+) -> Collected<'t> {
     let mut c = Collected {
         plan: RankPlan::default(),
         local_error: None,

@@ -11,7 +11,9 @@
 use std::collections::BTreeSet;
 
 use crate::comm::Communicator;
-use crate::formats::olmo::{metadata_from_plans, metadata_json, rank_file_name, RankFileLayout, BACKEND, METADATA_FILE};
+use crate::formats::olmo::{
+    metadata_from_plans, metadata_json, rank_file_name, RankFileLayout, BACKEND, METADATA_FILE,
+};
 use crate::io::factories::apply_factories;
 use crate::io::save::{collect, decode_peer_error, plan_globally, SaveOptions};
 use crate::io::strategy::detect_format;

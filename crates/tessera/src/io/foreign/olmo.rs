@@ -198,7 +198,11 @@ fn read_whole(storage: &dyn Storage, files: &[FileEntry], t: &TensorEntry) -> Re
             let s = c.offset.first().copied().unwrap_or(0);
             (s, s + c.numel())
         });
-        storage.read_at(&files[c.file as usize].name, c.byte_offset, &mut out[(s * esize) as usize..(e * esize) as usize])?;
+        storage.read_at(
+            &files[c.file as usize].name,
+            c.byte_offset,
+            &mut out[(s * esize) as usize..(e * esize) as usize],
+        )?;
     }
     Ok(out)
 }
