@@ -139,6 +139,22 @@ def validate_sharding(
 ) -> None:
     """Checks collectively, writing nothing, that the shards of all ranks form a valid state."""
 
+def save_olmo(
+    tensors: Sequence[SaveTensor],
+    location: str,
+    comm: Optional[Communicator] = None,
+    overwrite: bool = False,
+    threads: Optional[int] = None,
+) -> Dict[str, Union[int, str, List[str]]]:
+    """Saves this rank's tensors as an OLMo-core 0.1.x ``Checkpointer`` directory (collective):
+    ``rank_{r}.safetensors`` per rank, ``metadata.json`` from rank 0 last.
+
+    Returns ``{"files": List[str] (created by this rank, relative to location),
+    "bytes_written": int, "metadata": str (the text of metadata.json)}``."""
+
+def olmo_metadata(location: str) -> str:
+    """The text of an OLMo-core ``Checkpointer`` directory's ``metadata.json``, once checked."""
+
 def load(
     tensors: Sequence[LoadTensor],
     objects: Sequence[LoadObject],

@@ -196,6 +196,39 @@ fn save<'py>(
     report_to_py(py, report)
 }
 
+/// Saves this rank's tensors as an OLMo-core 0.1.x checkpoint directory (the files
+/// `Checkpointer.save` writes); collective over `comm`. Returns the files this rank created
+/// (relative to `location`), the bytes it wrote and the text of `metadata.json`.
+#[pyfunction]
+#[pyo3(signature = (tensors, location, comm=None, overwrite=false, threads=None))]
+fn save_olmo<'py>(
+    py: Python<'py>,
+    tensors: Vec<Bound<'py, PyAny>>,
+    location: &str,
+    comm: Option<Bound<'py, PyAny>>,
+    overwrite: bool,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    // SAFETY: the contract of `save_olmo`, as of `save`: the Python caller keeps every tensor's
+    // memory alive, C-contiguous and unmodified until it returns; the tree is dropped before.
+    let (tree, opts, cancel) = unsafe { save_request(py, &tensors, &[], &[], overwrite, true, None, threads)? };
+    let comm = communicator(comm.as_ref())?;
+    let storage = open(py, location)?;
+    let report = lib(py, interruptible(py, &cancel, || tessera::save_olmo(tree, &*storage, &*comm, &opts))?)?;
+    let out = PyDict::new(py);
+    out.set_item("files", report.files)?;
+    out.set_item("bytes_written", report.bytes_written)?;
+    out.set_item("metadata", report.metadata)?;
+    Ok(out)
+}
+
+/// The text of an OLMo-core `Checkpointer` directory's `metadata.json`, checked.
+#[pyfunction]
+fn olmo_metadata(py: Python<'_>, location: &str) -> PyResult<String> {
+    let storage = open(py, location)?;
+    lib(py, py.detach(|| tessera::read_olmo_metadata(&*storage)))
+}
+
 /// Checks collectively, writing nothing, that the ranks' shards form a valid global state.
 #[pyfunction]
 #[pyo3(signature = (tensors, objects, comm=None))]
@@ -406,6 +439,8 @@ fn decode_value<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyAny>
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(save_olmo, m)?)?;
+    m.add_function(wrap_pyfunction!(olmo_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(validate_sharding, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(load_tensors_metadata, m)?)?;

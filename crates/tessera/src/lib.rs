@@ -45,7 +45,7 @@ pub use io::diff::{
 };
 pub use io::export::{export_safetensors, ExportOptions, ExportReport, SAFETENSORS_INDEX_FILE};
 pub use io::foreign::dcp::{DcpFlavor, DcpStrategy};
-pub use io::foreign::olmo::OlmoStrategy;
+pub use io::foreign::olmo::{read_olmo_metadata, OlmoStrategy};
 pub use io::foreign::zarr::ZarrStrategy;
 pub use io::foreign::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
 pub use io::load::{

@@ -30,7 +30,7 @@ pub struct OlmoSaveReport {
     pub files: Vec<String>,
     /// Bytes this rank wrote.
     pub bytes_written: u64,
-    /// Text of the committed `metadata.json` (rank 0; empty elsewhere).
+    /// Text of the committed `metadata.json`.
     pub metadata: String,
 }
 
@@ -102,10 +102,10 @@ pub fn save_olmo(
     };
     let written = agree(comm, written)?;
 
-    // Rank 0 commits; everyone learns the verdict.
-    let mut metadata = String::new();
+    // Rank 0 commits; everyone learns the verdict. Every rank knows the metadata (callers
+    // return it, as OLMo-core's `Checkpointer.save` does).
+    let metadata = metadata_json(&metadata_from_plans(&plans));
     let committed = if rank == 0 {
-        metadata = metadata_json(&metadata_from_plans(&plans));
         let put = if opts.overwrite {
             storage.put_atomic(METADATA_FILE, metadata.as_bytes())
         } else {

@@ -241,3 +241,24 @@ fn optimizer_values(
     };
     Ok(vec![(at("param_groups"), Value::List(groups)), (at("state_keys"), pickle("state_keys")?)])
 }
+
+/// The text of the `metadata.json` of the OLMo-core `Checkpointer` directory at `storage`,
+/// once it has passed the same checks a load makes of it (OLMo-core's `get_metadata`). A
+/// `save_model_and_optim_state` directory has one in each of `model/` and `optim/`.
+pub fn read_olmo_metadata(storage: &dyn Storage) -> Result<String> {
+    let shown = format!("{}/{METADATA_FILE}", storage.location());
+    let bytes = match storage.read(METADATA_FILE) {
+        Err(Error::NotFound { .. }) if olmo_parts(storage)?.is_some() => {
+            return Err(Error::invalid(format!(
+                "{} holds model/ and optim/, each a checkpoint with its own metadata: name one of them",
+                storage.location()
+            )))
+        }
+        other => other?,
+    };
+    if !is_olmo_metadata(&bytes, true) {
+        return Err(Error::corrupt(&shown, "not an OLMo-core metadata.json (no \"tensors\" object)"));
+    }
+    parse_metadata(&bytes, &shown)?;
+    String::from_utf8(bytes).map_err(|_| Error::corrupt(&shown, "not UTF-8"))
+}

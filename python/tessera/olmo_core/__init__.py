@@ -1,0 +1,333 @@
+"""``tessera.olmo_core``: OLMo-core 0.1.x's ``olmo_core.distributed.checkpoint``, name for name.
+
+::
+
+    import sys, tessera.olmo_core
+    sys.modules["olmo_core.distributed.checkpoint"] = tessera.olmo_core
+
+is all an OLMo-core user changes. Checkpoints are OLMo-core's own format (each rank's
+``rank_{r}.safetensors``, rank 0's ``metadata.json``; ``model/`` and ``optim/`` for
+:func:`save_model_and_optim_state`), which ai2-olmo-core itself loads, written and read by
+tessera's Rust core: written atomically (``metadata.json`` last, after every rank's file, with
+block checksums in each file's header), loaded in place into any layout (FSDP1 with
+``use_orig_params=True``, FSDP2, DDP, a plain module; any world size), reading only the bytes
+each rank needs, from a directory or ``s3://``. The pickled optimizer fields are decoded by the
+core's restricted unpickler, never by ``pickle.loads``.
+
+Differences from ai2-olmo-core 0.1.0, all deliberate:
+
+- loading into a freshly built optimizer leaves the parameters exactly as saved (OLMo-core
+  first takes an optimizer step with zero gradients, which applies weight decay to them);
+  :func:`init_optimizer_state` likewise leaves them unchanged;
+- ``validate`` needs no NaN prefill: the core proves that every element of every target is
+  covered by the checkpoint before reading, and fails naming the key otherwise;
+- errors are tessera's typed exceptions (``tessera.errors``), naming the key or file;
+- a load into a DDP model finds keys saved without the ``module.`` prefix, and the reverse.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple, TypedDict
+
+import torch
+import torch.nn as nn
+
+from .. import _native
+from ..dist_checkpointing.serialization import _from_native_path
+from ._checkpointer import Checkpointer, FlatShard, PathOrStr, _normalize
+from ._metadata import OverlapType, StorageMetadata, TensorShardSpec, TensorStorageMetadata
+
+__all__ = [
+    "save_model_and_optim_state",
+    "load_model_and_optim_state",
+    "unshard_model_state",
+    "unshard_optim_state",
+    "init_optimizer_state",
+    "Checkpointer",
+    "TensorShardSpec",
+    "TensorStorageMetadata",
+    "StorageMetadata",
+    "OverlapType",
+    "OptimStateDict",
+    "ParamGroup",
+    "PathOrStr",
+]
+
+
+class ParamGroup(TypedDict):
+    """A parameter group of an optimizer state dict."""
+
+    params: List[int]
+    """Parameter ids."""
+
+
+class OptimStateDict(TypedDict):
+    """An optimizer state dict: per-parameter state by id, and the parameter groups."""
+
+    state: Dict[int, Dict[str, torch.Tensor]]
+    param_groups: List[ParamGroup]
+
+
+# Keys of the flattened optimizer state that are not per-parameter tensors.
+_PICKLED = ("state_keys",)
+_COUNT = "num_param_groups"
+
+
+def _state_key(param: str, key: str) -> str:
+    return f"state.{param}.__{key}"
+
+
+def _torch_fsdp() -> Any:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def _patch_key(model: nn.Module, key: str) -> str:
+    return key.replace("_fsdp_wrapped_module.", "") if isinstance(model, _torch_fsdp()) else key
+
+
+def _model_state(model: nn.Module) -> Dict[str, Any]:
+    """The model's tensors as OLMo-core checkpoints them: a torch FSDP1 model's parameters as
+    flat shards of the original parameters (no buffers, as OLMo-core 0.1.0), anything else's
+    ``state_dict()`` (DTensors for FSDP2)."""
+    if not isinstance(model, _torch_fsdp()):
+        return dict(model.state_dict())
+    from torch.distributed.fsdp._runtime_utils import _lazy_init
+
+    _lazy_init(model, model)  # FSDP's handles exist from here on
+    flat: Dict[int, Tuple[Tuple[int, ...], Tuple[Tuple[int, int], ...]]] = {}
+    for handle in model._all_handles:
+        if not handle.uses_sharded_strategy:
+            continue
+        if not handle._use_orig_params:
+            raise ValueError("checkpointing a torch FSDP model needs use_orig_params=True")
+        fp = handle.flat_param
+        for p, shape, info in zip(fp._params, fp._shapes, fp._shard_param_infos):
+            r = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
+            flat[id(p)] = (tuple(shape), (r,))
+    out: Dict[str, Any] = {}
+    for name, p in model.named_parameters():
+        data = p.data.detach()
+        out[_patch_key(model, name)] = FlatShard(data, *flat[id(p)]) if id(p) in flat else data
+    return out
+
+
+def _local(t: Any) -> torch.Tensor:
+    """The rank's own elements of a state-dict entry."""
+    if isinstance(t, FlatShard):
+        return t.data
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full_shape(t: Any) -> Tuple[int, ...]:
+    return t.full_shape if isinstance(t, FlatShard) else tuple(t.shape)
+
+
+def _like(param: Any, local: torch.Tensor) -> Any:
+    """``local`` (optimizer state of ``param``) laid out as ``param`` is."""
+    if isinstance(param, FlatShard):
+        return param.like(local)
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return local
+
+
+def _params_by_name(model: nn.Module) -> Dict[nn.Parameter, str]:
+    return {p: _patch_key(model, n) for n, p in model.named_parameters()}
+
+
+def _uint8(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+def _flatten_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, model_state: Dict[str, Any]) -> Dict[str, Any]:
+    """OLMo-core's flat optimizer state: ``num_param_groups``, each ``param_group{i}`` (with
+    ``_param_names``) and ``state_keys`` pickled into uint8 tensors, and
+    ``state.{param}.__{key}`` laid out as the parameter when shaped like it."""
+    import pickle
+
+    osd = optim.state_dict()
+    names = _params_by_name(model)
+    id_to_name: Dict[int, str] = {}
+    for group, saved in zip(optim.param_groups, osd["param_groups"]):
+        for p, pid in zip(group["params"], saved["params"]):
+            id_to_name[pid] = names[p]
+    flat: Dict[str, Any] = {_COUNT: torch.tensor(len(osd["param_groups"]))}
+    for i, g in enumerate(osd["param_groups"]):
+        g = dict(g)
+        g["_param_names"] = [id_to_name[pid] for pid in g["params"]]
+        # Written for OLMo-core, which unpickles it; tessera reads it without executing anything.
+        flat[f"param_group{i}"] = _uint8(pickle.dumps(g))
+    keys = set()
+    for pid, state in osd["state"].items():
+        name = id_to_name[pid]
+        param = model_state[name]
+        for k, t in state.items():
+            if t is None:
+                continue
+            keys.add(k)
+            t = t if isinstance(t, torch.Tensor) else torch.tensor(t)
+            key = _state_key(name, k)
+            if hasattr(t, "to_local"):
+                flat[key] = t  # a DTensor (FSDP2) carries its own layout
+            elif k != "step" and tuple(t.shape) == tuple(_local(param).shape) and not hasattr(param, "device_mesh"):
+                flat[key] = _like(param, t)  # sharded as its parameter
+            else:
+                flat[key] = t.clone()  # whole (step): written once, by the lowest rank holding it
+    flat["state_keys"] = _uint8(pickle.dumps(sorted(keys)))
+    return flat
+
+
+def _resolve(keys: set, key: str) -> str:
+    """The stored key for ``key``: itself, or with DDP's ``module.`` prefix added or removed."""
+    if key in keys:
+        return key
+    alt = key[len("module."):] if key.startswith("module.") else f"module.{key}"
+    return alt if alt in keys else key
+
+
+def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    """Makes sure the optimizer has state (one step with zero gradients, as OLMo-core does),
+    leaving the parameters exactly as they were."""
+    if optim.state:
+        return
+    with torch.no_grad():
+        saved = []
+        for group in optim.param_groups:
+            for p in group["params"]:
+                if p.numel() > 0:
+                    p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    saved.append((p, p.detach().clone()))
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        for p, before in saved:
+            p.copy_(before)
+
+
+@torch.no_grad()
+def save_model_and_optim_state(
+    dir: PathOrStr, model: nn.Module, optim: torch.optim.Optimizer, save_overwrite: bool = False
+) -> List[PathOrStr]:
+    """Saves the model's state to ``dir/model`` and the optimizer's, flattened and keyed by
+    parameter name so that it reshards with the parameters, to ``dir/optim``. Every rank calls
+    it; returns the files this rank created. The optimizer is saved as it is (no step is taken
+    to create state it does not have yet)."""
+    d = _normalize(dir)
+    model_state = _model_state(model)
+    flat_optim = _flatten_optimizer_state(model, optim, model_state)
+    ck = Checkpointer()
+    _, model_files = ck.save(f"{d}/model", model_state, save_overwrite=save_overwrite)
+    _, optim_files = ck.save(f"{d}/optim", flat_optim, save_overwrite=save_overwrite)
+    return model_files + optim_files
+
+
+def _optim_values(dir: str) -> Dict[str, Any]:
+    """The decoded pickled fields of an ``optim/`` checkpoint (``param_groups``, ``state_keys``)."""
+    return {_from_native_path(p)[-1][1]: v for p, v in _native.load_common(dir)}
+
+
+@torch.no_grad()
+def load_model_and_optim_state(
+    dir: PathOrStr, model: nn.Module, optim: Optional[torch.optim.Optimizer] = None, validate: bool = True
+) -> None:
+    """Loads the model's and (if given) the optimizer's state in place from a checkpoint of
+    :func:`save_model_and_optim_state` (tessera's or OLMo-core's), whatever topology saved it.
+    Every element of every target is proven covered before any byte is read (``validate`` is
+    always on); a parameter or state missing from the checkpoint raises naming it."""
+    del validate
+    d = _normalize(dir)
+    ck = Checkpointer()
+    model_state = _model_state(model)
+    stored = set(ck.get_metadata(f"{d}/model").tensors)
+    ck.load(f"{d}/model", {_resolve(stored, k): v for k, v in model_state.items()})
+    if optim is None:
+        return
+
+    meta = ck.get_metadata(f"{d}/optim").tensors
+    values = _optim_values(f"{d}/optim")
+    groups, state_keys = values["param_groups"], values["state_keys"]
+    if len(groups) != len(optim.param_groups):
+        raise ValueError(
+            f"{d}/optim holds {len(groups)} parameter groups, the optimizer has {len(optim.param_groups)}"
+        )
+    names = _params_by_name(model)
+    saved_names = {n for g in groups for n in g.get("_param_names", [])}
+    osd = optim.state_dict()
+    targets: Dict[str, Any] = {}
+    state: Dict[int, Dict[str, Any]] = {}
+    for group, ids in zip(optim.param_groups, osd["param_groups"]):
+        for p, pid in zip(group["params"], ids["params"]):
+            name = names[p]
+            stored_name = _resolve(saved_names, name) if saved_names else name
+            if saved_names and stored_name not in saved_names:
+                raise KeyError(f"{d}/optim: parameter {name!r} is in no saved parameter group")
+            param = model_state[_resolve(set(model_state), name)]
+            current = optim.state.get(p, {})
+            for k in state_keys:
+                key = _state_key(stored_name, k)
+                if key not in meta:
+                    continue
+                m = meta[key]
+                cur = current.get(k)
+                if k != "step" and tuple(m.shape) == _full_shape(param):
+                    local = _local(cur) if isinstance(cur, torch.Tensor) else None
+                    want = tuple(_local(param).shape)
+                    if local is None or tuple(local.shape) != want or local.dtype != m.torch_dtype:
+                        local = torch.empty(want, dtype=m.torch_dtype, device=_local(param).device)
+                    target = _like(param, local)
+                    value = target.data if isinstance(target, FlatShard) else target
+                else:
+                    ok = isinstance(cur, torch.Tensor) and tuple(cur.shape) == tuple(m.shape) and cur.dtype == m.torch_dtype
+                    target = value = cur if ok else torch.empty(m.shape, dtype=m.torch_dtype)
+                targets[key] = target
+                state.setdefault(pid, {})[k] = value
+    ck.load(f"{d}/optim", targets)
+    param_groups = []
+    for saved, current in zip(groups, osd["param_groups"]):
+        g = {k: v for k, v in saved.items() if k != "_param_names"}
+        for k, v in current.items():
+            if isinstance(v, tuple) and isinstance(g.get(k), list):
+                g[k] = tuple(g[k])  # pickled tuples (betas) come back as lists
+        g["params"] = current["params"]
+        param_groups.append(g)
+    optim.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+@torch.no_grad()
+def unshard_model_state(
+    dir: PathOrStr, device: Optional[torch.device] = None, rank0_only: bool = False, no_dist: bool = False
+) -> Dict[str, torch.Tensor]:
+    """The full model state of a checkpoint of :func:`save_model_and_optim_state`."""
+    return Checkpointer().unshard(f"{_normalize(dir)}/model", device=device, rank0_only=rank0_only, no_dist=no_dist)
+
+
+@torch.no_grad()
+def unshard_optim_state(
+    dir: PathOrStr, device: Optional[torch.device] = None, rank0_only: bool = False, no_dist: bool = False
+) -> OptimStateDict:
+    """The full optimizer state of a checkpoint of :func:`save_model_and_optim_state`, as an
+    optimizer state dict (state by parameter id, parameter groups)."""
+    d = f"{_normalize(dir)}/optim"
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank0_only and rank != 0 and not no_dist:
+        return {}  # type: ignore[typeddict-item]
+    values = _optim_values(d)
+    meta = Checkpointer().get_metadata(d).tensors
+    wanted = {}
+    out: OptimStateDict = {"state": {}, "param_groups": []}
+    for g in values["param_groups"]:
+        g = dict(g)
+        for name, pid in zip(g.pop("_param_names", []), g["params"]):
+            for k in values["state_keys"]:
+                if _state_key(name, k) in meta:
+                    wanted[_state_key(name, k)] = (pid, k)
+        out["param_groups"].append(g)  # type: ignore[arg-type]
+    full = {k: torch.empty(meta[k].shape, dtype=meta[k].torch_dtype) for k in wanted}
+    Checkpointer().load(d, full)
+    for key, (pid, k) in wanted.items():
+        t = full[key] if device is None else full[key].to(device)
+        out["state"].setdefault(pid, {})[k] = t
+    return out

@@ -1,0 +1,224 @@
+"""OLMo-core's ``Checkpointer``: flat state dicts of tensors, DTensors and flat shards saved as
+one OLMo-core 0.1.x checkpoint directory and loaded in place into any layout. The files are
+written by tessera's Rust core (``_native.save_olmo``), read through its load planner; this
+module only says which piece of which tensor each rank holds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .. import _native
+from .._comm import TorchComm, default_comm
+from ..dist_checkpointing.dtypes import torch_dtype_to_tessera
+from ..dist_checkpointing.serialization import _cpu_contiguous
+from ..torch import _is_dtensor, _layout
+from ._metadata import StorageMetadata
+
+PathOrStr = Union[Path, str]
+
+__all__ = ["Checkpointer", "FlatShard", "PathOrStr"]
+
+
+@dataclass
+class FlatShard:
+    """A rank's piece of a tensor held as ranges of its row-major flattening (FSDP1's
+    ``use_orig_params`` parameters and their optimizer state): ``data`` (1-D) holds
+    ``ranges`` back to back, of a tensor of ``full_shape``."""
+
+    data: torch.Tensor
+    full_shape: Tuple[int, ...]
+    ranges: Tuple[Tuple[int, int], ...]
+
+    def like(self, data: torch.Tensor) -> "FlatShard":
+        """Another tensor laid out as this one (optimizer state of the parameter)."""
+        return FlatShard(data, self.full_shape, self.ranges)
+
+
+@dataclass
+class _Piece:
+    """One piece of one key on this rank, as the core describes it."""
+
+    key: str
+    data: torch.Tensor  # the rank's elements (box-shaped, or 1-D for a flat range)
+    full_shape: Tuple[int, ...]
+    offset: Tuple[int, ...]
+    box: Tuple[int, ...]
+    flat: Optional[Tuple[int, int]]
+    replica: Optional[Tuple[int, ...]]  # None: a whole tensor that other ranks may hold too
+
+
+# The flat range of a piece that holds none of its tensor.
+_NOTHING = (0, 0)
+
+
+def _olmo_flat(t: Any) -> Optional[FlatShard]:
+    """OLMo-core's own ``ShardedFlatTensor`` (its FSDP), recognised by its attributes."""
+    spec = getattr(t, "sharding_spec", None)
+    offsets = getattr(spec, "unsharded_flattened_offsets", None)
+    if offsets is None or not getattr(t, "metadata_set", True):
+        return None
+    group = getattr(t, "process_group", None)
+    rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+    return FlatShard(t.sharded_data, tuple(spec.unsharded_shape), tuple(tuple(r) for r in offsets[rank]))
+
+
+def _pieces(key: str, t: Any, rank: int) -> List[_Piece]:
+    """The pieces of ``t`` (a tensor, DTensor, FlatShard or OLMo ShardedFlatTensor) this rank holds."""
+    flat = t if isinstance(t, FlatShard) else _olmo_flat(t)
+    if flat is not None:
+        out, at = [], 0
+        data = flat.data.detach().reshape(-1)
+        for s, e in flat.ranges:
+            if e > s:
+                out.append(_Piece(key, data[at : at + e - s], flat.full_shape, (0,) * len(flat.full_shape),
+                                  flat.full_shape, (s, e), (0,)))
+            at += e - s
+        if not out:
+            zeros = (0,) * len(flat.full_shape)
+            if 0 in flat.full_shape:  # an empty tensor: its (no) elements, whole
+                return [_Piece(key, data.reshape(flat.full_shape), flat.full_shape, zeros, flat.full_shape, None, None)]
+            # This rank holds none of it: nothing to save, but a load still checks the key exists.
+            out.append(_Piece(key, data[:0], flat.full_shape, zeros, flat.full_shape, _NOTHING, (1,)))
+        return out
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{key!r}: a state dict to checkpoint holds tensors, not {type(t).__name__}")
+    if _is_dtensor(t):
+        local, shape, offset, replica = _layout(t, rank)
+        return [_Piece(key, local.detach(), shape, offset, tuple(local.shape), None, replica)]
+    t = t.detach()
+    return [_Piece(key, t, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), None, None)]
+
+
+def _choose_writers(pieces: List[_Piece], comm: Optional[TorchComm]) -> None:
+    """Whole tensors held by several ranks (plain tensors, optimizer ``step``) are written by
+    the lowest rank holding them; the others hold replicas (which the core may still pick to
+    spread the writing). One all-gather of the keys, as JSON."""
+    whole = [p for p in pieces if p.replica is None]
+    if comm is None:
+        for p in whole:
+            p.replica = (0,)
+        return
+    rank = comm.rank()
+    first: Dict[str, int] = {}
+    for r, msg in enumerate(comm.all_gather(json.dumps(sorted({p.key for p in whole})).encode())):
+        for k in json.loads(msg.decode()):
+            first.setdefault(k, r)
+    for p in whole:
+        p.replica = (0,) if first[p.key] == rank else (rank + 1,)
+
+
+def _normalize(dir: PathOrStr) -> str:
+    d = str(dir).rstrip("/")
+    return d[len("file://"):] if d.startswith("file://") else d
+
+
+def _is_url(d: str) -> bool:
+    return "://" in d
+
+
+def _cpu_target(t: torch.Tensor) -> torch.Tensor:
+    """Memory the core can write: ``t`` itself, or a CPU contiguous stand-in."""
+    return t if (t.device.type == "cpu" and t.is_contiguous()) else torch.empty(t.shape, dtype=t.dtype)
+
+
+def _load_pieces(dir: str, pieces: Sequence[_Piece], threads: Optional[int] = None) -> None:
+    """Fills every piece from the checkpoint at ``dir`` (every key must be stored there)."""
+    native, targets, seen = [], [], {}
+    for p in pieces:
+        buf = _cpu_target(p.data)
+        nbytes = buf.numel() * buf.element_size()
+        # Tied tensors share their memory: fill it once.
+        span = (buf.data_ptr(), nbytes, p.flat, p.offset)
+        if nbytes and span in seen:
+            continue
+        seen[span] = p.key
+        targets.append((p.data, buf))
+        native.append((p.key, torch_dtype_to_tessera(p.data.dtype), p.box, p.full_shape, p.offset, 0, p.flat,
+                       False, buf.data_ptr(), nbytes))
+    _native.load(native, [], dir, None, strict="raise_unexpected", threads=threads)
+    with torch.no_grad():
+        for data, buf in targets:
+            if buf is not data:
+                data.copy_(buf)
+
+
+class Checkpointer:
+    """Saves and loads flat (non-nested) state dicts of tensors, DTensors and flat shards as
+    OLMo-core 0.1.x checkpoint directories (``rank_{r}.safetensors`` + ``metadata.json``).
+    For a model and its optimizer together use :func:`save_model_and_optim_state` and
+    :func:`load_model_and_optim_state`."""
+
+    METADATA_FILENAME = "metadata.json"
+
+    def save(
+        self, dir: PathOrStr, state_dict: Dict[str, Any], save_overwrite: bool = False
+    ) -> Tuple[StorageMetadata, List[PathOrStr]]:
+        """Saves ``state_dict`` (every rank calls it with its own pieces); returns the metadata
+        and the files this rank created. ``metadata.json`` is written last, once every rank's
+        file is complete. An existing checkpoint is kept unless ``save_overwrite``."""
+        d = _normalize(dir)
+        comm = default_comm()
+        rank = comm.rank() if comm is not None else 0
+        pieces = [p for key, t in state_dict.items() for p in _pieces(key, t, rank) if p.flat != _NOTHING]
+        _choose_writers(pieces, comm)
+        keep_alive, native = [], []
+        for p in pieces:
+            data = _cpu_contiguous(p.data)
+            keep_alive.append(data)
+            native.append((p.key, torch_dtype_to_tessera(p.data.dtype), p.box, p.full_shape, p.offset, 0,
+                           p.replica, p.flat, None, data.data_ptr(), data.numel() * data.element_size()))
+        report = _native.save_olmo(native, d, comm, overwrite=save_overwrite)
+        del keep_alive
+        files: List[PathOrStr] = [f"{d}/{f}" if _is_url(d) else Path(d) / f for f in report["files"]]
+        return StorageMetadata.from_json(report["metadata"]), files
+
+    def load(
+        self,
+        dir: PathOrStr,
+        state_dict: Dict[str, Any],
+        no_dist: bool = False,
+        metadata: Optional[StorageMetadata] = None,
+        _safetensors_mfl: Any = None,
+        _check_for_nans: bool = False,
+    ) -> None:
+        """Loads ``state_dict`` in place: each tensor (or this rank's piece of it) is filled from
+        the checkpoint, whatever layout it was saved in; only the needed bytes are read. A key
+        the checkpoint lacks, or another dtype or shape, raises naming it. No communication
+        (``no_dist``, ``metadata`` and the private arguments are accepted for compatibility)."""
+        del no_dist, metadata, _safetensors_mfl, _check_for_nans
+        pieces = [p for key, t in state_dict.items() for p in _pieces(key, t, 0)]
+        _load_pieces(_normalize(dir), pieces)
+
+    def unshard(
+        self,
+        dir: PathOrStr,
+        device: Optional[torch.device] = None,
+        rank0_only: bool = False,
+        no_dist: bool = False,
+        num_threads: Optional[int] = None,
+    ) -> Dict[str, torch.Tensor]:
+        """Every full tensor of the checkpoint, in metadata order. With ``rank0_only`` ranks
+        other than 0 get ``{}``; there is no communication either way."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank0_only and no_dist and rank != 0:
+            raise ValueError(f"calling `unshard()` with `rank0_only=True` and `no_dist=True` is undefined for rank {rank}")
+        if rank0_only and rank != 0:
+            return {}
+        d = _normalize(dir)
+        out = {k: torch.empty(m.shape, dtype=m.torch_dtype) for k, m in self.get_metadata(d).tensors.items()}
+        pieces = [_Piece(k, t, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), None, None) for k, t in out.items()]
+        _load_pieces(d, pieces, threads=num_threads if num_threads else None)
+        if device is not None:
+            out = {k: t.to(device) for k, t in out.items()}
+        return out
+
+    def get_metadata(self, dir: PathOrStr, no_dist: bool = False) -> StorageMetadata:
+        """The checkpoint's metadata (read and checked by the core; no communication)."""
+        del no_dist
+        return StorageMetadata.from_json(_native.olmo_metadata(_normalize(dir)))

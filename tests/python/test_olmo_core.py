@@ -1,0 +1,303 @@
+"""tessera.olmo_core: OLMo-core 0.1.x's checkpoint API on tessera's core, on CPU with gloo.
+
+A TinyLM saved under FSDP1 (use_orig_params) at 2 ranks is loaded under FSDP1 at 3 ranks,
+FSDP2 at 3 ranks and a plain module in one process, each into a freshly built model and
+optimizer, and saved again: every load gives back the saved parameters exactly (no optimizer
+step applied), and every re-save unshards to the same state. DDP with SGD + momentum, Adam,
+the real OLMo-core fixtures, the metadata models and the errors are covered too. The round
+trips against ai2-olmo-core itself run in scripts/olmo_interop.sh (a venv with torch 2.7.1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tessera.olmo_core as oc
+from tessera.errors import AlreadyExistsError, CorruptError, KeyMismatchError, MismatchError
+from launch import run_ranks
+
+FIXTURES = Path(__file__).resolve().parents[2] / "crates/tessera/tests/fixtures/olmo"
+VOCAB, DIM, HIDDEN = 19, 8, 12
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.ff_in = nn.Linear(dim, hidden)
+        self.ff_out = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ff_out(F.gelu(self.ff_in(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """The layout of the OLMo-core fixtures' model (so they load into it)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, hidden: int = HIDDEN, out: int = VOCAB) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([Block(dim, hidden) for _ in range(2)])
+        self.final_norm = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, out, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.final_norm(x))
+
+
+def make_model(seed: int) -> TinyLM:
+    torch.manual_seed(seed)
+    model = TinyLM()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (2, 5), generator=gen)
+        targets = torch.randint(0, VOCAB, (2, 5), generator=gen)
+        loss = F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+
+
+def fsdp1(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu"))
+
+
+def fsdp2(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter whole, by its unwrapped name."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model):
+            return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def unsharded(ckpt: str) -> Dict[str, torch.Tensor]:
+    """The whole checkpoint: model tensors and the flat optimizer state (not its pickles)."""
+    out = {f"model/{k}": v for k, v in oc.unshard_model_state(ckpt, no_dist=True).items()}
+    optim = oc.Checkpointer().unshard(f"{ckpt}/optim", no_dist=True)
+    out.update({f"optim/{k}": v for k, v in optim.items() if k.startswith("state.")})
+    return out
+
+
+def assert_same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], what: str) -> None:
+    assert a.keys() == b.keys(), (what, sorted(a.keys() ^ b.keys()))
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (what, k)
+
+
+# ---- the chain: FSDP1 w2 -> FSDP1 w3, FSDP2 w3 -> plain ----------------------------------------
+
+
+def _save_fsdp1_w2(rank: int, world: int, tmp: str) -> None:
+    model = fsdp1(make_model(1))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train(model, optim, 2, seed=10 + rank)
+    files = oc.save_model_and_optim_state(f"{tmp}/A", model, optim)
+    assert Path(f"{tmp}/A/model/rank_{rank}.safetensors") in files
+    params = full_params(model)
+    if rank == 0:
+        torch.save(params, f"{tmp}/truth.pt")
+
+
+def _load_w3_and_resave(rank: int, world: int, tmp: str) -> None:
+    truth = torch.load(f"{tmp}/truth.pt")
+    for wrap, out in ((fsdp1, "B"), (fsdp2, "C")):
+        model = wrap(make_model(2))  # other weights: everything must come from the checkpoint
+        optim = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.0)
+        assert not optim.state
+        oc.load_model_and_optim_state(f"{tmp}/A", model, optim)
+        got = full_params(model)
+        assert_same(got, truth, f"{wrap.__name__} world {world}")  # exactly: no weight-decay step
+        assert optim.param_groups[0]["lr"] == pytest.approx(1e-2)
+        assert optim.param_groups[0]["weight_decay"] == pytest.approx(0.1)
+        assert isinstance(optim.param_groups[0]["betas"], tuple)
+        oc.save_model_and_optim_state(f"{tmp}/{out}", model, optim)
+        dist.barrier()
+
+
+def test_fsdp1_fsdp2_plain_round_trips_across_world_sizes(tmp_path: Any) -> None:
+    tmp = str(tmp_path)
+    run_ranks(2, _save_fsdp1_w2, tmp)
+    run_ranks(3, _load_w3_and_resave, tmp)
+    truth = torch.load(f"{tmp}/truth.pt")
+    # One process, no process group: a plain module and a fresh optimizer.
+    model = make_model(3)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.5)
+    oc.load_model_and_optim_state(f"{tmp}/B", model, optim)
+    assert_same(full_params(model), truth, "plain")
+    oc.save_model_and_optim_state(f"{tmp}/D", model, optim)
+    a = unsharded(f"{tmp}/A")
+    for other in "BCD":
+        assert_same(unsharded(f"{tmp}/{other}"), a, f"A vs {other}")
+    # The optimizer state dict, unsharded: by parameter id, param groups without their names.
+    osd = oc.unshard_optim_state(f"{tmp}/A", no_dist=True)
+    assert osd["param_groups"][0]["params"] == list(range(14)) and "_param_names" not in osd["param_groups"][0]
+    assert set(osd["state"][0]) == {"exp_avg", "exp_avg_sq", "step"}
+    assert torch.equal(osd["state"][0]["exp_avg"], a["optim/state.embed.weight.__exp_avg"])
+    # Training goes on identically from the loaded state and from the state it was loaded from.
+    again = make_model(4)
+    again_optim = torch.optim.AdamW(again.parameters(), lr=0.5)
+    oc.load_model_and_optim_state(f"{tmp}/D", again, again_optim)
+    train(model, optim, 2, seed=99)
+    train(again, again_optim, 2, seed=99)
+    assert_same(full_params(again), full_params(model), "continued")
+
+
+# ---- DDP and other optimizers -------------------------------------------------------------------
+
+
+def _save_ddp_sgd(rank: int, world: int, tmp: str) -> None:
+    model = nn.parallel.DistributedDataParallel(make_model(5))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, optim, 2, seed=20 + rank)
+    oc.save_model_and_optim_state(f"{tmp}/ddp", model, optim)
+    if rank == 0:
+        torch.save({"params": full_params(model.module), "optim": optim.state_dict()}, f"{tmp}/ddp_truth.pt")
+
+
+def test_ddp_sgd_momentum_loads_into_a_plain_module(tmp_path: Any) -> None:
+    tmp = str(tmp_path)
+    run_ranks(2, _save_ddp_sgd, tmp)
+    truth = torch.load(f"{tmp}/ddp_truth.pt")
+    meta = oc.Checkpointer().get_metadata(f"{tmp}/ddp/model")
+    assert all(k.startswith("module.") and not m.is_sharded for k, m in meta.tensors.items())
+    # Each replicated tensor is written once, the writing spread over the ranks holding it.
+    assert all(len(m.shard_spec_per_file) == 1 for m in meta.tensors.values())
+    assert {f for m in meta.tensors.values() for f in m.shard_spec_per_file} == {"rank_0.safetensors", "rank_1.safetensors"}
+    model = make_model(6)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    oc.load_model_and_optim_state(f"{tmp}/ddp", model, optim)  # keys saved with "module."
+    assert_same(full_params(model), truth["params"], "ddp -> plain")
+    got, want = optim.state_dict(), truth["optim"]
+    assert got["param_groups"][0]["momentum"] == pytest.approx(0.9)
+    for pid, state in want["state"].items():
+        assert torch.equal(got["state"][pid]["momentum_buffer"], state["momentum_buffer"]), pid
+
+
+def test_adam_plain_round_trip_and_checkpointer_api(tmp_path: Any) -> None:
+    model = make_model(7)
+    optim = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.8, 0.9))
+    train(model, optim, 1, seed=1)
+    oc.save_model_and_optim_state(tmp_path / "adam", model, optim)
+    fresh = make_model(8)
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1.0)
+    oc.load_model_and_optim_state(str(tmp_path / "adam"), fresh, fresh_optim)
+    assert_same(full_params(fresh), full_params(model), "adam")
+    assert fresh_optim.param_groups[0]["betas"] == (0.8, 0.9)
+    # Checkpointer: a flat state dict of mixed dtypes, 0-d and empty tensors.
+    sd = {
+        "w": torch.randn(5, 3),
+        "h": torch.randn(4).to(torch.bfloat16),
+        "i": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "s": torch.tensor(2.5),
+        "e": torch.empty(0, 4),
+        "b": torch.tensor([True, False]),
+    }
+    meta, files = oc.Checkpointer().save(tmp_path / "ck", sd)
+    assert files == [tmp_path / "ck/rank_0.safetensors", tmp_path / "ck/metadata.json"]
+    assert meta == oc.Checkpointer().get_metadata(tmp_path / "ck")
+    assert json.dumps(meta.model_dump()) == (tmp_path / "ck/metadata.json").read_text()
+    assert meta.tensors["h"].dtype == "BF16" and meta.tensors["s"].shape == ()
+    back = oc.Checkpointer().unshard(tmp_path / "ck")
+    assert_same(back, sd, "checkpointer")
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    oc.Checkpointer().load(tmp_path / "ck", target)
+    assert_same(target, sd, "checkpointer load")
+
+
+# ---- real OLMo-core checkpoints -----------------------------------------------------------------
+
+
+def test_olmo_core_fixtures_load_into_a_plain_model() -> None:
+    from safetensors.torch import load_file
+
+    for name in ("olmo01_fsdp_w2", "olmo_fsdp1_w2", "olmo_fsdp1_w3"):
+        ckpt = FIXTURES / name
+        expected = load_file(str(FIXTURES / f"{name}.expected.safetensors"))
+        (vocab, dim), hidden = expected["model/embed.weight"].shape, expected["model/blocks.0.ff_in.weight"].shape[0]
+        model = TinyLM(vocab, dim, hidden, out=expected["model/lm_head.weight"].shape[0])
+        optim = torch.optim.AdamW(model.parameters(), lr=1.0)
+        oc.load_model_and_optim_state(ckpt, model, optim)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected[f"model/{k}"]), (name, k)
+        names = [n for n, _ in model.named_parameters()]
+        state = optim.state_dict()["state"]
+        for i, n in enumerate(names):
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(state[i][key], expected[f"optim/state.{n}.__{key}"]), (name, n, key)
+        unshard = oc.unshard_model_state(ckpt)
+        assert_same(unshard, {k[6:]: v for k, v in expected.items() if k.startswith("model/")}, name)
+
+
+def test_metadata_models_mirror_olmo_core() -> None:
+    for path in FIXTURES.glob("*/*/metadata.json"):
+        text = path.read_text()
+        meta = oc.Checkpointer().get_metadata(path.parent)
+        assert json.dumps(meta.model_dump()) == text, path
+        assert oc.StorageMetadata(**json.loads(text)) == meta
+        assert oc.StorageMetadata.model_validate_json(meta.model_dump_json()) == meta
+    flat = oc.TensorShardSpec(flattened_offsets=[[0, 3], [5, 6]])
+    assert flat.local_numel == 4 and list(flat.get_flattened_offsets((2, 3))) == [(0, 3), (5, 6)]
+    box = oc.TensorShardSpec(local_shape=(2, 2), global_offset=(1, 1))
+    assert list(box.get_flattened_offsets((4, 3))) == [(4, 6), (7, 9)]
+    assert list(oc.TensorShardSpec(local_shape=(2, 3), global_offset=(1, 0)).get_merged_flattened_offsets((4, 3))) == [(3, 9)]
+    assert box.compute_overlap_with(oc.TensorShardSpec(flattened_offsets=[(4, 6), (7, 9)]), (4, 3)) == oc.OverlapType.EQUAL
+    assert box.compute_overlap_with(oc.TensorShardSpec(local_shape=(1, 1), global_offset=(1, 1)), (4, 3)) == "SUPERSET"
+    assert box.compute_overlap_with(oc.TensorShardSpec(local_shape=(1, 1), global_offset=(0, 0)), (4, 3)) is None
+    t = oc.TensorStorageMetadata(shape=[4, 3], is_sharded=True, dtype="F32", shard_spec_per_file={"a": {"flattened_offsets": [[0, 12]]}})
+    assert t.torch_dtype == torch.float32 and t.get_numel_in_file("a") == 12 and t.get_numel_in_file("b") == 0
+    assert torch.isnan(t.materialize_empty()).all()
+
+
+def test_errors_name_the_key_or_file(tmp_path: Any) -> None:
+    sd = {"w": torch.randn(4, 3)}
+    oc.Checkpointer().save(tmp_path / "ck", sd)
+    with pytest.raises(AlreadyExistsError):
+        oc.Checkpointer().save(tmp_path / "ck", sd)
+    oc.Checkpointer().save(tmp_path / "ck", {"w": torch.ones(4, 3)}, save_overwrite=True)
+    assert torch.equal(oc.Checkpointer().unshard(tmp_path / "ck")["w"], torch.ones(4, 3))
+    with pytest.raises(KeyMismatchError, match="nope"):
+        oc.Checkpointer().load(tmp_path / "ck", {"nope": torch.empty(2)})
+    with pytest.raises(MismatchError, match='"w"'):
+        oc.Checkpointer().load(tmp_path / "ck", {"w": torch.empty(3, 4)})
+    meta = json.loads((tmp_path / "ck/metadata.json").read_text())
+    meta["tensors"]["w"]["shard_spec_per_file"]["rank_0.safetensors"]["flattened_offsets"] = [[0, 13]]
+    (tmp_path / "ck/metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(CorruptError, match='metadata.json.*"w"'):
+        oc.Checkpointer().load(tmp_path / "ck", {"w": torch.empty(4, 3)})
+    model = make_model(1)
+    with pytest.raises(FileNotFoundError):
+        oc.load_model_and_optim_state(tmp_path / "missing", model)
+    assert os.path.isdir(tmp_path / "ck")
