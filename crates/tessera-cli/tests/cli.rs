@@ -739,3 +739,52 @@ fn inspect_verify_unshard_convert_and_diff_a_megatron_checkpoint() {
     let out = tessera(&["gc", &src]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
 }
+
+fn olmo(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tessera/tests/fixtures/olmo")
+        .join(name)
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[test]
+fn every_tool_works_on_an_olmo_core_checkpoint() {
+    // Written by ai2-olmo-core 0.1.0 (FSDP1, 3 ranks): model/ and optim/ as one checkpoint.
+    let src = olmo("olmo_fsdp1_w3");
+    let shown = expect(&["inspect", &src], 0);
+    assert!(shown.contains("olmo_safetensors v1") && shown.contains("no checksums"), "{shown}");
+    assert!(shown.contains("model/embed.weight") && shown.contains("optim/state.embed.weight.__exp_avg"), "{shown}");
+    assert!(shown.contains("optim.param_groups") && shown.contains("\"lr\":0.01"), "{shown}");
+    let j = json(&expect(&["inspect", &src, "--json"], 0));
+    assert_eq!(j["format"]["backend"], "olmo_safetensors", "{j}");
+    let verified = expect(&["verify", &src], 0);
+    assert!(verified.contains("sound") && verified.contains("no checksums"), "{verified}");
+
+    // unshard the whole, model/ alone and optim/ alone: OLMo-core's own unshard, key for key.
+    let scratch = Scratch::new("olmo-tools");
+    let expected = read_safetensors(Path::new(&olmo("olmo_fsdp1_w3.expected.safetensors"))).1;
+    for (dir, prefix) in [("", ""), ("/model", "model/"), ("/optim", "optim/")] {
+        let out = scratch.path().join(format!("u{}.safetensors", prefix.len()));
+        expect(&["unshard", &format!("{src}{dir}"), "--out", out.to_str().unwrap()], 0);
+        let (_, tensors) = read_safetensors(&out);
+        let want: Vec<(String, _)> =
+            expected.iter().filter_map(|(k, v)| k.strip_prefix(prefix).map(|k| (k.to_string(), v))).collect();
+        assert_eq!(tensors.len(), want.len(), "{dir}");
+        for (k, v) in want {
+            assert_eq!(&tensors[&k], v, "{dir}: {k}");
+        }
+    }
+
+    // convert to native; diff against the conversion is equal; the native copy is checksummed.
+    let native = scratch.path().join("native");
+    expect(&["convert", &src, native.to_str().unwrap()], 0);
+    expect(&["verify", native.to_str().unwrap()], 0);
+    let same = expect(&["diff", &src, native.to_str().unwrap()], 0);
+    assert!(same.contains("equal"), "{same}");
+    let differ = expect(&["diff", &src, &olmo("olmo_fsdp1_w2")], 1);
+    assert!(differ.contains("model/embed.weight"), "{differ}");
+    // Read-only: gc refuses it.
+    let out = tessera(&["gc", &src]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+}

@@ -275,7 +275,7 @@ fn rank_tree<'a>(r: usize, world: usize, buffers: &'a [Vec<u8>]) -> StateTree<'a
                 let bytes = &data[a as usize * es..b as usize * es];
                 shard(l.key, l.dtype, &l.shape, &zeros, &l.shape, 0, Some(a..b), TensorData::Ref(bytes))
             }
-            1 | 2 | 3 => {
+            1..=3 => {
                 let axis = if i == 1 { 0 } else { 1 };
                 let (a, b) = split(l.shape[axis]);
                 let mut off = vec![0; l.shape.len()];
@@ -409,7 +409,7 @@ fn an_fsdp_shard_reads_only_its_bytes() {
             let data_read = out.stats.bytes_read;
             assert!(data_read <= need + need / 20, "rank {r}: read {data_read} for {need} (verify {verify_checksums})");
             // Opening costs the metadata and one header per file, not the data.
-            assert!(counting.bytes_read() < data_read + 64 << 10, "{}", counting.bytes_read());
+            assert!(counting.bytes_read() < data_read + (64 << 10), "{}", counting.bytes_read());
         }
     }
 }
@@ -508,33 +508,35 @@ fn spec<'v>(meta: &'v mut serde_json::Value, key: &str, file: &str) -> &'v mut s
 
 #[test]
 fn damaged_metadata_is_a_clear_error_naming_file_and_key() {
-    let key = "blocks.0.ff_in.weight"; // [12, 8]: 64 elements in rank_0, 32 in rank_1
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+    const KEY: &str = "blocks.0.ff_in.weight"; // [12, 8]: 64 elements in rank_0, 32 in rank_1
+    let key = KEY;
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
         (
             "overlap",
-            Box::new(|m| *spec(m, key, "rank_1.safetensors") = serde_json::json!({"flattened_offsets": [[63, 95]]})),
+            Box::new(|m| *spec(m, KEY, "rank_1.safetensors") = serde_json::json!({"flattened_offsets": [[63, 95]]})),
             "overlap",
         ),
         (
             "gap",
-            Box::new(|m| *spec(m, key, "rank_1.safetensors") = serde_json::json!({"flattened_offsets": [[65, 96]]})),
+            Box::new(|m| *spec(m, KEY, "rank_1.safetensors") = serde_json::json!({"flattened_offsets": [[65, 96]]})),
             "gap",
         ),
         (
             "outside",
-            Box::new(|m| *spec(m, key, "rank_1.safetensors") = serde_json::json!({"flattened_offsets": [[64, 97]]})),
+            Box::new(|m| *spec(m, KEY, "rank_1.safetensors") = serde_json::json!({"flattened_offsets": [[64, 97]]})),
             "inside the tensor",
         ),
         (
             "missing-file",
             Box::new(|m| {
-                let s = spec(m, key, "rank_1.safetensors").clone();
-                m["tensors"][key]["shard_spec_per_file"].as_object_mut().unwrap().remove("rank_1.safetensors");
-                m["tensors"][key]["shard_spec_per_file"]["rank_7.safetensors"] = s;
+                let s = spec(m, KEY, "rank_1.safetensors").clone();
+                m["tensors"][KEY]["shard_spec_per_file"].as_object_mut().unwrap().remove("rank_1.safetensors");
+                m["tensors"][KEY]["shard_spec_per_file"]["rank_7.safetensors"] = s;
             }),
             "rank_7.safetensors",
         ),
-        ("dtype", Box::new(|m| m["tensors"][key]["dtype"] = "BF16".into()), "F32"),
+        ("dtype", Box::new(|m| m["tensors"][KEY]["dtype"] = "BF16".into()), "F32"),
         ("no-tensors", Box::new(|m| *m = serde_json::json!({"tensors": 3})), "tensors"),
     ];
     for (tag, edit, want) in cases {

@@ -173,8 +173,8 @@ def _flatten_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, mod
             key = _state_key(name, k)
             if hasattr(t, "to_local"):
                 flat[key] = t  # a DTensor (FSDP2) carries its own layout
-            elif k != "step" and tuple(t.shape) == tuple(_local(param).shape) and not hasattr(param, "device_mesh"):
-                flat[key] = _like(param, t)  # sharded as its parameter
+            elif k != "step" and tuple(t.shape) == tuple(_local(param).shape):
+                flat[key] = _like(param, t)  # the rank's part, laid out as its parameter's
             else:
                 flat[key] = t.clone()  # whole (step): written once, by the lowest rank holding it
     flat["state_keys"] = _uint8(pickle.dumps(sorted(keys)))
