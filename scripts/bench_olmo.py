@@ -12,13 +12,14 @@ on CPU with gloo ranks on 127.0.0.1; ``scripts/bench_olmo.sh`` sets everything u
 2. Every file of the checkpoint is read once, untimed: the page cache is warm for every method.
 3. Unshard of ``model/``, the methods alternating (order rotated each round):
      cli      ``tessera unshard DIR/ckpt/model --out DIR/out.safetensors``: a subprocess, timed
-              from start to exit; peak RSS is the child's own ``ru_maxrss`` (``os.wait4``). It
-              writes and fsyncs its output file, which the Python methods do not.
+              from start to exit; its peak RSS (from zero) is measured by GNU ``/usr/bin/time``.
+              It writes and fsyncs its output file, which the Python methods do not.
      tessera  ``tessera.olmo_core.unshard_model_state(DIR/ckpt)``
      olmo     ``olmo_core.distributed.checkpoint.Checkpointer().unshard(DIR/ckpt/model, no_dist=True)``
    Each Python method runs in a fresh subprocess; after its imports the peak-RSS mark is reset
    (``/proc/self/clear_refs`` ← 5), then the call alone is timed and its peak RSS growth is
-   ``VmHWM`` after it minus ``VmRSS`` just before it (``ru_maxrss`` if the reset is refused).
+   ``VmHWM`` after it minus ``VmRSS`` just before it (``ru_maxrss`` if the reset is refused; that
+   also counts this script's RSS at the fork, so it overstates).
    RSS counts file pages mapped into the process too (OLMo-core reads through safetensors'
    mmap). In the first round every method's output is hashed tensor by tensor and the three
    are compared (names, dtypes, shapes, bytes); a difference stops the benchmark.
@@ -89,6 +90,7 @@ LABELS = {
     "write": "ref: write + fsync of output size",
 }
 RESULT = "BENCH_OLMO_RESULT "  # prefix of a child's result line on stdout
+TIME = "/usr/bin/time"  # GNU time: the CLI's peak RSS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,18 +309,20 @@ def safetensors_digest(path: Path) -> Tuple[int, Dict[str, List[Any]]]:
 
 
 def run_cli(tessera: Path, ckpt: Path, out: Path, digest: bool) -> Dict[str, Any]:
+    """The CLI under ``/usr/bin/time``: its own peak RSS. (A child forked directly from this
+    process would not do: Linux carries the parent's RSS high-water mark at fork into the
+    child's ``ru_maxrss`` across ``exec``.)"""
     out.unlink(missing_ok=True)
     cmd = [str(tessera), "unshard", str(ckpt / "model"), "--out", str(out)]
-    with tempfile.TemporaryFile() as err:
+    with tempfile.NamedTemporaryFile("r") as maxrss, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage
+        proc = subprocess.run([TIME, "-f", "%M", "-o", maxrss.name, *cmd], stdout=subprocess.DEVNULL, stderr=err)
         seconds = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
             err.seek(0)
             raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err.read().decode()[-4000:]}")
-    result: Dict[str, Any] = {"seconds": seconds, "peak_growth": usage.ru_maxrss * 1024, "peak_source": "ru_maxrss"}
+        peak_kib = int(maxrss.read().split()[-1])
+    result: Dict[str, Any] = {"seconds": seconds, "peak_growth": peak_kib * 1024, "peak_source": "ru_maxrss (/usr/bin/time)"}
     if digest:
         result["output_bytes"], result["digest"] = safetensors_digest(out)
     else:
@@ -610,6 +614,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         ap.error("--rounds must be >= 1")
     if not args.tessera.is_file():
         ap.error(f"{args.tessera} not found: cargo build --release -p tessera-cli")
+    if not Path(TIME).is_file():
+        ap.error(f"{TIME} (GNU time) not found: it measures the CLI's peak RSS (apt-get install time)")
 
     started = time.perf_counter()
     work = args.dir.resolve()

@@ -66,6 +66,7 @@ import pickle
 import shutil
 import socket
 import struct
+import sys
 import tempfile
 import time
 import warnings
@@ -78,6 +79,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests/python"))
+from olmo_models import Block, TinyLM  # noqa: E402  (the model the tests share)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "crates/tessera/tests/fixtures/olmo"
@@ -100,38 +104,6 @@ DDP_SIZES = dict(vocab=11, dim=6, hidden=10)
 
 
 # --------------------------------------------------------------------------- model and training
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.ff_in = nn.Linear(dim, hidden)
-        self.ff_out = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.ff_out(F.gelu(self.ff_in(self.norm(x))))
-
-
-class TinyLM(nn.Module):
-    """embed -> 2 x Block -> final_norm -> lm_head (optionally times a (1,) logit_scale)."""
-
-    def __init__(self, vocab: int, dim: int, hidden: int, logit_scale: bool = False) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList([Block(dim, hidden) for _ in range(2)])
-        self.final_norm = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        self.logit_scale = nn.Parameter(torch.ones(1)) if logit_scale else None
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.final_norm(x))
-        if self.logit_scale is not None:
-            logits = logits * self.logit_scale
-        return logits
 
 
 def make_model(sizes: Dict[str, int], **kw: Any) -> TinyLM:

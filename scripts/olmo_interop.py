@@ -38,38 +38,15 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests/python"))
+from olmo_models import TinyLM, full_params, wrap  # noqa: E402  (shared with the pytest suite)
+
 VOCAB, DIM, HIDDEN = 23, 8, 12
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.ff_in = nn.Linear(DIM, HIDDEN)
-        self.ff_out = nn.Linear(HIDDEN, DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.ff_out(F.gelu(self.ff_in(self.norm(x))))
-
-
-class TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
-        self.final_norm = nn.LayerNorm(DIM)
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for b in self.blocks:
-            x = b(x)
-        return self.lm_head(self.final_norm(x))
 
 
 def make_model(seed: int) -> TinyLM:
     torch.manual_seed(seed)
-    m = TinyLM()
+    m = TinyLM(VOCAB, DIM, HIDDEN)
     with torch.no_grad():
         for p in m.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -84,35 +61,6 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
         optim.zero_grad()
         loss.backward()
         optim.step()
-
-
-def wrap(kind: str, model: nn.Module) -> nn.Module:
-    if kind == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu"))
-    if kind == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for b in model.blocks:
-            fully_shard(b)
-        fully_shard(model)
-        return model
-    if kind == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
-    return model
-
-
-def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    if isinstance(model, FSDP):
-        with FSDP.summon_full_params(model):
-            return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model = model.module
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def same(a: Dict[str, Any], b: Dict[str, Any], what: str) -> None:
@@ -256,6 +204,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A rank that dies by a signal prints every thread's Python stack (ranks inherit this).
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     try:
         main()
     except AssertionError as e:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of the project: the Rust workspace (unit, integration, CLI tests), then the
-# Python package's tests (pytest, real torch on CPU, multi-process with gloo). The object-store
+# Python package's tests (pytest, real torch on CPU, multi-process with gloo), then the MPI
+# example and the round trips with ai2-olmo-core 0.1.0 (.venv-olmo). The object-store
 # tests run against moto_server (an S3 implementation, installed into .venv with the Python
 # test requirements), started here on a free loopback port and stopped on exit.
 set -euo pipefail
@@ -28,3 +29,5 @@ cargo test --workspace --all-targets
 .venv/bin/python -m pytest tests/python -q
 # Multi-process Rust over MPI (installs OpenMPI if missing): save under 4 ranks, load under 3 and 1.
 bash scripts/mpi-example.sh
+# OLMo-core: round trips with ai2-olmo-core 0.1.0 itself, both ways (its own venv, torch 2.7.1).
+bash scripts/olmo_interop.sh

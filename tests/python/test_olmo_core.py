@@ -24,42 +24,15 @@ import torch.nn.functional as F
 import tessera.olmo_core as oc
 from tessera.errors import AlreadyExistsError, CorruptError, KeyMismatchError, MismatchError
 from launch import run_ranks
+from olmo_models import TinyLM, full_params, wrap
 
 FIXTURES = Path(__file__).resolve().parents[2] / "crates/tessera/tests/fixtures/olmo"
 VOCAB, DIM, HIDDEN = 19, 8, 12
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.ff_in = nn.Linear(dim, hidden)
-        self.ff_out = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.ff_out(F.gelu(self.ff_in(self.norm(x))))
-
-
-class TinyLM(nn.Module):
-    """The layout of the OLMo-core fixtures' model (so they load into it)."""
-
-    def __init__(self, vocab: int = VOCAB, dim: int = DIM, hidden: int = HIDDEN, out: int = VOCAB) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList([Block(dim, hidden) for _ in range(2)])
-        self.final_norm = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, out, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.final_norm(x))
-
-
 def make_model(seed: int) -> TinyLM:
     torch.manual_seed(seed)
-    model = TinyLM()
+    model = TinyLM(VOCAB, DIM, HIDDEN)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -77,30 +50,12 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int)
         optim.step()
 
 
-def fsdp1(model: nn.Module) -> nn.Module:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu"))
+def fsdp1(model: TinyLM) -> nn.Module:
+    return wrap("fsdp1", model)
 
 
-def fsdp2(model: nn.Module) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
-
-
-def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Every parameter whole, by its unwrapped name."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    if isinstance(model, FSDP):
-        with FSDP.summon_full_params(model):
-            return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+def fsdp2(model: TinyLM) -> nn.Module:
+    return wrap("fsdp2", model)
 
 
 def unsharded(ckpt: str) -> Dict[str, torch.Tensor]:
@@ -301,3 +256,49 @@ def test_errors_name_the_key_or_file(tmp_path: Any) -> None:
     with pytest.raises(FileNotFoundError):
         oc.load_model_and_optim_state(tmp_path / "missing", model)
     assert os.path.isdir(tmp_path / "ck")
+
+
+def test_loads_in_place_into_existing_optimizer_state(tmp_path: Any) -> None:
+    model = make_model(9)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, optim, 2, seed=3)
+    oc.save_model_and_optim_state(tmp_path / "a", model, optim)
+    other = make_model(10)
+    other_optim = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    train(other, other_optim, 1, seed=4)  # state exists: it is filled in place
+    before = {id(p): other_optim.state[p]["exp_avg"].data_ptr() for p in other.parameters()}
+    oc.load_model_and_optim_state(tmp_path / "a", other, other_optim)
+    for p, q in zip(other.parameters(), model.parameters()):
+        assert other_optim.state[p]["exp_avg"].data_ptr() == before[id(p)]
+        assert torch.equal(other_optim.state[p]["exp_avg"], optim.state[q]["exp_avg"])
+        assert torch.equal(p, q)
+
+
+def test_a_parameter_missing_from_the_checkpoint_is_named(tmp_path: Any) -> None:
+    model = make_model(11)
+    oc.save_model_and_optim_state(tmp_path / "a", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    bigger = make_model(11)
+    bigger.extra = nn.Linear(2, 2)
+    with pytest.raises(KeyMismatchError, match="extra.weight"):
+        oc.load_model_and_optim_state(tmp_path / "a", bigger)
+
+
+def test_other_apis_read_olmo_core_checkpoints() -> None:
+    from safetensors.torch import load_file
+
+    import tessera.torch as tt
+    from tessera import dist_checkpointing as dc
+
+    ckpt = FIXTURES / "olmo_fsdp2_w2"
+    expected = load_file(str(FIXTURES / "olmo_fsdp2_w2.expected.safetensors"))
+    assert_same(tt.unshard(ckpt), expected, "tessera.torch.unshard")
+    # A Megatron-style sharded load of a row slice, and the decoded param groups as common state.
+    key = "model/embed.weight"
+    full = expected[key]
+    data = torch.empty(full.shape[0] - 2, full.shape[1])
+    st = dc.ShardedTensor(key, data, data.dtype, tuple(data.shape), tuple(full.shape), (2, 0), None)
+    sd = {key: st}
+    loaded = dc.load(sd, str(ckpt))
+    assert torch.equal(loaded[key], full[2:])
+    common = dc.load_common_state_dict(str(ckpt))
+    assert common["optim"]["param_groups"][0]["lr"] == pytest.approx(1e-2)

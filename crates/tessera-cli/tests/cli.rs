@@ -697,12 +697,18 @@ fn unshard_convert_diff_with_s3_locations() {
 // ---------------------------------------------------------------------------------------------
 // Foreign checkpoints (fixtures of the library's tests).
 
-fn foreign(name: &str) -> String {
+/// A fixture checkpoint of the library's tests (`set`: `foreign`, `olmo`).
+fn fixture(set: &str, name: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tessera/tests/fixtures/foreign")
+        .join("../tessera/tests/fixtures")
+        .join(set)
         .join(name)
         .to_string_lossy()
         .into_owned()
+}
+
+fn foreign(name: &str) -> String {
+    fixture("foreign", name)
 }
 
 #[test]
@@ -741,11 +747,7 @@ fn inspect_verify_unshard_convert_and_diff_a_megatron_checkpoint() {
 }
 
 fn olmo(name: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tessera/tests/fixtures/olmo")
-        .join(name)
-        .to_string_lossy()
-        .into_owned()
+    fixture("olmo", name)
 }
 
 #[test]

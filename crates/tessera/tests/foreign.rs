@@ -8,6 +8,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use common::box_bytes;
+use common::fixtures::{boxes, json_eq, to_json, Expected};
+
 use tessera::{
     detect_format, load, load_common_state, load_plain_tensors, load_sharded_objects, open_checkpoint, verify,
     CountingStorage, DType, Error, LoadOptions, LocalStorage, ShardedObject, ShardedTensor, SoloComm, StateTree,
@@ -16,6 +19,14 @@ use tessera::{
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/foreign")
+}
+
+fn expected_tensors(name: &str) -> BTreeMap<String, Expected> {
+    common::fixtures::expected_tensors(&fixtures(), name)
+}
+
+fn expected_json(name: &str) -> serde_json::Value {
+    common::fixtures::expected_json(&fixtures(), name)
 }
 
 const ALL: &[(&str, &str)] = &[
@@ -32,49 +43,6 @@ const ALL: &[(&str, &str)] = &[
     ("dcp_large_item", "torch_dcp"),
 ];
 
-struct Expected {
-    dtype: DType,
-    shape: Vec<u64>,
-    data: Vec<u8>,
-}
-
-fn expected_tensors(name: &str) -> BTreeMap<String, Expected> {
-    let bytes = std::fs::read(fixtures().join(format!("{name}.expected.safetensors"))).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    let mut out = BTreeMap::new();
-    for (k, v) in header.as_object().unwrap() {
-        if k == "__metadata__" {
-            continue;
-        }
-        let dtype = DType::parse(v["dtype"].as_str().unwrap()).unwrap();
-        let shape = v["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
-        let off = v["data_offsets"].as_array().unwrap();
-        let (a, b) = (off[0].as_u64().unwrap() as usize, off[1].as_u64().unwrap() as usize);
-        out.insert(k.clone(), Expected { dtype, shape, data: data[a..b].to_vec() });
-    }
-    out
-}
-
-fn expected_json(name: &str) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(fixtures().join(format!("{name}.expected.json"))).unwrap()).unwrap()
-}
-
-fn to_json(v: &Value) -> serde_json::Value {
-    use serde_json::Value as J;
-    match v {
-        Value::Null => J::Null,
-        Value::Bool(b) => J::Bool(*b),
-        Value::Int(i) => J::from(*i),
-        Value::Float(f) => J::from(*f),
-        Value::Str(s) => J::from(s.clone()),
-        Value::Bytes(b) => J::from(format!("<{} bytes>", b.len())),
-        Value::List(xs) => J::Array(xs.iter().map(to_json).collect()),
-        Value::Map(m) => J::Object(m.iter().map(|(k, v)| (k.clone(), to_json(v))).collect()),
-    }
-}
-
 /// `{"a": {"b": [1, 2]}}` → `{"a.b.0": 1, "a.b.1": 2}`: how the fixtures spell DCP byte items.
 fn flatten(prefix: &str, v: &serde_json::Value, out: &mut BTreeMap<String, serde_json::Value>) {
     let join = |k: &str| if prefix.is_empty() { k.to_string() } else { format!("{prefix}.{k}") };
@@ -86,18 +54,6 @@ fn flatten(prefix: &str, v: &serde_json::Value, out: &mut BTreeMap<String, serde
         other => {
             out.insert(prefix.to_string(), other.clone());
         }
-    }
-}
-
-fn json_eq(a: &serde_json::Value, b: &serde_json::Value) -> bool {
-    use serde_json::Value as J;
-    match (a, b) {
-        (J::Number(x), J::Number(y)) => x.as_f64() == y.as_f64(),
-        (J::Array(x), J::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(a, b)| json_eq(a, b)),
-        (J::Object(x), J::Object(y)) => {
-            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| json_eq(v, w)))
-        }
-        _ => a == b,
     }
 }
 
@@ -191,47 +147,6 @@ fn non_tensor_values_match_the_expected_json() {
     }
 }
 
-/// Boxes cutting each axis of `shape` into `parts` near-equal pieces.
-fn boxes(shape: &[u64], parts: u64) -> Vec<(Vec<u64>, Vec<u64>)> {
-    let mut out = vec![(Vec::new(), Vec::new())];
-    for &n in shape {
-        let p = parts.min(n.max(1));
-        let mut next = Vec::new();
-        for (o, s) in &out {
-            for i in 0..p {
-                let (a, b) = (n * i / p, n * (i + 1) / p);
-                let (mut o, mut s) = (o.clone(), s.clone());
-                o.push(a);
-                s.push(b - a);
-                next.push((o, s));
-            }
-        }
-        out = next;
-    }
-    out
-}
-
-fn slice(full: &[u8], shape: &[u64], esize: usize, off: &[u64], sub: &[u64]) -> Vec<u8> {
-    let n: u64 = sub.iter().product();
-    let mut out = Vec::with_capacity(n as usize * esize);
-    let mut idx = vec![0u64; sub.len()];
-    for _ in 0..n {
-        let mut lin = 0u64;
-        for d in 0..shape.len() {
-            lin = lin * shape[d] + off[d] + idx[d];
-        }
-        out.extend_from_slice(&full[lin as usize * esize..(lin as usize + 1) * esize]);
-        for d in (0..sub.len()).rev() {
-            idx[d] += 1;
-            if idx[d] < sub[d] {
-                break;
-            }
-            idx[d] = 0;
-        }
-    }
-    out
-}
-
 #[test]
 fn resharded_loads_return_the_right_slices() {
     for (name, _) in ALL {
@@ -249,7 +164,7 @@ fn resharded_loads_return_the_right_slices() {
                     t.global_shape = w.shape.clone();
                     t.global_offset = off.clone();
                     let id = format!("{k}#{i}");
-                    expect.push((id.clone(), slice(&w.data, &w.shape, w.dtype.size(), &off, &sub)));
+                    expect.push((id.clone(), box_bytes(&w.data, &w.shape, w.dtype.size(), &off, &sub)));
                     tree.insert(id, StateTree::Tensor(t));
                 }
             }

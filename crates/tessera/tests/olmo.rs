@@ -9,11 +9,12 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use common::fixtures::{boxes, to_json, Expected};
 use common::{box_bytes, run_ranks, shard, TempDir};
 use tessera::{
     detect_format, load, load_common_state, load_plain_tensors, save_olmo, verify, CountingStorage, DType, Error,
     LoadOptions, LocalStorage, ReplicaId, SaveOptions, ShardedObject, ShardedTensor, SoloComm, StateTree, Storage,
-    TensorData, Value,
+    TensorData,
 };
 
 const BACKEND: &str = "olmo_safetensors";
@@ -33,51 +34,16 @@ const ALL: &[(&str, bool)] = &[
     ("olmo_dtensor2d_w4", false),
 ];
 
-struct Expected {
-    dtype: DType,
-    shape: Vec<u64>,
-    data: Vec<u8>,
-}
-
 fn expected_tensors(name: &str) -> BTreeMap<String, Expected> {
-    let bytes = std::fs::read(fixtures().join(format!("{name}.expected.safetensors"))).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    let mut out = BTreeMap::new();
-    for (k, v) in header.as_object().unwrap() {
-        if k == "__metadata__" {
-            continue;
-        }
-        let dtype = DType::parse(v["dtype"].as_str().unwrap()).unwrap();
-        let shape = v["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
-        let off = v["data_offsets"].as_array().unwrap();
-        let (a, b) = (off[0].as_u64().unwrap() as usize, off[1].as_u64().unwrap() as usize);
-        out.insert(k.clone(), Expected { dtype, shape, data: data[a..b].to_vec() });
-    }
-    out
+    common::fixtures::expected_tensors(&fixtures(), name)
 }
 
 fn expected_json(name: &str) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(fixtures().join(format!("{name}.expected.json"))).unwrap()).unwrap()
+    common::fixtures::expected_json(&fixtures(), name)
 }
 
 fn open(name: &str) -> LocalStorage {
     LocalStorage::new(fixtures().join(name))
-}
-
-fn to_json(v: &Value) -> serde_json::Value {
-    use serde_json::Value as J;
-    match v {
-        Value::Null => J::Null,
-        Value::Bool(b) => J::Bool(*b),
-        Value::Int(i) => J::from(*i),
-        Value::Float(f) => J::from(*f),
-        Value::Str(s) => J::from(s.clone()),
-        Value::Bytes(b) => J::from(format!("<{} bytes>", b.len())),
-        Value::List(xs) => J::Array(xs.iter().map(to_json).collect()),
-        Value::Map(m) => J::Object(m.iter().map(|(k, v)| (k.clone(), to_json(v))).collect()),
-    }
 }
 
 fn assert_tensors(name: &str, got: &BTreeMap<String, tessera::PlainTensor>, want: &BTreeMap<String, Expected>) {
@@ -144,26 +110,6 @@ fn pickled_optimizer_fields_are_decoded_without_executing_anything() {
         let StateTree::Value(keys) = &optim["state_keys"] else { panic!() };
         assert_eq!(to_json(keys), want["state_keys"], "{name}: state keys");
     }
-}
-
-/// Boxes cutting each axis of `shape` into `parts` near-equal pieces.
-fn boxes(shape: &[u64], parts: u64) -> Vec<(Vec<u64>, Vec<u64>)> {
-    let mut out = vec![(Vec::new(), Vec::new())];
-    for &n in shape {
-        let p = parts.min(n.max(1));
-        let mut next = Vec::new();
-        for (o, s) in &out {
-            for i in 0..p {
-                let (a, b) = (n * i / p, n * (i + 1) / p);
-                let (mut o, mut s) = (o.clone(), s.clone());
-                o.push(a);
-                s.push(b - a);
-                next.push((o, s));
-            }
-        }
-        out = next;
-    }
-    out
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crate::comm::Communicator;
-use crate::io::factories::apply_factories;
+use crate::io::factories::apply_factories_collective;
 use crate::io::save::{commit, prepare, Prepared, SaveOptions, SaveReport};
 use crate::io::staging::{PoolBuffer, StagingPool};
 use crate::plan::save::WrittenFile;
@@ -150,10 +150,7 @@ impl AsyncSaver {
             prev.wait();
         }
         let block = opts.block_size;
-        let (tree, mut local_error) = match apply_factories(tree) {
-            Ok((t, _)) => (t, None),
-            Err(e) => (StateTree::map(), Some(e)),
-        };
+        let (tree, mut local_error) = apply_factories_collective(tree);
         if comm.rank() != self.commit_comm.rank() || comm.world_size() != self.commit_comm.world_size() {
             local_error.get_or_insert(Error::invalid("the commit communicator must have the same ranks as the save's"));
         }

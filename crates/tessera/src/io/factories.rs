@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use crate::state::{PathSeg, StatePath, StateTree, TensorFactory};
-use crate::Result;
+use crate::{Error, Result};
 
 /// A factory applied at `path`, to be merged back after load.
 pub(crate) struct AppliedFactory {
@@ -60,5 +60,15 @@ fn take_path<'a>(tree: &mut StateTree<'a>, path: &[PathSeg]) -> Option<StateTree
 pub(crate) fn remove_paths(tree: &mut StateTree<'_>, paths: &[StatePath]) {
     for p in paths {
         let _ = take_path(tree, p);
+    }
+}
+
+/// [`apply_factories`] for a collective save: a failure does not return early but travels to
+/// the other ranks in the plan exchange (so none waits for this one), and the rank goes on with
+/// an empty tree.
+pub(crate) fn apply_factories_collective(tree: StateTree<'_>) -> (StateTree<'_>, Option<Error>) {
+    match apply_factories(tree) {
+        Ok((t, _)) => (t, None),
+        Err(e) => (StateTree::map(), Some(e)),
     }
 }

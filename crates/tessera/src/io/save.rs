@@ -8,7 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::comm::Communicator;
 use crate::format::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
-use crate::io::factories::apply_factories;
+use crate::io::factories::apply_factories_collective;
 use crate::io::write::{write_sources, Source};
 use crate::plan::fasthash::mix64;
 use crate::plan::save::{
@@ -273,10 +273,7 @@ fn exchange_plans(comm: &dyn Communicator, c: &mut Collected<'_>) -> Result<Vec<
 /// global state (Megatron's `validate_sharding_integrity`): the same exchange and validation a
 /// save does first. Every rank must call it; every rank gets the same verdict.
 pub fn validate_sharding_integrity(tree: StateTree<'_>, comm: &dyn Communicator) -> Result<()> {
-    let (tree, factory_error) = match apply_factories(tree) {
-        Ok((t, _)) => (t, None),
-        Err(e) => (StateTree::map(), Some(e)),
-    };
+    let (tree, factory_error) = apply_factories_collective(tree);
     let mut c = collect(&tree, comm.rank(), false, false);
     if let Some(e) = factory_error {
         c.local_error = Some(e);
@@ -496,10 +493,7 @@ pub fn save(
     comm: &dyn Communicator,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    let (tree, factory_error) = match apply_factories(tree) {
-        Ok((t, _)) => (t, None),
-        Err(e) => (StateTree::map(), Some(e)),
-    };
+    let (tree, factory_error) = apply_factories_collective(tree);
     let p = prepare(&tree, factory_error, storage, comm, opts)?;
     let layout = &p.layout;
     let write = || -> Result<WrittenFile> {

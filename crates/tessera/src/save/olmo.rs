@@ -14,7 +14,7 @@ use crate::comm::Communicator;
 use crate::formats::olmo::{
     metadata_from_plans, metadata_json, rank_file_name, RankFileLayout, BACKEND, METADATA_FILE,
 };
-use crate::io::factories::apply_factories;
+use crate::io::factories::apply_factories_collective;
 use crate::io::save::{collect, decode_peer_error, plan_globally, SaveOptions};
 use crate::io::strategy::detect_format;
 use crate::io::write::{write_sources, Source};
@@ -45,10 +45,7 @@ pub fn save_olmo(
     opts: &SaveOptions,
 ) -> Result<OlmoSaveReport> {
     let rank = comm.rank();
-    let (tree, factory_error) = match apply_factories(tree) {
-        Ok((t, _)) => (t, None),
-        Err(e) => (StateTree::map(), Some(e)),
-    };
+    let (tree, factory_error) = apply_factories_collective(tree);
     let mut c = collect(&tree, rank, true, opts.distribute_replicas);
     let mut local = factory_error.or(c.local_error.take());
     if let Some(o) = c.plan.objects.first() {

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod fixtures;
 pub mod s3;
 
 use std::ops::Range;
