@@ -9,8 +9,9 @@ unshard of what it saved.
                    and optimizers under FSDP1 at 3 ranks, FSDP2 at 3 ranks and a plain module:
                    parameters exactly as saved; tessera's unshard of model and optimizer state
                    equals OLMo-core's; tessera re-saves what it loaded, which unshards the same.
-  tessera -> olmo  tessera saves under FSDP1 at 2 ranks, FSDP2 at 2 ranks and DDP at 2 ranks;
-                   OLMo-core loads each (FSDP1 at 3 ranks, FSDP2 at 2, DDP at 2) with
+  tessera -> olmo  tessera saves under FSDP1 at 2 ranks, FSDP2 at 2 ranks and DDP at 2 ranks,
+                   and FSDP1 before any optimizer step; OLMo-core loads each (FSDP1 at 3 ranks,
+                   FSDP2, DDP and the step-0 FSDP1 at 2) with
                    ``load_model_and_optim_state``: parameters and optimizer state as saved; OLMo-
                    core's ``Checkpointer().unshard`` of tessera's files equals tessera's; a
                    ``Checkpointer`` directory of mixed dtypes, 0-d and empty tensors too.
@@ -53,9 +54,9 @@ def make_model(seed: int) -> TinyLM:
     return m
 
 
-def train(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(2):
+    for _ in range(steps):
         tokens = torch.randint(0, VOCAB, (2, 5), generator=gen)
         loss = F.cross_entropy(model(tokens).reshape(-1, VOCAB), torch.randint(0, VOCAB, (10,), generator=gen))
         optim.zero_grad()
@@ -98,13 +99,13 @@ def strip_module(d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 # ---- steps run on ranks -----------------------------------------------------------------------
 
 
-def save_step(rank: int, world: int, tmp: str, writer: str, kind: str, name: str) -> None:
+def save_step(rank: int, world: int, tmp: str, writer: str, kind: str, name: str, steps: int = 2) -> None:
     import olmo_core.distributed.checkpoint as olmo
     import tessera.olmo_core as tess
 
     model = wrap(kind, make_model(1))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    train(model, optim, seed=10 + rank)
+    train(model, optim, steps, seed=10 + rank)
     (olmo if writer == "olmo" else tess).save_model_and_optim_state(f"{tmp}/{name}", model, optim)
     params = full_params(model)
     if rank == 0:
@@ -174,14 +175,15 @@ def main() -> None:
         print("olmo -> tessera: FSDP1 w2 -> FSDP1 w3, FSDP2 w3, plain w1: exact")
 
         # tessera writes, OLMo-core reads.
-        for kind, reader_world in (("fsdp1", 3), ("fsdp2", 2), ("ddp", 2)):
-            name = f"tessera_{kind}"
-            run(2, save_step, tmp, "tessera", kind, name)
+        for kind, reader_world, steps in (("fsdp1", 3, 2), ("fsdp2", 2, 2), ("ddp", 2, 2), ("fsdp1", 2, 0)):
+            # steps 0: saved before the first optimizer step (tessera then creates the state).
+            name = f"tessera_{kind}_{steps}"
+            run(2, save_step, tmp, "tessera", kind, name, steps)
             run(reader_world, load_step, tmp, "olmo", kind, name)
             mine = tessera_unshard(f"{tmp}/{name}")
             same(olmo_unshard(f"{tmp}/{name}"), mine, f"OLMo-core's unshard of tessera's {kind} checkpoint")
             same(tessera_unshard(f"{tmp}/{name}.olmo.{kind}{reader_world}"), mine, f"tessera's {kind} checkpoint through OLMo-core")
-            print(f"tessera -> olmo: {kind} w2 -> {kind} w{reader_world}: exact")
+            print(f"tessera -> olmo: {kind} w2 ({steps} steps) -> {kind} w{reader_world}: exact")
         sd = {
             "w": torch.randn(5, 3),
             "h": torch.randn(4).to(torch.bfloat16),

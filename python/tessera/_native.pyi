@@ -140,16 +140,17 @@ def validate_sharding(
     """Checks collectively, writing nothing, that the shards of all ranks form a valid state."""
 
 def save_olmo(
-    tensors: Sequence[SaveTensor],
-    location: str,
+    dirs: Sequence[Tuple[Sequence[SaveTensor], str]],
     comm: Optional[Communicator] = None,
     overwrite: bool = False,
     threads: Optional[int] = None,
-) -> Dict[str, Union[int, str, List[str]]]:
-    """Saves this rank's tensors as an OLMo-core 0.1.x ``Checkpointer`` directory (collective):
-    ``rank_{r}.safetensors`` per rank, ``metadata.json`` from rank 0 last.
+) -> List[Dict[str, Union[int, str, List[str]]]]:
+    """Saves this rank's tensors as OLMo-core 0.1.x ``Checkpointer`` directories, one per
+    ``(tensors, location)`` (collective): ``rank_{r}.safetensors`` per rank, ``metadata.json``
+    from rank 0 last; every directory validated before any is written, committed in order.
+    Identical shards held by several ranks are replicas, written once.
 
-    Returns ``{"files": List[str] (created by this rank, relative to location),
+    Returns per directory ``{"files": List[str] (created by this rank, relative to it),
     "bytes_written": int, "metadata": str (the text of metadata.json)}``."""
 
 def olmo_metadata(location: str) -> str:

@@ -302,3 +302,29 @@ def test_other_apis_read_olmo_core_checkpoints() -> None:
     assert torch.equal(loaded[key], full[2:])
     common = dc.load_common_state_dict(str(ckpt))
     assert common["optim"]["param_groups"][0]["lr"] == pytest.approx(1e-2)
+
+
+def test_saving_before_the_first_step_creates_state_and_keeps_parameters(tmp_path: Any) -> None:
+    model = make_model(12)
+    before = full_params(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    oc.save_model_and_optim_state(tmp_path / "a", model, optim)
+    assert_same(full_params(model), before, "parameters after a step-0 save")  # no weight decay applied
+    keys = set(oc.Checkpointer().get_metadata(tmp_path / "a/optim").tensors)
+    assert {f"state.{n}.__exp_avg" for n in before} <= keys  # what OLMo-core's load asks for
+    fresh = make_model(13)
+    oc.load_model_and_optim_state(tmp_path / "a", fresh, torch.optim.AdamW(fresh.parameters(), lr=0.5))
+    assert_same(full_params(fresh), before, "loaded")
+
+
+def test_a_hyperparameter_that_is_not_plain_data_is_kept_with_a_warning(tmp_path: Any) -> None:
+    model = make_model(14)
+    optim = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), foreach=False)
+    train(model, optim, 1, seed=5)
+    oc.save_model_and_optim_state(tmp_path / "a", model, optim)
+    fresh = make_model(15)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=torch.tensor(0.5), foreach=False)
+    with pytest.warns(UserWarning, match="'lr'"):
+        oc.load_model_and_optim_state(tmp_path / "a", fresh, fresh_optim)
+    assert float(fresh_optim.param_groups[0]["lr"]) == pytest.approx(0.5)
+    assert_same(full_params(fresh), full_params(model), "parameters")

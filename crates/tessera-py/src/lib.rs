@@ -196,30 +196,45 @@ fn save<'py>(
     report_to_py(py, report)
 }
 
-/// Saves this rank's tensors as an OLMo-core 0.1.x checkpoint directory (the files
-/// `Checkpointer.save` writes); collective over `comm`. Returns the files this rank created
-/// (relative to `location`), the bytes it wrote and the text of `metadata.json`.
+/// Saves this rank's tensors as OLMo-core 0.1.x checkpoint directories, one per
+/// `(tensors, location)` in `dirs` (the files `Checkpointer.save` writes), all validated before
+/// any is written and committed in order; collective over `comm`. Returns per directory the
+/// files this rank created (relative to it), the bytes it wrote and the text of `metadata.json`.
 #[pyfunction]
-#[pyo3(signature = (tensors, location, comm=None, overwrite=false, threads=None))]
+#[pyo3(signature = (dirs, comm=None, overwrite=false, threads=None))]
 fn save_olmo<'py>(
     py: Python<'py>,
-    tensors: Vec<Bound<'py, PyAny>>,
-    location: &str,
+    dirs: Vec<(Vec<Bound<'py, PyAny>>, String)>,
     comm: Option<Bound<'py, PyAny>>,
     overwrite: bool,
     threads: Option<usize>,
-) -> PyResult<Bound<'py, PyDict>> {
-    // SAFETY: the contract of `save_olmo`, as of `save`: the Python caller keeps every tensor's
-    // memory alive, C-contiguous and unmodified until it returns; the tree is dropped before.
-    let (tree, opts, cancel) = unsafe { save_request(py, &tensors, &[], &[], overwrite, true, None, threads)? };
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    let mut trees = Vec::with_capacity(dirs.len());
+    let mut storages = Vec::with_capacity(dirs.len());
+    let mut opts_cancel = None;
+    for (tensors, location) in &dirs {
+        // SAFETY: the contract of `save_olmo`, as of `save`: the Python caller keeps every
+        // tensor's memory alive, C-contiguous and unmodified until it returns; the trees are
+        // dropped before.
+        let (tree, opts, cancel) = unsafe { save_request(py, tensors, &[], &[], overwrite, true, None, threads)? };
+        trees.push(tree);
+        storages.push(open(py, location)?);
+        opts_cancel.get_or_insert((opts, cancel));
+    }
+    let Some((opts, cancel)) = opts_cancel else { return Ok(Vec::new()) };
     let comm = communicator(comm.as_ref())?;
-    let storage = open(py, location)?;
-    let report = lib(py, interruptible(py, &cancel, || tessera::save_olmo(tree, &*storage, &*comm, &opts))?)?;
-    let out = PyDict::new(py);
-    out.set_item("files", report.files)?;
-    out.set_item("bytes_written", report.bytes_written)?;
-    out.set_item("metadata", report.metadata)?;
-    Ok(out)
+    let parts = trees.into_iter().zip(&storages).map(|(t, s)| (t, &**s as &dyn Storage)).collect();
+    let reports = lib(py, interruptible(py, &cancel, || tessera::save_olmo_dirs(parts, &*comm, &opts))?)?;
+    reports
+        .into_iter()
+        .map(|report| {
+            let out = PyDict::new(py);
+            out.set_item("files", report.files)?;
+            out.set_item("bytes_written", report.bytes_written)?;
+            out.set_item("metadata", report.metadata)?;
+            Ok(out)
+        })
+        .collect()
 }
 
 /// The text of an OLMo-core `Checkpointer` directory's `metadata.json`, checked.

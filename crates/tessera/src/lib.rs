@@ -65,7 +65,7 @@ pub use io::verify::{verify, VerifyReport};
 /// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).
 #[cfg(feature = "mpi")]
 pub use mpi;
-pub use save::olmo::{save_olmo, OlmoSaveReport};
+pub use save::olmo::{save_olmo, save_olmo_dirs, OlmoSaveReport};
 pub use state::{
     path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,
     StatePath, StateTree, TensorData, TensorFactory, Value,

@@ -528,3 +528,60 @@ fn olmo_checkpoints_load_from_an_object_store() {
         assert!(report.problems.is_empty(), "{name}: {:?}", report.problems);
     }
 }
+
+#[test]
+fn identical_shards_from_several_ranks_are_written_once() {
+    // HSDP: two replicate groups of two ranks, each flat-sharding the tensor over its group;
+    // every rank calls its piece the main one. OLMo-core's rule makes copies replicas.
+    let dir = TempDir::new("olmo-hsdp");
+    let data = truth(DType::F32, &[10, 3], 7);
+    run_ranks(4, |comm| {
+        let r = tessera::Communicator::rank(comm);
+        let (a, b) = if r % 2 == 0 { (0u64, 13u64) } else { (13, 30) };
+        let bytes = &data[a as usize * 4..b as usize * 4];
+        let t = shard("w", DType::F32, &[10, 3], &[0, 0], &[10, 3], 0, Some(a..b), TensorData::Ref(bytes));
+        let mut tree = StateTree::map();
+        tree.insert("w", StateTree::Tensor(t));
+        save_olmo(tree, &LocalStorage::new(dir.path()), comm, &SaveOptions::default()).unwrap();
+    });
+    let meta: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("metadata.json")).unwrap()).unwrap();
+    assert_eq!(meta["tensors"]["w"]["shard_spec_per_file"].as_object().unwrap().len(), 2, "{meta}");
+    let got = load_plain_tensors(&LocalStorage::new(dir.path()), None).unwrap();
+    assert!(got["w"].data == data);
+}
+
+#[test]
+fn directories_saved_together_are_all_validated_before_any_is_touched() {
+    // model/ and optim/ as save_model_and_optim_state writes them, over an existing pair: an
+    // invalid optim/ leaves both old directories committed and loadable.
+    let root = TempDir::created("olmo-pair");
+    let (model, optim) = (LocalStorage::new(root.join("model")), LocalStorage::new(root.join("optim")));
+    let old = truth(DType::F32, &[4], 1);
+    let new = truth(DType::F32, &[4], 2);
+    fn tree<'a>(key: &str, data: &'a [u8], shape: &[u64]) -> StateTree<'a> {
+        let mut t = StateTree::map();
+        t.insert(key, StateTree::Tensor(ShardedTensor::full(key, DType::F32, shape, TensorData::Ref(data))));
+        t
+    }
+    let pair = |m: &[u8], o: &[u8], o_shape: &[u64], overwrite: bool| {
+        let dirs = vec![
+            (tree("w", m, &[4]), &model as &dyn Storage),
+            (tree("w.__exp_avg", o, o_shape), &optim as &dyn Storage),
+        ];
+        tessera::save_olmo_dirs(dirs, &SoloComm, &SaveOptions { overwrite, ..Default::default() })
+    };
+    pair(&old, &old, &[4], false).unwrap();
+    // A shard outside its tensor in optim/: refused, nothing removed or rewritten.
+    let e = pair(&new, &new, &[3], true).unwrap_err();
+    assert!(matches!(e, Error::InvalidSharding { .. } | Error::InvalidArgument { .. }), "{e}");
+    for s in [&model, &optim] {
+        let got = load_plain_tensors(s, None).unwrap();
+        assert!(got.values().all(|t| t.data == old), "the old pair is intact");
+    }
+    // Without overwrite, an existing pair is refused as a whole.
+    assert!(matches!(pair(&new, &new, &[4], false), Err(Error::AlreadyExists { .. })));
+    pair(&new, &new, &[4], true).unwrap();
+    let both = load_plain_tensors(&LocalStorage::new(root.path()), None).unwrap();
+    assert_eq!(both.keys().collect::<Vec<_>>(), ["model/w", "optim/w.__exp_avg"]);
+    assert!(both.values().all(|t| t.data == new));
+}

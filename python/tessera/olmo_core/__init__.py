@@ -18,15 +18,23 @@ Differences from ai2-olmo-core 0.1.0, all deliberate:
 
 - loading into a freshly built optimizer leaves the parameters exactly as saved (OLMo-core
   first takes an optimizer step with zero gradients, which applies weight decay to them);
-  :func:`init_optimizer_state` likewise leaves them unchanged;
+  :func:`init_optimizer_state`, which a save runs on an optimizer without state as OLMo-core's
+  does, likewise leaves them unchanged;
+- ``model/`` and ``optim/`` are saved as one: both validated before either is written, so a
+  failed or interrupted save never leaves a new model beside an old optimizer state;
 - ``validate`` needs no NaN prefill: the core proves that every element of every target is
   covered by the checkpoint before reading, and fails naming the key otherwise;
 - errors are tessera's typed exceptions (``tessera.errors``), naming the key or file;
-- a load into a DDP model finds keys saved without the ``module.`` prefix, and the reverse.
+- a load into a DDP model finds keys saved without the ``module.`` prefix, and the reverse;
+- pickled tuples in parameter groups come back from :func:`unshard_optim_state` as lists, and
+  a hyperparameter saved as something other than plain data (a tensor ``lr``) is not unpickled:
+  the optimizer keeps its own value, with a warning.
 """
 
 from __future__ import annotations
 
+import json
+import warnings
 from typing import Any, Dict, List, Optional, Tuple, TypedDict
 
 import torch
@@ -34,7 +42,8 @@ import torch.nn as nn
 
 from .. import _native
 from ..dist_checkpointing.serialization import _from_native_path
-from ._checkpointer import Checkpointer, FlatShard, PathOrStr, _normalize
+from .._comm import default_comm
+from ._checkpointer import Checkpointer, FlatShard, PathOrStr, _normalize, files_created, save_tensors
 from ._metadata import OverlapType, StorageMetadata, TensorShardSpec, TensorStorageMetadata
 
 __all__ = [
@@ -177,6 +186,11 @@ def _flatten_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, mod
                 flat[key] = _like(param, t)  # the rank's part, laid out as its parameter's
             else:
                 flat[key] = t.clone()  # whole (step): written once, by the lowest rank holding it
+    # Every rank writes the same list (the union): a rank whose shards are all empty has no
+    # state of its own. One small all-gather, before anything that can fail on one rank only.
+    comm = default_comm()
+    if comm is not None:
+        keys = set().union(*(json.loads(m.decode()) for m in comm.all_gather(json.dumps(sorted(keys)).encode())))
     flat["state_keys"] = _uint8(pickle.dumps(sorted(keys)))
     return flat
 
@@ -191,7 +205,8 @@ def _resolve(keys: set, key: str) -> str:
 
 def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
     """Makes sure the optimizer has state (one step with zero gradients, as OLMo-core does),
-    leaving the parameters exactly as they were."""
+    leaving the parameters exactly as they were (their values are kept in host memory across
+    the step and put back)."""
     if optim.state:
         return
     with torch.no_grad():
@@ -200,7 +215,7 @@ def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
             for p in group["params"]:
                 if p.numel() > 0:
                     p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    saved.append((p, p.detach().clone()))
+                    saved.append((p, p.detach().to("cpu", copy=True)))
         optim.step()
         optim.zero_grad(set_to_none=True)
         for p, before in saved:
@@ -213,15 +228,23 @@ def save_model_and_optim_state(
 ) -> List[PathOrStr]:
     """Saves the model's state to ``dir/model`` and the optimizer's, flattened and keyed by
     parameter name so that it reshards with the parameters, to ``dir/optim``. Every rank calls
-    it; returns the files this rank created. The optimizer is saved as it is (no step is taken
-    to create state it does not have yet)."""
+    it; returns the files this rank created. Both directories are validated before either is
+    written, and with ``save_overwrite`` both old ones are uncommitted first. An optimizer
+    without state gets some first (:func:`init_optimizer_state`: the parameters stay as they
+    are), as OLMo-core does, since loading needs every parameter's state."""
     d = _normalize(dir)
+    init_optimizer_state(optim)  # OLMo-core loads every parameter's state: there must be some
     model_state = _model_state(model)
     flat_optim = _flatten_optimizer_state(model, optim, model_state)
-    ck = Checkpointer()
-    _, model_files = ck.save(f"{d}/model", model_state, save_overwrite=save_overwrite)
-    _, optim_files = ck.save(f"{d}/optim", flat_optim, save_overwrite=save_overwrite)
-    return model_files + optim_files
+    comm = default_comm()
+    rank = comm.rank() if comm is not None else 0
+    model_native, keep_model = save_tensors(model_state, rank)
+    optim_native, keep_optim = save_tensors(flat_optim, rank)
+    # One save of both directories: both validated before either is touched.
+    reports = _native.save_olmo([(model_native, f"{d}/model"), (optim_native, f"{d}/optim")], comm,
+                                overwrite=save_overwrite)
+    del keep_model, keep_optim
+    return files_created(f"{d}/model", reports[0]) + files_created(f"{d}/optim", reports[1])
 
 
 def _optim_values(dir: str) -> Dict[str, Any]:
@@ -243,6 +266,10 @@ def load_model_and_optim_state(
     model_state = _model_state(model)
     stored = set(ck.get_metadata(f"{d}/model").tensors)
     ck.load(f"{d}/model", {_resolve(stored, k): v for k, v in model_state.items()})
+    if not isinstance(model, _torch_fsdp()):
+        # Filled in place; still handed to the module, as OLMo-core does, for entries that are
+        # copies of its tensors and for its load hooks.
+        model.load_state_dict(model_state)
     if optim is None:
         return
 
@@ -288,6 +315,11 @@ def load_model_and_optim_state(
     param_groups = []
     for saved, current in zip(groups, osd["param_groups"]):
         g = {k: v for k, v in saved.items() if k != "_param_names"}
+        for k, v in list(g.items()):
+            if isinstance(v, dict) and "__class__" in v and k in current:
+                # Not plain data (a tensor-valued lr, say): never unpickled, so the optimizer keeps its own.
+                warnings.warn(f"{d}/optim: param group {k!r} was saved as {v['__class__']}; keeping the optimizer's value")
+                g[k] = current[k]
         for k, v in current.items():
             if isinstance(v, tuple) and isinstance(g.get(k), list):
                 g[k] = tuple(g[k])  # pickled tuples (betas) come back as lists
@@ -312,7 +344,9 @@ def unshard_optim_state(
     optimizer state dict (state by parameter id, parameter groups)."""
     d = f"{_normalize(dir)}/optim"
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank0_only and rank != 0 and not no_dist:
+    if rank0_only and no_dist and rank != 0:
+        raise ValueError(f"calling `unshard()` with `rank0_only=True` and `no_dist=True` is undefined for rank {rank}")
+    if rank0_only and rank != 0:
         return {}  # type: ignore[typeddict-item]
     values = _optim_values(d)
     meta = Checkpointer().get_metadata(d).tensors

@@ -6,7 +6,6 @@ module only says which piece of which tensor each rank holds.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -14,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .. import _native
-from .._comm import TorchComm, default_comm
+from .._comm import default_comm
 from ..dist_checkpointing.dtypes import torch_dtype_to_tessera
 from ..dist_checkpointing.serialization import _cpu_contiguous
 from ..torch import _is_dtensor, _layout
@@ -22,7 +21,7 @@ from ._metadata import StorageMetadata
 
 PathOrStr = Union[Path, str]
 
-__all__ = ["Checkpointer", "FlatShard", "PathOrStr"]
+__all__ = ["Checkpointer", "FlatShard", "PathOrStr", "save_tensors", "files_created"]
 
 
 @dataclass
@@ -50,7 +49,6 @@ class _Piece:
     offset: Tuple[int, ...]
     box: Tuple[int, ...]
     flat: Optional[Tuple[int, int]]
-    replica: Optional[Tuple[int, ...]]  # None: a whole tensor that other ranks may hold too
 
 
 # The flat range of a piece that holds none of its tensor.
@@ -77,40 +75,44 @@ def _pieces(key: str, t: Any, rank: int) -> List[_Piece]:
         for s, e in flat.ranges:
             if e > s:
                 out.append(_Piece(key, data[at : at + e - s], flat.full_shape, (0,) * len(flat.full_shape),
-                                  flat.full_shape, (s, e), (0,)))
+                                  flat.full_shape, (s, e)))
             at += e - s
         if not out:
             zeros = (0,) * len(flat.full_shape)
             if 0 in flat.full_shape:  # an empty tensor: its (no) elements, whole
-                return [_Piece(key, data.reshape(flat.full_shape), flat.full_shape, zeros, flat.full_shape, None, None)]
+                return [_Piece(key, data.reshape(flat.full_shape), flat.full_shape, zeros, flat.full_shape, None)]
             # This rank holds none of it: nothing to save, but a load still checks the key exists.
-            out.append(_Piece(key, data[:0], flat.full_shape, zeros, flat.full_shape, _NOTHING, (1,)))
+            out.append(_Piece(key, data[:0], flat.full_shape, zeros, flat.full_shape, _NOTHING))
         return out
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{key!r}: a state dict to checkpoint holds tensors, not {type(t).__name__}")
     if _is_dtensor(t):
-        local, shape, offset, replica = _layout(t, rank)
-        return [_Piece(key, local.detach(), shape, offset, tuple(local.shape), None, replica)]
+        local, shape, offset, _ = _layout(t, rank)
+        return [_Piece(key, local.detach(), shape, offset, tuple(local.shape), None)]
     t = t.detach()
-    return [_Piece(key, t, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), None, None)]
+    return [_Piece(key, t, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), None)]
 
 
-def _choose_writers(pieces: List[_Piece], comm: Optional[TorchComm]) -> None:
-    """Whole tensors held by several ranks (plain tensors, optimizer ``step``) are written by
-    the lowest rank holding them; the others hold replicas (which the core may still pick to
-    spread the writing). One all-gather of the keys, as JSON."""
-    whole = [p for p in pieces if p.replica is None]
-    if comm is None:
-        for p in whole:
-            p.replica = (0,)
-        return
-    rank = comm.rank()
-    first: Dict[str, int] = {}
-    for r, msg in enumerate(comm.all_gather(json.dumps(sorted({p.key for p in whole})).encode())):
-        for k in json.loads(msg.decode()):
-            first.setdefault(k, r)
-    for p in whole:
-        p.replica = (0,) if first[p.key] == rank else (rank + 1,)
+def save_tensors(state_dict: Dict[str, Any], rank: int) -> Tuple[List[tuple], List[torch.Tensor]]:
+    """The core's description of this rank's pieces of ``state_dict`` (pieces holding nothing
+    left out), and the CPU memory it reads, to keep alive until the save returns. Which copy of
+    a piece several ranks hold is written is the core's choice (OLMo-core's rule: identical
+    pieces are replicas)."""
+    keep_alive, native = [], []
+    for key, t in state_dict.items():
+        for p in _pieces(key, t, rank):
+            if p.flat == _NOTHING:
+                continue
+            data = _cpu_contiguous(p.data)
+            keep_alive.append(data)
+            native.append((p.key, torch_dtype_to_tessera(p.data.dtype), p.box, p.full_shape, p.offset, 0, (0,),
+                           p.flat, None, data.data_ptr(), data.numel() * data.element_size()))
+    return native, keep_alive
+
+
+def files_created(d: str, report: Dict[str, Any]) -> List["PathOrStr"]:
+    """The files a save of directory ``d`` created on this rank, as OLMo-core names them."""
+    return [f"{d}/{f}" if _is_url(d) else Path(d) / f for f in report["files"]]
 
 
 def _normalize(dir: PathOrStr) -> str:
@@ -164,19 +166,10 @@ class Checkpointer:
         file is complete. An existing checkpoint is kept unless ``save_overwrite``."""
         d = _normalize(dir)
         comm = default_comm()
-        rank = comm.rank() if comm is not None else 0
-        pieces = [p for key, t in state_dict.items() for p in _pieces(key, t, rank) if p.flat != _NOTHING]
-        _choose_writers(pieces, comm)
-        keep_alive, native = [], []
-        for p in pieces:
-            data = _cpu_contiguous(p.data)
-            keep_alive.append(data)
-            native.append((p.key, torch_dtype_to_tessera(p.data.dtype), p.box, p.full_shape, p.offset, 0,
-                           p.replica, p.flat, None, data.data_ptr(), data.numel() * data.element_size()))
-        report = _native.save_olmo(native, d, comm, overwrite=save_overwrite)
+        native, keep_alive = save_tensors(state_dict, comm.rank() if comm is not None else 0)
+        report = _native.save_olmo([(native, d)], comm, overwrite=save_overwrite)[0]
         del keep_alive
-        files: List[PathOrStr] = [f"{d}/{f}" if _is_url(d) else Path(d) / f for f in report["files"]]
-        return StorageMetadata.from_json(report["metadata"]), files
+        return StorageMetadata.from_json(report["metadata"]), files_created(d, report)
 
     def load(
         self,
@@ -212,8 +205,9 @@ class Checkpointer:
             return {}
         d = _normalize(dir)
         out = {k: torch.empty(m.shape, dtype=m.torch_dtype) for k, m in self.get_metadata(d).tensors.items()}
-        pieces = [_Piece(k, t, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), None, None) for k, t in out.items()]
-        _load_pieces(d, pieces, threads=num_threads if num_threads else None)
+        pieces = [_Piece(k, t, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), None) for k, t in out.items()]
+        # OLMo-core's num_threads=0 means no threading: one thread.
+        _load_pieces(d, pieces, threads=None if num_threads is None else max(num_threads, 1))
         if device is not None:
             out = {k: t.to(device) for k, t in out.items()}
         return out

@@ -32,6 +32,9 @@ TORCH_DTYPES: Dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    # Unsigned wider integers: safetensors has them, OLMo-core 0.1 does not (torch >= 2.3 does).
+    **{name: getattr(torch, attr) for name, attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"))
+       if hasattr(torch, attr)},
 }
 TORCH_DTYPE_TO_STR: Dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 

@@ -18,12 +18,13 @@
 //! tessera writes the same files; each rank file then also carries block checksums in its
 //! safetensors `__metadata__` (key [`CRC_METADATA_KEY`]), which OLMo-core ignores.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use serde_json::{json, Map, Value as J};
 
 use crate::format::{build_header, SafetensorsEntry, StoredChunk, TensorEntry};
+use crate::plan::dims::Dims;
 use crate::plan::geometry::{check_tiling, decompose_flat, Piece};
 use crate::plan::save::RankPlan;
 use crate::{DType, Error, Result, Value};
@@ -70,11 +71,11 @@ pub struct TensorMeta {
     pub is_sharded: bool,
     /// Element type.
     pub dtype: DType,
-    /// File name (relative to the directory) → the shard it holds, in file-name order.
+    /// File name (relative to the directory) → the shard it holds (file-name order when parsed).
     pub files: Vec<(String, ShardSpec)>,
 }
 
-/// The whole `metadata.json`: tensors in the order written.
+/// The whole `metadata.json` (tensors in key order, as parsed; the writer keeps its own order).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StorageMetadata {
     /// Key → tensor.
@@ -134,9 +135,7 @@ fn spec_of(v: &J, shape: &[u64], numel: u64) -> std::result::Result<ShardSpec, S
     }
     if let Some(r) = field("flattened_offsets") {
         let r = ranges(r, numel, "flattened_offsets")?;
-        r.iter()
-            .try_fold(0u64, |a, (s, e)| a.checked_add(e - s))
-            .ok_or("flattened_offsets hold more elements than a 64-bit count")?;
+        checked_numel(&r)?;
         return Ok(ShardSpec::Flat(r));
     }
     match (field("local_shape"), field("global_offset")) {
@@ -161,12 +160,24 @@ fn spec_of(v: &J, shape: &[u64], numel: u64) -> std::result::Result<ShardSpec, S
     }
 }
 
+/// The dtype OLMo-core (and safetensors) spell `name`, exactly (`F32`, `BF16`, …).
+fn olmo_dtype(name: &str) -> std::result::Result<DType, String> {
+    crate::ALL_DTYPES.into_iter().find(|d| d.safetensors_name() == name).ok_or(format!("unknown dtype {name:?}"))
+}
+
+/// The ranges' element count, which must fit 64 bits (every later sum relies on it).
+fn checked_numel(r: &[(u64, u64)]) -> std::result::Result<u64, String> {
+    r.iter()
+        .try_fold(0u64, |a, (s, e)| a.checked_add(e - s))
+        .ok_or("flattened offsets hold more elements than a 64-bit count".into())
+}
+
 fn tensor_of(v: &J) -> std::result::Result<TensorMeta, String> {
     let shape = dims(v.get("shape").ok_or("no shape")?, "shape")?;
     let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or(format!("shape {shape:?} overflows"))?;
     let is_sharded = v.get("is_sharded").and_then(J::as_bool).ok_or("no is_sharded boolean")?;
     let dtype_name = v.get("dtype").and_then(J::as_str).ok_or("no dtype string")?;
-    let dtype = DType::parse(dtype_name).map_err(|_| format!("unknown dtype {dtype_name:?}"))?;
+    let dtype = olmo_dtype(dtype_name)?;
     numel.checked_mul(dtype.size() as u64).ok_or(format!("shape {shape:?} of {dtype_name} overflows in bytes"))?;
     let mut files = Vec::new();
     if let Some(specs) = v.get("shard_spec_per_file") {
@@ -179,6 +190,7 @@ fn tensor_of(v: &J) -> std::result::Result<TensorMeta, String> {
         let per_file = per_file.as_object().ok_or("flattened_offsets_per_file is not an object")?;
         for (file, r) in per_file {
             let r = ranges(r, numel, "flattened offsets").map_err(|e| format!("file {file:?}: {e}"))?;
+            checked_numel(&r).map_err(|e| format!("file {file:?}: {e}"))?;
             files.push((file.clone(), ShardSpec::Flat(r)));
         }
     } else {
@@ -333,7 +345,7 @@ pub fn parse_file_header(json: &J, header_len: u64, size: u64, shown: &str) -> R
         }
         let entry = (|| -> std::result::Result<HeaderTensor, String> {
             let dtype_name = v.get("dtype").and_then(J::as_str).ok_or("no dtype")?;
-            let dtype = DType::parse(dtype_name).map_err(|_| format!("unknown dtype {dtype_name:?}"))?;
+            let dtype = olmo_dtype(dtype_name)?;
             let shape = dims(v.get("shape").ok_or("no shape")?, "shape")?;
             let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or("shape overflows")?;
             let off = dims(v.get("data_offsets").ok_or("no data_offsets")?, "data_offsets")?;
@@ -662,6 +674,21 @@ pub fn rank_keys(plan: &RankPlan) -> Vec<RankKey> {
         .collect()
 }
 
+/// OLMo-core's rule for copies: shards of the same key at the same place (box and flat range)
+/// are replicas, whatever their writers said, and the first holder (lowest rank, then plan
+/// order) is the main one. Applied to the exchanged plans before validation, so that the
+/// Python layer needs no exchange of its own to decide (FSDP's replicate groups, DDP, `step`).
+pub fn choose_main_replicas(plans: &mut [RankPlan]) {
+    type Place = (Arc<str>, Dims, Dims, Option<(u64, u64)>);
+    let mut seen: HashSet<Place> = HashSet::new();
+    for plan in plans.iter_mut() {
+        for t in &mut plan.tensors {
+            // Only a copy holding its bytes can be written.
+            t.main = t.has_data && seen.insert((t.key.clone(), t.offset.clone(), t.shape.clone(), t.flat));
+        }
+    }
+}
+
 /// The `metadata.json` of a save whose ranks' plans (writers assigned) are `plans`: every
 /// key, in the order ranks first hold it, with the file of each rank writing part of it.
 pub fn metadata_from_plans(plans: &[RankPlan]) -> StorageMetadata {
@@ -816,6 +843,14 @@ mod tests {
             (
                 r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"a": {}}}}}"#,
                 "neither",
+            ),
+            (
+                r#"{"tensors": {"w": {"shape": [9223372036854775808], "is_sharded": true, "dtype": "U8", "flattened_offsets_per_file": {"a": [[0, 9223372036854775808], [0, 9223372036854775808]]}}}}"#,
+                "64-bit",
+            ),
+            (
+                r#"{"tensors": {"w": {"shape": [4], "is_sharded": true, "dtype": "float32", "shard_spec_per_file": {}}}}"#,
+                "unknown dtype",
             ),
         ];
         for (text, want) in cases {

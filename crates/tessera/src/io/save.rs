@@ -394,7 +394,7 @@ pub(crate) fn prepare<'t>(
     let (plans, save_id) = match &opts.plan_cache {
         Some(cache) => plan_with_cache(comm, &mut c, cache, opts, storage)?,
         None => {
-            let plans = plan_globally(comm, &mut c, opts, storage)?;
+            let plans = plan_globally(comm, &mut c, opts, storage, None)?;
             let save_id = plans[0].save_id;
             (Arc::new(plans), save_id)
         }
@@ -413,15 +413,21 @@ pub(crate) fn prepare<'t>(
 }
 
 /// The full exchange: every rank's plan, validated, writers assigned.
+/// `choose_main`, when given, decides which copies are main replicas before validation (a
+/// format whose writers mark no main replica, OLMo-core's, designates them from the plans).
 pub(crate) fn plan_globally(
     comm: &dyn Communicator,
     c: &mut Collected<'_>,
     opts: &SaveOptions,
     storage: &dyn Storage,
+    choose_main: Option<fn(&mut [RankPlan])>,
 ) -> Result<Vec<RankPlan>> {
     let mut plans = exchange_plans(comm, c)?;
     if plans[0].refuse_overwrite {
         return Err(Error::AlreadyExists { path: storage.location().into() });
+    }
+    if let Some(choose) = choose_main {
+        choose(&mut plans);
     }
     if opts.validate {
         validate_global(&plans)?;
@@ -474,7 +480,7 @@ fn plan_with_cache(
     }
     cache.misses.fetch_add(1, Relaxed);
     *last = None;
-    let plans = Arc::new(plan_globally(comm, c, opts, storage)?);
+    let plans = Arc::new(plan_globally(comm, c, opts, storage, None)?);
     // Rank 0 builds the index from every plan; the others only need their own.
     let kept = if rank == 0 {
         plans.clone()

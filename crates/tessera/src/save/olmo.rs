@@ -1,32 +1,36 @@
 //! Saving in OLMo-core 0.1.x's own format (`formats::olmo`), which ai2-olmo-core itself loads.
 //!
-//! The global plan is the native save's: one exchange of shard metadata, the check that the
-//! main shards tile every tensor (before anything is written), and the spreading of replicated
-//! shards over the ranks that hold them. Each rank then writes `rank_{r}.safetensors` (per key
-//! its shards back to back as one 1-D tensor; block checksums in the header's `__metadata__`),
-//! and rank 0 writes `metadata.json` once every rank's file is complete: the commit. With
-//! `overwrite`, the old `metadata.json` is removed (after validation, before any file is
-//! rewritten), so a crash leaves no loadable mix of old and new files.
+//! The global plan is the native save's: one exchange of shard metadata per directory, the
+//! check that the shards tile every tensor (before anything is written or removed), and the
+//! spreading of replicated shards over the ranks that hold them; copies are told apart by
+//! OLMo-core's rule (identical shards are replicas, `formats::olmo::choose_main_replicas`).
+//! Each rank then writes `rank_{r}.safetensors` (per key its shards back to back as one 1-D
+//! tensor; block checksums in the header's `__metadata__`), and rank 0 writes `metadata.json`
+//! once every rank's file is complete: the commit. With `overwrite`, the old `metadata.json` is
+//! removed after validation and before any file is rewritten, so a crash leaves no loadable mix
+//! of old and new files. Several directories saved together (`model/` and `optim/`) are planned
+//! and validated all before any is touched, and committed in order.
 
 use std::collections::BTreeSet;
 
 use crate::comm::Communicator;
 use crate::formats::olmo::{
-    metadata_from_plans, metadata_json, rank_file_name, RankFileLayout, BACKEND, METADATA_FILE,
+    choose_main_replicas, metadata_from_plans, metadata_json, rank_file_name, RankFileLayout, BACKEND, METADATA_FILE,
 };
 use crate::io::factories::apply_factories_collective;
 use crate::io::save::{collect, decode_peer_error, plan_globally, SaveOptions};
 use crate::io::strategy::detect_format;
 use crate::io::write::{write_sources, Source};
+use crate::plan::save::RankPlan;
 use crate::state::{path_string, StateTree};
 use crate::storage::Storage;
 use crate::{Error, Result};
 
-/// What an OLMo-core save did, as seen from one rank.
+/// What an OLMo-core save did to one directory, as seen from one rank.
 #[derive(Debug, Clone, Default)]
 pub struct OlmoSaveReport {
     /// Files this rank created (its data file; `metadata.json` too on rank 0), relative to the
-    /// checkpoint location.
+    /// directory.
     pub files: Vec<String>,
     /// Bytes this rank wrote.
     pub bytes_written: u64,
@@ -36,98 +40,145 @@ pub struct OlmoSaveReport {
 
 /// Saves this rank's tensors as one OLMo-core 0.1.x checkpoint directory (what
 /// `Checkpointer.save` writes). Every rank of `comm` calls it with its own tree; the tree holds
-/// tensors only (the format has no objects or common values). Tensor keys become the
-/// metadata's keys. Errors come out identically on every rank.
+/// tensors only (the format has no objects or common values), and tensor keys become the
+/// metadata's keys. Identical shards held by several ranks are written once. Errors come out
+/// identically on every rank.
 pub fn save_olmo(
     tree: StateTree<'_>,
     storage: &dyn Storage,
     comm: &dyn Communicator,
     opts: &SaveOptions,
 ) -> Result<OlmoSaveReport> {
+    Ok(save_olmo_dirs(vec![(tree, storage)], comm, opts)?.pop().expect("one directory, one report"))
+}
+
+/// [`save_olmo`] of several directories as one save (`save_model_and_optim_state`'s `model/`
+/// and `optim/`): every directory is planned and validated before any is uncommitted or
+/// written, and they are committed in the order given. Returns one report per directory.
+pub fn save_olmo_dirs<'t>(
+    dirs: Vec<(StateTree<'t>, &dyn Storage)>,
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+) -> Result<Vec<OlmoSaveReport>> {
     let rank = comm.rank();
-    let (tree, factory_error) = apply_factories_collective(tree);
-    let mut c = collect(&tree, rank, true, opts.distribute_replicas);
-    let mut local = factory_error.or(c.local_error.take());
+    let (mut trees, storages): (Vec<_>, Vec<_>) =
+        dirs.into_iter().map(|(tree, storage)| (apply_factories_collective(tree), storage)).unzip();
+
+    // Plan and validate every directory (collective, the same verdict everywhere).
+    let mut planned = Vec::with_capacity(trees.len());
+    for ((tree, factory_error), &storage) in trees.iter_mut().zip(&storages) {
+        let mut c = collect(tree, rank, true, opts.distribute_replicas);
+        let found = factory_error.take().or(c.local_error.take()).or_else(|| unsupported(&c, opts));
+        c.local_error = found;
+        if rank == 0 && c.local_error.is_none() {
+            match existing(storage, opts) {
+                Ok(refuse) => c.plan.refuse_overwrite = refuse,
+                Err(e) => c.local_error = Some(e),
+            }
+        }
+        let plans = plan_globally(comm, &mut c, opts, storage, Some(choose_main_replicas))?;
+        planned.push((plans, c.tensor_data));
+    }
+
+    // Uncommit what is being replaced, before any of its files is rewritten in place. Every rank
+    // agrees, whatever it was told about overwriting: rank 0 alone decides.
+    let removed =
+        if rank == 0 && opts.overwrite { storages.iter().try_for_each(|s| s.delete(METADATA_FILE)) } else { Ok(()) };
+    agree(comm, removed)?;
+
+    // Every rank writes its file of every directory.
+    let mut layouts = Vec::with_capacity(planned.len());
+    let mut written = Ok(());
+    for ((plans, data), &storage) in planned.iter().zip(&storages) {
+        let layout = RankFileLayout::new(&plans[rank], opts.block_size);
+        let name = rank_file_name(rank);
+        if written.is_ok() {
+            written = if layout.keys.is_empty() {
+                // Nothing to write here: a file an earlier save left must not pass for this one's.
+                storage.delete(&name)
+            } else {
+                write_file(&layout, &name, data, storage, opts)
+            };
+        }
+        layouts.push(layout);
+    }
+    agree(comm, written)?;
+
+    // Rank 0 commits, directory after directory; everyone learns the verdict. Every rank knows
+    // the metadata (callers return it, as OLMo-core's `Checkpointer.save` does).
+    let metadata: Vec<String> = planned.iter().map(|(plans, _)| metadata_json(&metadata_from_plans(plans))).collect();
+    let committed = if rank == 0 {
+        storages.iter().zip(&metadata).zip(&planned).try_for_each(|((storage, text), (plans, _))| {
+            if opts.overwrite {
+                storage.put_atomic(METADATA_FILE, text.as_bytes())?;
+            } else {
+                storage.put_if_absent(METADATA_FILE, text.as_bytes())?;
+            }
+            remove_stale_files(*storage, plans);
+            Ok(())
+        })
+    } else {
+        Ok(())
+    };
+    agree(comm, committed)?;
+    Ok(layouts
+        .into_iter()
+        .zip(metadata)
+        .map(|(layout, metadata)| {
+            let mut files = Vec::new();
+            if !layout.keys.is_empty() {
+                files.push(rank_file_name(rank));
+            }
+            if rank == 0 {
+                files.push(METADATA_FILE.into());
+            }
+            let bytes_written = if layout.keys.is_empty() { 0 } else { layout.size };
+            OlmoSaveReport { files, bytes_written, metadata }
+        })
+        .collect())
+}
+
+/// What the format cannot hold (objects, common values) or a bad option: found locally, it
+/// travels in the exchange so that every rank fails alike.
+fn unsupported(c: &crate::io::save::Collected<'_>, opts: &SaveOptions) -> Option<Error> {
     if let Some(o) = c.plan.objects.first() {
-        local.get_or_insert(Error::invalid(format!(
+        return Some(Error::invalid(format!(
             "object {:?}: OLMo-core checkpoints hold tensors only (save it in the native format)",
             o.key
         )));
     }
     if let Some((path, _)) = c.common.first() {
-        local.get_or_insert(Error::invalid(format!(
+        return Some(Error::invalid(format!(
             "common value {:?}: OLMo-core checkpoints hold tensors only (save it in the native format)",
             path_string(path)
         )));
     }
-    if opts.block_size == 0 {
-        local.get_or_insert(Error::invalid("block size must be positive"));
-    }
-    if rank == 0 {
-        match detect_format(storage) {
-            Ok((record, _)) if record.backend == BACKEND && !opts.overwrite => c.plan.refuse_overwrite = true,
-            Ok((record, _)) if record.backend == BACKEND => {}
-            Ok((record, _)) => {
-                local.get_or_insert(Error::invalid(format!(
-                    "{} holds a {} checkpoint; an OLMo-core checkpoint cannot replace it there",
-                    storage.location(),
-                    record.backend
-                )));
-            }
-            Err(Error::NotFound { .. } | Error::NotCommitted { .. }) => {}
-            Err(e) => {
-                local.get_or_insert(e);
-            }
-        }
-    }
-    c.local_error = local;
-    let plans = plan_globally(comm, &mut c, opts, storage)?;
-
-    if opts.overwrite {
-        // Uncommit the old checkpoint before any of its files is rewritten in place.
-        let removed = if rank == 0 { storage.delete(METADATA_FILE) } else { Ok(()) };
-        agree(comm, removed)?;
-    }
-
-    let layout = RankFileLayout::new(&plans[rank], opts.block_size);
-    let name = rank_file_name(rank);
-    let written = if layout.keys.is_empty() {
-        // Nothing to write here: a file left by an earlier save must not look like this one's.
-        storage.delete(&name).map(|()| None)
-    } else {
-        write_file(&layout, &name, &c.tensor_data, storage, opts).map(Some)
-    };
-    let written = agree(comm, written)?;
-
-    // Rank 0 commits; everyone learns the verdict. Every rank knows the metadata (callers
-    // return it, as OLMo-core's `Checkpointer.save` does).
-    let metadata = metadata_json(&metadata_from_plans(&plans));
-    let committed = if rank == 0 {
-        let put = if opts.overwrite {
-            storage.put_atomic(METADATA_FILE, metadata.as_bytes())
-        } else {
-            storage.put_if_absent(METADATA_FILE, metadata.as_bytes())
-        };
-        put.map(|()| remove_stale_files(storage, &plans))
-    } else {
-        Ok(())
-    };
-    agree(comm, committed)?;
-    let mut files: Vec<String> = written.iter().cloned().collect();
-    if rank == 0 {
-        files.push(METADATA_FILE.into());
-    }
-    Ok(OlmoSaveReport { files, bytes_written: written.map_or(0, |_| layout.size), metadata })
+    (opts.block_size == 0).then(|| Error::invalid("block size must be positive"))
 }
 
-/// Writes this rank's data file; returns its name.
+/// Rank 0's look at the location: `true` if an OLMo-core checkpoint is there and overwriting
+/// was not asked for; an error if another format's checkpoint is there.
+fn existing(storage: &dyn Storage, opts: &SaveOptions) -> Result<bool> {
+    match detect_format(storage) {
+        Ok((record, _)) if record.backend == BACKEND => Ok(!opts.overwrite),
+        Ok((record, _)) => Err(Error::invalid(format!(
+            "{} holds a {} checkpoint; an OLMo-core checkpoint cannot replace it there",
+            storage.location(),
+            record.backend
+        ))),
+        Err(Error::NotFound { .. } | Error::NotCommitted { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Writes this rank's data file of one directory.
 fn write_file(
     layout: &RankFileLayout,
     name: &str,
     data: &[Option<&[u8]>],
     storage: &dyn Storage,
     opts: &SaveOptions,
-) -> Result<String> {
+) -> Result<()> {
     let writer = storage.create(name, layout.size)?;
     let sources = layout
         .ranges()
@@ -145,13 +196,12 @@ fn write_file(
         return Err(Error::invalid(format!("header is {} bytes, {} were laid out", header.len(), layout.header_len)));
     }
     writer.write_at(0, &header)?;
-    writer.finish()?;
-    Ok(name.to_string())
+    writer.finish()
 }
 
 /// After the commit: data files of ranks that wrote nothing this time (an earlier save with
 /// more ranks) are garbage. Best effort; the checkpoint is committed either way.
-fn remove_stale_files(storage: &dyn Storage, plans: &[crate::plan::save::RankPlan]) {
+fn remove_stale_files(storage: &dyn Storage, plans: &[RankPlan]) {
     let writers: BTreeSet<String> = plans
         .iter()
         .enumerate()

@@ -189,7 +189,11 @@ fn read_whole(storage: &dyn Storage, files: &[FileEntry], t: &TensorEntry) -> Re
     let numel: u64 = t.global_shape.iter().product();
     let len = numel * esize;
     if len > MAX_PICKLED_FIELD {
-        return Err(Error::invalid(format!("{:?}: {len} bytes is too large for an optimizer field", t.key)));
+        let file = t.chunks().first().map_or("", |c| files[c.file as usize].name.as_str());
+        return Err(Error::corrupt(
+            file,
+            format!("{:?}: {len} bytes is more than a pickled optimizer field may hold", t.key),
+        ));
     }
     let mut out = vec![0u8; len as usize];
     for c in t.chunks() {
@@ -216,7 +220,9 @@ fn optimizer_values(
     tensors: &[TensorEntry],
     files: &[FileEntry],
 ) -> Result<Vec<(StatePath, Value)>> {
-    let find = |name: &str| tensors.iter().find(|t| t.key.strip_prefix(prefix) == Some(name));
+    let by_name: HashMap<&str, &TensorEntry> =
+        tensors.iter().filter_map(|t| Some((t.key.strip_prefix(prefix)?, t))).collect();
+    let find = |name: &str| by_name.get(name).copied();
     let Some(count) = find("num_param_groups").filter(|t| t.global_shape.is_empty() && t.dtype == DType::I64) else {
         return Ok(Vec::new());
     };
@@ -231,7 +237,10 @@ fn optimizer_values(
         decode_pickled(&read_whole(storage, files, t)?, &shown(t))
     };
     let n = i64::from_le_bytes(read_whole(storage, files, count)?.try_into().expect("an i64 scalar is 8 bytes"));
-    let n = u32::try_from(n).map_err(|_| Error::corrupt(shown(count), format!("{n} param groups")))?;
+    // Each group is a tensor of its own: a count beyond the tensors present is damage.
+    let n = u32::try_from(n).ok().filter(|&n| (n as usize) < tensors.len()).ok_or_else(|| {
+        Error::corrupt(shown(count), format!("{n} param groups in a directory of {} tensors", tensors.len()))
+    })?;
     let groups = (0..n).map(|i| pickle(&format!("param_group{i}"))).collect::<Result<Vec<_>>>()?;
     let folder: StatePath = prefix.strip_suffix('/').map(|p| vec![PathSeg::Key(p.into())]).unwrap_or_default();
     let at = |name: &str| {
