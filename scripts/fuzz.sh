@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
-# Fuzzes the restricted unpickler (crates/tessera/src/format/pickle.rs, target
-# fuzz/fuzz_targets/unpickle.rs) for ${1:-600} seconds with cargo-fuzz, starting from the
-# committed seed corpus, and prints libFuzzer's last statistics line.
+# Fuzzes one parser with cargo-fuzz for ${1:-600} seconds, starting from its committed seed
+# corpus, and prints libFuzzer's last statistics line. Targets (${2:-unpickle}): unpickle, the
+# restricted unpickler (crates/tessera/src/format/pickle.rs); olmo, the OLMo-core 0.1.x reader
+# (crates/tessera/src/formats/olmo.rs and io/foreign/olmo.rs, through the load API).
 #
 # Needs a nightly toolchain (`rustup toolchain install nightly`); installs cargo-fuzz when
-# missing. New corpus entries go to fuzz/target/corpus/unpickle (ignored by git), so the seeds
-# in fuzz/corpus/unpickle stay as committed; crashes, timeouts and OOMs are written to
-# fuzz/artifacts/unpickle and make the script fail.
+# missing. New corpus entries go to fuzz/target/corpus/TARGET (ignored by git), so the seeds
+# in fuzz/corpus/TARGET stay as committed; crashes, timeouts and OOMs are written to
+# fuzz/artifacts/TARGET and make the script fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 secs="${1:-600}"
+target="${2:-unpickle}"
 if ! command -v cargo-fuzz >/dev/null 2>&1; then
     cargo install cargo-fuzz
 fi
 
-work=fuzz/target/corpus/unpickle
-artifacts=fuzz/artifacts/unpickle
+work=fuzz/target/corpus/$target
+artifacts=fuzz/artifacts/$target
 mkdir -p "$work" "$artifacts"
 # With -jobs=1 libFuzzer runs one worker and writes its output to fuzz-0.log here.
 rm -f fuzz-0.log
-cargo +nightly fuzz build unpickle
+cargo +nightly fuzz build "$target"
 marker=$(mktemp)
 start=$(date +%s)
-cargo +nightly fuzz run unpickle "$work" fuzz/corpus/unpickle -- \
-    -max_total_time="$secs" -jobs=1 -timeout=10 -rss_limit_mb=2048
+# The olmo target reads through the load API, which starts IO threads; LeakSanitizer counts
+# glibc's per-thread destructor record (32 bytes, __cxa_thread_atexit_impl) of each as a leak.
+leaks=1
+[ "$target" = olmo ] && leaks=0
+cargo +nightly fuzz run "$target" "$work" "fuzz/corpus/$target" -- \
+    -max_total_time="$secs" -jobs=1 -timeout=10 -rss_limit_mb=2048 -detect_leaks="$leaks"
 end=$(date +%s)
-log=fuzz/target/unpickle-fuzz.log
+log=fuzz/target/$target-fuzz.log
 mv fuzz-0.log "$log"
 
 echo "fuzzed for $((end - start)) s (log: $log)"
