@@ -37,31 +37,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests/python"))
-from olmo_models import TinyLM, full_params, wrap  # noqa: E402  (shared with the pytest suite)
+import olmo_models  # noqa: E402  (shared with the pytest suite)
+from olmo_models import TinyLM, full_params, wrap  # noqa: E402
 
 VOCAB, DIM, HIDDEN = 23, 8, 12
 
 
 def make_model(seed: int) -> TinyLM:
-    torch.manual_seed(seed)
-    m = TinyLM(VOCAB, DIM, HIDDEN)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return m
+    return olmo_models.make_model(seed, VOCAB, DIM, HIDDEN)
 
 
 def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (2, 5), generator=gen)
-        loss = F.cross_entropy(model(tokens).reshape(-1, VOCAB), torch.randint(0, VOCAB, (10,), generator=gen))
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
+    olmo_models.train(model, optim, steps, seed, VOCAB)
 
 
 def same(a: Dict[str, Any], b: Dict[str, Any], what: str) -> None:

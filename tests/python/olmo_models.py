@@ -48,6 +48,28 @@ class TinyLM(nn.Module):
         return logits if self.logit_scale is None else logits * self.logit_scale
 
 
+def make_model(seed: int, vocab: int, dim: int, hidden: int) -> TinyLM:
+    """A TinyLM with weights drawn from ``seed`` (norms perturbed away from 1 and 0)."""
+    torch.manual_seed(seed)
+    model = TinyLM(vocab, dim, hidden)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int, vocab: int) -> None:
+    """``steps`` optimizer steps on random tokens drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tokens = torch.randint(0, vocab, (2, 5), generator=gen)
+        targets = torch.randint(0, vocab, (2, 5), generator=gen)
+        loss = F.cross_entropy(model(tokens).reshape(-1, vocab), targets.reshape(-1))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+
+
 def wrap(kind: str, model: TinyLM) -> nn.Module:
     """``model`` under ``kind``: ``fsdp1`` (one FSDP unit per block + the root,
     ``use_orig_params=True``, CPU), ``fsdp2`` (``fully_shard`` per block, then the root),

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import tessera.olmo_core as oc
 from tessera.errors import AlreadyExistsError, CorruptError, KeyMismatchError, MismatchError
 from launch import run_ranks
+import olmo_models
 from olmo_models import TinyLM, full_params, wrap
 
 FIXTURES = Path(__file__).resolve().parents[2] / "crates/tessera/tests/fixtures/olmo"
@@ -31,31 +31,11 @@ VOCAB, DIM, HIDDEN = 19, 8, 12
 
 
 def make_model(seed: int) -> TinyLM:
-    torch.manual_seed(seed)
-    model = TinyLM(VOCAB, DIM, HIDDEN)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return olmo_models.make_model(seed, VOCAB, DIM, HIDDEN)
 
 
 def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (2, 5), generator=gen)
-        targets = torch.randint(0, VOCAB, (2, 5), generator=gen)
-        loss = F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-
-
-def fsdp1(model: TinyLM) -> nn.Module:
-    return wrap("fsdp1", model)
-
-
-def fsdp2(model: TinyLM) -> nn.Module:
-    return wrap("fsdp2", model)
+    olmo_models.train(model, optim, steps, seed, VOCAB)
 
 
 def unsharded(ckpt: str) -> Dict[str, torch.Tensor]:
@@ -76,7 +56,7 @@ def assert_same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], what: st
 
 
 def _save_fsdp1_w2(rank: int, world: int, tmp: str) -> None:
-    model = fsdp1(make_model(1))
+    model = wrap("fsdp1", make_model(1))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     train(model, optim, 2, seed=10 + rank)
     files = oc.save_model_and_optim_state(f"{tmp}/A", model, optim)
@@ -88,13 +68,13 @@ def _save_fsdp1_w2(rank: int, world: int, tmp: str) -> None:
 
 def _load_w3_and_resave(rank: int, world: int, tmp: str) -> None:
     truth = torch.load(f"{tmp}/truth.pt")
-    for wrap, out in ((fsdp1, "B"), (fsdp2, "C")):
-        model = wrap(make_model(2))  # other weights: everything must come from the checkpoint
+    for kind, out in (("fsdp1", "B"), ("fsdp2", "C")):
+        model = wrap(kind, make_model(2))  # other weights: everything must come from the checkpoint
         optim = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.0)
         assert not optim.state
         oc.load_model_and_optim_state(f"{tmp}/A", model, optim)
         got = full_params(model)
-        assert_same(got, truth, f"{wrap.__name__} world {world}")  # exactly: no weight-decay step
+        assert_same(got, truth, f"{kind} world {world}")  # exactly: no weight-decay step
         assert optim.param_groups[0]["lr"] == pytest.approx(1e-2)
         assert optim.param_groups[0]["weight_decay"] == pytest.approx(0.1)
         assert isinstance(optim.param_groups[0]["betas"], tuple)

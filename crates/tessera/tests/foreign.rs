@@ -9,10 +9,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::box_bytes;
-use common::fixtures::{boxes, json_eq, to_json, Expected};
+use common::fixtures::{assert_loads, boxes, json_eq, to_json, Expected};
 
 use tessera::{
-    detect_format, load, load_common_state, load_plain_tensors, load_sharded_objects, open_checkpoint, verify,
+    detect_format, load_common_state, load_plain_tensors, load_sharded_objects, open_checkpoint, verify,
     CountingStorage, DType, Error, LoadOptions, LocalStorage, ShardedObject, ShardedTensor, SoloComm, StateTree,
     Storage, TensorData, Value, OBJECT_TAG_VALUE,
 };
@@ -168,14 +168,7 @@ fn resharded_loads_return_the_right_slices() {
                     tree.insert(id, StateTree::Tensor(t));
                 }
             }
-            let loaded = load(tree, &storage, &SoloComm, &LoadOptions::default())
-                .unwrap_or_else(|e| panic!("{name} in {parts} parts: {e}"));
-            let StateTree::Map(m) = loaded.state else { panic!() };
-            let got: BTreeMap<String, StateTree<'_>> = m.into_iter().collect();
-            for (id, bytes) in expect {
-                let StateTree::Tensor(t) = &got[&id] else { panic!("{id}") };
-                assert!(t.data.bytes().unwrap() == bytes.as_slice(), "{name}: {id} ({parts} parts)");
-            }
+            assert_loads(&storage, tree, expect, &format!("{name} in {parts} parts"));
         }
     }
 }

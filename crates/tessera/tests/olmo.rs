@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::fixtures::{boxes, to_json, Expected};
+use common::fixtures::{assert_loads, boxes, to_json, Expected};
 use common::{box_bytes, run_ranks, shard, TempDir};
 use tessera::{
     detect_format, load, load_common_state, load_plain_tensors, save_olmo, verify, CountingStorage, DType, Error,
@@ -140,13 +140,7 @@ fn resharded_loads_return_the_right_slices() {
                     tree.insert(format!("{k}#f{i}"), StateTree::Tensor(t));
                 }
             }
-            let loaded = load(tree, &storage, &SoloComm, &LoadOptions::default())
-                .unwrap_or_else(|e| panic!("{name} in {parts} parts: {e}"));
-            let StateTree::Map(got) = loaded.state else { panic!() };
-            for (id, bytes) in expect {
-                let StateTree::Tensor(t) = &got[&id] else { panic!("{id}") };
-                assert!(t.data.bytes().unwrap() == bytes.as_slice(), "{name}: {id} ({parts} parts)");
-            }
+            assert_loads(&storage, tree, expect, &format!("{name} in {parts} parts"));
         }
     }
 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use tessera::{DType, Value};
+use tessera::{load, DType, LoadOptions, SoloComm, StateTree, Storage, Value};
 
 /// A full tensor as a fixture's expected file holds it.
 pub struct Expected {
@@ -84,4 +84,15 @@ pub fn boxes(shape: &[u64], parts: u64) -> Vec<(Vec<u64>, Vec<u64>)> {
         out = next;
     }
     out
+}
+
+/// Loads `tree` (one rank) from `storage` and checks the tensor at each `id` of `expect`
+/// (top-level keys) against its bytes; `what` names the case in failures.
+pub fn assert_loads(storage: &dyn Storage, tree: StateTree<'_>, expect: Vec<(String, Vec<u8>)>, what: &str) {
+    let loaded = load(tree, storage, &SoloComm, &LoadOptions::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let StateTree::Map(got) = loaded.state else { panic!("{what}: not a map") };
+    for (id, bytes) in expect {
+        let StateTree::Tensor(t) = &got[&id] else { panic!("{what}: {id}") };
+        assert!(t.data.bytes().unwrap() == bytes.as_slice(), "{what}: {id}");
+    }
 }
