@@ -77,11 +77,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests/python"))
-from olmo_models import Block, TinyLM  # noqa: E402  (the model the tests share)
+import olmo_models  # noqa: E402  (the model and training the tests share)
+from olmo_models import Block, TinyLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "crates/tessera/tests/fixtures/olmo"
@@ -117,14 +117,7 @@ def make_model(sizes: Dict[str, int], **kw: Any) -> TinyLM:
 
 
 def train(model: nn.Module, optim: torch.optim.Optimizer, vocab: int, rank: int) -> None:
-    gen = torch.Generator().manual_seed(DATA_SEED + rank)  # different data per rank
-    for _ in range(STEPS):
-        tokens = torch.randint(0, vocab, (2, 5), generator=gen)
-        targets = torch.randint(0, vocab, (2, 5), generator=gen)
-        loss = F.cross_entropy(model(tokens).reshape(-1, vocab), targets.reshape(-1))
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
+    olmo_models.train(model, optim, STEPS, DATA_SEED + rank, vocab)  # different data per rank
 
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
