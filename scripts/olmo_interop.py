@@ -15,6 +15,8 @@ unshard of what it saved.
                    ``load_model_and_optim_state``: parameters and optimizer state as saved; OLMo-
                    core's ``Checkpointer().unshard`` of tessera's files equals tessera's; a
                    ``Checkpointer`` directory of mixed dtypes, 0-d and empty tensors too.
+  own FSDP         OLMo-core's own FSDP (ShardedFlatParameter) at 2 ranks: tessera's save of it
+                   equals OLMo-core's, and each loads the other's.
 
 OLMo-core 0.1.0 applies one optimizer step with zero gradients when it loads into an optimizer
 without state (weight decay then scales the loaded parameters by 1 - lr*wd); before its loads
@@ -120,6 +122,33 @@ def load_step(rank: int, world: int, tmp: str, reader: str, kind: str, name: str
     tess.save_model_and_optim_state(f"{tmp}/{name}.{reader}.{kind}{world}", model, optim)
 
 
+def own_fsdp_step(rank: int, world: int, tmp: str) -> None:
+    """OLMo-core's own FSDP (ShardedFlatParameter): tessera and OLMo-core save the same trained
+    model; OLMo-core's unshards of both agree, and each library loads the other's checkpoint
+    into a fresh model to the same parameters."""
+    import olmo_core.distributed.checkpoint as olmo
+    import tessera.olmo_core as tess
+    from olmo_core.distributed.fsdp import FSDP
+
+    model = FSDP(make_model(1))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train(model, optim, 2, seed=30 + rank)
+    tess.save_model_and_optim_state(f"{tmp}/own_t", model, optim)
+    olmo.save_model_and_optim_state(f"{tmp}/own_o", model, optim)
+    dist.barrier()
+    if rank == 0:
+        same(olmo_unshard(f"{tmp}/own_t"), olmo_unshard(f"{tmp}/own_o"), "OLMo-core FSDP saved by tessera and by OLMo-core")
+    by_tessera = FSDP(make_model(2))
+    tess.load_model_and_optim_state(f"{tmp}/own_o", by_tessera, torch.optim.AdamW(by_tessera.parameters(), lr=0.5))
+    by_olmo = FSDP(make_model(3))
+    olmo_optim = torch.optim.AdamW(by_olmo.parameters(), lr=0.5)
+    olmo.init_optimizer_state(olmo_optim)
+    olmo.load_model_and_optim_state(f"{tmp}/own_t", by_olmo, olmo_optim)
+    for (n, a), b, c in zip(by_tessera.named_parameters(), by_olmo.parameters(), model.parameters()):
+        if not (torch.equal(a, b) and torch.equal(a, c)):
+            raise AssertionError(f"OLMo-core FSDP: {n} differs after loading")
+
+
 def run(world: int, fn: Callable[..., None], *args: Any) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -173,6 +202,8 @@ def main() -> None:
             same(olmo_unshard(f"{tmp}/{name}"), mine, f"OLMo-core's unshard of tessera's {kind} checkpoint")
             same(tessera_unshard(f"{tmp}/{name}.olmo.{kind}{reader_world}"), mine, f"tessera's {kind} checkpoint through OLMo-core")
             print(f"tessera -> olmo: {kind} w2 ({steps} steps) -> {kind} w{reader_world}: exact")
+        run(2, own_fsdp_step, tmp)
+        print("OLMo-core's own FSDP w2: tessera's save = OLMo-core's; each loads the other's: exact")
         sd = {
             "w": torch.randn(5, 3),
             "h": torch.randn(4).to(torch.bfloat16),

@@ -43,7 +43,7 @@ import torch.nn as nn
 from .. import _native
 from ..dist_checkpointing.serialization import _from_native_path
 from .._comm import default_comm
-from ._checkpointer import Checkpointer, FlatShard, PathOrStr, _normalize, files_created, save_tensors
+from ._checkpointer import Checkpointer, FlatShard, PathOrStr, _normalize, _olmo_flat, files_created, save_tensors
 from ._metadata import OverlapType, StorageMetadata, TensorShardSpec, TensorStorageMetadata
 
 __all__ = [
@@ -101,7 +101,13 @@ def _model_state(model: nn.Module) -> Dict[str, Any]:
     flat shards of the original parameters (no buffers, as OLMo-core 0.1.0), anything else's
     ``state_dict()`` (DTensors for FSDP2)."""
     if not isinstance(model, _torch_fsdp()):
-        return dict(model.state_dict())
+        state = dict(model.state_dict())
+        # OLMo-core's own FSDP: the parameter knows its flat ranges, the state-dict entry does not.
+        for name, p in model.named_parameters():
+            flat = _olmo_flat(p) if name in state else None
+            if flat is not None:
+                state[name] = flat
+        return state
     from torch.distributed.fsdp._runtime_utils import _lazy_init
 
     _lazy_init(model, model)  # FSDP's handles exist from here on
@@ -269,7 +275,7 @@ def load_model_and_optim_state(
     if not isinstance(model, _torch_fsdp()):
         # Filled in place; still handed to the module, as OLMo-core does, for entries that are
         # copies of its tensors and for its load hooks.
-        model.load_state_dict(model_state)
+        model.load_state_dict({k: v.data if isinstance(v, FlatShard) else v for k, v in model_state.items()})
     if optim is None:
         return
 
