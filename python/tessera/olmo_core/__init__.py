@@ -43,6 +43,7 @@ import torch.nn as nn
 from .. import _native
 from ..dist_checkpointing.serialization import _from_native_path
 from .._comm import default_comm
+from ..torch import _is_dtensor
 from ._checkpointer import Checkpointer, FlatShard, PathOrStr, _normalize, _olmo_flat, files_created, save_tensors
 from ._metadata import OverlapType, StorageMetadata, TensorShardSpec, TensorStorageMetadata
 
@@ -132,7 +133,7 @@ def _local(t: Any) -> torch.Tensor:
     """The rank's own elements of a state-dict entry."""
     if isinstance(t, FlatShard):
         return t.data
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _full_shape(t: Any) -> Tuple[int, ...]:
@@ -143,7 +144,7 @@ def _like(param: Any, local: torch.Tensor) -> Any:
     """``local`` (optimizer state of ``param``) laid out as ``param`` is."""
     if isinstance(param, FlatShard):
         return param.like(local)
-    if hasattr(param, "device_mesh"):
+    if _is_dtensor(param):
         from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
@@ -186,7 +187,7 @@ def _flatten_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, mod
             keys.add(k)
             t = t if isinstance(t, torch.Tensor) else torch.tensor(t)
             key = _state_key(name, k)
-            if hasattr(t, "to_local"):
+            if _is_dtensor(t):
                 flat[key] = t  # a DTensor (FSDP2) carries its own layout
             elif k != "step" and tuple(t.shape) == tuple(_local(param).shape):
                 flat[key] = _like(param, t)  # the rank's part, laid out as its parameter's

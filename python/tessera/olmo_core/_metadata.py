@@ -16,25 +16,20 @@ from typing import Any, Dict, Generator, Iterable, Optional, Tuple
 
 import torch
 
+from ..dist_checkpointing.dtypes import _TESSERA_TO_TORCH_NAME, TESSERA_DTYPES, tessera_dtype_to_torch
+
 __all__ = ["OverlapType", "TensorShardSpec", "TensorStorageMetadata", "StorageMetadata", "TORCH_DTYPES"]
 
-# OLMo-core's dtype names (safetensors' spelling) and the torch dtypes they stand for.
+
+def _olmo_name(tessera_name: str) -> str:
+    """OLMo-core's (safetensors') spelling of a tessera element type: ``bf16`` -> ``BF16``."""
+    return "F8_E4M3" if tessera_name == "f8_e4m3fn" else tessera_name.upper()
+
+
+# OLMo-core's dtype names and the torch dtypes they stand for: the package's one dtype table,
+# respelled (and only the types this torch has).
 TORCH_DTYPES: Dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    # Unsigned wider integers: safetensors has them, OLMo-core 0.1 does not (torch >= 2.3 does).
-    **{name: getattr(torch, attr) for name, attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"))
-       if hasattr(torch, attr)},
+    _olmo_name(n): tessera_dtype_to_torch(n) for n in TESSERA_DTYPES if hasattr(torch, _TESSERA_TO_TORCH_NAME[n])
 }
 TORCH_DTYPE_TO_STR: Dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 

@@ -209,7 +209,7 @@ pub(crate) fn collect<'t>(
 
 /// Local errors travel to the other ranks as text: `S<key>\0<reason>` for sharding errors
 /// (so every rank raises `InvalidSharding` for the same key), `I<message>` otherwise.
-fn encode_local_error(e: &Error) -> String {
+pub(crate) fn encode_local_error(e: &Error) -> String {
     match e {
         Error::InvalidSharding { key, reason } => format!("S{key}\0{reason}"),
         other => format!("I{other}"),
@@ -239,7 +239,7 @@ pub(crate) fn new_save_id() -> u64 {
 /// Fails with the first error any rank reported in a gathered message (`reported`, in rank
 /// order): this rank's own error keeps its type; another rank's sharding error stays
 /// `InvalidSharding`.
-fn first_failure<'m>(
+pub(crate) fn first_failure<'m>(
     rank: usize,
     reported: impl Iterator<Item = Option<&'m String>>,
     local_error: &mut Option<Error>,

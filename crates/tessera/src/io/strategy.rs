@@ -13,7 +13,7 @@ use crate::io::foreign::zarr::ZarrStrategy;
 use crate::io::index_read::open_native_keys;
 use crate::io::save::{save, SaveOptions, SaveReport};
 use crate::state::StateTree;
-use crate::storage::Storage;
+use crate::storage::{size_if_present, Storage};
 use crate::{Error, Result};
 
 /// Which kind of work a strategy does (Megatron's `StrategyAction`).
@@ -118,11 +118,7 @@ impl LoadStrategy for NativeStrategy {
         format!("{NATIVE_BACKEND} v1, v{FORMAT_VERSION}")
     }
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
-        let size = match storage.size(INDEX_FILE) {
-            Ok(s) => s,
-            Err(Error::NotFound { .. }) => return Ok(None),
-            Err(e) => return Err(e),
-        };
+        let Some(size) = size_if_present(storage, INDEX_FILE)? else { return Ok(None) };
         let mut head = vec![0u8; size.min(12) as usize];
         storage.read_at(INDEX_FILE, 0, &mut head)?;
         match CheckpointIndex::peek_version(&head) {

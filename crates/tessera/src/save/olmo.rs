@@ -18,7 +18,7 @@ use crate::formats::olmo::{
     choose_main_replicas, metadata_from_plans, metadata_json, rank_file_name, RankFileLayout, BACKEND, METADATA_FILE,
 };
 use crate::io::factories::apply_factories_collective;
-use crate::io::save::{collect, decode_peer_error, plan_globally, SaveOptions};
+use crate::io::save::{collect, encode_local_error, first_failure, plan_globally, SaveOptions};
 use crate::io::strategy::detect_format;
 use crate::io::write::{write_sources, Source};
 use crate::plan::save::RankPlan;
@@ -220,19 +220,19 @@ fn remove_stale_files(storage: &dyn Storage, plans: &[RankPlan]) {
     }
 }
 
-/// Every rank learns whether every rank succeeded: this rank's own error, else the first
-/// other rank's as `PeerFailed` (collective).
+/// Every rank learns whether every rank succeeded, with the save's rule for which error each
+/// returns (`io::save::first_failure`: the first failing rank's; its own, on that rank).
 fn agree<T>(comm: &dyn Communicator, mine: Result<T>) -> Result<T> {
-    let msg = match &mine {
-        Ok(_) => Vec::new(),
-        Err(e) => format!("I{e}").into_bytes(),
+    let msg = mine.as_ref().err().map(encode_local_error).unwrap_or_default();
+    let reported: Vec<Option<String>> = comm
+        .all_gather(msg.as_bytes())?
+        .into_iter()
+        .map(|m| (!m.is_empty()).then(|| String::from_utf8_lossy(&m).into_owned()))
+        .collect();
+    let (value, mut local) = match mine {
+        Ok(v) => (Some(v), None),
+        Err(e) => (None, Some(e)),
     };
-    let all = comm.all_gather(&msg)?;
-    match mine {
-        Err(e) => Err(e),
-        Ok(v) => match all.iter().enumerate().find(|(_, m)| !m.is_empty()) {
-            Some((r, m)) => Err(decode_peer_error(r, &String::from_utf8_lossy(m))),
-            None => Ok(v),
-        },
-    }
+    first_failure(comm.rank(), reported.iter().map(Option::as_ref), &mut local)?;
+    Ok(value.expect("no rank reported a failure, this one included"))
 }

@@ -119,6 +119,15 @@ pub fn open_location(location: &str) -> Result<Arc<dyn Storage>> {
     Ok(Arc::new(LocalStorage::new(path)))
 }
 
+/// The size of `name`, or `None` if it does not exist (any other failure is an error).
+pub(crate) fn size_if_present(storage: &dyn Storage, name: &str) -> Result<Option<u64>> {
+    match storage.size(name) {
+        Ok(s) => Ok(Some(s)),
+        Err(Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Names tessera writes (and deletes): one plain component.
 pub(crate) fn check_plain_name(name: &str) -> Result<()> {
     crate::format::check_file_name(name).map_err(Error::invalid)

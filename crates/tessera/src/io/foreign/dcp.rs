@@ -9,7 +9,7 @@ use crate::format::{unpickle, CheckpointIndex, StoredChunk, TensorEntry};
 use crate::io::strategy::{FormatRecord, LoadStrategy};
 use crate::plan::geometry::{check_tiling, Piece};
 use crate::state::{PathSeg, StatePath};
-use crate::storage::Storage;
+use crate::storage::{size_if_present, Storage};
 use crate::{Error, Result, Value};
 
 /// Name of DCP's metadata file.
@@ -55,11 +55,7 @@ impl DcpFlavor {
 pub struct DcpStrategy(pub DcpFlavor);
 
 fn exists(storage: &dyn Storage, name: &str) -> Result<bool> {
-    match storage.size(name) {
-        Ok(_) => Ok(true),
-        Err(Error::NotFound { .. }) => Ok(false),
-        Err(e) => Err(e),
-    }
+    Ok(size_if_present(storage, name)?.is_some())
 }
 
 /// Megatron's `metadata.json`: `(sharded_backend, sharded_backend_version)`, if present.

@@ -17,7 +17,7 @@ use crate::formats::olmo::{
 use crate::io::parallel_for;
 use crate::io::strategy::{FormatRecord, LoadStrategy};
 use crate::state::{PathSeg, StatePath};
-use crate::storage::Storage;
+use crate::storage::{size_if_present, Storage};
 use crate::{DType, Error, Result, Value};
 
 /// Reads OLMo-core 0.1.x checkpoints (backend [`BACKEND`]).
@@ -56,11 +56,7 @@ impl LoadStrategy for OlmoStrategy {
 
 /// Whether `name` is an OLMo-core `metadata.json` (by its content).
 fn is_olmo_at(storage: &dyn Storage, name: &str) -> Result<bool> {
-    let size = match storage.size(name) {
-        Ok(s) => s,
-        Err(Error::NotFound { .. }) => return Ok(false),
-        Err(e) => return Err(e),
-    };
+    let Some(size) = size_if_present(storage, name)? else { return Ok(false) };
     let mut head = vec![0u8; size.min(SNIFF_BYTES) as usize];
     storage.read_at(name, 0, &mut head)?;
     Ok(is_olmo_metadata(&head, head.len() as u64 == size))
@@ -88,11 +84,7 @@ type HeaderRead = Option<(FileHeader, u32)>;
 /// Reads the header of `name` and its checksum.
 fn read_header(storage: &dyn Storage, name: &str) -> Result<HeaderRead> {
     let shown = format!("{}/{name}", storage.location());
-    let size = match storage.size(name) {
-        Ok(s) => s,
-        Err(Error::NotFound { .. }) => return Ok(None),
-        Err(e) => return Err(e),
-    };
+    let Some(size) = size_if_present(storage, name)? else { return Ok(None) };
     let mut crc = 0u32;
     let mut read = |off: u64, buf: &mut [u8]| {
         storage.read_at(name, off, buf)?;
