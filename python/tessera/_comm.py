@@ -8,7 +8,31 @@ padded to the largest.
 
 from __future__ import annotations
 
+import atexit
+import time
 from typing import Any, List, Optional
+
+# Tensors handed to torch collectives, kept referenced from Python until torch's own worker
+# thread has let go of them too. gloo's worker drops its last reference to a finished
+# collective a moment after the caller returns; if Python has dropped its references by then,
+# that drop needs the GIL, and at interpreter exit (a rank returning right after a save) the
+# worker is killed while taking it: "terminate called without an active exception", SIGABRT.
+_in_flight: List[Any] = []
+
+
+def _hold(*tensors: Any) -> None:
+    """Keeps ``tensors`` referenced until torch no longer uses them (see ``_in_flight``)."""
+    _in_flight[:] = [t for t in _in_flight if t._use_count() > 1]
+    _in_flight.extend(tensors)
+
+
+@atexit.register
+def _release_at_exit(timeout: float = 5.0) -> None:
+    """Waits (briefly) for torch's workers to let go of the held tensors before Python exits."""
+    deadline = time.monotonic() + timeout
+    while any(t._use_count() > 1 for t in _in_flight) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    _in_flight.clear()
 
 
 class TorchComm:
@@ -40,6 +64,7 @@ class TorchComm:
         size = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
         sizes = [torch.zeros(1, dtype=torch.int64, device=self._device) for _ in range(world)]
         self._dist.all_gather(sizes, size, group=self._group)
+        _hold(size, *sizes)
         lengths = [int(s.item()) for s in sizes]
         longest = max(lengths) if lengths else 0
         mine = torch.zeros(max(longest, 1), dtype=torch.uint8, device=self._device)
@@ -47,6 +72,7 @@ class TorchComm:
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty_like(mine) for _ in range(world)]
         self._dist.all_gather(out, mine, group=self._group)
+        _hold(mine, *out)
         return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, lengths)]
 
     def all_to_all(self, messages: List[bytes]) -> List[bytes]:
@@ -60,17 +86,20 @@ class TorchComm:
         sizes = torch.tensor([len(m) for m in messages], dtype=torch.int64, device=self._device)
         incoming = torch.empty(world, dtype=torch.int64, device=self._device)
         self._dist.all_to_all_single(incoming, sizes, group=self._group)
+        _hold(incoming, sizes)
         recv_sizes = [int(n) for n in incoming.tolist()]
         payload = b"".join(messages)
         send = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        send = send.to(self._device)
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self._device)
         self._dist.all_to_all_single(
             recv,
-            send.to(self._device),
+            send,
             output_split_sizes=recv_sizes,
             input_split_sizes=[len(m) for m in messages],
             group=self._group,
         )
+        _hold(recv, send)
         out, at = [], 0
         data = recv.cpu().numpy().tobytes()
         for n in recv_sizes:
@@ -84,11 +113,13 @@ class TorchComm:
         src = self._dist.get_global_rank(self._group, root) if self._group is not None else root
         size = torch.tensor([len(data) if self.rank() == root else 0], dtype=torch.int64, device=self._device)
         self._dist.broadcast(size, src=src, group=self._group)
+        _hold(size)
         n = int(size.item())
         buf = torch.zeros(max(n, 1), dtype=torch.uint8, device=self._device)
         if self.rank() == root and n:
             buf[:n] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self._dist.broadcast(buf, src=src, group=self._group)
+        _hold(buf)
         return bytes(buf[:n].cpu().numpy().tobytes())
 
 
