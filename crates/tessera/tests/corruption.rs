@@ -451,7 +451,10 @@ fn an_index_whose_chunks_point_past_their_file_is_refused() {
     let mut chunks = t.into_chunks();
     chunks[0].byte_offset = index.files[chunks[0].file as usize].size;
     index.tensors.insert(0, TensorEntry::new(key, dtype, shape, chunks));
-    assert_corrupt(CheckpointIndex::from_bytes(&index.encode(), "bad.index"), "bad.index", "chunk past the end");
+    // Decoding is not validation: the gate every opener and load applies refuses it.
+    std::fs::write(fx.path(INDEX_FILE), index.encode()).unwrap();
+    assert_corrupt(load_all(&fx.storage(), &fx, true), INDEX_FILE, "chunk past the end");
+    assert_corrupt(tessera::open_index(&fx.storage()), INDEX_FILE, "chunk past the end");
 }
 
 #[test]

@@ -74,7 +74,7 @@ fn synthetic_index(tensors: u64, chunks_per_tensor: u64) -> CheckpointIndex {
             key: "rng".into(),
             global_shape: vec![FILES],
             shards: (0..FILES)
-                .map(|f| StoredObject { offset: vec![f], file: f as u32, byte_offset: 0, len: 64, crc: f as u32 })
+                .map(|f| StoredObject { offset: vec![f], file: f as u32, byte_offset: 4096, len: 64, crc: f as u32 })
                 .collect(),
         }],
         omitted_tensors: Vec::new(),

@@ -25,7 +25,6 @@ use serde_json::{json, Map, Value as J};
 
 use crate::format::{build_header, SafetensorsEntry, StoredChunk, TensorEntry};
 use crate::plan::dims::Dims;
-use crate::plan::geometry::{check_tiling, decompose_flat, Piece};
 use crate::plan::save::RankPlan;
 use crate::{DType, Error, Result, Value};
 
@@ -533,15 +532,6 @@ pub fn build_tensors<'a>(
                 });
             }
         }
-        let pieces: Vec<Piece> = chunks
-            .iter()
-            .flat_map(|c| match c.flat {
-                Some((s, e)) => decompose_flat(&c.offset, &c.shape, s, e),
-                None => vec![Piece::new(&c.offset, &c.shape)],
-            })
-            .collect();
-        check_tiling(&t.shape, &pieces)
-            .map_err(|e| Error::corrupt(shown, format!("the shards of tensor {key:?} do not tile it: {e}")))?;
         out.push(TensorEntry::new(format!("{prefix}{key}"), t.dtype, t.shape.clone(), chunks));
     }
     Ok((out, block))

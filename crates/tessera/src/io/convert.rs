@@ -122,7 +122,9 @@ pub fn convert(
         // each shard is a whole virtual file.
         for o in &mut index.objects {
             for s in &mut o.shards {
-                s.len = src.size(&index.files[s.file as usize].name)?;
+                let f = &mut index.files[s.file as usize];
+                s.len = src.size(&f.name)?;
+                f.size = s.len;
             }
         }
     }

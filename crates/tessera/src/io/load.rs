@@ -17,6 +17,7 @@ use crate::plan::exchange::{
     FileChunks, DEFAULT_MAX_PIECE, DEFAULT_ROUND_BYTES,
 };
 use crate::plan::load::{plan_reads, plan_request, CopySeg, ReadTuning, Request};
+use crate::plan::validate::validate_index;
 use crate::state::{StatePath, StateTree, TensorData, Value};
 use crate::storage::Storage;
 use crate::{DType, Error, Result};
@@ -213,7 +214,10 @@ pub fn load_from_index<'a>(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadResult<'a>> {
-    load_with(index, apply_factories(tree), storage, comm, opts)
+    // The caller's index passes the gate the openers apply; a failure is reported in step with
+    // the other ranks, like a tree whose factories fail.
+    let built = validate_index(index, &storage.location()).and_then(|()| apply_factories(tree));
+    load_with(index, built, storage, comm, opts)
 }
 
 type Built<'a> = Result<(StateTree<'a>, Vec<AppliedFactory>)>;

@@ -12,6 +12,7 @@ use crate::io::foreign::olmo::OlmoStrategy;
 use crate::io::foreign::zarr::ZarrStrategy;
 use crate::io::index_read::open_native_keys;
 use crate::io::save::{save, SaveOptions, SaveReport};
+use crate::plan::validate::validate_index;
 use crate::state::StateTree;
 use crate::storage::{size_if_present, Storage};
 use crate::{Error, Result};
@@ -223,8 +224,22 @@ pub fn detect_format(storage: &dyn Storage) -> Result<(FormatRecord, Arc<dyn Loa
 /// Opens the index of any recognised checkpoint. For a foreign format (DCP, Megatron, OLMo-core)
 /// the index names virtual files: read its data through [`open_checkpoint`] instead.
 pub fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
-    let (_, strategy) = detect_format(storage)?;
-    strategy.open(storage)
+    let (record, strategy) = detect_format(storage)?;
+    let index = strategy.open(storage)?;
+    validate_index(&index, &metadata_path(storage, &record))?;
+    Ok(index)
+}
+
+/// The file a checkpoint's index comes from, as errors name it.
+fn metadata_path(storage: &dyn Storage, record: &FormatRecord) -> String {
+    let file = match record.backend.as_str() {
+        NATIVE_BACKEND => INDEX_FILE,
+        "torch_dcp" | "torch_dist" => ".metadata",
+        "olmo_core" => "model_and_optim/.metadata",
+        "olmo_safetensors" | "zarr" => "metadata.json",
+        _ => return storage.location().to_string(),
+    };
+    format!("{}/{file}", storage.location())
 }
 
 /// A checkpoint opened for reading: its format, its index, and the storage the index's file
@@ -254,6 +269,14 @@ impl OpenCheckpoint<'_> {
 
 /// Detects the format of the checkpoint at `storage` and opens it for reading.
 pub fn open_checkpoint(storage: &dyn Storage) -> Result<OpenCheckpoint<'_>> {
+    let ckpt = open_unvalidated(storage)?;
+    validate_index(&ckpt.index, &metadata_path(storage, &ckpt.record))?;
+    Ok(ckpt)
+}
+
+/// [`open_checkpoint`] without the validation gate, for `verify`, which reports every defect
+/// of the index instead of stopping at the first. Nothing may read by such an index.
+pub(crate) fn open_unvalidated(storage: &dyn Storage) -> Result<OpenCheckpoint<'_>> {
     let (record, strategy) = detect_format(storage)?;
     let (index, view) = strategy.open_checkpoint(storage)?;
     Ok(OpenCheckpoint { record, index, base: storage, view })
@@ -273,5 +296,6 @@ pub(crate) fn open_checkpoint_key_set<'s>(
 ) -> Result<OpenCheckpoint<'s>> {
     let (record, strategy) = detect_format(storage)?;
     let (index, view) = strategy.open_checkpoint_keys(storage, keys)?;
+    validate_index(&index, &metadata_path(storage, &record))?;
     Ok(OpenCheckpoint { record, index, base: storage, view })
 }

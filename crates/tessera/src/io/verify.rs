@@ -5,8 +5,8 @@ use std::sync::Mutex;
 
 use crate::format::parse_header;
 use crate::io::parallel_for;
-use crate::io::strategy::open_checkpoint;
-use crate::plan::geometry::{check_tiling, decompose_flat, Piece};
+use crate::io::strategy::open_unvalidated;
+use crate::plan::validate::index_defects;
 use crate::storage::Storage;
 use crate::Result;
 
@@ -25,33 +25,24 @@ pub struct VerifyReport {
     pub problems: Vec<String>,
 }
 
-/// Reads the index and every data file, checking sizes, safetensors headers, that chunks tile
-/// each tensor exactly, and every block and object checksum. A missing or unreadable index is
+/// Reads the index and every data file: every defect of the index (the validation gate's
+/// checks, all reported, not only the first), then sizes, safetensors headers and every block
+/// and object checksum. A missing or unreadable index is
 /// an error (`NotCommitted`, `Corrupt`, `IncompatibleVersion`); damage elsewhere is reported.
 /// Foreign formats have no checksums: every chunk and object is read (and decoded) in full,
 /// which finds truncated, misplaced or undecodable items.
 pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
-    let ckpt = open_checkpoint(storage)?;
+    let ckpt = open_unvalidated(storage)?;
     let (index, storage) = (&ckpt.index, ckpt.storage());
     let mut report = VerifyReport { files: index.files.len(), chunks: index.chunk_count(), ..Default::default() };
-    for t in &index.tensors {
-        let pieces: Vec<Piece> = t
-            .chunks()
-            .iter()
-            .flat_map(|c| match c.flat {
-                Some((s, e)) => decompose_flat(&c.offset, &c.shape, s, e),
-                None => vec![Piece::new(&c.offset, &c.shape)],
-            })
-            .collect();
-        if let Err(e) = check_tiling(&t.global_shape, &pieces) {
-            report.problems.push(format!("tensor {:?}: {e}", t.key));
-        }
-    }
-    for o in &index.objects {
-        let want = o.global_shape.iter().product::<u64>() as usize;
-        if o.shards.len() != want {
-            report.problems.push(format!("object {:?}: {} of {want} shards stored", o.key, o.shards.len()));
-        }
+    let defects = index_defects(index);
+    let invalid = defects.iter().any(|d| !d.uncovered);
+    report.problems.extend(defects.iter().map(|d| d.to_string()));
+    if invalid {
+        // Reading by an index that failed the gate could read outside its files or past the
+        // tensors; what is wrong with it is the report.
+        report.problems.push("the index is invalid: no data was read".into());
+        return Ok(report);
     }
     report.checksummed = index.block_size > 0;
     if index.block_size == 0 {

@@ -290,54 +290,93 @@ pub fn strides(shape: &[u64]) -> Vec<u64> {
 }
 
 /// Checks that `pieces` tile the box `[0, global)` exactly: every element covered once.
-/// Sweeps axis by axis; between consecutive boundaries the set of active pieces is checked
-/// once per change, so product-structured layouts cost O(n log n).
+/// Every piece must lie inside the box.
 pub fn check_tiling(global: &[u64], pieces: &[Piece]) -> Result<(), String> {
-    if numel(global) == 0 {
-        return Ok(());
+    let faults = tiling_faults(global, pieces);
+    match faults.overlap.or(faults.gap) {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
-    let live: Vec<&Piece> = pieces.iter().filter(|p| p.numel() > 0).collect();
-    if global.is_empty() {
-        return match live.len() {
-            1 => Ok(()),
-            0 => Err("the scalar is not covered by any main replica".into()),
-            k => Err(format!("the scalar is held by {k} main replicas (overlap)")),
-        };
-    }
-    let mut prefix = Vec::new();
-    tile(global, &live, 0, &mut prefix)
 }
 
-fn tile(global: &[u64], pieces: &[&Piece], axis: usize, prefix: &mut Vec<u64>) -> Result<(), String> {
+/// What keeps pieces from tiling a box: the first overlap found and the first uncovered
+/// element found, each described with its coordinates.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct TilingFaults {
+    /// Elements covered by more than one piece.
+    pub overlap: Option<String>,
+    /// Elements covered by none.
+    pub gap: Option<String>,
+}
+
+/// Finds overlaps and gaps of `pieces` in the box `[0, global)`: a gap does not hide an
+/// overlap elsewhere; a piece reaching outside the box is reported as the overlap. Sweeps axis by axis; between consecutive boundaries the set of
+/// active pieces is checked once per change, so product-structured layouts cost O(n log n).
+pub fn tiling_faults(global: &[u64], pieces: &[Piece]) -> TilingFaults {
+    let mut faults = TilingFaults::default();
+    let live: Vec<&Piece> = pieces.iter().filter(|p| p.numel() > 0).collect();
+    let outside = |p: &&&Piece| {
+        p.off.len() != global.len()
+            || (0..global.len()).any(|d| p.off[d].checked_add(p.shape[d]).is_none_or(|end| end > global[d]))
+    };
+    if let Some(p) = live.iter().find(outside) {
+        faults.overlap = Some(format!("box {} exceeds the global shape {global:?}", p.describe()));
+        return faults;
+    }
+    if global.contains(&0) {
+        return faults;
+    }
+    if global.is_empty() {
+        match live.len() {
+            1 => {}
+            0 => faults.gap = Some("gap: the scalar is stored by no chunk".into()),
+            k => faults.overlap = Some(format!("overlap: the scalar is stored by {k} chunks")),
+        }
+        return faults;
+    }
+    let mut prefix = Vec::new();
+    if let Err(overlap) = tile(global, &live, 0, &mut prefix, &mut faults.gap) {
+        faults.overlap = Some(overlap);
+    }
+    faults
+}
+
+/// The uncovered element at `prefix` followed by `v`, zeros after.
+fn gap_at(global: &[u64], prefix: &[u64], v: u64) -> String {
+    let mut c = prefix.to_vec();
+    c.push(v);
+    c.resize(global.len(), 0);
+    format!("gap: the element at {c:?} (and those after it on that axis, up to the next chunk) is stored by no chunk")
+}
+
+/// Sweeps `axis`; records the first gap in `gap` and goes on, returns the first overlap.
+fn tile(
+    global: &[u64],
+    pieces: &[&Piece],
+    axis: usize,
+    prefix: &mut Vec<u64>,
+    gap: &mut Option<String>,
+) -> Result<(), String> {
     let n = global.len();
     let g = global[axis];
-    let at = |prefix: &[u64], v: u64| {
-        let mut c = prefix.to_vec();
-        c.push(v);
-        c
-    };
     let mut sorted: Vec<&Piece> = pieces.to_vec();
     sorted.sort_by_key(|p| (p.off[axis], p.shape[axis]));
     if axis == n - 1 {
         let mut cursor = 0u64;
         for p in sorted {
             let (lo, hi) = (p.off[axis], p.off[axis] + p.shape[axis]);
-            if lo > cursor {
-                return Err(format!("gap: elements at {:?} are not covered by any main replica", at(prefix, cursor)));
+            if lo > cursor && gap.is_none() {
+                *gap = Some(gap_at(global, prefix, cursor));
             }
             if lo < cursor {
-                return Err(format!(
-                    "overlap: elements at {:?} are covered by more than one main replica",
-                    at(prefix, lo)
-                ));
+                let mut c = prefix.clone();
+                c.push(lo);
+                return Err(format!("overlap: the element at {c:?} is stored by more than one chunk"));
             }
             cursor = hi;
         }
-        if cursor > g {
-            return Err(format!("box exceeds the global shape {global:?} on axis {axis}"));
-        }
-        if cursor < g {
-            return Err(format!("gap: elements at {:?} are not covered by any main replica", at(prefix, cursor)));
+        if cursor < g && gap.is_none() {
+            *gap = Some(gap_at(global, prefix, cursor));
         }
         return Ok(());
     }
@@ -367,20 +406,17 @@ fn tile(global: &[u64], pieces: &[&Piece], axis: usize, prefix: &mut Vec<u64>) -
             next += 1;
         }
         if active.is_empty() {
-            let mut c = prefix.clone();
-            c.push(lo);
-            c.resize(n, 0);
-            return Err(format!("gap: elements at {c:?} are not covered by any main replica"));
+            if gap.is_none() {
+                *gap = Some(gap_at(global, prefix, lo));
+            }
+            continue;
         }
         if changed || lo == 0 {
             prefix.push(lo);
-            let r = tile(global, &active, axis + 1, prefix);
+            let r = tile(global, &active, axis + 1, prefix, gap);
             prefix.pop();
             r?;
         }
-    }
-    if let Some(p) = sorted.iter().find(|p| p.off[axis] + p.shape[axis] > g) {
-        return Err(format!("box {} exceeds the global shape {global:?}", p.describe()));
     }
     Ok(())
 }

@@ -9,3 +9,4 @@ pub(crate) mod fasthash;
 pub mod geometry;
 pub mod load;
 pub mod save;
+pub mod validate;

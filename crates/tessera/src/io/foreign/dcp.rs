@@ -7,7 +7,6 @@ use crate::format::pickle::PickleValue;
 use crate::format::torch_save::limits;
 use crate::format::{unpickle, CheckpointIndex, StoredChunk, TensorEntry};
 use crate::io::strategy::{FormatRecord, LoadStrategy};
-use crate::plan::geometry::{check_tiling, Piece};
 use crate::state::{PathSeg, StatePath};
 use crate::storage::{size_if_present, Storage};
 use crate::{Error, Result, Value};
@@ -162,9 +161,6 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
                 crcs: Vec::new(),
             });
         }
-        let pieces: Vec<Piece> = chunks.iter().map(|c| Piece::new(&c.offset, &c.shape)).collect();
-        check_tiling(&t.size, &pieces)
-            .map_err(|e| Error::corrupt(&shown, format!("chunks of {:?} do not tile it: {e}", t.fqn)))?;
         tensors.push(TensorEntry::new(t.fqn, t.dtype, t.size, chunks));
     }
 
