@@ -126,17 +126,26 @@ fn invalid(reason: String) -> Fault {
 }
 
 /// Where a stored byte range must lie: inside the named file's data.
-fn check_bytes(files: &[FileEntry], file: u32, byte_offset: u64, len: u64, what: &str) -> Result<(), Fault> {
+fn check_bytes(
+    files: &[FileEntry],
+    file: u32,
+    byte_offset: u64,
+    len: u64,
+    what: &dyn Fn() -> String,
+) -> Result<(), Fault> {
     let f = files
         .get(file as usize)
-        .ok_or_else(|| invalid(format!("{what} names file #{file}; the index has {}", files.len())))?;
+        .ok_or_else(|| invalid(format!("{} names file #{file}; the index has {}", what(), files.len())))?;
     let end = byte_offset
         .checked_add(len)
-        .ok_or_else(|| invalid(format!("{what}: byte range {byte_offset} + {len} overflows")))?;
+        .ok_or_else(|| invalid(format!("{}: byte range {byte_offset} + {len} overflows", what())))?;
     if byte_offset < f.header_len || end > f.size {
         return Err(invalid(format!(
-            "{what}: bytes {byte_offset}..{end} outside the data of {} (bytes {}..{})",
-            f.name, f.header_len, f.size
+            "{}: bytes {byte_offset}..{end} outside the data of {} (bytes {}..{})",
+            what(),
+            f.name,
+            f.header_len,
+            f.size
         )));
     }
     Ok(())
@@ -151,10 +160,11 @@ fn check_tensor(t: &TensorEntry, files: &[FileEntry], block_size: u64) -> Result
     }
     let mut pieces: Vec<Piece> = Vec::with_capacity(t.chunks().len());
     for (i, c) in t.chunks().iter().enumerate() {
-        let what = format!("chunk {i}");
+        let what = || format!("chunk {i}");
         if c.offset.len() != ndim || c.shape.len() != ndim {
             return Err(invalid(format!(
-                "{what} has offset {:?} and shape {:?} for a tensor of {ndim} dimensions",
+                "{} has offset {:?} and shape {:?} for a tensor of {ndim} dimensions",
+                what(),
                 &c.offset[..],
                 &c.shape[..]
             )));
@@ -162,7 +172,8 @@ fn check_tensor(t: &TensorEntry, files: &[FileEntry], block_size: u64) -> Result
         for d in 0..ndim {
             if c.offset[d].checked_add(c.shape[d]).is_none_or(|end| end > t.global_shape[d]) {
                 return Err(invalid(format!(
-                    "{what} box at {:?} of shape {:?} lies outside the global shape {:?}",
+                    "{} box at {:?} of shape {:?} lies outside the global shape {:?}",
+                    what(),
                     &c.offset[..],
                     &c.shape[..],
                     t.global_shape
@@ -173,14 +184,15 @@ fn check_tensor(t: &TensorEntry, files: &[FileEntry], block_size: u64) -> Result
         let box_numel: u64 = c.shape.iter().product();
         if let Some((s, e)) = c.flat {
             if s > e || e > box_numel {
-                return Err(invalid(format!("{what} flat range {s}..{e} outside its box of {box_numel} elements")));
+                return Err(invalid(format!("{} flat range {s}..{e} outside its box of {box_numel} elements", what())));
             }
         }
         let nbytes = c.numel() * esize;
         check_bytes(files, c.file, c.byte_offset, nbytes, &what)?;
         if block_size > 0 && c.crcs.len() as u64 != nbytes.div_ceil(block_size) {
             return Err(invalid(format!(
-                "{what} of {nbytes} bytes has {} checksums; blocks of {block_size} bytes need {}",
+                "{} of {nbytes} bytes has {} checksums; blocks of {block_size} bytes need {}",
+                what(),
                 c.crcs.len(),
                 nbytes.div_ceil(block_size)
             )));
@@ -207,9 +219,9 @@ fn check_object(o: &ObjectEntry, files: &[FileEntry]) -> Result<(), Fault> {
     };
     let mut offsets: Vec<&[u64]> = Vec::with_capacity(o.shards.len());
     for s in &o.shards {
-        let what = format!("shard {:?}", s.offset);
+        let what = || format!("shard {:?}", s.offset);
         if s.offset.len() != ndim || s.offset.iter().zip(&o.global_shape).any(|(&i, &n)| i >= n) {
-            return Err(invalid(format!("{what} lies outside the grid {:?}", o.global_shape)));
+            return Err(invalid(format!("{} lies outside the grid {:?}", what(), o.global_shape)));
         }
         check_bytes(files, s.file, s.byte_offset, s.len, &what)?;
         offsets.push(&s.offset);
