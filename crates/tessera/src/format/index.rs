@@ -96,9 +96,18 @@ impl ChunkSearch {
     fn of(global_shape: &[u64], chunks: &[StoredChunk]) -> ChunkSearch {
         let mut row = global_shape.get(1..).and_then(|rest| rest.iter().try_fold(1u64, |a, &b| a.checked_mul(b)));
         let (mut max_rows, mut max_numel, mut last_first) = (0, 0, 0);
+        // Built before the validation gate has seen the chunks: total on any input (the gate
+        // then refuses what this had to clamp).
         for c in chunks {
             max_rows = max_rows.max(c.shape.first().copied().unwrap_or(0));
-            max_numel = max_numel.max(c.numel());
+            let numel = match c.flat {
+                Some((s, e)) => e.saturating_sub(s),
+                None => c.shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b)).unwrap_or(u64::MAX),
+            };
+            max_numel = max_numel.max(numel);
+            if c.offset.len() != global_shape.len() || c.shape.len() != global_shape.len() {
+                row = None;
+            }
             if let Some(r) = row {
                 let whole_rows = c.offset[1..].iter().all(|&o| o == 0) && c.shape[1..] == global_shape[1..];
                 match first_element(c, r) {

@@ -21,7 +21,7 @@ use crate::{Error, Result};
 /// Something wrong with an index, naming the tensor, object or file it concerns.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexDefect {
-    /// What the defect concerns: `tensor "key"`, `object "key"` or `file "name"`.
+    /// What the defect concerns: `tensor "key"`, `object "key"`, `file "name"` or `index`.
     pub subject: String,
     /// What is wrong.
     pub reason: String,
@@ -89,12 +89,21 @@ fn walk(index: &CheckpointIndex, found: &mut dyn FnMut(IndexDefect) -> bool) {
             return;
         }
     }
+    let mut total = Some(0u64);
     for t in &index.tensors {
         if let Err(d) = check_tensor(t, &index.files, index.block_size) {
             if !report(format!("tensor {:?}", t.key), d.reason, d.uncovered) {
                 return;
             }
         }
+        let bytes = t.global_shape.iter().try_fold(t.dtype.size() as u64, |a, &b| a.checked_mul(b));
+        if let Some(b) = bytes {
+            // A tensor too large by itself is reported above.
+            total = total.and_then(|a| a.checked_add(b));
+        }
+    }
+    if total.is_none() && !report("index".into(), "its tensors hold more than 2^64 bytes in all".into(), false) {
+        return;
     }
     for o in &index.objects {
         if let Err(d) = check_object(o, &index.files) {
