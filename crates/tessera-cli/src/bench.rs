@@ -26,6 +26,7 @@ use serde_json::json;
 use tessera::{LoadOptions, LocalStorage, SaveOptions};
 
 use crate::jobs;
+use crate::location::Location;
 use crate::model::{self, Layout, ModelConfig};
 use crate::progress::Progress;
 use crate::sizes::{fmt_bytes, fmt_secs, gbps};
@@ -100,7 +101,11 @@ fn raw_write(dir: &Path, size: u64) -> Result<f64> {
     }
     let bar = Progress::new("raw write + fsync", size);
     let start = Instant::now();
-    let mut f = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    // A new file only: a file of this name that is not the benchmark's is neither truncated nor
+    // removed.
+    let mut f = File::options().write(true).create_new(true).open(&path).with_context(|| {
+        format!("creating {} (the benchmark's scratch file; remove it if a run was interrupted)", path.display())
+    })?;
     let mut left = size;
     while left > 0 {
         let n = left.min(RAW_BLOCK as u64) as usize;
@@ -317,6 +322,8 @@ pub fn run(args: BenchArgs) -> Result<ExitCode> {
         load_layout: if args.ranks >= 2 { Layout::TpPp { tp: args.ranks as u64 / 2, pp: 1 } } else { Layout::Whole },
         ckpt: args.dir.join("ckpt"),
     };
+    // The rounds delete the checkpoint directory: it must be the benchmark's own.
+    Location::Local(setup.ckpt.clone()).claim()?;
 
     let mut rounds = Vec::with_capacity(args.rounds);
     for i in 0..args.rounds {

@@ -496,7 +496,8 @@ pub fn run(args: AsyncArgs) -> Result<ExitCode> {
         share,
         opts: SaveOptions { overwrite: true, ..SaveOptions::default() },
     };
-    remove(&ctx.ckpt)?;
+    // The rounds delete the checkpoint: the location must be the benchmark's own.
+    ctx.ckpt.claim()?;
     let method = {
         let probe = PeakWatch::start();
         let method = probe.method();

@@ -256,6 +256,8 @@ pub fn run(args: ParallelArgs) -> Result<ExitCode> {
     anyhow::ensure!(args.rounds >= 1, "--rounds must be at least 1");
     anyhow::ensure!(args.size > 0, "--size must be positive");
     args.dir.create()?;
+    // Every round deletes the checkpoint: the location must be the benchmark's own.
+    args.dir.join("ckpt").claim()?;
     // Parameters are 2 of the 10 bytes per parameter of the model's state.
     let cfg = ModelConfig::for_bytes(args.size.saturating_mul(5));
     let tp_layout = Layout::Train { tp: args.tp, dp: 1 };

@@ -340,7 +340,9 @@ pub fn run(args: S3Args) -> Result<ExitCode> {
         remote,
         store,
     };
-    remove_both(&setup)?;
+    // The rounds delete both checkpoints: both locations must be the benchmark's own.
+    setup.local.claim()?;
+    setup.remote.claim()?;
     let part_size = ObjectStoreOptions::default().part_size;
 
     let mut rounds: Vec<Round> = Vec::with_capacity(args.rounds);

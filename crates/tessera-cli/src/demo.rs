@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Result;
-use tessera::{LoadOptions, SaveOptions, StrictHandling, Value};
+use anyhow::{Context, Result};
+use tessera::{LoadOptions, SaveOptions, Storage, StrictHandling, Value};
 
 use crate::jobs;
 use crate::location::Location;
@@ -33,6 +33,31 @@ impl Drop for TempDir {
 
 const SAVE_LAYOUT: Layout = Layout::Train { tp: 4, dp: 2 };
 
+/// The producer the demo records in its checkpoints' content metadata.
+const PRODUCER: &str = "tessera demo";
+
+/// The demo saves with `overwrite`: refused over a committed checkpoint (of any format) that a
+/// demo did not write, which the demo's index would replace or shadow.
+fn check_replaceable(storage: &dyn Storage, dir: &Location) -> Result<()> {
+    let index = match tessera::open_index(storage) {
+        Ok(index) => index,
+        Err(tessera::Error::NotFound { .. } | tessera::Error::NotCommitted { .. }) => return Ok(()),
+        Err(e) => {
+            return Err(e)
+                .with_context(|| format!("{dir} holds something the demo would overwrite; choose another --dir"))
+        }
+    };
+    let by_demo = match &index.content_metadata {
+        Value::Map(m) => m.iter().any(|(k, v)| k == "producer" && matches!(v, Value::Str(s) if s == PRODUCER)),
+        _ => false,
+    };
+    anyhow::ensure!(
+        by_demo,
+        "{dir} holds a committed checkpoint that the demo did not write: refusing to overwrite it; choose another --dir"
+    );
+    Ok(())
+}
+
 /// Runs the demo; exit code 0 only if every byte matched.
 pub fn run(args: DemoArgs) -> Result<ExitCode> {
     let cfg = ModelConfig::for_bytes(args.size);
@@ -41,10 +66,13 @@ pub fn run(args: DemoArgs) -> Result<ExitCode> {
         None => {
             let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
             let d = std::env::temp_dir().join(format!("tessera-demo-{}-{nonce}", std::process::id()));
+            // Created here, new (never a directory that was already there): the demo removes it.
+            std::fs::create_dir(&d).with_context(|| format!("creating {}", d.display()))?;
             (Location::Local(d.clone()), Some(TempDir(d)))
         }
     };
     let storage = dir.open()?;
+    check_replaceable(storage.as_ref(), &dir)?;
     println!(
         "model: GPT-like, {} layers, hidden {}, SwiGLU ffn 2×{}, vocab {}: {:.1}M bf16 parameters + Adam exp_avg/exp_avg_sq (f32) = {}",
         cfg.layers,
@@ -59,7 +87,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode> {
     let opts = SaveOptions {
         overwrite: true,
         content_metadata: Value::Map(vec![
-            ("producer".into(), "tessera demo".into()),
+            ("producer".into(), PRODUCER.into()),
             ("model".into(), "gpt-demo".into()),
             ("parallelism".into(), Value::Map(vec![("tp".into(), Value::Int(4)), ("dp".into(), Value::Int(2))])),
             ("iteration".into(), Value::Int(1000)),

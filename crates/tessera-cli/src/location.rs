@@ -70,6 +70,31 @@ impl Location {
         Ok(())
     }
 
+    /// Claims the location as a command's own scratch space (a benchmark's checkpoint, which it
+    /// removes between rounds and at the end): refused if anything is there already — a local
+    /// path that is not an empty directory (a file, a symlink, a directory with entries), or a
+    /// prefix with objects under it — so that removing it later deletes only what the command
+    /// wrote. Creates the local directory.
+    pub fn claim(&self) -> Result<()> {
+        let taken = match self {
+            Location::Local(p) => match std::fs::symlink_metadata(p) {
+                Ok(m) if m.is_dir() => {
+                    std::fs::read_dir(p).with_context(|| format!("reading {}", p.display()))?.next().is_some()
+                }
+                Ok(_) => true,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+                Err(e) => return Err(e).with_context(|| format!("examining {}", p.display())),
+            },
+            Location::Url(_) => !self.open()?.list_recursive().with_context(|| format!("listing {self}"))?.is_empty(),
+        };
+        anyhow::ensure!(
+            !taken,
+            "{self} already exists and is not empty: this command writes its checkpoint there and deletes it \
+             afterwards; remove it or choose another location"
+        );
+        self.create()
+    }
+
     /// Removes everything at the location: the local directory (absent is fine), or every
     /// object directly under the prefix.
     pub fn remove(&self) -> Result<()> {

@@ -50,9 +50,9 @@ enum Command {
     /// Save a GPT-like model + Adam state from 8 ranks (TP=4 × DP=2), load it under
     /// TP=2 × PP=2 and under 1 rank, and check every byte (exit 0 only if all match).
     Demo {
-        /// Checkpoint location (a directory or s3://bucket/prefix), kept afterwards
-        /// (overwritten if it holds a checkpoint). Without it, a temporary directory is used and
-        /// removed.
+        /// Checkpoint location (a directory or s3://bucket/prefix), kept afterwards (a checkpoint
+        /// an earlier demo wrote there is overwritten; any other is refused). Without it, a new
+        /// temporary directory is used and removed.
         #[arg(long)]
         dir: Option<String>,
         /// Approximate checkpoint size (e.g. 64MiB, 1GiB, 512MB).
@@ -87,7 +87,8 @@ enum Command {
     /// save and a load for many simulated ranks, no IO. The IO modes report ratios to a reference
     /// measured in the same rounds (every round, the median and min–max), not bare times.
     Bench {
-        /// Directory to benchmark in (the checkpoint goes to DIR/ckpt). --async and
+        /// Directory to benchmark in (the checkpoint goes to DIR/ckpt, which must be absent or
+        /// empty: the benchmark deletes it afterwards). --async and
         /// --fully-parallel also take s3://bucket/prefix; the default benchmark and --s3 need a
         /// local directory (raw IO reference, page cache).
         #[arg(long, required_unless_present = "plan_only")]
@@ -154,7 +155,8 @@ enum Command {
     Unshard {
         /// Checkpoint location (any readable format): a directory or s3://bucket/prefix.
         src: String,
-        /// Output: a .safetensors file, or with --max-shard-size a directory for the shards.
+        /// Output: a .safetensors file, or with --max-shard-size a directory for the shards; outside
+        /// the source checkpoint, and a new name or a regular file (replaced).
         #[arg(long)]
         out: PathBuf,
         /// Write shards of at most this size (e.g. 5GB, 500MiB, bytes); a larger tensor gets a

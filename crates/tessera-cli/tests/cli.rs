@@ -790,3 +790,168 @@ fn every_tool_works_on_an_olmo_core_checkpoint() {
     let out = tessera(&["gc", &src]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Outputs that must not destroy user files.
+
+/// Every entry under `dir` (symlinks not followed): bytes, link target, or kind.
+fn snapshot(dir: &Path) -> std::collections::BTreeMap<PathBuf, Vec<u8>> {
+    fn walk(dir: &Path, base: &Path, out: &mut std::collections::BTreeMap<PathBuf, Vec<u8>>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let e = e.unwrap();
+            let (p, t) = (e.path(), e.file_type().unwrap());
+            let rel = p.strip_prefix(base).unwrap().to_path_buf();
+            if t.is_dir() {
+                out.insert(rel, b"<dir>".to_vec());
+                walk(&p, base, out);
+            } else if t.is_symlink() {
+                out.insert(rel, format!("<link {}>", std::fs::read_link(&p).unwrap().display()).into_bytes());
+            } else if t.is_file() {
+                out.insert(rel, std::fs::read(&p).unwrap());
+            } else {
+                out.insert(rel, b"<special>".to_vec());
+            }
+        }
+    }
+    let mut out = std::collections::BTreeMap::new();
+    walk(dir, dir, &mut out);
+    out
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// Runs, expects exit code 1 and a message naming `path`; returns stderr.
+fn refused(args: &[&str], path: &Path) -> String {
+    let out = tessera(args);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "tessera {args:?}\n--- stdout\n{}\n--- stderr\n{err}", text(&out.stdout));
+    assert!(err.contains(&path.display().to_string()), "the message names {}:\n{err}", path.display());
+    err
+}
+
+#[test]
+fn unshard_refuses_outputs_inside_the_source_and_onto_special_files() {
+    let scratch = Scratch::new("unshard-hostile");
+    let ck = scratch.path().join("ck");
+    expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
+    let before = snapshot(&ck);
+    let src = ck.to_str().unwrap();
+    for out in [ck.join("tessera.index"), ck.join("model.safetensors")] {
+        let err = refused(&["unshard", src, "--out", out.to_str().unwrap()], &out);
+        assert!(err.contains("inside the source checkpoint"), "{err}");
+    }
+    let err = refused(&["unshard", src, "--out", src, "--max-shard-size", "1MiB"], &ck);
+    assert!(err.contains("inside the source checkpoint"), "{err}");
+    assert_eq!(snapshot(&ck), before, "the source is intact, byte for byte");
+    expect(&["verify", src], 0);
+
+    // A FIFO, a symlink to a user file, a directory: refused, left as they are.
+    let outs = scratch.path().join("outs");
+    std::fs::create_dir_all(&outs).unwrap();
+    let fifo = outs.join("fifo.safetensors");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let victim = scratch.path().join("victim.txt");
+    std::fs::write(&victim, b"user data").unwrap();
+    let link = outs.join("link.safetensors");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    let dir = outs.join("dir.safetensors");
+    std::fs::create_dir(&dir).unwrap();
+    let before = snapshot(&outs);
+    for out in [&fifo, &link, &dir] {
+        refused(&["unshard", src, "--out", out.to_str().unwrap()], out);
+    }
+    assert_eq!(snapshot(&outs), before);
+    assert_eq!(std::fs::read(&victim).unwrap(), b"user data");
+
+    // A device node: refused without modifying it (tests may run as root).
+    use std::os::unix::fs::MetadataExt;
+    let null = Path::new("/dev/null");
+    let m0 = std::fs::symlink_metadata(null).unwrap();
+    let err = refused(&["unshard", src, "--out", "/dev/null"], null);
+    assert!(err.contains("not a regular file"), "{err}");
+    let m1 = std::fs::symlink_metadata(null).unwrap();
+    assert_eq!((m0.ino(), m0.mode(), m0.rdev()), (m1.ino(), m1.mode(), m1.rdev()));
+
+    // A regular file is replaced, as before.
+    let regular = outs.join("model.safetensors");
+    std::fs::write(&regular, b"old").unwrap();
+    expect(&["unshard", src, "--out", regular.to_str().unwrap()], 0);
+    assert!(std::fs::metadata(&regular).unwrap().len() > 1000);
+}
+
+#[test]
+fn convert_into_a_directory_holding_a_dcp_checkpoint_needs_overwrite() {
+    let scratch = Scratch::new("convert-hostile");
+    let ck = scratch.path().join("ck");
+    expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
+    let dst = scratch.path().join("dcp");
+    copy_dir(Path::new(&foreign("dcp_single")), &dst);
+    let before = snapshot(&dst);
+    let err = refused(&["convert", ck.to_str().unwrap(), dst.to_str().unwrap()], &dst);
+    assert!(err.contains("already exists"), "{err}");
+    assert_eq!(snapshot(&dst), before, "the DCP checkpoint is not shadowed");
+    expect(&["convert", ck.to_str().unwrap(), dst.to_str().unwrap(), "--overwrite"], 0);
+    expect(&["verify", dst.to_str().unwrap()], 0);
+    let s = json(&expect(&["inspect", dst.to_str().unwrap(), "--json"], 0));
+    assert_eq!(s["format"]["backend"], "tessera");
+}
+
+#[test]
+fn benchmarks_and_the_demo_delete_only_what_they_created() {
+    let scratch = Scratch::new("bench-hostile");
+    let d = scratch.path();
+    let ckpt = d.join("ckpt");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let user = ckpt.join("user.txt");
+    std::fs::write(&user, b"user data").unwrap();
+    let dir = d.to_str().unwrap();
+    let small = ["--size", "2MiB", "--ranks", "2", "--rounds", "1"];
+    for mode in [&["--async", "--budget", "1MiB"][..], &["--fully-parallel", "--dp", "2"][..], &[][..]] {
+        let args =
+            [&["bench", "--dir", dir][..], mode, if mode.contains(&"--fully-parallel") { &small[..2] } else { &small }]
+                .concat();
+        let err = refused(&args, &ckpt);
+        assert!(err.contains("not empty"), "{err}");
+        assert_eq!(std::fs::read(&user).unwrap(), b"user data", "{mode:?}");
+    }
+    // The default benchmark's raw file: a user file of that name is neither truncated nor removed.
+    std::fs::remove_dir_all(&ckpt).unwrap();
+    let raw = d.join("tessera-bench-raw.bin");
+    std::fs::write(&raw, b"user data").unwrap();
+    refused(&["bench", "--dir", dir, "--size", "2MiB", "--rounds", "1"], &raw);
+    assert_eq!(std::fs::read(&raw).unwrap(), b"user data");
+    std::fs::remove_file(&raw).unwrap();
+    // An empty D/ckpt is the benchmark's to use (and remove).
+    std::fs::create_dir_all(&ckpt).unwrap();
+    expect(
+        &["bench", "--async", "--dir", dir, "--budget", "1MiB", "--size", "2MiB", "--ranks", "2", "--rounds", "1"],
+        0,
+    );
+    assert_eq!(std::fs::read_dir(d).unwrap().count(), 0);
+
+    // The demo overwrites only a checkpoint a demo wrote.
+    let theirs = d.join("theirs");
+    copy_dir(Path::new(&foreign("dcp_single")), &theirs);
+    let before = snapshot(&theirs);
+    let err = refused(&["demo", "--size", "1MiB", "--dir", theirs.to_str().unwrap()], &theirs);
+    assert!(err.contains("overwrite"), "{err}");
+    assert_eq!(snapshot(&theirs), before);
+    let native = d.join("native");
+    expect(&["demo", "--size", "1MiB", "--dir", native.to_str().unwrap()], 0);
+    let converted = d.join("converted");
+    expect(&["convert", &foreign("dcp_single"), converted.to_str().unwrap()], 0);
+    let before = snapshot(&converted);
+    refused(&["demo", "--size", "1MiB", "--dir", converted.to_str().unwrap()], &converted);
+    assert_eq!(snapshot(&converted), before);
+    expect(&["demo", "--size", "1MiB", "--dir", native.to_str().unwrap()], 0);
+}

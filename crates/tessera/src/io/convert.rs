@@ -11,11 +11,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, DEFAULT_BLOCK_SIZE, INDEX_FILE};
+use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, DEFAULT_BLOCK_SIZE};
 use crate::io::load::{read_object, LoadOptions};
 use crate::io::pipeline::{batches, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
 use crate::io::save::{commit_index, finish_file, new_save_id, remove_save_files};
-use crate::io::strategy::open_checkpoint;
+use crate::io::strategy::{detect_format, open_checkpoint};
 use crate::io::write::{write_sources, Source};
 use crate::plan::geometry::split_box;
 use crate::plan::save::{
@@ -92,10 +92,23 @@ struct Slot {
     entry: usize,
 }
 
+/// Refuses a destination that holds a committed checkpoint of any format a load strategy
+/// recognises (native index, DCP `.metadata`, Megatron `metadata.json`, OLMo-core's), or of a
+/// version this build cannot read: converting there would shadow it, or (native) replace it.
+fn refuse_committed(dst: &dyn Storage) -> Result<()> {
+    match detect_format(dst) {
+        Ok(_) | Err(Error::IncompatibleVersion { .. }) => Err(Error::AlreadyExists { path: dst.location().into() }),
+        Err(Error::NotFound { .. } | Error::NotCommitted { .. }) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// Copies the checkpoint in `src` (any format [`crate::open_checkpoint`] recognises) into `dst` as a
 /// native checkpoint: the same tensors with the same chunks (large ones split), the sharded
-/// objects' bytes, the common state and the content metadata. The index is committed as a save
-/// commits it: refused if `dst` holds a committed checkpoint, unless `opts.overwrite`. A
+/// objects' bytes, the common state and the content metadata. Refused with
+/// [`Error::AlreadyExists`] if `dst` holds a committed checkpoint of any format (native or
+/// foreign: it would be replaced or shadowed), unless `opts.overwrite`; the index is then
+/// committed as a save commits it (create-if-absent unless overwriting). A
 /// failure before the commit removes the data files written; nothing is committed then.
 /// `progress(bytes_done, bytes_total)` is called as data is written.
 pub fn convert(
@@ -108,11 +121,7 @@ pub fn convert(
         return Err(Error::invalid("block size must be positive"));
     }
     if !opts.overwrite {
-        match dst.size(INDEX_FILE) {
-            Ok(_) => return Err(Error::AlreadyExists { path: dst.location().into() }),
-            Err(Error::NotFound { .. }) => {}
-            Err(e) => return Err(e),
-        }
+        refuse_committed(dst)?;
     }
     let ckpt = open_checkpoint(src)?;
     let src = ckpt.storage();

@@ -14,6 +14,7 @@ use serde_json::{json, Map, Value as J};
 
 use crate::format::{build_header, SafetensorsEntry, TensorEntry};
 use crate::io::load::LoadOptions;
+use crate::io::outfile;
 use crate::io::pipeline::{batches, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
 use crate::io::strategy::open_checkpoint;
 use crate::plan::geometry::split_box;
@@ -82,21 +83,29 @@ impl Out<'_> {
 
 /// A file being written under a temporary name.
 struct Pending {
+    /// Unpredictable, created with `create_new` ([`outfile`]).
     tmp: PathBuf,
     dest: PathBuf,
+    /// Whether `tmp` was created by this export (only then is it removed on failure).
+    created: std::cell::Cell<bool>,
 }
 
 /// Writes the tensors of the checkpoint in `src` as safetensors (see [`ExportOptions`]): a
 /// header with `__metadata__ = {"format": "pt"}` and the tensors in sorted key order, each with
-/// its global shape, C-contiguous. Every file is written under a temporary name in its final
-/// directory and renamed into place once all are complete; an existing file of the same name
-/// is replaced. `progress(bytes_done, bytes_total)` is called as data is written.
+/// its global shape, C-contiguous. Every file is written under a new temporary name in its final
+/// directory (created exclusively: nothing already there is opened or followed) and renamed
+/// into place once all are complete; an existing regular file of the same name is replaced.
+/// Refused ([`Error::InvalidArgument`], naming the path) before anything is written: an output
+/// that is the source checkpoint's directory or inside it, and an output name that exists as
+/// anything but a regular file (directory, symlink, FIFO, device node). `progress(bytes_done,
+/// bytes_total)` is called as data is written.
 pub fn export_safetensors(
     src: &dyn Storage,
     out: &Path,
     opts: &ExportOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<ExportReport> {
+    outfile::check_outside(out, &src.location())?;
     let ckpt = open_checkpoint(src)?;
     let (index, src) = (&ckpt.index, ckpt.storage());
     if let Some(d) = opts.dtype {
@@ -161,19 +170,33 @@ pub fn export_safetensors(
                     out.display()
                 )));
             }
+            outfile::check_replaceable(out)?;
             let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
             std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
             (parent.to_path_buf(), vec![name.to_string()])
         }
         Some(_) => {
+            if out.exists() && !out.is_dir() {
+                return Err(Error::invalid(format!(
+                    "{} exists and is not a directory: a sharded export writes its files into a directory",
+                    out.display()
+                )));
+            }
             std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
             (out.to_path_buf(), (1..=nfiles).map(|i| format!("model-{i:05}-of-{nfiles:05}.safetensors")).collect())
         }
     };
     let pending: Vec<Pending> = names
         .iter()
-        .map(|n| Pending { tmp: dir.join(format!(".{n}.tmp-{}", std::process::id())), dest: dir.join(n) })
+        .map(|n| Pending { tmp: outfile::tmp_name(&dir, n), dest: dir.join(n), created: Default::default() })
         .collect();
+    for p in &pending {
+        outfile::check_replaceable(&p.dest)?;
+    }
+    let index_dest = opts.max_shard_size.map(|_| dir.join(SAFETENSORS_INDEX_FILE));
+    if let Some(d) = &index_dest {
+        outfile::check_replaceable(d)?;
+    }
     let mut headers: Vec<Vec<u8>> = Vec::with_capacity(nfiles);
     for f in 0..nfiles {
         let mut entries = Vec::new();
@@ -197,22 +220,23 @@ pub fn export_safetensors(
     let result = write_files(src, index, &tensors, &pending, &headers, opts, progress);
     let total: u64 = file_bytes.iter().sum();
     let finish = result.and_then(|()| {
+        // Checked again right before the renames: what appeared meanwhile is not replaced either.
+        for dest in pending.iter().map(|p| &p.dest).chain(&index_dest) {
+            outfile::check_replaceable(dest)?;
+        }
         for p in &pending {
             std::fs::rename(&p.tmp, &p.dest).map_err(|e| Error::io(&p.dest, e))?;
         }
-        if opts.max_shard_size.is_none() {
-            return Ok(None);
-        }
+        let Some(dest) = index_dest else { return Ok(None) };
         let mut weight_map = Map::new();
         for t in &tensors {
             weight_map.insert(t.entry.key.clone(), J::String(names[t.file].clone()));
         }
         let json = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         let text = serde_json::to_vec_pretty(&json).expect("JSON of plain values");
-        let dest = dir.join(SAFETENSORS_INDEX_FILE);
-        let tmp = dir.join(format!(".{SAFETENSORS_INDEX_FILE}.tmp-{}", std::process::id()));
-        let r =
-            write_file_synced(&tmp, &text).and_then(|()| std::fs::rename(&tmp, &dest).map_err(|e| Error::io(&dest, e)));
+        let tmp = outfile::tmp_name(&dir, SAFETENSORS_INDEX_FILE);
+        outfile::write_new_synced(&tmp, &text)?;
+        let r = std::fs::rename(&tmp, &dest).map_err(|e| Error::io(&dest, e));
         if r.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
@@ -226,17 +250,12 @@ pub fn export_safetensors(
             index: index_path,
         }),
         Err(e) => {
-            for p in &pending {
+            for p in pending.iter().filter(|p| p.created.get()) {
                 let _ = std::fs::remove_file(&p.tmp);
             }
             Err(e)
         }
     }
-}
-
-fn write_file_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = File::create(path).map_err(|e| Error::io(path, e))?;
-    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| Error::io(path, e))
 }
 
 /// Streams every tensor into the temporary files, in order.
@@ -303,7 +322,8 @@ fn write_files(
                     close(w, &pending[f].tmp)?;
                 }
                 let path = &pending[t.file].tmp;
-                let mut w = BufWriter::with_capacity(1 << 20, File::create(path).map_err(|e| Error::io(path, e))?);
+                let mut w = BufWriter::with_capacity(1 << 20, outfile::create_new(path)?);
+                pending[t.file].created.set(true);
                 w.write_all(&headers[t.file]).map_err(|e| Error::io(path, e))?;
                 current = Some((t.file, w));
             }

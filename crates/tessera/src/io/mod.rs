@@ -12,6 +12,7 @@ pub(crate) mod foreign;
 pub(crate) mod index_read;
 pub(crate) mod load;
 pub(crate) mod maintenance;
+pub(crate) mod outfile;
 pub(crate) mod pipeline;
 pub(crate) mod read;
 pub(crate) mod save;
