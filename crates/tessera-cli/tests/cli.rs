@@ -955,3 +955,35 @@ fn benchmarks_and_the_demo_delete_only_what_they_created() {
     assert_eq!(snapshot(&converted), before);
     expect(&["demo", "--size", "1MiB", "--dir", native.to_str().unwrap()], 0);
 }
+
+#[test]
+fn verify_and_unshard_refuse_a_chunk_linked_out_of_the_checkpoint() {
+    // A zarr chunk linked to the process's environment: nothing of it may reach the output, and
+    // both commands fail naming the chunk.
+    fn copy_dir(src: &Path, dst: &Path) {
+        std::fs::create_dir_all(dst).unwrap();
+        for e in std::fs::read_dir(src).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                copy_dir(&e.path(), &dst.join(e.file_name()));
+            } else {
+                std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+            }
+        }
+    }
+    let scratch = Scratch::new("hostile-link");
+    let ck = scratch.path().join("ck");
+    copy_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tessera/tests/fixtures/foreign/megatron_zarr"), &ck);
+    std::fs::remove_file(ck.join("step_counts/0.1")).unwrap();
+    std::os::unix::fs::symlink("/proc/self/environ", ck.join("step_counts/0.1")).unwrap();
+    let out = tessera(&["verify", ck.to_str().unwrap()]);
+    let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("step_counts/0.1") && said.contains("symbolic link"), "{said}");
+    let dest = scratch.path().join("model.safetensors");
+    let out = tessera(&["unshard", ck.to_str().unwrap(), "--out", dest.to_str().unwrap()]);
+    let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("step_counts/0.1") && said.contains("symbolic link"), "{said}");
+    assert!(!dest.exists());
+}

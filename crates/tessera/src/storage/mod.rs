@@ -79,7 +79,9 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn list(&self) -> Result<Vec<String>>;
 
     /// Names of all objects at any depth (`/`-joined), in no particular order. The default is
-    /// [`Storage::list`], right for backends that hold no nested names.
+    /// [`Storage::list`], right for backends that hold no nested names. An entry no read could
+    /// serve (on a local directory: a link, a FIFO) is refused with [`Error::Corrupt`] naming
+    /// it, not left out: the formats that list take the listing as the checkpoint's contents.
     fn list_recursive(&self) -> Result<Vec<String>> {
         self.list()
     }
