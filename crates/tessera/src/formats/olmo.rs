@@ -196,9 +196,7 @@ fn tensor_of(v: &J) -> std::result::Result<TensorMeta, String> {
         return Err("no shard_spec_per_file".into());
     }
     for (file, _) in &files {
-        if file.is_empty() || file.contains('/') || file.contains('\\') || file == "." || file == ".." {
-            return Err(format!("file name {file:?} is not a plain name inside the directory"));
-        }
+        crate::format::index::check_file_name(file)?;
     }
     Ok(TensorMeta { shape, is_sharded, dtype, files })
 }
