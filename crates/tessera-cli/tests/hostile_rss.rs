@@ -32,6 +32,7 @@ impl Drop for Scratch {
 
 /// Runs the binary with `args`; returns (exit code, or `None` if a signal ended it; stdout and
 /// stderr; peak RSS in bytes).
+#[allow(clippy::zombie_processes)] // reaped by wait4, which also returns its rusage
 fn run(args: &[&str], scratch: &Path) -> (Option<i32>, String, u64) {
     let (out_path, err_path) = (scratch.join("stdout.txt"), scratch.join("stderr.txt"));
     let child = Command::new(BIN)

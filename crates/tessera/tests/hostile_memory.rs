@@ -46,10 +46,7 @@ fn zstd_bomb_stops_at_the_declared_size() {
     // 20,000 RLE blocks: 80 KB that expand to 2.5 GiB, for a tensor of 16 bytes.
     let bomb = zstd_rle_bomb(20_000);
     assert!(bomb.len() < 100_000);
-    write_dcp(
-        dir.path(),
-        &[Item::Tensor { fqn: "w", size: vec![4], data: bomb, transforms: vec!["stream.zstd/1"] }],
-    );
+    write_dcp(dir.path(), &[Item::Tensor { fqn: "w", size: vec![4], data: bomb, transforms: vec!["stream.zstd/1"] }]);
     let start = std::time::Instant::now();
     let (path, reason) = corrupt(read_chunk(dir.path(), "w"));
     assert!(path.ends_with("__0_0.distcp"), "{path}");
@@ -88,7 +85,10 @@ fn native(dir: &TempDir) -> LocalStorage {
     let st = LocalStorage::new(dir.path());
     let data = vec![7u8; 16];
     let mut tree = StateTree::map();
-    tree.insert("w".to_string(), StateTree::Tensor(shard("w", DType::F32, &[4], &[0], &[4], 0, None, TensorData::Ref(&data))));
+    tree.insert(
+        "w".to_string(),
+        StateTree::Tensor(shard("w", DType::F32, &[4], &[0], &[4], 0, None, TensorData::Ref(&data))),
+    );
     save(tree, &st, &SoloComm, &SaveOptions::default()).unwrap();
     st
 }
@@ -184,7 +184,9 @@ fn pickle_of_millions_of_nones_trips_the_budget() {
     assert_eq!(p, "nones.pkl");
     assert!(reason.contains("budget") && reason.contains("4000006-byte pickle"), "{reason}");
     // Within the floor, lists of Nones are fine.
-    assert!(matches!(unpickle(&nones(100_000), "ok.pkl", &UnpickleLimits::default()), Ok(PickleValue::List(v)) if v.len() == 100_000));
+    assert!(
+        matches!(unpickle(&nones(100_000), "ok.pkl", &UnpickleLimits::default()), Ok(PickleValue::List(v)) if v.len() == 100_000)
+    );
 }
 
 /// A DCP tensor of 2^56 elements (one chunk) whose item is a few bytes.

@@ -2469,7 +2469,8 @@ mod tests {
     fn mutated_inputs_never_panic() {
         // A cheap deterministic cousin of the fuzz target: every byte of every vector replaced
         // by a few values; each result must be a value or an error (tiny limits keep it fast).
-        let limits = UnpickleLimits { max_depth: 32, max_values: 10_000, max_bytes: 1 << 16, ..UnpickleLimits::default() };
+        let limits =
+            UnpickleLimits { max_depth: 32, max_values: 10_000, max_bytes: 1 << 16, ..UnpickleLimits::default() };
         for data in VALID {
             let mut m = data.to_vec();
             // Every byte of the small vectors, about 150 positions of the larger files.

@@ -184,9 +184,19 @@ pub struct BoxParts {
 #[derive(Debug, Clone)]
 enum PartsState {
     Whole(Option<BoxPart>),
-    Flat { at: u64, end: u64, max: u64 },
+    Flat {
+        at: u64,
+        end: u64,
+        max: u64,
+    },
     /// Groups of `rows` indices along `axis`, for each index `idx` of the axes before it.
-    Rows { axis: usize, rows: u64, idx: Vec<u64>, start: u64, done: bool },
+    Rows {
+        axis: usize,
+        rows: u64,
+        idx: Vec<u64>,
+        start: u64,
+        done: bool,
+    },
 }
 
 impl BoxParts {

@@ -177,9 +177,8 @@ impl<'s> ForeignView<'s> {
         let name = t.split('/').next().unwrap_or(t);
         match name {
             "stream.zstd" | "zstd" => {
-                let limit = expected.unwrap_or_else(|| {
-                    (raw.len() as u64).saturating_mul(OBJECT_DECODE_RATIO).max(OBJECT_DECODE_FLOOR)
-                });
+                let limit = expected
+                    .unwrap_or_else(|| (raw.len() as u64).saturating_mul(OBJECT_DECODE_RATIO).max(OBJECT_DECODE_FLOOR));
                 zstd_decode(raw, limit).map_err(|e| {
                     Error::corrupt(
                         self.shown(&item.relative_path),

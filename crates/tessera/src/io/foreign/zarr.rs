@@ -56,7 +56,10 @@ fn open_zarr(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)
             let arr = parse_zarray(&storage.read(name)?).map_err(|e| Error::corrupt(&shown, e))?;
             let esize = arr.dtype.size() as u64;
             if arr.shape.iter().try_fold(esize, |a, &n| a.checked_mul(n)).is_none() {
-                return Err(Error::corrupt(&shown, format!("shape {:?} of {key:?} overflows 64 bits of bytes", arr.shape)));
+                return Err(Error::corrupt(
+                    &shown,
+                    format!("shape {:?} of {key:?} overflows 64 bits of bytes", arr.shape),
+                ));
             }
             let grid = arr.grid();
             // Every chunk of the grid is a file of the array's folder: the grid may not be
