@@ -225,3 +225,15 @@ fn convert_of_a_2_56_element_tensor_counts_its_parts_first() {
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
 }
+
+#[test]
+fn loading_a_claimed_2_56_element_tensor_whole_is_an_error_not_an_abort() {
+    let dir = TempDir::new("hostile-plain");
+    let st = huge_tensor_dcp(&dir);
+    match load_plain_tensors(&st, None) {
+        Err(Error::InvalidArgument { reason }) => {
+            assert!(reason.contains("\"w\"") && reason.contains("cannot allocate"), "{reason}")
+        }
+        other => panic!("expected InvalidArgument, got {:?}", other.map(|m| m.len())),
+    }
+}
