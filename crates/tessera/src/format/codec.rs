@@ -87,6 +87,13 @@ pub struct Decoder<'b> {
     pos: usize,
 }
 
+/// Room reserved up front for `n` decoded items, a count read from a file: at most a few
+/// thousand, so a count (even one bounded by the bytes left) never sizes an allocation of
+/// large items by itself; the vector grows as items are actually decoded.
+pub(crate) fn prealloc(n: usize) -> usize {
+    n.min(1 << 10)
+}
+
 /// Values nest at most this deep: bounds recursion on hostile input.
 const MAX_DEPTH: usize = 128;
 
@@ -173,7 +180,7 @@ impl<'b> Decoder<'b> {
             6 => Value::Bytes(self.bytes()?.to_vec()),
             7 => {
                 let n = self.count()?;
-                let mut items = Vec::with_capacity(n);
+                let mut items = Vec::with_capacity(prealloc(n));
                 for _ in 0..n {
                     items.push(self.value_at(depth + 1)?);
                 }
@@ -181,7 +188,7 @@ impl<'b> Decoder<'b> {
             }
             8 => {
                 let n = self.count()?;
-                let mut entries = Vec::with_capacity(n);
+                let mut entries = Vec::with_capacity(prealloc(n));
                 for _ in 0..n {
                     let k = self.str()?;
                     entries.push((k, self.value_at(depth + 1)?));

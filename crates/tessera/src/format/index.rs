@@ -4,7 +4,7 @@
 //! sections`, the head holding a directory of tensors and each section one tensor's chunk records
 //! (version 2); version 1 has the chunk records inline in one checksummed body.
 
-use super::codec::{Decoder, Encoder};
+use super::codec::{prealloc, Decoder, Encoder};
 use crate::plan::dims::Dims;
 use crate::plan::geometry::numel;
 use crate::state::{PathSeg, StatePath};
@@ -381,7 +381,7 @@ impl CheckpointIndex {
         let mut d = Decoder::new(body);
         let prelude = Prelude::decode(&mut d)?;
         let n = d.count()?;
-        let mut tensors: Vec<TensorEntry> = Vec::with_capacity(n);
+        let mut tensors: Vec<TensorEntry> = Vec::with_capacity(prealloc(n));
         for _ in 0..n {
             let (key, dtype, global_shape, nchunks) = decode_tensor_head(&mut d)?;
             let shape = TensorShape { key: &key, dtype, global_shape: &global_shape };
@@ -488,12 +488,12 @@ fn encode_objects(e: &mut Encoder, objects: &[&ObjectEntry]) {
 
 fn decode_objects(d: &mut Decoder<'_>) -> Result<Vec<ObjectEntry>, String> {
     let n = d.count()?;
-    let mut objects: Vec<ObjectEntry> = Vec::with_capacity(n);
+    let mut objects: Vec<ObjectEntry> = Vec::with_capacity(prealloc(n));
     for _ in 0..n {
         let key = d.str()?;
         let global_shape = d.dims()?;
         let ns = d.count()?;
-        let mut shards = Vec::with_capacity(ns);
+        let mut shards = Vec::with_capacity(prealloc(ns));
         for _ in 0..ns {
             let mut offset = Vec::with_capacity(global_shape.len());
             for _ in 0..global_shape.len() {
@@ -531,13 +531,13 @@ impl Prelude {
         }
         let content_metadata = d.value()?;
         let n = d.count()?;
-        let mut common = Vec::with_capacity(n);
+        let mut common = Vec::with_capacity(prealloc(n));
         for _ in 0..n {
             let path = decode_path(d)?;
             common.push((path, d.value()?));
         }
         let n = d.count()?;
-        let mut files = Vec::with_capacity(n);
+        let mut files = Vec::with_capacity(prealloc(n));
         for _ in 0..n {
             let name = d.str()?;
             check_file_name(&name)?;
@@ -588,7 +588,7 @@ fn decode_chunks(
     if nchunks > d.remaining() / 3 {
         return Err(format!("{key:?}: {nchunks} chunks cannot fit in {} bytes", d.remaining()));
     }
-    let mut chunks: Vec<StoredChunk> = Vec::with_capacity(nchunks);
+    let mut chunks: Vec<StoredChunk> = Vec::with_capacity(prealloc(nchunks));
     for _ in 0..nchunks {
         let file = d.var()?;
         let byte_offset = d.var()?;
@@ -701,7 +701,7 @@ impl IndexHead {
         let mut d = Decoder::new(head);
         let prelude = Prelude::decode(&mut d)?;
         let n = d.count()?;
-        let mut tensors: Vec<TensorDir> = Vec::with_capacity(n);
+        let mut tensors: Vec<TensorDir> = Vec::with_capacity(prealloc(n));
         let mut at = sections_start;
         for _ in 0..n {
             let (key, dtype, global_shape, chunk_count) = decode_tensor_head(&mut d)?;

@@ -112,13 +112,35 @@ pub struct UnpickleLimits {
     /// Most bytes of string and bytes payloads, in total (read from the input; separately,
     /// held by the result, counting every copy and the class names of objects).
     pub max_bytes: usize,
+    /// Memory budget relative to the input: the values built (in the unpickler's arena, and
+    /// again in the result, where a shared value counts once per copy) and their string bytes,
+    /// estimated at their in-memory size, may take at most `output_floor + output_per_input_byte
+    /// × input length` bytes. This is what keeps a small pickle from growing to gigabytes
+    /// (memo sharing, millions of `None`s) whatever the absolute limits above allow.
+    pub output_per_input_byte: usize,
+    /// See [`UnpickleLimits::output_per_input_byte`].
+    pub output_floor: usize,
 }
 
 impl Default for UnpickleLimits {
     fn default() -> Self {
-        UnpickleLimits { max_depth: 512, max_values: 50_000_000, max_bytes: 1 << 32 }
+        UnpickleLimits {
+            max_depth: 512,
+            max_values: 50_000_000,
+            max_bytes: 1 << 32,
+            output_per_input_byte: 24,
+            output_floor: 8 << 20,
+        }
     }
 }
+
+/// Estimated bytes one value costs in memory (an arena node and its id on the stack, or a
+/// [`PickleValue`] of the result), for [`UnpickleLimits::output_per_input_byte`].
+const VALUE_COST: u64 = {
+    let node = std::mem::size_of::<Node>() + std::mem::size_of::<Id>();
+    let value = std::mem::size_of::<PickleValue>();
+    (if node > value { node } else { value }) as u64
+};
 
 /// Decodes one pickle (protocol 0–5 opcodes; out-of-band buffers and the extension registry
 /// are refused). `origin` names the file in errors, which are [`Error::Corrupt`] with the byte
@@ -900,13 +922,36 @@ impl<'a> Machine<'a> {
         if self.bytes > self.limits.max_bytes {
             return Err(self.err(format!("more than {} bytes of strings (max_bytes)", self.limits.max_bytes)));
         }
-        Ok(())
+        self.check_budget(self.values as u64, self.bytes as u64, "")
     }
 
     fn charge_values(&mut self, n: usize) -> Result<()> {
         self.values = self.values.saturating_add(n);
         if self.values > self.limits.max_values {
             return Err(self.err(format!("more than {} values (max_values)", self.limits.max_values)));
+        }
+        self.check_budget(self.values as u64, self.bytes as u64, "")
+    }
+
+    /// The memory budget relative to the input length ([`UnpickleLimits::output_per_input_byte`]).
+    fn budget(&self) -> u64 {
+        (self.data.len() as u64)
+            .saturating_mul(self.limits.output_per_input_byte as u64)
+            .saturating_add(self.limits.output_floor as u64)
+    }
+
+    /// Fails when `values` values holding `bytes` bytes of strings exceed [`Machine::budget`].
+    fn check_budget(&self, values: u64, bytes: u64, what: &str) -> Result<()> {
+        let estimate = values.saturating_mul(VALUE_COST).saturating_add(bytes);
+        if estimate > self.budget() {
+            return Err(self.err(format!(
+                "{what}{values} values and {bytes} bytes of strings would take about {estimate} bytes, more than \
+                 the budget of {} bytes for a {}-byte pickle (output_per_input_byte {}, output_floor {})",
+                self.budget(),
+                self.data.len(),
+                self.limits.output_per_input_byte,
+                self.limits.output_floor
+            )));
         }
         Ok(())
     }
@@ -1824,6 +1869,7 @@ impl<'a> Machine<'a> {
                         self.limits.max_bytes
                     )));
                 }
+                self.check_budget(values, bytes, "the result (shared values counted once per copy): ")?;
                 size[id] = (values, bytes, height);
                 color[id] = BLACK;
                 continue;
@@ -2423,7 +2469,8 @@ mod tests {
     fn mutated_inputs_never_panic() {
         // A cheap deterministic cousin of the fuzz target: every byte of every vector replaced
         // by a few values; each result must be a value or an error (tiny limits keep it fast).
-        let limits = UnpickleLimits { max_depth: 32, max_values: 10_000, max_bytes: 1 << 16 };
+        let limits =
+            UnpickleLimits { max_depth: 32, max_values: 10_000, max_bytes: 1 << 16, ..UnpickleLimits::default() };
         for data in VALID {
             let mut m = data.to_vec();
             // Every byte of the small vectors, about 150 positions of the larger files.
@@ -2530,6 +2577,9 @@ mod tests {
         v.push(b'.');
         let start = std::time::Instant::now();
         let reason = fail(&v);
+        // The budget relative to the input trips long before the absolute max_values.
+        assert!(reason.contains("budget") && reason.contains("365-byte pickle"), "{reason}");
+        let reason = fail_with(&v, UnpickleLimits { output_per_input_byte: usize::MAX, ..UnpickleLimits::default() });
         assert!(reason.contains("more than 50000000 values"), "{reason}");
         assert!(start.elapsed() < std::time::Duration::from_secs(5));
         // Just under and just over a small limit: 2^(k+1) - 1 values at level k.

@@ -240,7 +240,11 @@ impl TensorRecord {
 
     /// Number of elements.
     pub fn numel(&self) -> u64 {
-        self.size.iter().product()
+        // Saturating: a hostile shape must not overflow (a zero axis still gives 0).
+        if self.size.contains(&0) {
+            return 0;
+        }
+        self.size.iter().fold(1u64, |a, &n| a.saturating_mul(n))
     }
 
     /// One past the largest storage element the tensor touches (0 if it has none).
@@ -384,6 +388,9 @@ pub(crate) fn decode_archive(archive: &[u8], origin: &str) -> Result<PickleValue
     unpickle(bytes, origin, &limits()).map_err(|e| e.to_string())
 }
 
+/// How many bytes a tensor whose strides overlap may hold beyond its storage's size.
+pub(crate) const STRIDED_SLACK: u64 = 16 << 20;
+
 /// Copies the elements of `t` out of its storage bytes in C order.
 pub(crate) fn gather(storage: &[u8], t: &TensorRecord) -> Result<Vec<u8>, String> {
     let es = t.dtype.size() as u64;
@@ -392,6 +399,15 @@ pub(crate) fn gather(storage: &[u8], t: &TensorRecord) -> Result<Vec<u8>, String
         return Err(format!("tensor needs {extent} elements of a {}-byte storage", storage.len()));
     }
     let numel = t.numel();
+    // Overlapping strides (stride 0, `as_strided`) make a tensor larger than its storage: the
+    // copy is bounded by what is stored, plus a little for small expanded tensors.
+    let nbytes = numel.checked_mul(es).ok_or("tensor size overflows")?;
+    if nbytes > (storage.len() as u64).saturating_add(STRIDED_SLACK) {
+        return Err(format!(
+            "a strided tensor of {nbytes} bytes over a {}-byte storage (overlapping strides expand it past what is stored)",
+            storage.len()
+        ));
+    }
     if t.is_contiguous() {
         let at = (t.storage_offset * es) as usize;
         return Ok(storage[at..at + (numel * es) as usize].to_vec());

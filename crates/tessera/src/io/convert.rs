@@ -17,7 +17,7 @@ use crate::io::pipeline::{batches, job_bytes, load_parts, pipeline, TensorPart, 
 use crate::io::save::{commit_index, finish_file, new_save_id, remove_save_files};
 use crate::io::strategy::{detect_format, open_checkpoint};
 use crate::io::write::{write_sources, Source};
-use crate::plan::geometry::split_box;
+use crate::plan::geometry::split_box_lazy;
 use crate::plan::save::{
     data_file_name, layout_file, validate_global, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
 };
@@ -102,6 +102,8 @@ fn refuse_committed(dst: &dyn Storage) -> Result<()> {
         Err(e) => Err(e),
     }
 }
+/// Most chunks a conversion writes (each is a planned chunk, then an index record).
+const MAX_PARTS: u64 = 1 << 20;
 
 /// Copies the checkpoint in `src` (any format [`crate::open_checkpoint`] recognises) into `dst` as a
 /// native checkpoint: the same tensors with the same chunks (large ones split), the sharded
@@ -140,11 +142,30 @@ pub fn convert(
     let per_job = job_bytes(opts.memory_budget);
 
     // Chunks in the order of the source's files (sequential reads), then object shards.
-    let mut chunks: Vec<(u32, u64, TensorPart<'_>)> = Vec::new();
+    // Every part becomes a chunk of the new index, so all are made: their number is counted
+    // first (without making them), and a source whose chunks would split into more parts than
+    // a plan can hold is refused before anything is allocated for them.
+    let mut nparts = 0u64;
     for t in &index.tensors {
         let max_numel = per_job / t.dtype.size() as u64;
         for c in t.chunks() {
-            for part in split_box(&c.offset, &c.shape, c.flat, max_numel) {
+            nparts = nparts.saturating_add(split_box_lazy(&c.offset, &c.shape, c.flat, max_numel).count_parts());
+            if nparts > MAX_PARTS {
+                return Err(Error::invalid(format!(
+                    "{}: tensor {:?} (shape {:?}) and those before it would be cut into more than {MAX_PARTS} \
+                     chunks of at most {per_job} bytes; raise the memory budget",
+                    src.location(),
+                    t.key,
+                    t.global_shape
+                )));
+            }
+        }
+    }
+    let mut chunks: Vec<(u32, u64, TensorPart<'_>)> = Vec::with_capacity(nparts as usize);
+    for t in &index.tensors {
+        let max_numel = per_job / t.dtype.size() as u64;
+        for c in t.chunks() {
+            for part in split_box_lazy(&c.offset, &c.shape, c.flat, max_numel) {
                 chunks.push((c.file, c.byte_offset, TensorPart { tensor: t, part }));
             }
         }
@@ -349,7 +370,7 @@ fn write_files(
         progress(done, total);
         Ok(())
     };
-    pipeline(&jobs, opts.memory_budget, |j| costs[j.clone()].iter().sum(), read, &mut write)?;
+    pipeline(jobs.iter().cloned(), opts.memory_budget, |j| costs[j.clone()].iter().sum(), read, &mut write)?;
     if let Some(o) = open.take() {
         finish(o, &mut written)?;
     }

@@ -7,9 +7,9 @@ use std::fmt;
 use crate::dtype::elements_to_f64;
 use crate::format::{CheckpointIndex, ObjectEntry, TensorEntry};
 use crate::io::load::{read_object, LoadOptions};
-use crate::io::pipeline::{batches, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
+use crate::io::pipeline::{batched, batches, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
 use crate::io::strategy::open_checkpoint;
-use crate::plan::geometry::split_box;
+use crate::plan::geometry::split_box_lazy;
 use crate::state::{path_string, StatePath, Value};
 use crate::storage::Storage;
 use crate::{element_to_f64, DType, Error, Result};
@@ -275,6 +275,10 @@ fn unravel(mut flat: u64, shape: &[u64]) -> Vec<u64> {
     idx
 }
 
+/// A part of a pair of tensors compared: (pair, flat position of the part's first element, the
+/// part on each side).
+type DiffPart<'i> = (usize, u64, TensorPart<'i>, TensorPart<'i>);
+
 /// Compares the checkpoints in `a` and `b` (any formats [`crate::open_checkpoint`] recognises): which
 /// tensors and sharded objects are on one side only, dtype and shape differences, element
 /// values (see [`DiffOptions::atol`]) with the largest difference and the first differing
@@ -329,22 +333,24 @@ pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<Diff
 
     // Values: both sides in the same row slices.
     let per_job = job_bytes(opts.memory_budget);
-    let mut parts: Vec<(usize, u64, TensorPart<'_>, TensorPart<'_>)> = Vec::new();
-    for (i, (x, y)) in pairs.iter().enumerate() {
+    // Parts are made as the reader gets to them (a huge tensor is never split up front).
+    let parts = pairs.iter().enumerate().flat_map(move |(i, &(x, y))| {
         let elem = (x.dtype.size() + y.dtype.size()) as u64;
-        let mut base = 0;
-        for part in split_box(&vec![0; x.global_shape.len()], &x.global_shape, None, per_job / elem) {
-            let n = part.numel();
-            parts.push((i, base, TensorPart { tensor: x, part: part.clone() }, TensorPart { tensor: y, part }));
-            base += n;
-        }
-    }
-    let costs: Vec<u64> = parts.iter().map(|(_, _, p, q)| p.nbytes() + q.nbytes()).collect();
-    report.bytes_compared = costs.iter().sum();
-    let jobs = batches(&costs, per_job, |_| false);
+        let zeros = vec![0; x.global_shape.len()];
+        split_box_lazy(&zeros, &x.global_shape, None, per_job / elem).scan(0u64, move |base, part| {
+            let at = *base;
+            *base += part.numel();
+            Some((i, at, TensorPart { tensor: x, part: part.clone() }, TensorPart { tensor: y, part }))
+        })
+    });
+    let cost_of = |(_, _, p, q): &DiffPart<'_>| p.nbytes() + q.nbytes();
+    report.bytes_compared = pairs.iter().fold(0u64, |a, (x, y)| {
+        let n = x.global_shape.iter().fold(1u64, |a, &d| a.saturating_mul(d));
+        a.saturating_add(n.saturating_mul((x.dtype.size() + y.dtype.size()) as u64))
+    });
+    let jobs = batched(parts, per_job, cost_of);
     let load_opts = LoadOptions { threads: opts.threads, ..Default::default() };
-    let read = |job: &std::ops::Range<usize>| -> Result<(Vec<u8>, Vec<u8>)> {
-        let batch = &parts[job.clone()];
+    let read = |batch: &Vec<DiffPart<'_>>| -> Result<(Vec<u8>, Vec<u8>)> {
         let side = |index: &CheckpointIndex, storage: &dyn Storage, first: bool| -> Result<Vec<u8>> {
             let refs: Vec<&TensorPart<'_>> = batch.iter().map(|(_, _, p, q)| if first { p } else { q }).collect();
             let mut buf = vec![0u8; refs.iter().map(|p| p.nbytes()).sum::<u64>() as usize];
@@ -354,9 +360,9 @@ pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<Diff
         Ok((side(ia, a, true)?, side(ib, b, false)?))
     };
     let mut accs: Vec<Acc> = pairs.iter().map(|_| Acc::default()).collect();
-    let mut write = |job: &std::ops::Range<usize>, (da, db): (Vec<u8>, Vec<u8>)| -> Result<()> {
+    let mut write = |job: &Vec<DiffPart<'_>>, (da, db): (Vec<u8>, Vec<u8>)| -> Result<()> {
         let (mut at_a, mut at_b) = (0usize, 0usize);
-        for (i, base, p, q) in &parts[job.clone()] {
+        for (i, base, p, q) in job {
             let (la, lb) = (p.nbytes() as usize, q.nbytes() as usize);
             let (x, y) = pairs[*i];
             compare(&da[at_a..at_a + la], x.dtype, &db[at_b..at_b + lb], y.dtype, opts.atol, *base, &mut accs[*i]);
@@ -365,7 +371,7 @@ pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<Diff
         }
         Ok(())
     };
-    pipeline(&jobs, opts.memory_budget, |j| costs[j.clone()].iter().sum(), read, &mut write)?;
+    pipeline(jobs, opts.memory_budget, |j| j.iter().map(cost_of).sum(), read, &mut write)?;
     for ((x, _), acc) in pairs.iter().zip(accs) {
         if let Some(first) = acc.first {
             diffs.entry(x.key.as_str()).or_default().push(TensorDifference::Values(ValueDiff {

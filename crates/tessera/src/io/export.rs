@@ -15,9 +15,9 @@ use serde_json::{json, Map, Value as J};
 use crate::format::{build_header, SafetensorsEntry, TensorEntry};
 use crate::io::load::LoadOptions;
 use crate::io::outfile;
-use crate::io::pipeline::{batches, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
+use crate::io::pipeline::{batched, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
 use crate::io::strategy::open_checkpoint;
-use crate::plan::geometry::split_box;
+use crate::plan::geometry::split_box_lazy;
 use crate::storage::Storage;
 use crate::{cast_into, DType, Error, Result};
 
@@ -258,6 +258,9 @@ pub fn export_safetensors(
     }
 }
 
+/// A batch of parts loaded with one call: (tensor, part of it).
+type Job<'i> = Vec<(usize, TensorPart<'i>)>;
+
 /// Streams every tensor into the temporary files, in order.
 fn write_files(
     src: &dyn Storage,
@@ -269,31 +272,27 @@ fn write_files(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
     // Slices of rows, each costing at most a job's share of the budget (source bytes, plus the
-    // cast copy when there is one).
+    // cast copy when there is one), made as the reader gets to them: never all at once.
     let per_job = job_bytes(opts.memory_budget);
-    let mut parts: Vec<(usize, TensorPart<'_>)> = Vec::new();
-    for (i, t) in tensors.iter().enumerate() {
-        let e = t.entry;
-        let elem_cost = (e.dtype.size() + if t.dtype != e.dtype { t.dtype.size() } else { 0 }) as u64;
-        let zeros = vec![0; e.global_shape.len()];
-        for part in split_box(&zeros, &e.global_shape, None, per_job / elem_cost) {
-            parts.push((i, TensorPart { tensor: e, part }));
-        }
-    }
     let cost_of = |(i, p): &(usize, TensorPart<'_>)| {
         let t = &tensors[*i];
         p.nbytes() + if t.dtype != t.entry.dtype { p.part.numel() * t.dtype.size() as u64 } else { 0 }
     };
-    let costs: Vec<u64> = parts.iter().map(cost_of).collect();
-    let jobs = batches(&costs, per_job, |_| false);
+    let parts = tensors.iter().enumerate().flat_map(move |(i, t)| {
+        let e = t.entry;
+        let elem_cost = (e.dtype.size() + if t.dtype != e.dtype { t.dtype.size() } else { 0 }) as u64;
+        let zeros = vec![0; e.global_shape.len()];
+        split_box_lazy(&zeros, &e.global_shape, None, per_job / elem_cost)
+            .map(move |part| (i, TensorPart { tensor: e, part }))
+    });
+    let jobs = batched(parts, per_job, cost_of);
     let load_opts = LoadOptions { threads: opts.threads, ..Default::default() };
     let total: u64 = tensors.iter().map(Out::nbytes).sum();
     let mut done = 0u64;
     let mut current: Option<(usize, BufWriter<File>)> = None;
     progress(0, total);
 
-    let read = |job: &std::ops::Range<usize>| -> Result<Vec<u8>> {
-        let batch = &parts[job.clone()];
+    let read = |batch: &Job<'_>| -> Result<Vec<u8>> {
         let refs: Vec<&TensorPart<'_>> = batch.iter().map(|(_, p)| p).collect();
         let mut buf = vec![0u8; refs.iter().map(|p| p.nbytes()).sum::<u64>() as usize];
         load_parts(index, src, &refs, &mut buf, &load_opts)?;
@@ -313,9 +312,9 @@ fn write_files(
         }
         Ok(out)
     };
-    let mut write = |job: &std::ops::Range<usize>, data: Vec<u8>| -> Result<()> {
+    let mut write = |job: &Job<'_>, data: Vec<u8>| -> Result<()> {
         let mut at = 0usize;
-        for (i, p) in &parts[job.clone()] {
+        for (i, p) in job {
             let t = &tensors[*i];
             if current.as_ref().is_none_or(|(f, _)| *f != t.file) {
                 if let Some((f, w)) = current.take() {
@@ -336,7 +335,7 @@ fn write_files(
         progress(done, total);
         Ok(())
     };
-    pipeline(&jobs, opts.memory_budget, |j| costs[j.clone()].iter().sum(), read, &mut write)?;
+    pipeline(jobs, opts.memory_budget, |j| j.iter().map(cost_of).sum(), read, &mut write)?;
     if let Some((f, w)) = current.take() {
         close(w, &pending[f].tmp)?;
     }

@@ -386,7 +386,14 @@ fn prepare<'a>(
             StateTree::Tensor(mut t) => {
                 t.check(false)?;
                 if matches!(t.data, TensorData::None) {
-                    t.data = TensorData::Owned(vec![0u8; t.data_nbytes() as usize]);
+                    t.data = TensorData::Owned(zeroed(t.data_nbytes()).ok_or_else(|| {
+                        Error::invalid(format!(
+                            "{:?}: cannot allocate {} bytes for the tensor (shape {:?})",
+                            t.key,
+                            t.data_nbytes(),
+                            t.local_shape
+                        ))
+                    })?);
                 }
                 let buf = t.data.bytes_mut().ok_or_else(|| {
                     Error::invalid(format!(
@@ -777,4 +784,21 @@ pub fn load_sharded_objects<'a>(tree: StateTree<'a>, storage: &dyn Storage) -> R
         }
         other => Ok(other),
     })
+}
+
+/// `n` zero bytes, or `None` when the allocator refuses them: a shape read from a checkpoint
+/// may claim more than the machine has, and that must be an error, not an abort. Zeroed by the
+/// allocator (untouched pages cost nothing until written).
+fn zeroed(n: u64) -> Option<Vec<u8>> {
+    let n = usize::try_from(n).ok().filter(|&n| n <= isize::MAX as usize)?;
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).ok()?;
+    // SAFETY: `layout` has a non-zero size; a non-null result is `n` zeroed bytes allocated
+    // with the global allocator and `u8`'s alignment, which `Vec::from_raw_parts` takes over.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout);
+        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, n, n))
+    }
 }

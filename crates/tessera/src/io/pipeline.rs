@@ -132,38 +132,65 @@ impl Budget {
     }
 }
 
+/// Groups `items` into consecutive batches of total cost at most `max` (an item costing more
+/// gets a batch of its own), lazily: the lazy counterpart of [`batches`], for item streams too
+/// long to hold (the parts of a huge tensor under a small budget).
+pub(crate) fn batched<I: Iterator>(
+    items: I,
+    max: u64,
+    cost: impl Fn(&I::Item) -> u64,
+) -> impl Iterator<Item = Vec<I::Item>> {
+    let mut items = items.peekable();
+    std::iter::from_fn(move || {
+        let first = items.next()?;
+        let mut total = cost(&first);
+        let mut batch = vec![first];
+        while let Some(next) = items.peek() {
+            let c = cost(next);
+            if total.saturating_add(c) > max {
+                break;
+            }
+            total += c;
+            batch.push(items.next().expect("peeked"));
+        }
+        Some(batch)
+    })
+}
+
 /// Runs `read` on every job, in order, on a background thread, and `write` on each result, in
 /// the same order, on the calling thread: reading the next jobs overlaps with writing earlier
 /// ones. At most `budget` bytes (as counted by `cost`) are read and not yet written. The first
-/// error of either stage stops both and is returned.
-pub(crate) fn pipeline<J: Sync, T: Send>(
-    jobs: &[J],
+/// error of either stage stops both and is returned. Jobs are drawn from `jobs` as they are
+/// read, so a long stream of jobs is never held at once.
+pub(crate) fn pipeline<J: Send, T: Send>(
+    jobs: impl IntoIterator<Item = J, IntoIter: Send>,
     budget: u64,
     cost: impl Fn(&J) -> u64 + Sync,
     read: impl Fn(&J) -> Result<T> + Sync,
     mut write: impl FnMut(&J, T) -> Result<()>,
 ) -> Result<()> {
     let budget = Budget { limit: budget.max(1), state: Mutex::new((0, false)), cv: Condvar::new() };
+    let jobs = jobs.into_iter();
     std::thread::scope(|scope| {
-        let (tx, rx) = mpsc::channel::<Result<T>>();
+        let (tx, rx) = mpsc::channel::<(J, Result<T>)>();
         let (budget, cost, read) = (&budget, &cost, &read);
         scope.spawn(move || {
             for job in jobs {
-                if !budget.take(cost(job)) {
+                if !budget.take(cost(&job)) {
                     return;
                 }
-                let r = read(job);
+                let r = read(&job);
                 let failed = r.is_err();
-                if tx.send(r).is_err() || failed {
+                if tx.send((job, r)).is_err() || failed {
                     return;
                 }
             }
         });
         let r = (|| {
-            for job in jobs {
-                let data = rx.recv().map_err(|_| Error::invalid("the reading thread of the pipeline stopped"))??;
-                write(job, data)?;
-                budget.give(cost(job));
+            // Ends when the reader is done with the jobs (and has dropped its sender).
+            while let Ok((job, data)) = rx.recv() {
+                write(&job, data?)?;
+                budget.give(cost(&job));
             }
             Ok(())
         })();
@@ -193,7 +220,7 @@ mod tests {
         let peak = AtomicU64::new(0);
         let mut seen = Vec::new();
         pipeline(
-            &jobs,
+            jobs.iter().copied(),
             10,
             |&c| c,
             |&c| {
@@ -217,7 +244,7 @@ mod tests {
     fn pipeline_stops_at_the_first_error_of_either_stage() {
         let jobs: Vec<u64> = (0..100).collect();
         let read_fails = pipeline(
-            &jobs,
+            jobs.iter().copied(),
             1000,
             |_| 1,
             |&j| if j == 5 { Err(Error::invalid("read 5")) } else { Ok(j) },
@@ -226,7 +253,7 @@ mod tests {
         assert!(matches!(read_fails, Err(Error::InvalidArgument { reason }) if reason == "read 5"));
         let mut written = 0;
         let write_fails = pipeline(
-            &jobs,
+            jobs.iter().copied(),
             3,
             |_| 1,
             |&j| Ok(j),

@@ -126,9 +126,10 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     Ok(report)
 }
 
-/// Reads every virtual file of a foreign checkpoint whole, in pieces of at most 64 MiB.
+/// Reads every virtual file of a foreign checkpoint whole, in pieces of at most 8 MiB (a
+/// virtual file's size is what the metadata claims: the buffer must not follow it).
 fn verify_readable(storage: &dyn Storage, index: &crate::CheckpointIndex, threads: usize, report: &mut VerifyReport) {
-    const PIECE: u64 = 64 << 20;
+    const PIECE: u64 = 8 << 20;
     let problems = Mutex::new(Vec::new());
     let checked = AtomicUsize::new(0);
     let object_files: std::collections::HashSet<u32> =

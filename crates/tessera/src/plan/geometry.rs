@@ -150,54 +150,122 @@ impl BoxPart {
 /// axis 0 when a row fits; otherwise the axes before the cut axis are taken one index at a
 /// time. An empty box, a scalar, or a box that fits, comes back whole.
 pub fn split_box(off: &[u64], shape: &[u64], flat: Option<(u64, u64)>, max_numel: u64) -> Vec<BoxPart> {
+    split_box_lazy(off, shape, flat, max_numel).collect()
+}
+
+/// [`split_box`] as an iterator: parts are computed one at a time, so a box of 2^56 elements
+/// split into pieces of a few MiB costs nothing until (and only as far as) it is iterated.
+/// [`BoxParts::count_parts`] tells how many parts there are without computing them.
+pub fn split_box_lazy(off: &[u64], shape: &[u64], flat: Option<(u64, u64)>, max_numel: u64) -> BoxParts {
     let max = max_numel.max(1);
     let whole = BoxPart { off: off.to_vec(), shape: shape.to_vec(), flat };
-    if whole.numel() <= max {
-        return vec![whole];
-    }
-    if let Some((s, e)) = flat {
-        let mut out = Vec::new();
-        let mut at = s;
-        while at < e {
-            let end = (at + max).min(e);
-            out.push(BoxPart { off: off.to_vec(), shape: shape.to_vec(), flat: Some((at, end)) });
-            at = end;
+    let state = if whole.numel() <= max {
+        PartsState::Whole(Some(whole))
+    } else if let Some((s, e)) = flat {
+        PartsState::Flat { at: s, end: e, max }
+    } else {
+        // The first axis whose one-index slices fit; the last axis always does (slices of 1 element).
+        let n = shape.len();
+        let axis = (0..n).find(|&d| numel(&shape[d + 1..]) <= max).unwrap_or(n - 1);
+        let rows = (max / numel(&shape[axis + 1..])).max(1);
+        PartsState::Rows { axis, rows, idx: vec![0; axis], start: 0, done: false }
+    };
+    BoxParts { off: off.to_vec(), shape: shape.to_vec(), state }
+}
+
+/// The parts of a box, in order, computed as they are asked for (see [`split_box_lazy`]).
+#[derive(Debug, Clone)]
+pub struct BoxParts {
+    off: Vec<u64>,
+    shape: Vec<u64>,
+    state: PartsState,
+}
+
+#[derive(Debug, Clone)]
+enum PartsState {
+    Whole(Option<BoxPart>),
+    Flat {
+        at: u64,
+        end: u64,
+        max: u64,
+    },
+    /// Groups of `rows` indices along `axis`, for each index `idx` of the axes before it.
+    Rows {
+        axis: usize,
+        rows: u64,
+        idx: Vec<u64>,
+        start: u64,
+        done: bool,
+    },
+}
+
+impl BoxParts {
+    /// How many parts are left, computed without making them (saturating).
+    pub fn count_parts(&self) -> u64 {
+        match &self.state {
+            PartsState::Whole(p) => p.is_some() as u64,
+            PartsState::Flat { at, end, max } => end.saturating_sub(*at).div_ceil(*max),
+            PartsState::Rows { axis, rows, done, .. } => {
+                if *done {
+                    return 0;
+                }
+                // From the start (the count is only asked for before iterating).
+                let lead = self.shape[..*axis].iter().fold(1u64, |a, &n| a.saturating_mul(n));
+                lead.saturating_mul(self.shape[*axis].div_ceil(*rows))
+            }
         }
-        return out;
     }
-    // The first axis whose one-index slices fit; the last axis always does (slices of 1 element).
-    let n = shape.len();
-    let axis = (0..n).find(|&d| numel(&shape[d + 1..]) <= max).unwrap_or(n - 1);
-    let rows = (max / numel(&shape[axis + 1..])).max(1);
-    let mut out = Vec::new();
-    let mut idx = vec![0u64; axis];
-    loop {
-        let mut start = 0;
-        while start < shape[axis] {
-            let len = rows.min(shape[axis] - start);
-            let mut p_off = off.to_vec();
-            let mut p_shape = shape.to_vec();
-            for d in 0..axis {
-                p_off[d] += idx[d];
-                p_shape[d] = 1;
+}
+
+impl Iterator for BoxParts {
+    type Item = BoxPart;
+
+    fn next(&mut self) -> Option<BoxPart> {
+        match &mut self.state {
+            PartsState::Whole(p) => p.take(),
+            PartsState::Flat { at, end, max } => {
+                if *at >= *end {
+                    return None;
+                }
+                let stop = at.saturating_add(*max).min(*end);
+                let part = BoxPart { off: self.off.clone(), shape: self.shape.clone(), flat: Some((*at, stop)) };
+                *at = stop;
+                Some(part)
             }
-            p_off[axis] += start;
-            p_shape[axis] = len;
-            out.push(BoxPart { off: p_off, shape: p_shape, flat: None });
-            start += len;
-        }
-        // Next index of the leading axes, last axis fastest.
-        let mut d = axis;
-        loop {
-            if d == 0 {
-                return out;
+            PartsState::Rows { axis, rows, idx, start, done } => {
+                if *done {
+                    return None;
+                }
+                let axis = *axis;
+                let len = (*rows).min(self.shape[axis] - *start);
+                let mut p_off = self.off.clone();
+                let mut p_shape = self.shape.clone();
+                for d in 0..axis {
+                    p_off[d] += idx[d];
+                    p_shape[d] = 1;
+                }
+                p_off[axis] += *start;
+                p_shape[axis] = len;
+                *start += len;
+                if *start >= self.shape[axis] {
+                    *start = 0;
+                    // Next index of the leading axes, last axis fastest.
+                    let mut d = axis;
+                    loop {
+                        if d == 0 {
+                            *done = true;
+                            break;
+                        }
+                        d -= 1;
+                        idx[d] += 1;
+                        if idx[d] < self.shape[d] {
+                            break;
+                        }
+                        idx[d] = 0;
+                    }
+                }
+                Some(BoxPart { off: p_off, shape: p_shape, flat: None })
             }
-            d -= 1;
-            idx[d] += 1;
-            if idx[d] < shape[d] {
-                break;
-            }
-            idx[d] = 0;
         }
     }
 }
@@ -481,6 +549,7 @@ mod tests {
         ];
         for &(off, shape, flat, max) in cases {
             let parts = split_box(off, shape, flat, max);
+            assert_eq!(split_box_lazy(off, shape, flat, max).count_parts(), parts.len() as u64, "{shape:?} {max}");
             assert!(parts.iter().all(|p| p.numel() <= max.max(1) || parts.len() == 1), "{shape:?} {max}: {parts:?}");
             let got: Vec<u64> = parts.iter().flat_map(|p| positions(off, shape, p)).collect();
             let whole = BoxPart { off: off.to_vec(), shape: shape.to_vec(), flat };
@@ -494,6 +563,12 @@ mod tests {
         assert_eq!(split_box(&[0, 0], &[10, 6], None, 13).len(), 5);
         assert!(split_box(&[0, 0], &[10, 6], None, 13).iter().all(|p| p.shape[1] == 6), "rows along axis 0");
         assert_eq!(split_box(&[0, 0, 0], &[2, 3, 8], None, 5).len(), 2 * 3 * 2);
+        // 2^56 elements in parts of 2^20: 2^36 parts, counted and begun without making them all.
+        let mut huge = split_box_lazy(&[0, 0], &[1 << 28, 1 << 28], None, 1 << 20);
+        assert_eq!(huge.count_parts(), 1 << 36);
+        assert_eq!(huge.next().map(|p| p.shape), Some(vec![1, 1 << 20]));
+        let flat = split_box_lazy(&[0], &[1 << 56], Some((0, 1 << 56)), 1 << 20);
+        assert_eq!(flat.count_parts(), 1 << 36);
     }
 
     #[test]

@@ -130,6 +130,32 @@ pub(crate) fn size_if_present(storage: &dyn Storage, name: &str) -> Result<Optio
     }
 }
 
+/// Checks that `len` bytes at `offset` of `name` — a length some file claims — lie inside the
+/// object's real size, before anything is allocated for them. `what` names the claim (file and
+/// key) in the error. Every reader that sizes a buffer from a number found in a file goes
+/// through this (or [`read_claimed`]), so memory is bounded by what is on disk.
+pub(crate) fn check_claimed(storage: &dyn Storage, name: &str, offset: u64, len: u64, what: &str) -> Result<()> {
+    let size = storage.size(name)?;
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(Error::corrupt(
+            format!("{}/{name}", storage.location()),
+            format!("{what}: claims {len} bytes at offset {offset}, the file has {size}"),
+        ));
+    }
+    if usize::try_from(len).is_err() {
+        return Err(Error::corrupt(format!("{}/{name}", storage.location()), format!("{what}: {len} bytes")));
+    }
+    Ok(())
+}
+
+/// Reads `len` bytes of `name` at `offset` after [`check_claimed`].
+pub(crate) fn read_claimed(storage: &dyn Storage, name: &str, offset: u64, len: u64, what: &str) -> Result<Vec<u8>> {
+    check_claimed(storage, name, offset, len, what)?;
+    let mut buf = vec![0u8; len as usize];
+    storage.read_at(name, offset, &mut buf)?;
+    Ok(buf)
+}
+
 /// Names tessera writes (and deletes): one plain component.
 pub(crate) fn check_plain_name(name: &str) -> Result<()> {
     crate::format::check_file_name(name).map_err(Error::invalid)

@@ -171,7 +171,7 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
         if flavor == DcpFlavor::Megatron {
             if let Some((key, offset, shape)) = parse_object_fqn(&b.fqn) {
                 if key == MEGATRON_COMMON_OBJECT {
-                    let archive = view.read_item(&b.location, None)?;
+                    let archive = view.read_item(&b.location, None, &b.fqn)?;
                     let v =
                         view.decode_value(&archive, &format!("{}/{}", storage.location(), b.location.relative_path))?;
                     common_object = Some(match v {
@@ -190,7 +190,7 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
                 continue;
             }
         }
-        let archive = view.read_item(&b.location, None)?;
+        let archive = view.read_item(&b.location, None, &b.fqn)?;
         let item_shown = format!("{}/{}", storage.location(), b.location.relative_path);
         let v = view.decode_value(&archive, &item_shown)?;
         let value = match v.to_plain() {

@@ -28,7 +28,7 @@ use crate::format::torch_save::{
 use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, TensorEntry};
 use crate::plan::geometry::{copy_runs, Layout, Piece};
 use crate::state::{PathSeg, StatePath};
-use crate::storage::{ObjectWriter, Storage};
+use crate::storage::{check_claimed, read_claimed, ObjectWriter, Storage};
 use crate::{DType, Error, Result, Value};
 
 /// Prefix of an object payload that is a plain value in tessera's value encoding.
@@ -44,8 +44,15 @@ pub const OBJECT_TAG_TORCH_LIST: &[u8; 4] = b"TPL1";
 const PROBE_BYTES: u64 = 4 << 10;
 /// Decoded bytes kept for reuse across reads of the same virtual file.
 const CACHE_BYTES: u64 = 512 << 20;
-/// A compressed item may not expand past its expected size by more than this.
-const DECODE_SLACK: u64 = 64 << 20;
+/// Bytes a `torch.save` archive of a tensor holds besides the tensor's data (`data.pkl`,
+/// `byteorder`, `version`, the serialization id, zip headers and alignment): a compressed
+/// tensor item may decompress to its data size plus this, no more.
+const ARCHIVE_SLACK: u64 = 1 << 20;
+/// A compressed item with no declared size (an object) may decompress to at most this many
+/// times its compressed size, or [`OBJECT_DECODE_FLOOR`] when that is more.
+const OBJECT_DECODE_RATIO: u64 = 64;
+/// See [`OBJECT_DECODE_RATIO`].
+const OBJECT_DECODE_FLOOR: u64 = 32 << 20;
 
 /// What a virtual file is made of.
 #[derive(Debug, Clone)]
@@ -147,25 +154,35 @@ impl<'s> ForeignView<'s> {
         format!("{}/{}{path}", self.base.location(), self.prefix).into()
     }
 
-    /// Reads a whole item, undoing its transforms.
-    pub(crate) fn read_item(&self, item: &ItemLocation, expected: Option<u64>) -> Result<Vec<u8>> {
-        let mut raw = vec![0u8; usize::try_from(item.length).map_err(|_| Error::invalid("item too large"))?];
-        self.base.read_at(&self.real(&item.relative_path), item.offset, &mut raw)?;
+    /// Reads a whole item of `key`, undoing its transforms. Its claimed length is checked
+    /// against the real file first; a compressed item decodes to at most `expected` bytes (a
+    /// tensor's archive), or a bounded multiple of its compressed size (an object).
+    pub(crate) fn read_item(&self, item: &ItemLocation, expected: Option<u64>, key: &str) -> Result<Vec<u8>> {
+        let what = format!("item of {key:?}");
+        let mut raw = read_claimed(self.base, &self.real(&item.relative_path), item.offset, item.length, &what)?;
         for t in item.transforms.iter().rev() {
-            raw = self.untransform(t, &raw, item, expected)?;
+            raw = self.untransform(t, &raw, item, expected, key)?;
         }
         Ok(raw)
     }
 
-    fn untransform(&self, t: &str, raw: &[u8], item: &ItemLocation, expected: Option<u64>) -> Result<Vec<u8>> {
+    fn untransform(
+        &self,
+        t: &str,
+        raw: &[u8],
+        item: &ItemLocation,
+        expected: Option<u64>,
+        key: &str,
+    ) -> Result<Vec<u8>> {
         let name = t.split('/').next().unwrap_or(t);
         match name {
             "stream.zstd" | "zstd" => {
-                let limit = expected.unwrap_or(u32::MAX as u64).saturating_add(DECODE_SLACK);
+                let limit = expected
+                    .unwrap_or_else(|| (raw.len() as u64).saturating_mul(OBJECT_DECODE_RATIO).max(OBJECT_DECODE_FLOOR));
                 zstd_decode(raw, limit).map_err(|e| {
                     Error::corrupt(
                         self.shown(&item.relative_path),
-                        format!("zstd item at offset {} ({} bytes): {e}", item.offset, item.length),
+                        format!("zstd item of {key:?} at offset {} ({} bytes): {e}", item.offset, item.length),
                     )
                 })
             }
@@ -305,7 +322,7 @@ impl<'s> ForeignView<'s> {
         match source {
             Source::DcpTensor { item, dtype, shape, key } => {
                 let nbytes = shape.iter().product::<u64>() * dtype.size() as u64;
-                let archive = self.read_item(item, Some(nbytes + PROBE_BYTES))?;
+                let archive = self.read_item(item, Some(nbytes.saturating_add(ARCHIVE_SLACK)), key)?;
                 let entries: Vec<ZipEntry> = zip_entries(&archive).map_err(|e| self.item_error(item, key, e))?;
                 let pkl = find_entry(&entries, "data.pkl").ok_or_else(|| self.item_error(item, key, "no data.pkl"))?;
                 let rec =
@@ -317,7 +334,7 @@ impl<'s> ForeignView<'s> {
                     .map_err(|e| self.item_error(item, key, e))
             }
             Source::DcpObject { item, key, list_wrapped } => {
-                let archive = self.read_item(item, None)?;
+                let archive = self.read_item(item, None, key)?;
                 let shown = self.shown(&item.relative_path).to_string_lossy().into_owned();
                 let value = self.decode_value(&archive, &shown)?;
                 let inner = if *list_wrapped {
@@ -346,6 +363,9 @@ impl<'s> ForeignView<'s> {
             Source::RawBox { path, stored, shape, esize } => {
                 // The box's rows inside the stored (padded) chunk: the runs copy_runs finds.
                 let real = self.real(path);
+                let stored_bytes = stored.iter().try_fold(*esize, |a, &n| a.checked_mul(n)).unwrap_or(u64::MAX);
+                check_claimed(self.base, &real, 0, stored_bytes, &format!("chunk {path:?} of shape {stored:?}"))?;
+                // The box is inside the stored chunk, so no larger than what was just checked.
                 let mut out = vec![0u8; (shape.iter().product::<u64>() * esize) as usize];
                 let origin = vec![0u64; shape.len()];
                 let src = Layout { box_off: &origin, box_shape: stored, base: 0 };
@@ -463,15 +483,23 @@ pub(crate) fn foreign_index(
     index
 }
 
+/// Decodes a zstd stream, streaming, into at most `limit` bytes: output past that is an error,
+/// found after decoding at most 64 KiB past the limit, never by decoding everything first.
 fn zstd_decode(raw: &[u8], limit: u64) -> std::result::Result<Vec<u8>, String> {
     use std::io::Read;
     let mut dec = ruzstd::decoding::StreamingDecoder::new(raw).map_err(|e| e.to_string())?;
     let mut out = Vec::new();
-    let n = (&mut dec).take(limit + 1).read_to_end(&mut out).map_err(|e| e.to_string())?;
-    if n as u64 > limit {
-        return Err(format!("decompresses past {limit} bytes"));
+    let mut piece = vec![0u8; 64 << 10];
+    loop {
+        let n = dec.read(&mut piece).map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Ok(out);
+        }
+        if out.len() as u64 + n as u64 > limit {
+            return Err(format!("decompresses past {limit} bytes, more than the item may hold"));
+        }
+        out.extend_from_slice(&piece[..n]);
     }
-    Ok(out)
 }
 
 impl Storage for ForeignView<'_> {

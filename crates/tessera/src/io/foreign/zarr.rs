@@ -55,8 +55,31 @@ fn open_zarr(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)
             let shown = format!("{}/{name}", storage.location());
             let arr = parse_zarray(&storage.read(name)?).map_err(|e| Error::corrupt(&shown, e))?;
             let esize = arr.dtype.size() as u64;
+            if arr.shape.iter().try_fold(esize, |a, &n| a.checked_mul(n)).is_none() {
+                return Err(Error::corrupt(
+                    &shown,
+                    format!("shape {:?} of {key:?} overflows 64 bits of bytes", arr.shape),
+                ));
+            }
             let grid = arr.grid();
-            let count: u64 = grid.iter().product();
+            // Every chunk of the grid is a file of the array's folder: the grid may not be
+            // larger than the folder, so a few bytes of `.zarray` cannot make it enumerate
+            // (and index) more chunks than there are files.
+            let folder = format!("{key}/");
+            let from = names.partition_point(|n| n.as_str() < folder.as_str());
+            let files = names[from..].iter().take_while(|n| n.starts_with(&folder)).count() as u64;
+            let count = grid.iter().try_fold(1u64, |a, &g| a.checked_mul(g));
+            if count.is_none_or(|c| c > files) {
+                let count = count.map_or_else(|| "more than 2^64".to_string(), |c| c.to_string());
+                return Err(Error::corrupt(
+                    &shown,
+                    format!(
+                        "{key:?}: shape {:?} in chunks of {:?} is a grid of {count} chunks, but its folder holds {files} files",
+                        arr.shape, arr.chunks
+                    ),
+                ));
+            }
+            let count = count.unwrap_or(0);
             let mut chunks = Vec::with_capacity(count as usize);
             let mut idx = vec![0u64; grid.len()];
             for _ in 0..count {

@@ -1,0 +1,307 @@
+//! Builders of hostile checkpoints, made byte by byte: a small pickle writer, stored zip archives
+//! (`torch.save`), zstd frames of RLE blocks (huge output from a few bytes), and DCP directories
+//! (`.metadata` + `__0_0.distcp`). Shared by `tests/hostile_memory.rs` and the CLI's
+//! `tests/hostile_rss.rs` (included there with `#[path]`).
+#![allow(dead_code)]
+
+use std::path::Path;
+
+/// A value to pickle.
+#[derive(Debug, Clone)]
+pub enum P {
+    None,
+    Bool(bool),
+    Int(u64),
+    Str(String),
+    Tuple(Vec<P>),
+    List(Vec<P>),
+    Dict(Vec<(P, P)>),
+    Global(&'static str, &'static str),
+    /// `cls.__new__(cls)` with `BUILD` state.
+    Obj(&'static str, &'static str, Box<P>),
+    /// `callable(*args)`.
+    Call(Box<P>, Vec<P>),
+    /// A persistent id.
+    Persistent(Box<P>),
+    /// Raw opcodes, spliced in as they are.
+    Raw(Vec<u8>),
+}
+
+pub fn s(x: &str) -> P {
+    P::Str(x.to_string())
+}
+
+/// Protocol 2 opcodes for `v`, then `STOP`.
+pub fn pickle(v: &P) -> Vec<u8> {
+    let mut out = vec![0x80, 2];
+    emit(v, &mut out);
+    out.push(b'.');
+    out
+}
+
+fn emit(v: &P, out: &mut Vec<u8>) {
+    match v {
+        P::None => out.push(b'N'),
+        P::Bool(b) => out.push(if *b { 0x88 } else { 0x89 }),
+        P::Int(i) => {
+            // LONG1: little-endian two's complement, with a zero sign byte.
+            out.extend_from_slice(&[0x8a, 9]);
+            out.extend_from_slice(&i.to_le_bytes());
+            out.push(0);
+        }
+        P::Str(x) => {
+            out.push(b'X');
+            out.extend_from_slice(&(x.len() as u32).to_le_bytes());
+            out.extend_from_slice(x.as_bytes());
+        }
+        P::Tuple(xs) => {
+            out.push(b'(');
+            xs.iter().for_each(|x| emit(x, out));
+            out.push(b't');
+        }
+        P::List(xs) => {
+            out.push(b']');
+            if !xs.is_empty() {
+                out.push(b'(');
+                xs.iter().for_each(|x| emit(x, out));
+                out.push(b'e');
+            }
+        }
+        P::Dict(kv) => {
+            out.push(b'}');
+            if !kv.is_empty() {
+                out.push(b'(');
+                for (k, v) in kv {
+                    emit(k, out);
+                    emit(v, out);
+                }
+                out.push(b'u');
+            }
+        }
+        P::Global(m, n) => {
+            out.push(b'c');
+            out.extend_from_slice(format!("{m}\n{n}\n").as_bytes());
+        }
+        P::Obj(m, n, state) => {
+            emit(&P::Global(m, n), out);
+            out.push(b')');
+            out.push(0x81); // NEWOBJ
+            emit(state, out);
+            out.push(b'b'); // BUILD
+        }
+        P::Call(f, args) => {
+            emit(f, out);
+            emit(&P::Tuple(args.clone()), out);
+            out.push(b'R');
+        }
+        P::Persistent(pid) => {
+            emit(pid, out);
+            out.push(b'Q');
+        }
+        P::Raw(b) => out.extend_from_slice(b),
+    }
+}
+
+/// A stored (uncompressed) zip archive of `entries`; CRCs are left zero (tessera does not
+/// check them).
+pub fn zip(entries: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut central = Vec::new();
+    for (name, data) in entries {
+        let at = out.len() as u32;
+        let n = data.len() as u32;
+        out.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
+        out.extend_from_slice(&[20, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // version, flags, method 0, time, date
+        out.extend_from_slice(&0u32.to_le_bytes()); // crc
+        out.extend_from_slice(&n.to_le_bytes());
+        out.extend_from_slice(&n.to_le_bytes());
+        out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(data);
+
+        central.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
+        central.extend_from_slice(&[20, 0, 20, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // made by, needed, flags, method, time, date
+        central.extend_from_slice(&0u32.to_le_bytes()); // crc
+        central.extend_from_slice(&n.to_le_bytes());
+        central.extend_from_slice(&n.to_le_bytes());
+        central.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        central.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0]); // extra, comment, disk, internal attrs
+        central.extend_from_slice(&0u32.to_le_bytes()); // external attrs
+        central.extend_from_slice(&at.to_le_bytes());
+        central.extend_from_slice(name.as_bytes());
+    }
+    let cd_off = out.len() as u32;
+    out.extend_from_slice(&central);
+    out.extend_from_slice(&0x0605_4b50u32.to_le_bytes());
+    out.extend_from_slice(&[0, 0, 0, 0]);
+    out.extend_from_slice(&(entries.len() as u16).to_le_bytes());
+    out.extend_from_slice(&(entries.len() as u16).to_le_bytes());
+    out.extend_from_slice(&(central.len() as u32).to_le_bytes());
+    out.extend_from_slice(&cd_off.to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out
+}
+
+/// The `torch.save` archive of one f32 tensor: `size`, `stride`, over a storage of `storage`.
+pub fn torch_save_tensor(size: &[u64], stride: &[u64], storage: &[u8]) -> Vec<u8> {
+    let ints = |xs: &[u64]| P::Tuple(xs.iter().map(|&x| P::Int(x)).collect());
+    let pid = P::Tuple(vec![
+        s("storage"),
+        P::Global("torch", "FloatStorage"),
+        s("0"),
+        s("cpu"),
+        P::Int(storage.len() as u64 / 4),
+    ]);
+    let tensor = P::Call(
+        Box::new(P::Global("torch._utils", "_rebuild_tensor_v2")),
+        vec![
+            P::Persistent(Box::new(pid)),
+            P::Int(0),
+            ints(size),
+            ints(stride),
+            P::Bool(false),
+            P::Call(Box::new(P::Global("collections", "OrderedDict")), vec![]),
+        ],
+    );
+    zip(&[("archive/data.pkl", &pickle(&tensor)), ("archive/data/0", storage)])
+}
+
+/// A zstd frame (no content size, no checksum) of `blocks` RLE blocks of 128 KiB each: a few
+/// bytes per block, 128 KiB of output per block.
+pub fn zstd_rle_bomb(blocks: usize) -> Vec<u8> {
+    let mut out = 0xFD2F_B528u32.to_le_bytes().to_vec();
+    out.push(0x00); // frame header descriptor: no content size, not single segment, no checksum
+    out.push(0x38); // window descriptor: 2^(10 + 7) = 128 KiB
+    for i in 0..blocks {
+        let last = (i + 1 == blocks) as u32;
+        let header = last | (1 << 1) | ((128u32 << 10) << 3); // RLE block of 128 KiB
+        out.extend_from_slice(&header.to_le_bytes()[..3]);
+        out.push(0x41);
+    }
+    out
+}
+
+/// One item of a DCP checkpoint.
+pub enum Item {
+    /// A tensor `fqn` (f32, one chunk at the origin covering `size`): the item's bytes and
+    /// its transforms (`["stream.zstd/1"]` for a zstd item).
+    Tensor { fqn: &'static str, size: Vec<u64>, data: Vec<u8>, transforms: Vec<&'static str> },
+    /// A byte item `fqn` whose location claims `length` bytes (the file may hold fewer).
+    Bytes { fqn: &'static str, data: Vec<u8>, length: Option<u64> },
+}
+
+/// The `.metadata` pickle of `items`, laid out back to back in `__0_0.distcp`, and that file.
+pub fn dcp_metadata(items: &[Item]) -> (Vec<u8>, Vec<u8>) {
+    let mut file = Vec::new();
+    let mut sdm = Vec::new();
+    let mut storage = Vec::new();
+    let ints = |xs: &[u64]| P::Tuple(xs.iter().map(|&x| P::Int(x)).collect());
+    for item in items {
+        let (fqn, data, length, transforms, offsets) = match item {
+            Item::Tensor { fqn, size, data, transforms } => {
+                let zeros = vec![0u64; size.len()];
+                let chunk = P::Obj(
+                    "torch.distributed.checkpoint.metadata",
+                    "ChunkStorageMetadata",
+                    Box::new(P::Dict(vec![(s("offsets"), ints(&zeros)), (s("sizes"), ints(size))])),
+                );
+                let props = P::Obj(
+                    "torch.distributed.checkpoint.metadata",
+                    "TensorProperties",
+                    Box::new(P::Dict(vec![(s("dtype"), P::Global("torch", "float32"))])),
+                );
+                let md = P::Obj(
+                    "torch.distributed.checkpoint.metadata",
+                    "TensorStorageMetadata",
+                    Box::new(P::Dict(vec![
+                        (s("properties"), props),
+                        (s("size"), ints(size)),
+                        (s("chunks"), P::List(vec![chunk])),
+                    ])),
+                );
+                sdm.push((s(fqn), md));
+                (*fqn, data, data.len() as u64, transforms.clone(), Some(zeros))
+            }
+            Item::Bytes { fqn, data, length } => {
+                let md =
+                    P::Obj("torch.distributed.checkpoint.metadata", "BytesStorageMetadata", Box::new(P::Dict(vec![])));
+                sdm.push((s(fqn), md));
+                (*fqn, data, length.unwrap_or(data.len() as u64), vec![], None)
+            }
+        };
+        let index = P::Obj(
+            "torch.distributed.checkpoint.metadata",
+            "MetadataIndex",
+            Box::new(P::Dict(vec![
+                (s("fqn"), s(fqn)),
+                (s("offset"), offsets.as_deref().map_or(P::None, ints)),
+                (s("index"), P::None),
+            ])),
+        );
+        let info = P::Obj(
+            "torch.distributed.checkpoint.filesystem",
+            "_StorageInfo",
+            Box::new(P::Dict(vec![
+                (s("relative_path"), s("__0_0.distcp")),
+                (s("offset"), P::Int(file.len() as u64)),
+                (s("length"), P::Int(length)),
+                (s("transform_descriptors"), P::List(transforms.iter().map(|t| s(t)).collect())),
+            ])),
+        );
+        storage.push((index, info));
+        file.extend_from_slice(data);
+    }
+    let meta = P::Obj(
+        "torch.distributed.checkpoint.metadata",
+        "Metadata",
+        Box::new(P::Dict(vec![
+            (s("state_dict_metadata"), P::Dict(sdm)),
+            (s("planner_data"), P::None),
+            (s("storage_data"), P::Dict(storage)),
+        ])),
+    );
+    (pickle(&meta), file)
+}
+
+/// Writes a DCP checkpoint of `items` into `dir` (created).
+pub fn write_dcp(dir: &Path, items: &[Item]) {
+    let (meta, file) = dcp_metadata(items);
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join(".metadata"), meta).unwrap();
+    std::fs::write(dir.join("__0_0.distcp"), file).unwrap();
+}
+
+/// A pickle whose memo shares one `len`-byte string `copies` times: `len + 2 * copies` bytes
+/// that a naive unpickler expands to `len * copies`.
+pub fn memo_sharing_bomb(len: usize, copies: usize) -> Vec<u8> {
+    let mut v = vec![0x80, 2, b']', b'(']; // EMPTY_LIST, MARK
+    v.push(b'X');
+    v.extend_from_slice(&(len as u32).to_le_bytes());
+    v.extend(std::iter::repeat_n(b'a', len));
+    v.extend_from_slice(&[b'q', 0]); // BINPUT 0
+    for _ in 1..copies {
+        v.extend_from_slice(&[b'h', 0]); // BINGET 0
+    }
+    v.extend_from_slice(b"e.");
+    v
+}
+
+/// A pickle of a list of `n` `None`s: `n + 6` bytes.
+pub fn nones(n: usize) -> Vec<u8> {
+    let mut v = vec![0x80, 2, b']', b'('];
+    v.extend(std::iter::repeat_n(b'N', n));
+    v.extend_from_slice(b"e.");
+    v
+}
+
+/// Total size of the files under `dir`.
+pub fn dir_size(dir: &Path) -> u64 {
+    let mut total = 0;
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        let m = e.metadata().unwrap();
+        total += if m.is_dir() { dir_size(&e.path()) } else { m.len() };
+    }
+    total
+}

@@ -1,0 +1,239 @@
+//! Memory is bounded by what is on disk: hostile checkpoints of a few KiB that claim (or expand
+//! to) gigabytes fail with `Error::Corrupt` naming the file and the key, before allocating what
+//! they claim. Every input is built by the test (see `common/hostile.rs`).
+
+mod common;
+#[path = "common/hostile.rs"]
+mod hostile;
+
+use std::path::Path;
+
+use common::{shard, TempDir};
+use hostile::*;
+use tessera::*;
+
+/// The `Corrupt` error of `r`, or a panic describing what came instead.
+fn corrupt<T: std::fmt::Debug>(r: Result<T>) -> (String, String) {
+    match r {
+        Err(Error::Corrupt { path, reason }) => (path.to_string_lossy().into_owned(), reason),
+        other => panic!("expected Error::Corrupt, got {other:?}"),
+    }
+}
+
+/// Reads the first bytes of the virtual file of `fqn`'s only chunk.
+fn read_chunk(dir: &Path, fqn: &str) -> Result<()> {
+    let st = LocalStorage::new(dir);
+    let ckpt = open_checkpoint(&st)?;
+    let t = ckpt.index.tensor(fqn).expect("tensor");
+    let name = &ckpt.index.files[t.chunks()[0].file as usize].name;
+    let mut buf = [0u8; 16];
+    ckpt.storage().read_at(name, 0, &mut buf)
+}
+
+#[test]
+fn dcp_byte_item_claiming_2_40_bytes_is_refused_at_open() {
+    let dir = TempDir::new("hostile-bytes");
+    write_dcp(dir.path(), &[Item::Bytes { fqn: "extra_state", data: b"tiny".to_vec(), length: Some(1 << 40) }]);
+    let (path, reason) = corrupt(open_checkpoint(&LocalStorage::new(dir.path())).map(|_| ()));
+    assert!(path.ends_with("__0_0.distcp"), "{path}");
+    assert!(reason.contains("\"extra_state\"") && reason.contains("1099511627776"), "{reason}");
+    assert!(reason.contains("the file has 4"), "{reason}");
+}
+
+#[test]
+fn zstd_bomb_stops_at_the_declared_size() {
+    let dir = TempDir::new("hostile-zstd");
+    // 20,000 RLE blocks: 80 KB that expand to 2.5 GiB, for a tensor of 16 bytes.
+    let bomb = zstd_rle_bomb(20_000);
+    assert!(bomb.len() < 100_000);
+    write_dcp(dir.path(), &[Item::Tensor { fqn: "w", size: vec![4], data: bomb, transforms: vec!["stream.zstd/1"] }]);
+    let start = std::time::Instant::now();
+    let (path, reason) = corrupt(read_chunk(dir.path(), "w"));
+    assert!(path.ends_with("__0_0.distcp"), "{path}");
+    assert!(reason.contains("zstd item of \"w\"") && reason.contains("decompresses past"), "{reason}");
+    // The cap is the tensor's 16 bytes plus 1 MiB of archive, not a generous slack.
+    assert!(reason.contains(&format!("past {} bytes", 16 + (1 << 20))), "{reason}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(20), "decoding was not cut short");
+    // The whole load path gives the same error.
+    let (_, reason) = corrupt(load_plain_tensors(&LocalStorage::new(dir.path()), None));
+    assert!(reason.contains("\"w\""), "{reason}");
+}
+
+#[test]
+fn stride_0_item_cannot_expand_past_its_storage() {
+    let dir = TempDir::new("hostile-stride");
+    // 2^26 elements (256 MiB) with stride 0 over a 4-byte storage.
+    let item = torch_save_tensor(&[1 << 26], &[0], &[0u8; 4]);
+    write_dcp(dir.path(), &[Item::Tensor { fqn: "w", size: vec![1 << 26], data: item, transforms: vec![] }]);
+    let (path, reason) = corrupt(read_chunk(dir.path(), "w"));
+    assert!(path.ends_with("__0_0.distcp"), "{path}");
+    assert!(reason.contains("\"w\"") && reason.contains("strided tensor of 268435456 bytes"), "{reason}");
+}
+
+#[test]
+fn small_expanded_tensors_still_load() {
+    // A stride-0 tensor within the slack is legitimate (torch.zeros(1).expand(8)).
+    let dir = TempDir::new("hostile-stride-ok");
+    let item = torch_save_tensor(&[8], &[0], &1.5f32.to_le_bytes());
+    write_dcp(dir.path(), &[Item::Tensor { fqn: "w", size: vec![8], data: item, transforms: vec![] }]);
+    let got = load_plain_tensors(&LocalStorage::new(dir.path()), None).unwrap();
+    assert_eq!(got["w"].data, 1.5f32.to_le_bytes().repeat(8));
+}
+
+/// A native checkpoint of one f32 tensor `w` [4].
+fn native(dir: &TempDir) -> LocalStorage {
+    let st = LocalStorage::new(dir.path());
+    let data = vec![7u8; 16];
+    let mut tree = StateTree::map();
+    tree.insert(
+        "w".to_string(),
+        StateTree::Tensor(shard("w", DType::F32, &[4], &[0], &[4], 0, None, TensorData::Ref(&data))),
+    );
+    save(tree, &st, &SoloComm, &SaveOptions::default()).unwrap();
+    st
+}
+
+#[test]
+fn native_index_head_len_huge() {
+    let dir = TempDir::new("hostile-head");
+    let st = native(&dir);
+    let path = dir.join(INDEX_FILE);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[12..20].copy_from_slice(&(1u64 << 60).to_le_bytes());
+    std::fs::write(&path, bytes).unwrap();
+    let (p, reason) = corrupt(open_checkpoint(&st).map(|_| ()));
+    assert!(p.ends_with(INDEX_FILE), "{p}");
+    assert!(reason.contains("head needs"), "{reason}");
+    let (p, _) = corrupt(load_plain_tensors(&st, None));
+    assert!(p.ends_with(INDEX_FILE), "{p}");
+}
+
+#[test]
+fn native_index_header_len_huge() {
+    let dir = TempDir::new("hostile-header");
+    let st = native(&dir);
+    let mut index = open_index(&st).unwrap();
+    let data_file = index.files[0].name.clone();
+    index.files[0].header_len = 1 << 40;
+    index.files[0].size = 1 << 41;
+    std::fs::write(dir.join(INDEX_FILE), index.encode()).unwrap();
+    // Verified loads checksum the header: read in pieces, failing at the file's real end.
+    let (p, reason) = corrupt(load_plain_tensors(&st, None));
+    assert!(p.ends_with(&data_file), "{p}: {reason}");
+}
+
+/// The Megatron zarr fixture copied to `dir`, with `key`'s `.zarray` replaced by `zarray`.
+fn zarr_with(dir: &TempDir, key: &str, zarray: &str) -> LocalStorage {
+    fn copy(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                copy(&e.path(), &to.join(e.file_name()));
+            } else {
+                std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+            }
+        }
+    }
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/foreign/megatron_zarr");
+    copy(&fixture, dir.path());
+    std::fs::write(dir.join(key).join(".zarray"), zarray).unwrap();
+    LocalStorage::new(dir.path())
+}
+
+#[test]
+fn zarr_grid_larger_than_its_folder() {
+    let key = "decoder.final_norm.weight";
+    for (shape, chunks, want) in [
+        ("[16777216]", "[1]", "a grid of 16777216 chunks"),
+        ("[1099511627776, 1048576]", "[1, 1]", "a grid of 1152921504606846976 chunks"),
+        ("[4611686018427387904, 4611686018427387904]", "[1, 1]", "overflows 64 bits"),
+    ] {
+        let dir = TempDir::new("hostile-zarr");
+        let st = zarr_with(
+            &dir,
+            key,
+            &format!(r#"{{"chunks":{chunks},"compressor":null,"dtype":"<f4","shape":{shape},"zarr_format":2}}"#),
+        );
+        let (p, reason) = corrupt(open_checkpoint(&st).map(|_| ()));
+        assert!(p.ends_with(&format!("{key}/.zarray")), "{p}");
+        assert!(reason.contains(want) && reason.contains(key), "{reason}");
+    }
+}
+
+#[test]
+fn pickle_memo_sharing_bomb_trips_the_budget() {
+    // 1 MiB string shared 4000 times: 1 MiB of input, 4 GiB once copied out.
+    let bomb = memo_sharing_bomb(1 << 20, 4000);
+    assert!(bomb.len() < (1 << 20) + 10_000);
+    let (p, reason) = corrupt(unpickle(&bomb, "bomb.pkl", &UnpickleLimits::default()));
+    assert_eq!(p, "bomb.pkl");
+    assert!(reason.contains("budget"), "{reason}");
+    // As a DCP `.metadata`: the error names the file.
+    let dir = TempDir::new("hostile-memo");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    std::fs::write(dir.join(".metadata"), &bomb).unwrap();
+    let (p, reason) = corrupt(open_checkpoint(&LocalStorage::new(dir.path())).map(|_| ()));
+    assert!(p.ends_with(".metadata") && reason.contains("budget"), "{p}: {reason}");
+}
+
+#[test]
+fn pickle_of_millions_of_nones_trips_the_budget() {
+    // The 48 M `None`s case, smaller: 4 M (4 MB) would take ~500 MB as values.
+    let (p, reason) = corrupt(unpickle(&nones(4_000_000), "nones.pkl", &UnpickleLimits::default()));
+    assert_eq!(p, "nones.pkl");
+    assert!(reason.contains("budget") && reason.contains("4000006-byte pickle"), "{reason}");
+    // Within the floor, lists of Nones are fine.
+    assert!(
+        matches!(unpickle(&nones(100_000), "ok.pkl", &UnpickleLimits::default()), Ok(PickleValue::List(v)) if v.len() == 100_000)
+    );
+}
+
+/// A DCP tensor of 2^56 elements (one chunk) whose item is a few bytes.
+fn huge_tensor_dcp(dir: &TempDir) -> LocalStorage {
+    let side = 1u64 << 28;
+    let item = torch_save_tensor(&[side, side], &[side, 1], &[0u8; 64]);
+    write_dcp(dir.path(), &[Item::Tensor { fqn: "w", size: vec![side, side], data: item, transforms: vec![] }]);
+    LocalStorage::new(dir.path())
+}
+
+#[test]
+fn unshard_of_a_2_56_element_tensor_is_not_split_up_front() {
+    let dir = TempDir::new("hostile-unshard");
+    let st = huge_tensor_dcp(&dir);
+    let out = dir.join("out.safetensors");
+    let opts = ExportOptions { memory_budget: 64 << 20, ..Default::default() };
+    // Split up front, 2^56 elements in 16 MiB parts would be 2^34 parts; lazily, the first
+    // part's read fails.
+    let start = std::time::Instant::now();
+    let (p, reason) = corrupt(export_safetensors(&st, &out, &opts, &mut |_, _| {}));
+    assert!(p.ends_with("__0_0.distcp"), "{p}");
+    assert!(reason.contains("\"w\""), "{reason}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(20));
+}
+
+#[test]
+fn convert_of_a_2_56_element_tensor_counts_its_parts_first() {
+    let dir = TempDir::new("hostile-convert");
+    let st = huge_tensor_dcp(&dir);
+    let dst_dir = TempDir::new("hostile-convert-dst");
+    let opts = ConvertOptions { memory_budget: 64 << 20, ..Default::default() };
+    match convert(&st, &LocalStorage::new(dst_dir.path()), &opts, &mut |_, _| {}) {
+        Err(Error::InvalidArgument { reason }) => {
+            assert!(reason.contains("\"w\"") && reason.contains("raise the memory budget"), "{reason}")
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+#[test]
+fn loading_a_claimed_2_56_element_tensor_whole_is_an_error_not_an_abort() {
+    let dir = TempDir::new("hostile-plain");
+    let st = huge_tensor_dcp(&dir);
+    match load_plain_tensors(&st, None) {
+        Err(Error::InvalidArgument { reason }) => {
+            assert!(reason.contains("\"w\"") && reason.contains("cannot allocate"), "{reason}")
+        }
+        other => panic!("expected InvalidArgument, got {:?}", other.map(|m| m.len())),
+    }
+}
