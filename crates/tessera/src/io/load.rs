@@ -427,17 +427,21 @@ fn prepare<'a>(
     })?;
 
     let mut segs = Vec::new();
+    let mut zero_fill = Vec::new();
     for r in &requests {
         let p = plan_request(index, r)?;
         if p.zero_fill {
-            datas[r.target].bytes_mut().unwrap_or_default().fill(0);
+            zero_fill.push(r.target);
         }
         segs.extend(p.segs);
     }
     // Every destination inside its buffer, none written twice: checked for the whole load before
-    // any read (the exchange's scatter included), whatever built the index.
+    // any byte is written (the exchange's scatter included), whatever built the index.
     let lens: Vec<usize> = datas.iter().map(TensorData::len).collect();
     destination_order(index, &segs, &lens)?;
+    for t in zero_fill {
+        datas[t].bytes_mut().unwrap_or_default().fill(0);
+    }
     Ok(Prepared { tree, datas, applied, segs, objects_wanted, unexpected_keys, missing })
 }
 
