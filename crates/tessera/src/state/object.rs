@@ -310,7 +310,8 @@ impl<'a> StateTree<'a> {
 
 /// A factory that splits a tensor along its first local axis into consecutive parts, each
 /// saved as its own sharded tensor (e.g. a fused SwiGLU `[w; v]` weight into `w` and `v`).
-/// The split is zero-copy; on load, parts loaded in place are re-joined in place.
+/// The split is zero-copy, and on load the parts are read in place into the caller's buffer;
+/// the merged tensor then holds a copy of its bytes (split borrows cannot be soundly re-joined).
 #[derive(Debug, Clone)]
 pub struct SplitFactory {
     /// Local shape of the fused tensor, as returned after load.
