@@ -3,6 +3,9 @@
 //! load (`LoadOptions::exchange_reads`): the ranks announce their needs, each byte range needed
 //! by several ranks is read by one of them (`plan::exchange`) and exchanged in bounded rounds.
 
+// No `unsafe` here: load buffers are reached through ordinary borrows only.
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;

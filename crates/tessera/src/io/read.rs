@@ -1,6 +1,10 @@
 //! Executes a [`ReadPlan`]: parallel ranged reads, checksum verification, scatter into the
 //! caller's buffers.
 
+// No `unsafe` here: the read engine writes caller buffers from several threads, and that no two
+// of them write one byte is structural (split_at_mut). Keep it so.
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;

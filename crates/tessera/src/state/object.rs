@@ -1,5 +1,8 @@
 //! Sharded objects, factories and the state tree.
 
+// No `unsafe` here: factories split and merge tensor data with safe code only.
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;

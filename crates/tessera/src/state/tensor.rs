@@ -1,5 +1,8 @@
 //! Sharded tensors: one rank's piece of a global tensor.
 
+// No `unsafe` here: tensor data is split and joined with safe code only.
+#![forbid(unsafe_code)]
+
 use std::ops::Range;
 
 use crate::{DType, Error, Result};
