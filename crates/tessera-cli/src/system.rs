@@ -8,14 +8,15 @@ use anyhow::{Context, Result};
 
 /// True when stderr is a terminal (progress bars are drawn only then).
 pub fn stderr_is_tty() -> bool {
-    // SAFETY: isatty only inspects the descriptor.
-    unsafe { libc::isatty(libc::STDERR_FILENO) == 1 }
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal()
 }
 
 /// Restores the default SIGPIPE action, so `tessera inspect DIR | head` ends quietly instead
 /// of panicking on a closed stdout.
 pub fn default_sigpipe() {
-    // SAFETY: setting a signal disposition to its default is always sound.
+    // SAFETY: SIG_DFL installs no handler of ours (nothing can run in signal context), and
+    // `signal` takes no pointers into our memory; the previous disposition is not needed.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
@@ -50,7 +51,8 @@ pub fn reset_peak_rss() -> bool {
 /// phase does not include what an earlier phase freed.
 pub fn trim_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases free memory of the allocator.
+    // SAFETY: malloc_trim takes an integer, touches no memory of ours, and only returns pages
+    // the allocator holds free (it is thread-safe: it takes the allocator's locks).
     unsafe {
         libc::malloc_trim(0);
     }
@@ -68,7 +70,8 @@ pub fn io_counters() -> Option<(u64, u64)> {
 /// next read comes from the device.
 pub fn drop_file_cache(file: &File) -> std::io::Result<()> {
     file.sync_all()?;
-    // SAFETY: the descriptor is valid for the lifetime of `file`.
+    // SAFETY: integer arguments only; the descriptor is open for as long as `file` is borrowed,
+    // and fadvise reads or writes none of our memory.
     let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     if rc != 0 {
         return Err(std::io::Error::from_raw_os_error(rc));

@@ -167,8 +167,12 @@ impl TensorSpec {
         let data = match (self.data_ptr, self.nbytes) {
             (_, 0) => TensorData::Ref(&[]),
             (0, n) => return Err(null_data(py, &self.tensor.key, n)),
-            // SAFETY: guaranteed by the caller of this function (see above).
-            (ptr, n) => TensorData::Ref(unsafe { std::slice::from_raw_parts(ptr as *const u8, n) }),
+            (ptr, n) => {
+                check_span(py, &self.tensor.key, ptr, n)?;
+                // SAFETY: non-null, alignment 1, `n` <= isize::MAX and no wrap (checked just
+                // above); live, initialized and unmodified for 'a by the caller's contract.
+                TensorData::Ref(unsafe { std::slice::from_raw_parts(ptr as *const u8, n) })
+            }
         };
         Ok(ShardedTensor { data, ..self.tensor })
     }
@@ -182,8 +186,12 @@ impl TensorSpec {
         let data = match (self.data_ptr, self.nbytes) {
             (_, 0) => TensorData::Mut(&mut []),
             (0, n) => return Err(null_data(py, &self.tensor.key, n)),
-            // SAFETY: guaranteed by the caller of this function (see above).
-            (ptr, n) => TensorData::Mut(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, n) }),
+            (ptr, n) => {
+                check_span(py, &self.tensor.key, ptr, n)?;
+                // SAFETY: non-null, alignment 1, `n` <= isize::MAX and no wrap (checked just
+                // above); live and exclusively ours for 'a by the caller's contract.
+                TensorData::Mut(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, n) })
+            }
         };
         Ok(ShardedTensor { data, ..self.tensor })
     }
@@ -192,6 +200,15 @@ impl TensorSpec {
     pub fn metadata_only(self) -> ShardedTensor<'static> {
         self.tensor
     }
+}
+
+/// What `slice::from_raw_parts` needs of a span beyond the caller's promise that it is live:
+/// at most `isize::MAX` bytes, not wrapping around the address space.
+fn check_span(py: Python<'_>, key: &str, ptr: usize, nbytes: usize) -> PyResult<()> {
+    if nbytes > isize::MAX as usize || ptr.checked_add(nbytes).is_none() {
+        return Err(invalid_argument(py, format!("{key:?}: {nbytes} bytes at {ptr:#x} is not a valid buffer")));
+    }
+    Ok(())
 }
 
 fn null_data(py: Python<'_>, key: &str, nbytes: usize) -> PyErr {
@@ -203,8 +220,11 @@ pub fn check_disjoint(py: Python<'_>, specs: &[TensorSpec]) -> PyResult<()> {
     let mut spans: Vec<(usize, usize, &str)> = specs
         .iter()
         .filter(|s| s.nbytes > 0 && s.data_ptr != 0)
-        .map(|s| (s.data_ptr, s.data_ptr.saturating_add(s.nbytes), s.tensor.key.as_str()))
-        .collect();
+        .map(|s| match s.data_ptr.checked_add(s.nbytes) {
+            Some(end) => Ok((s.data_ptr, end, s.tensor.key.as_str())),
+            None => Err(invalid_argument(py, format!("{:?}: its buffer wraps around memory", s.tensor.key))),
+        })
+        .collect::<PyResult<_>>()?;
     spans.sort_unstable();
     for w in spans.windows(2) {
         if w[1].0 < w[0].1 {

@@ -112,7 +112,7 @@ fn each<'py, T>(items: &[Bound<'py, PyAny>], f: impl Fn(&Bound<'py, PyAny>, usiz
 /// and unmodified until the save call returns (an async save has copied it by then); the tree
 /// must be dropped before that.
 #[allow(clippy::too_many_arguments)]
-unsafe fn save_request<'py>(
+unsafe fn save_request<'py, 't>(
     py: Python<'py>,
     tensors: &[Bound<'py, PyAny>],
     objects: &[Bound<'py, PyAny>],
@@ -121,7 +121,7 @@ unsafe fn save_request<'py>(
     validate: bool,
     content_metadata: Option<&Bound<'py, PyAny>>,
     threads: Option<usize>,
-) -> PyResult<(StateTree<'static>, SaveOptions, Arc<AtomicBool>)> {
+) -> PyResult<(StateTree<'t>, SaveOptions, Arc<AtomicBool>)> {
     let specs = each(tensors, TensorSpec::save_from_py)?;
     let objects = each(objects, convert::save_object)?;
     let common = each(common, convert::common_entry)?;

@@ -33,9 +33,12 @@ impl std::fmt::Debug for MpiComm {
     }
 }
 
-// SAFETY: MPI is initialized with `Threading::Multiple` by `MpiComm::init` (and
-// `MpiComm::new` requires it of its caller), so MPI may be called from any thread; calls on one
-// communicator are serialized by the mutex, as MPI requires of collectives on one communicator.
+// SAFETY: an `MpiComm` exists only where MPI runs at `MPI_THREAD_MULTIPLE`: `new` queries the
+// level and refuses anything less (`init` asks for it), and `duplicate` copies a communicator
+// that was checked. At that level MPI may be called from any thread, and the communicator
+// handle is plain data, so moving it to another thread (Send) is sound; calls on one
+// communicator are serialized by the mutex (Sync), as MPI requires of collectives on one
+// communicator.
 unsafe impl Send for MpiComm {}
 unsafe impl Sync for MpiComm {}
 
@@ -43,26 +46,34 @@ impl MpiComm {
     /// Initializes MPI (thread level `MPI_THREAD_MULTIPLE`) and returns the universe, which
     /// finalizes MPI when dropped (keep it alive while ranks talk), and `MPI_COMM_WORLD`.
     pub fn init() -> Result<(Universe, MpiComm)> {
-        let (universe, level) = mpi::initialize_with_threading(Threading::Multiple)
+        let (universe, _) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| Error::Comm { reason: "MPI is already initialized".into() })?;
+        let world = MpiComm::new(universe.world())?;
+        Ok((universe, world))
+    }
+
+    /// Wraps a communicator; fails unless MPI was initialized with `MPI_THREAD_MULTIPLE` (tessera
+    /// calls MPI from its IO threads and from an async save's background thread).
+    pub fn new(comm: SimpleCommunicator) -> Result<Self> {
+        let level = mpi::environment::threading_support();
         if level < Threading::Multiple {
             return Err(Error::Comm {
                 reason: format!("this MPI provides thread level {level:?}; tessera needs Multiple"),
             });
         }
-        let world = universe.world();
-        Ok((universe, MpiComm::new(world)))
+        Ok(MpiComm::checked(comm))
     }
 
-    /// Wraps a communicator of an MPI initialized with `MPI_THREAD_MULTIPLE`.
-    pub fn new(comm: SimpleCommunicator) -> Self {
+    /// Wraps a communicator of an MPI known to run at `MPI_THREAD_MULTIPLE`.
+    fn checked(comm: SimpleCommunicator) -> Self {
         let (rank, size) = (comm.rank() as usize, comm.size() as usize);
         MpiComm { comm: Mutex::new(comm), rank, size }
     }
 
     /// A new communicator over the same ranks (`MPI_Comm_dup`; collective).
     pub fn duplicate(&self) -> Self {
-        MpiComm::new(self.comm.lock().unwrap().duplicate())
+        // The level was checked when `self` was made.
+        MpiComm::checked(self.comm.lock().unwrap().duplicate())
     }
 }
 

@@ -264,11 +264,11 @@ fn stage(
 /// Background writers yield the CPU to the training loop (and to ranks still staging): a
 /// checkpoint that lands a little later costs nothing, a slower training step does.
 fn lower_priority() {
-    // SAFETY: plain syscalls on the calling thread; failure leaves the priority as it was.
-    unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        libc::setpriority(libc::PRIO_PROCESS, tid, 10);
-    }
+    // SAFETY: gettid takes no arguments, touches no memory of ours and cannot fail.
+    let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
+    // SAFETY: integer arguments only, no memory is passed; on failure (e.g. not permitted) the
+    // priority stays as it was, which is harmless, so the result is ignored.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, 10) };
 }
 
 /// What the background thread owns: everything but the caller's bytes.

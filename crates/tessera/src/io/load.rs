@@ -3,6 +3,9 @@
 //! load (`LoadOptions::exchange_reads`): the ranks announce their needs, each byte range needed
 //! by several ranks is read by one of them (`plan::exchange`) and exchanged in bounded rounds.
 
+// No `unsafe` here: load buffers are reached through ordinary borrows only.
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -10,7 +13,7 @@ use std::sync::Arc;
 use crate::comm::Communicator;
 use crate::format::CheckpointIndex;
 use crate::io::factories::{apply_factories, apply_merges, remove_paths, AppliedFactory};
-use crate::io::read::{execute, verify_headers, Target};
+use crate::io::read::{destination_order, execute, verify_headers};
 use crate::io::strategy::{open_checkpoint, open_checkpoint_key_set, open_checkpoint_keys, OpenCheckpoint};
 use crate::plan::exchange::{
     decode_needs, encode_needs, needed_ranges, plan_exchange, split_segs, ByteRange, ExchangePlan, ExchangeTuning,
@@ -234,7 +237,7 @@ fn load_with<'a>(
     let mut strict_gathered = false;
     let prepared = prepare(index, factories, comm, opts, &mut strict_gathered);
     let (prepared, stats) = if opts.exchange_reads {
-        let p = match prepared {
+        let mut p = match prepared {
             Ok(p) => p,
             Err(e @ Error::Comm { .. }) => return Err(e),
             Err(e) => {
@@ -246,12 +249,12 @@ fn load_with<'a>(
                 return Err(e);
             }
         };
-        let stats = load_exchanged(index, storage, comm, opts, &p.segs, &p.targets)?;
+        let stats = load_exchanged(index, storage, comm, opts, &p.segs, &mut targets_of(&mut p.datas))?;
         (p, stats)
     } else {
         let mut p = prepared?;
         let plan = plan_reads(index, std::mem::take(&mut p.segs), opts.verify_checksums, opts.tuning);
-        execute(storage, index, &plan, &p.targets, opts.threads, opts.cancel.as_deref())?;
+        execute(storage, index, &plan, &mut targets_of(&mut p.datas), opts.threads, opts.cancel.as_deref())?;
         let mut header_bytes_read = 0;
         if opts.verify_checksums {
             let mut files: Vec<u32> = plan.spans.iter().map(|s| s.file).collect();
@@ -267,7 +270,18 @@ fn load_with<'a>(
         };
         (p, stats)
     };
-    let Prepared { mut tree, applied, objects_wanted, unexpected_keys, missing, .. } = prepared;
+    let Prepared { tree, datas, applied, objects_wanted, unexpected_keys, missing, .. } = prepared;
+    // The loaded buffers go back into their leaves (the same walk that took them out).
+    let mut datas = datas.into_iter();
+    let mut tree = tree.map_leaves(&mut |_, leaf| {
+        Ok(match leaf {
+            StateTree::Tensor(mut t) => {
+                t.data = datas.next().unwrap_or_default();
+                StateTree::Tensor(t)
+            }
+            other => other,
+        })
+    })?;
     use StrictHandling as S;
 
     if objects_wanted > 0 {
@@ -299,10 +313,14 @@ fn load_with<'a>(
 
 /// What a rank knows before reading tensor data: its tree (factories applied, unexpected keys
 /// removed), the copy segments of its tensors and their targets.
+///
+/// The tensors' buffers are taken out of the tree while the load writes them (`datas`, one per
+/// tensor leaf in walk order; `CopySeg::target` indexes it): the reads get ordinary `&mut`
+/// borrows of them, cut into disjoint pieces, and no raw pointer into the tree is needed.
 struct Prepared<'a> {
     tree: StateTree<'a>,
+    datas: Vec<TensorData<'a>>,
     applied: Vec<AppliedFactory>,
-    targets: Vec<Target>,
     segs: Vec<CopySeg>,
     objects_wanted: usize,
     unexpected_keys: Vec<String>,
@@ -379,14 +397,14 @@ fn prepare<'a>(
 
     // Requests and targets; buffers not given are allocated.
     let mut requests: Vec<Request> = Vec::new();
-    let mut targets: Vec<Target> = Vec::new();
+    let mut datas: Vec<TensorData<'a>> = Vec::new();
     let mut objects_wanted = 0usize;
     let tree = tree.map_leaves(&mut |_, leaf| {
         Ok(match leaf {
             StateTree::Tensor(mut t) => {
                 t.check(false)?;
                 if matches!(t.data, TensorData::None) {
-                    t.data = TensorData::Owned(zeroed(t.data_nbytes()).ok_or_else(|| {
+                    t.data = TensorData::Owned(crate::io::staging::zeroed(t.data_nbytes()).ok_or_else(|| {
                         Error::invalid(format!(
                             "{:?}: cannot allocate {} bytes for the tensor (shape {:?})",
                             t.key,
@@ -395,13 +413,13 @@ fn prepare<'a>(
                         ))
                     })?);
                 }
-                let buf = t.data.bytes_mut().ok_or_else(|| {
-                    Error::invalid(format!(
+                if t.data.bytes_mut().is_none() {
+                    return Err(Error::invalid(format!(
                         "{:?}: load needs a writable buffer (TensorData::Mut or Owned), got a read-only one",
                         t.key
-                    ))
-                })?;
-                targets.push(Target::new(buf));
+                    )));
+                }
+                datas.push(std::mem::take(&mut t.data));
                 requests.push(Request {
                     key: t.key.clone(),
                     dtype: t.dtype,
@@ -410,7 +428,7 @@ fn prepare<'a>(
                     shape: t.box_shape(),
                     flat: t.flattened_range.as_ref().map(|r| (r.start, r.end)),
                     allow_shape_mismatch: t.allow_shape_mismatch,
-                    target: targets.len() - 1,
+                    target: datas.len() - 1,
                 });
                 StateTree::Tensor(t)
             }
@@ -423,16 +441,27 @@ fn prepare<'a>(
     })?;
 
     let mut segs = Vec::new();
+    let mut zero_fill = Vec::new();
     for r in &requests {
         let p = plan_request(index, r)?;
         if p.zero_fill {
-            let t = targets[r.target];
-            // SAFETY: the target is the live buffer of this request, not yet shared with readers.
-            unsafe { std::ptr::write_bytes(t.ptr, 0, t.len) };
+            zero_fill.push(r.target);
         }
         segs.extend(p.segs);
     }
-    Ok(Prepared { tree, applied, targets, segs, objects_wanted, unexpected_keys, missing })
+    // Every destination inside its buffer, none written twice: checked for the whole load before
+    // any byte is written (the exchange's scatter included), whatever built the index.
+    let lens: Vec<usize> = datas.iter().map(TensorData::len).collect();
+    destination_order(index, &segs, &lens)?;
+    for t in zero_fill {
+        datas[t].bytes_mut().unwrap_or_default().fill(0);
+    }
+    Ok(Prepared { tree, datas, applied, segs, objects_wanted, unexpected_keys, missing })
+}
+
+/// The writable buffers of `datas`, indexed like them (`prepare` refused read-only ones).
+fn targets_of<'d>(datas: &'d mut [TensorData<'_>]) -> Vec<&'d mut [u8]> {
+    datas.iter_mut().map(|d| d.bytes_mut().unwrap_or_default()).collect()
 }
 
 /// First byte of every exchange message: the rest is the payload, or the sender's error.
@@ -461,20 +490,18 @@ fn check_peers(msgs: &[Vec<u8>], me: usize) -> Result<()> {
 }
 
 /// Copies the bytes of `range` (in `data`) into the targets of `pieces` (segments within it).
-fn scatter(range: &ByteRange, data: &[u8], pieces: &[(usize, CopySeg)], targets: &[Target]) -> Result<()> {
+fn scatter(range: &ByteRange, data: &[u8], pieces: &[(usize, CopySeg)], targets: &mut [&mut [u8]]) -> Result<()> {
     for (_, s) in pieces {
         let at = (s.file_off - range.off) as usize;
         let src = &data[at..at + s.len as usize];
-        let t = targets[s.target];
-        if s.dst_off.checked_add(s.len).is_none_or(|e| e > t.len as u64) {
-            return Err(Error::invalid(format!(
-                "copy of {} bytes at {} past a {}-byte buffer",
-                s.len, s.dst_off, t.len
-            )));
-        }
-        // SAFETY: the target is a buffer exclusively borrowed by the load, no read is running
-        // (copies happen between reads), and the region was bounds-checked above.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), t.ptr.add(s.dst_off as usize), src.len()) };
+        let dst = targets.get_mut(s.target).and_then(|t| {
+            let start = usize::try_from(s.dst_off).ok()?;
+            t.get_mut(start..start.checked_add(src.len())?)
+        });
+        let Some(dst) = dst else {
+            return Err(Error::invalid(format!("copy of {} bytes at {} past the load buffer", s.len, s.dst_off)));
+        };
+        dst.copy_from_slice(src);
     }
     Ok(())
 }
@@ -488,7 +515,7 @@ fn load_exchanged(
     comm: &dyn Communicator,
     opts: &LoadOptions,
     segs: &[CopySeg],
-    targets: &[Target],
+    targets: &mut [&mut [u8]],
 ) -> Result<LoadStats> {
     let (me, world) = (comm.rank(), comm.world_size());
     let verify = opts.verify_checksums;
@@ -655,7 +682,7 @@ fn read_round(
     }
     buf.resize(at as usize, 0);
     let rp = plan_reads(index, segs, opts.verify_checksums, tuning);
-    execute(storage, index, &rp, &[Target::new(buf)], opts.threads, opts.cancel.as_deref())?;
+    execute(storage, index, &rp, &mut [&mut buf[..]], opts.threads, opts.cancel.as_deref())?;
     Ok((rp.bytes_read, rp.spans.len()))
 }
 
@@ -786,19 +813,85 @@ pub fn load_sharded_objects<'a>(tree: StateTree<'a>, storage: &dyn Storage) -> R
     })
 }
 
-/// `n` zero bytes, or `None` when the allocator refuses them: a shape read from a checkpoint
-/// may claim more than the machine has, and that must be an error, not an abort. Zeroed by the
-/// allocator (untouched pages cost nothing until written).
-fn zeroed(n: u64) -> Option<Vec<u8>> {
-    let n = usize::try_from(n).ok().filter(|&n| n <= isize::MAX as usize)?;
-    if n == 0 {
-        return Some(Vec::new());
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{FileEntry, StoredChunk, TensorEntry};
+    use crate::storage::MemoryStorage;
+    use crate::{DType, ShardedTensor, SoloComm};
+
+    /// A hostile index: `x` (4 × u8) stored as chunk [0, 3) and chunk [2, 3), overlapping at
+    /// element 2 (and so leaving element 3 out, while the elements add up to 4: the planner's
+    /// coverage count does not see it), over a file holding bytes 0..8.
+    fn overlapping() -> (CheckpointIndex, MemoryStorage) {
+        let chunk = |offset: u64, len: u64, byte_offset: u64| StoredChunk {
+            file: 0,
+            byte_offset,
+            offset: [offset].as_slice().into(),
+            shape: [len].as_slice().into(),
+            flat: None,
+            crcs: Vec::new(),
+        };
+        let index = CheckpointIndex {
+            backend: "t".into(),
+            version: 1,
+            block_size: 0,
+            content_metadata: crate::Value::Null,
+            common: Vec::new(),
+            files: vec![FileEntry { name: "d".into(), size: 8, header_len: 0, header_crc: 0 }],
+            tensors: vec![TensorEntry::new("x".into(), DType::U8, vec![4], vec![chunk(0, 3, 0), chunk(2, 1, 4)])],
+            objects: Vec::new(),
+            omitted_tensors: Vec::new(),
+        };
+        let storage = MemoryStorage::new();
+        let w = storage.create("d", 8).unwrap();
+        w.write_at(0, &[1, 2, 3, 4, 5, 6, 7, 8]).unwrap();
+        w.finish().unwrap();
+        (index, storage)
     }
-    let layout = std::alloc::Layout::array::<u8>(n).ok()?;
-    // SAFETY: `layout` has a non-zero size; a non-null result is `n` zeroed bytes allocated
-    // with the global allocator and `u8`'s alignment, which `Vec::from_raw_parts` takes over.
-    unsafe {
-        let ptr = std::alloc::alloc_zeroed(layout);
-        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, n, n))
+
+    /// The read engine's own check, independent of any validation of the index when it is
+    /// opened: `load_with` is what every load entry point runs after opening.
+    #[test]
+    fn overlapping_chunks_are_refused_before_any_write() {
+        let (index, storage) = overlapping();
+        for exchange_reads in [false, true] {
+            let mut buf = [0xEEu8; 4];
+            let tree = StateTree::map()
+                .with("x", StateTree::Tensor(ShardedTensor::full("x", DType::U8, &[4], TensorData::Mut(&mut buf))));
+            let opts = LoadOptions { verify_checksums: false, exchange_reads, ..LoadOptions::default() };
+            let r = load_with(&index, apply_factories(tree), &storage, &SoloComm, &opts);
+            assert!(
+                matches!(r, Err(Error::InvalidSharding { ref key, .. }) if key == "x"),
+                "exchange_reads {exchange_reads}: {r:?}"
+            );
+            assert_eq!(buf, [0xEE; 4], "exchange_reads {exchange_reads}: nothing written");
+        }
+    }
+
+    #[test]
+    fn buffers_go_back_to_their_leaves() {
+        let (mut index, storage) = overlapping();
+        // Make the index valid: [0, 2) and [2, 4).
+        let chunks =
+            index.tensors[0].chunks().iter().map(|c| StoredChunk { shape: [2].as_slice().into(), ..c.clone() });
+        index.tensors[0] = TensorEntry::new("x".into(), DType::U8, vec![4], chunks.collect());
+        let mut buf = [0xEEu8; 4];
+        let tree = StateTree::map()
+            .with("a", StateTree::Tensor(ShardedTensor::full("x", DType::U8, &[4], TensorData::Mut(&mut buf))))
+            .with("b", StateTree::Tensor(ShardedTensor::full("x", DType::U8, &[4], TensorData::None)));
+        let opts = LoadOptions { verify_checksums: false, threads: 2, ..LoadOptions::default() };
+        let res = load_with(&index, apply_factories(tree), &storage, &SoloComm, &opts).unwrap();
+        let data = |k: &str| match res.state.get(&[crate::PathSeg::Key(k.into())]) {
+            Some(StateTree::Tensor(t)) => t.data.bytes().map(<[u8]>::to_vec),
+            _ => None,
+        };
+        assert_eq!(data("a").unwrap(), [1, 2, 5, 6]);
+        assert_eq!(data("b").unwrap(), [1, 2, 5, 6]);
+        assert!(
+            matches!(res.state.get(&[crate::PathSeg::Key("a".into())]), Some(StateTree::Tensor(t)) if matches!(t.data, TensorData::Mut(_)))
+        );
+        drop(res);
+        assert_eq!(buf, [1, 2, 5, 6]);
     }
 }

@@ -1,53 +1,130 @@
 //! Executes a [`ReadPlan`]: parallel ranged reads, checksum verification, scatter into the
 //! caller's buffers.
 
+// No `unsafe` here: the read engine writes caller buffers from several threads, and that no two
+// of them write one byte is structural (split_at_mut). Keep it so.
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use crate::format::CheckpointIndex;
-use crate::plan::load::ReadPlan;
+use crate::plan::load::{CopySeg, ReadPlan};
 use crate::storage::Storage;
 use crate::{Error, Result};
 
-/// A caller's buffer, written from several threads at disjoint places.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Target {
-    pub ptr: *mut u8,
-    pub len: usize,
-}
-
-// SAFETY: targets point into buffers exclusively borrowed by the load for its whole duration;
-// the plan writes disjoint regions of them (stored chunks never overlap), each bounds-checked.
-unsafe impl Send for Target {}
-unsafe impl Sync for Target {}
-
-impl Target {
-    pub fn new(buf: &mut [u8]) -> Self {
-        Target { ptr: buf.as_mut_ptr(), len: buf.len() }
-    }
-
-    /// # Safety
-    /// No other live reference may cover `[off, off + len)`.
-    unsafe fn slice<'t>(self, off: u64, len: u64) -> Result<&'t mut [u8]> {
-        let end = off.checked_add(len).filter(|&e| e <= self.len as u64);
-        if end.is_none() {
-            return Err(Error::invalid(format!("copy of {len} bytes at {off} past a {}-byte buffer", self.len)));
+/// Checks that the destinations of `segs` lie inside their targets (`target_lens[s.target]`
+/// bytes each) and that no two of them overlap within a target. Returns the segment indices
+/// sorted by (target, destination offset, length), the order [`split_destinations`] cuts them in.
+///
+/// A valid index never yields overlapping destinations (stored chunks tile the tensor), so an
+/// overlap means a hostile or damaged index: the load is refused before any byte is written,
+/// whatever the index validation upstream let through.
+pub(crate) fn destination_order(
+    index: &CheckpointIndex,
+    segs: &[CopySeg],
+    target_lens: &[usize],
+) -> Result<Vec<usize>> {
+    let key = |s: &CopySeg| index.tensors.get(s.tensor as usize).map_or("?", |t| t.key.as_str()).to_string();
+    let mut order: Vec<usize> = (0..segs.len()).collect();
+    order.sort_unstable_by_key(|&i| (segs[i].target, segs[i].dst_off, segs[i].len));
+    // End of the previous destination in the same target.
+    let mut prev: Option<(usize, u64)> = None;
+    for &i in &order {
+        let s = &segs[i];
+        let Some(&len) = target_lens.get(s.target) else {
+            return Err(Error::invalid(format!("copy into target {} of {}", s.target, target_lens.len())));
+        };
+        let end = s.dst_off.checked_add(s.len).filter(|&e| e <= len as u64).ok_or_else(|| {
+            Error::sharding(
+                key(s),
+                format!("copy of {} bytes at {} past the end of a {len}-byte buffer", s.len, s.dst_off),
+            )
+        })?;
+        if s.len == 0 {
+            continue;
         }
-        Ok(std::slice::from_raw_parts_mut(self.ptr.add(off as usize), len as usize))
+        if let Some((t, prev_end)) = prev {
+            if t == s.target && s.dst_off < prev_end {
+                return Err(Error::sharding(
+                    key(s),
+                    format!(
+                        "stored chunks overlap: bytes {}..{prev_end} of the load buffer are written twice",
+                        s.dst_off
+                    ),
+                ));
+            }
+        }
+        prev = Some((s.target, end));
     }
+    Ok(order)
 }
 
-/// Runs every read of `plan` with `threads` workers.
+/// Cuts `targets` into one disjoint `&mut` slice per segment of `segs` (indexed like `segs`), so
+/// that the threads of a load can only ever write their own segments' bytes. Fails, before
+/// anything is written, when a destination is out of bounds or overlaps another.
+fn split_destinations<'t>(
+    index: &CheckpointIndex,
+    segs: &[CopySeg],
+    targets: &'t mut [&mut [u8]],
+) -> Result<Vec<&'t mut [u8]>> {
+    let lens: Vec<usize> = targets.iter().map(|t| t.len()).collect();
+    let order = destination_order(index, segs, &lens)?;
+    let mut out: Vec<&'t mut [u8]> = segs.iter().map(|_| <&mut [u8]>::default()).collect();
+    let mut order = order.into_iter().peekable();
+    for (t, buf) in targets.iter_mut().enumerate() {
+        // What is left of target `t` after the destinations cut so far, and where it starts.
+        let mut rest: &'t mut [u8] = buf;
+        let mut pos = 0u64;
+        while let Some(i) = order.next_if(|&i| segs[i].target == t) {
+            let s = &segs[i];
+            if s.len == 0 {
+                continue;
+            }
+            // `destination_order` proved dst_off >= pos and dst_off + len <= the target's length.
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut((s.dst_off - pos) as usize);
+            let (dst, tail) = tail.split_at_mut(s.len as usize);
+            out[i] = dst;
+            rest = tail;
+            pos = s.dst_off + s.len;
+        }
+    }
+    Ok(out)
+}
+
+/// Runs every read of `plan` with `threads` workers, writing into `targets` (indexed by
+/// [`CopySeg::target`]).
+///
+/// Before a thread starts, the targets are cut into disjoint `&mut` slices, one per segment,
+/// and each read takes its segments' slices with it: two threads cannot write the same byte,
+/// by construction (no `unsafe`), and a plan whose destinations overlap is refused whole.
 pub(crate) fn execute(
     storage: &dyn Storage,
     index: &CheckpointIndex,
     plan: &ReadPlan,
-    targets: &[Target],
+    targets: &mut [&mut [u8]],
     threads: usize,
     cancel: Option<&AtomicBool>,
 ) -> Result<()> {
-    let next = AtomicUsize::new(0);
+    let mut dsts = split_destinations(index, &plan.segs, targets)?;
+    // Each read owns the slices of its segments: spans list consecutive runs of `plan.segs`.
+    let mut work: Vec<(usize, &mut [&mut [u8]])> = Vec::with_capacity(plan.spans.len());
+    let mut rest: &mut [&mut [u8]] = &mut dsts;
+    let mut at = 0usize;
+    for (i, sp) in plan.spans.iter().enumerate() {
+        if sp.segs.start != at || sp.segs.end < at || sp.segs.end - at > rest.len() {
+            return Err(Error::invalid(format!(
+                "read plan: span {i} serves segments {:?}, expected them to start at {at}",
+                sp.segs
+            )));
+        }
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(sp.segs.len());
+        work.push((i, mine));
+        rest = tail;
+        at = sp.segs.end;
+    }
+    let work = Mutex::new(work.into_iter());
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
     let workers = threads.clamp(1, plan.spans.len().max(1));
     let path_of =
@@ -57,10 +134,12 @@ pub(crate) fn execute(
             scope.spawn(|| {
                 let mut scratch: Vec<u8> = Vec::new();
                 loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= plan.spans.len() || first_error.lock().unwrap().is_some() {
+                    if first_error.lock().unwrap().is_some() {
                         return;
                     }
+                    // The lock is held only to take the next read, not while it runs.
+                    let next = work.lock().unwrap().next();
+                    let Some((i, dsts)) = next else { return };
                     if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
                         first_error.lock().unwrap().get_or_insert(Error::Cancelled);
                         return;
@@ -68,41 +147,42 @@ pub(crate) fn execute(
                     let sp = &plan.spans[i];
                     let name = &index.files[sp.file as usize].name;
                     let r = (|| -> Result<()> {
-                        let segs = &plan.segs[sp.segs.clone()];
-                        let buf: &mut [u8] = if sp.direct {
-                            let s = &segs[0];
-                            // SAFETY: segments of a plan write disjoint target regions.
-                            unsafe { targets[s.target].slice(s.dst_off, s.len)? }
-                        } else {
-                            scratch.resize(sp.len as usize, 0);
-                            &mut scratch[..]
+                        let check_blocks = |buf: &[u8]| -> Result<()> {
+                            for b in &plan.blocks[sp.blocks.clone()] {
+                                let at = (b.file_off - sp.off) as usize;
+                                let got = crc32c::crc32c(&buf[at..at + b.len as usize]);
+                                if got != b.crc {
+                                    return Err(Error::corrupt(
+                                        path_of(sp.file),
+                                        format!(
+                                            "checksum mismatch in {:?} at bytes {}..{} (stored {:08x}, read {got:08x})",
+                                            index.tensors[b.tensor as usize].key,
+                                            b.file_off,
+                                            b.file_off + b.len,
+                                            b.crc
+                                        ),
+                                    ));
+                                }
+                            }
+                            Ok(())
                         };
-                        storage.read_at(name, sp.off, buf)?;
-                        for b in &plan.blocks[sp.blocks.clone()] {
-                            let at = (b.file_off - sp.off) as usize;
-                            let got = crc32c::crc32c(&buf[at..at + b.len as usize]);
-                            if got != b.crc {
-                                return Err(Error::corrupt(
-                                    path_of(sp.file),
-                                    format!(
-                                        "checksum mismatch in {:?} at bytes {}..{} (stored {:08x}, read {got:08x})",
-                                        index.tensors[b.tensor as usize].key,
-                                        b.file_off,
-                                        b.file_off + b.len,
-                                        b.crc
-                                    ),
-                                ));
+                        match dsts {
+                            // The read lands in the caller's buffer.
+                            [only] if sp.direct && only.len() as u64 == sp.len => {
+                                storage.read_at(name, sp.off, only)?;
+                                check_blocks(only)
+                            }
+                            _ => {
+                                scratch.resize(sp.len as usize, 0);
+                                storage.read_at(name, sp.off, &mut scratch)?;
+                                check_blocks(&scratch)?;
+                                for (s, dst) in plan.segs[sp.segs.clone()].iter().zip(dsts.iter_mut()) {
+                                    let at = (s.file_off - sp.off) as usize;
+                                    dst.copy_from_slice(&scratch[at..at + s.len as usize]);
+                                }
+                                Ok(())
                             }
                         }
-                        if !sp.direct {
-                            for s in segs {
-                                let at = (s.file_off - sp.off) as usize;
-                                // SAFETY: as above.
-                                let dst = unsafe { targets[s.target].slice(s.dst_off, s.len)? };
-                                dst.copy_from_slice(&scratch[at..at + s.len as usize]);
-                            }
-                        }
-                        Ok(())
                     })();
                     if let Err(e) = r {
                         first_error.lock().unwrap().get_or_insert(e);
@@ -147,4 +227,112 @@ pub(crate) fn verify_headers(storage: &dyn Storage, index: &CheckpointIndex, fil
         }
     }
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{FileEntry, TensorEntry};
+    use crate::plan::load::{plan_reads, ReadTuning, Span};
+    use crate::storage::MemoryStorage;
+    use crate::DType;
+
+    /// One 16-byte file `d` holding bytes 0..16, and one tensor `x` for the errors to name.
+    fn setup() -> (CheckpointIndex, MemoryStorage) {
+        let index = CheckpointIndex {
+            backend: "t".into(),
+            version: 1,
+            block_size: 0,
+            content_metadata: crate::Value::Null,
+            common: Vec::new(),
+            files: vec![FileEntry { name: "d".into(), size: 16, header_len: 0, header_crc: 0 }],
+            tensors: vec![TensorEntry::new("x".into(), DType::U8, vec![16], Vec::new())],
+            objects: Vec::new(),
+            omitted_tensors: Vec::new(),
+        };
+        let storage = MemoryStorage::new();
+        let w = storage.create("d", 16).unwrap();
+        w.write_at(0, &(0..16).collect::<Vec<u8>>()).unwrap();
+        w.finish().unwrap();
+        (index, storage)
+    }
+
+    fn seg(file_off: u64, len: u64, target: usize, dst_off: u64) -> CopySeg {
+        CopySeg { file: 0, file_off, len, target, dst_off, tensor: 0, chunk: 0 }
+    }
+
+    fn sharding_of_x(r: Result<impl std::fmt::Debug>) -> bool {
+        matches!(r, Err(Error::InvalidSharding { ref key, .. }) if key == "x")
+    }
+
+    #[test]
+    fn destinations_in_order_and_disjoint_pass() {
+        let (index, _) = setup();
+        let segs = [seg(8, 4, 0, 4), seg(0, 4, 0, 0), seg(4, 0, 0, 4), seg(0, 8, 1, 0)];
+        assert_eq!(destination_order(&index, &segs, &[8, 8]).unwrap(), [1, 2, 0, 3]);
+    }
+
+    #[test]
+    fn overlapping_destinations_are_refused() {
+        let (index, _) = setup();
+        let r = destination_order(&index, &[seg(0, 4, 0, 0), seg(8, 4, 0, 2)], &[8]);
+        assert!(sharding_of_x(r));
+        // The same bytes in two different targets are fine (two requests of one tensor).
+        destination_order(&index, &[seg(0, 4, 0, 0), seg(0, 4, 1, 0)], &[8, 8]).unwrap();
+    }
+
+    #[test]
+    fn destinations_past_the_buffer_are_refused() {
+        let (index, _) = setup();
+        assert!(sharding_of_x(destination_order(&index, &[seg(0, 4, 0, 6)], &[8])));
+        // dst_off + len overflows u64: refused, not wrapped.
+        assert!(sharding_of_x(destination_order(&index, &[seg(0, 4, 0, u64::MAX - 1)], &[8])));
+        let r = destination_order(&index, &[seg(0, 4, 3, 0)], &[8]);
+        assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    }
+
+    #[test]
+    fn execute_scatters_and_reads_direct() {
+        let (index, storage) = setup();
+        let (mut a, mut b) = (vec![0xEEu8; 8], vec![0xEEu8; 4]);
+        // Scattered through scratch: one read of bytes 0..12 serving three segments.
+        let plan =
+            plan_reads(&index, vec![seg(8, 4, 0, 0), seg(0, 4, 0, 4), seg(4, 4, 1, 0)], false, ReadTuning::default());
+        execute(&storage, &index, &plan, &mut [&mut a, &mut b], 2, None).unwrap();
+        assert_eq!(a, [8, 9, 10, 11, 0, 1, 2, 3]);
+        assert_eq!(b, [4, 5, 6, 7]);
+        // A read that lands directly in the buffer.
+        let plan = plan_reads(&index, vec![seg(2, 8, 0, 0)], false, ReadTuning::default());
+        assert!(plan.spans.iter().all(|s| s.direct));
+        execute(&storage, &index, &plan, &mut [&mut a], 1, None).unwrap();
+        assert_eq!(a, [2, 3, 4, 5, 6, 7, 8, 9]);
+    }
+
+    #[test]
+    fn execute_refuses_overlapping_destinations_before_writing() {
+        let (index, storage) = setup();
+        let mut a = vec![0xEEu8; 12];
+        // Two chunks of a hostile index both claiming bytes 4..8 of the buffer.
+        let plan = plan_reads(&index, vec![seg(0, 8, 0, 0), seg(8, 8, 0, 4)], false, ReadTuning::default());
+        assert!(sharding_of_x(execute(&storage, &index, &plan, &mut [&mut a], 2, None)));
+        assert!(a.iter().all(|&x| x == 0xEE), "nothing written: {a:?}");
+    }
+
+    #[test]
+    fn execute_refuses_a_segment_served_by_two_reads() {
+        let (index, storage) = setup();
+        let mut a = vec![0xEEu8; 4];
+        // Two reads of the same segment would be two threads writing the same bytes.
+        let span = Span { file: 0, off: 0, len: 4, segs: 0..1, blocks: 0..0, direct: true };
+        let plan = ReadPlan {
+            segs: vec![seg(0, 4, 0, 0)],
+            blocks: Vec::new(),
+            spans: vec![span.clone(), span],
+            bytes_needed: 4,
+            bytes_read: 8,
+        };
+        let r = execute(&storage, &index, &plan, &mut [&mut a], 2, None);
+        assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+        assert_eq!(a, [0xEE; 4]);
+    }
 }

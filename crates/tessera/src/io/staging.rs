@@ -38,14 +38,17 @@ impl StagingPool {
             return Err(Error::invalid("staging buffers must not be empty"));
         }
         let count = ((budget / buffer_size as u64) as usize).max(1);
-        let page = page_size();
         let free = (0..count)
             .map(|_| {
                 let mut b = vec![0u8; buffer_size].into_boxed_slice();
                 // A zeroed allocation is mapped lazily: touch every page now, not during a save.
-                for i in (0..buffer_size).step_by(page) {
-                    // SAFETY: i < buffer_size, inside the allocation.
-                    unsafe { std::ptr::write_volatile(b.as_mut_ptr().add(i), 0) };
+                // Every 4 KiB, the smallest page there is: with larger pages some writes hit a
+                // page already touched, which costs nothing worth a page-size query.
+                for x in b.iter_mut().step_by(TOUCH_STRIDE) {
+                    // A plain store of 0 into memory known to be zeroed (calloc) may be optimized
+                    // away; a volatile one is not.
+                    // SAFETY: `x` is a `&mut u8`: valid, aligned and exclusive for the write.
+                    unsafe { std::ptr::write_volatile(x, 0) };
                 }
                 b
             })
@@ -101,15 +104,8 @@ impl StagingPool {
     }
 }
 
-fn page_size() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as usize
-    } else {
-        4096
-    }
-}
+/// Stride of the pre-faulting writes: the smallest page size of the platforms tessera runs on.
+const TOUCH_STRIDE: usize = 4096;
 
 /// A buffer lent by a [`StagingPool`]; goes back to the pool when dropped.
 #[derive(Debug)]
@@ -138,6 +134,23 @@ impl Drop for PoolBuffer {
             self.pool.free.lock().unwrap().push(b);
             self.pool.returned.notify_one();
         }
+    }
+}
+
+/// `n` zero bytes, or `None` when the allocator refuses them: a shape read from a checkpoint
+/// may claim more than the machine has, and that must be an error, not an abort. Zeroed by the
+/// allocator (untouched pages cost nothing until written).
+pub(crate) fn zeroed(n: u64) -> Option<Vec<u8>> {
+    let n = usize::try_from(n).ok().filter(|&n| n <= isize::MAX as usize)?;
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).ok()?;
+    // SAFETY: `layout` has a non-zero size; a non-null result is `n` zeroed bytes allocated
+    // with the global allocator and `u8`'s alignment, which `Vec::from_raw_parts` takes over.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout);
+        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, n, n))
     }
 }
 

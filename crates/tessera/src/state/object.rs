@@ -1,5 +1,8 @@
 //! Sharded objects, factories and the state tree.
 
+// No `unsafe` here: factories split and merge tensor data with safe code only.
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
@@ -310,7 +313,8 @@ impl<'a> StateTree<'a> {
 
 /// A factory that splits a tensor along its first local axis into consecutive parts, each
 /// saved as its own sharded tensor (e.g. a fused SwiGLU `[w; v]` weight into `w` and `v`).
-/// The split is zero-copy; on load, parts loaded in place are re-joined in place.
+/// The split is zero-copy, and on load the parts are read in place into the caller's buffer;
+/// the merged tensor then holds a copy of its bytes (split borrows cannot be soundly re-joined).
 #[derive(Debug, Clone)]
 pub struct SplitFactory {
     /// Local shape of the fused tensor, as returned after load.
@@ -340,16 +344,28 @@ impl TensorFactory for SplitFactory {
     fn build<'a>(&self, key: &str, data: TensorData<'a>, replica_id: &ReplicaId) -> Result<StateTree<'a>> {
         let mut rest = data;
         let mut out = BTreeMap::new();
-        let total: u64 =
-            self.parts.iter().map(|(_, p)| p.local_shape.iter().product::<u64>() * p.dtype.size() as u64).sum();
+        // Part shapes are the user's numbers: sizes past u64 (or past one allocation) are refused.
+        let sizes = self
+            .parts
+            .iter()
+            .map(|(_, p)| {
+                super::tensor::checked_nbytes(&p.local_shape, p.dtype.size())
+                    .ok_or_else(|| crate::Error::sharding(&p.key, format!("local shape {:?} overflows", p.local_shape)))
+            })
+            .collect::<Result<Vec<u64>>>()?;
+        let total = sizes
+            .iter()
+            .try_fold(0u64, |t, &n| t.checked_add(n))
+            .ok_or_else(|| crate::Error::sharding(key, "the sizes of the parts overflow"))?;
         if !matches!(rest, TensorData::None) && rest.len() as u64 != total {
             return Err(crate::Error::invalid(format!(
                 "factory {key:?}: tensor holds {} bytes, its parts need {total}",
                 rest.len()
             )));
         }
-        for (i, (suffix, p)) in self.parts.iter().enumerate() {
-            let n = (p.local_shape.iter().product::<u64>() * p.dtype.size() as u64) as usize;
+        for (i, ((suffix, p), &n)) in self.parts.iter().zip(&sizes).enumerate() {
+            // At most isize::MAX (checked_nbytes), so it fits in usize.
+            let n = n as usize;
             let avail = rest.len();
             let (head, tail) = std::mem::take(&mut rest).split_at(n.min(avail))?;
             rest = tail;
@@ -392,5 +408,51 @@ impl TensorFactory for SplitFactory {
         t.global_offset = vec![0; self.local_shape.len()];
         t.prepend_axis_num = 0;
         Ok(StateTree::Tensor(t))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Error};
+
+    fn part(key: &str, rows: u64) -> PartSpec {
+        PartSpec {
+            key: key.into(),
+            dtype: DType::F32,
+            local_shape: vec![rows, 4],
+            global_shape: vec![rows, 4],
+            global_offset: vec![0, 0],
+            prepend_axis_num: 0,
+        }
+    }
+
+    #[test]
+    fn split_factory_refuses_part_sizes_that_overflow() {
+        let f = SplitFactory { local_shape: vec![2, 4], parts: vec![("w".into(), part("w", 1 << 62))] };
+        let r = f.build("fc", TensorData::None, &ReplicaId::main());
+        assert!(matches!(r, Err(Error::InvalidSharding { ref key, .. }) if key == "w"), "{r:?}");
+        // Each part fits (2^63 - 16 bytes), their sum does not.
+        let rows = (1 << 59) - 1;
+        let parts = ["a", "b", "c"].map(|k| (k.to_string(), part(k, rows))).to_vec();
+        let f = SplitFactory { local_shape: vec![2, 4], parts };
+        let r = f.build("fc", TensorData::None, &ReplicaId::main());
+        assert!(matches!(r, Err(Error::InvalidSharding { ref key, .. }) if key == "fc"), "{r:?}");
+    }
+
+    #[test]
+    fn split_factory_splits_and_merges_without_unsafe() {
+        let f = SplitFactory {
+            local_shape: vec![2, 4],
+            parts: vec![("w".into(), part("w", 1)), ("v".into(), part("v", 1))],
+        };
+        let mut buf: Vec<u8> = (0..32).collect();
+        let built = f.build("fc", TensorData::Mut(&mut buf), &ReplicaId::main()).unwrap();
+        let merged = f.merge("fc", built).unwrap();
+        let StateTree::Tensor(t) = merged else { panic!("not a tensor") };
+        assert_eq!((t.key.as_str(), t.local_shape.as_slice()), ("fc", [2u64, 4].as_slice()));
+        assert_eq!(t.data.bytes().unwrap(), (0..32).collect::<Vec<u8>>());
+        let r = f.build("fc", TensorData::Owned(vec![0; 31]), &ReplicaId::main());
+        assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
     }
 }

@@ -1,5 +1,8 @@
 //! Sharded tensors: one rank's piece of a global tensor.
 
+// No `unsafe` here: tensor data is split and joined with safe code only.
+#![forbid(unsafe_code)]
+
 use std::ops::Range;
 
 use crate::{DType, Error, Result};
@@ -106,40 +109,36 @@ impl<'a> TensorData<'a> {
         })
     }
 
-    /// Joins consecutive parts back into one: borrowed parts that are adjacent in memory are
-    /// re-joined without copying, anything else is copied into an owned buffer.
+    /// Joins consecutive parts back into one. A single part is returned as it is (a part loaded
+    /// in place stays the caller's buffer); several are copied into one owned buffer.
+    ///
+    /// Borrowed parts adjacent in memory are not re-joined into one `&mut [u8]`: a slice made
+    /// from the first part's pointer carries the first part's provenance only, so touching the
+    /// bytes of the next part through it is undefined behaviour (Stacked and Tree Borrows), how
+    /// ever adjacent the memory. Re-joining soundly needs the borrow the parts were split from.
     pub fn join(parts: Vec<TensorData<'a>>) -> TensorData<'a> {
-        if parts.iter().all(|p| matches!(p, TensorData::Mut(_))) && !parts.is_empty() {
-            let mut slices: Vec<&'a mut [u8]> = parts
-                .into_iter()
-                .map(|p| match p {
-                    TensorData::Mut(b) => b,
-                    _ => unreachable!(),
-                })
-                .collect();
-            let adjacent = slices.windows(2).all(|w| w[0].as_ptr_range().end == w[1].as_ptr());
-            if adjacent {
-                let start = slices[0].as_mut_ptr();
-                let len: usize = slices.iter().map(|s| s.len()).sum();
-                // SAFETY: the slices are exclusive borrows with the same lifetime, laid out back
-                // to back in one allocation (checked above), so together they are one exclusive
-                // borrow of `len` bytes from `start`.
-                return TensorData::Mut(unsafe { std::slice::from_raw_parts_mut(start, len) });
-            }
-            let mut out = Vec::new();
-            for s in slices.iter_mut() {
-                out.extend_from_slice(s);
-            }
-            return TensorData::Owned(out);
+        let mut parts = parts.into_iter().filter(|p| !matches!(p, TensorData::None)).peekable();
+        let Some(first) = parts.next() else {
+            return TensorData::Owned(Vec::new());
+        };
+        if parts.peek().is_none() {
+            return first;
         }
-        let mut out = Vec::new();
-        for p in &parts {
-            if let Some(b) = p.bytes() {
-                out.extend_from_slice(b);
-            }
+        let mut out = match first {
+            TensorData::Owned(v) => v,
+            other => other.bytes().map(<[u8]>::to_vec).unwrap_or_default(),
+        };
+        for p in parts {
+            out.extend_from_slice(p.bytes().unwrap_or_default());
         }
         TensorData::Owned(out)
     }
+}
+
+/// Bytes of `shape` elements of `esize` bytes each, `None` when that overflows `u64` or is more
+/// than one allocation can hold (`isize::MAX`).
+pub(crate) fn checked_nbytes(shape: &[u64], esize: usize) -> Option<u64> {
+    shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d))?.checked_mul(esize as u64).filter(|&n| n <= isize::MAX as u64)
 }
 
 /// One rank's piece of a global tensor: a box of the global tensor (optionally only a
@@ -200,7 +199,9 @@ impl<'a> ShardedTensor<'a> {
         prepend_axis_num: usize,
     ) -> Result<Self> {
         let key = key.into();
-        let ndim = prepend_axis_num + local_shape.len();
+        let ndim = prepend_axis_num
+            .checked_add(local_shape.len())
+            .ok_or_else(|| Error::sharding(&key, format!("{prepend_axis_num} prepended axes overflow")))?;
         let mut box_shape = vec![1u64; prepend_axis_num];
         box_shape.extend_from_slice(local_shape);
         let mut global_shape = box_shape.clone();
@@ -220,8 +221,17 @@ impl<'a> ShardedTensor<'a> {
                 return Err(Error::sharding(&key, format!("axis {axis} given twice in rank offsets")));
             }
             frags[axis] = fragments;
-            global_shape[axis] = box_shape[axis] * fragments;
-            global_offset[axis] = box_shape[axis] * rank_offset;
+            // User numbers: a product past u64 is refused, never wrapped.
+            let (Some(size), Some(offset)) =
+                (box_shape[axis].checked_mul(fragments), box_shape[axis].checked_mul(rank_offset))
+            else {
+                return Err(Error::sharding(
+                    &key,
+                    format!("axis {axis}: {fragments} fragments of {} elements overflow", box_shape[axis]),
+                ));
+            };
+            global_shape[axis] = size;
+            global_offset[axis] = offset;
         }
         Ok(ShardedTensor {
             key,
@@ -263,17 +273,18 @@ impl<'a> ShardedTensor<'a> {
         s
     }
 
-    /// Number of elements the data holds.
+    /// Number of elements the data holds (saturating at `u64::MAX`; [`Self::check`] refuses
+    /// shapes that overflow).
     pub fn data_numel(&self) -> u64 {
         match &self.flattened_range {
             Some(r) => r.end.saturating_sub(r.start),
-            None => self.local_shape.iter().product(),
+            None => self.local_shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d)).unwrap_or(u64::MAX),
         }
     }
 
-    /// Number of bytes the data must hold.
+    /// Number of bytes the data must hold (saturating, as [`Self::data_numel`]).
     pub fn data_nbytes(&self) -> u64 {
-        self.data_numel() * self.dtype.size() as u64
+        self.data_numel().saturating_mul(self.dtype.size() as u64)
     }
 
     /// Checks that the description is self-consistent (ranks, bounds, fragmentations, data size).
@@ -281,7 +292,7 @@ impl<'a> ShardedTensor<'a> {
     pub fn check(&self, in_bounds: bool) -> Result<()> {
         let key = &self.key;
         let ndim = self.global_shape.len();
-        if self.prepend_axis_num + self.local_shape.len() != ndim || self.global_offset.len() != ndim {
+        if self.prepend_axis_num.checked_add(self.local_shape.len()) != Some(ndim) || self.global_offset.len() != ndim {
             return Err(Error::sharding(
                 key,
                 format!(
@@ -291,6 +302,16 @@ impl<'a> ShardedTensor<'a> {
             ));
         }
         let box_shape = self.box_shape();
+        // The box's end is computed downstream (planning, geometry) whether or not it must lie
+        // inside the global shape: it has to fit in u64 either way.
+        for (d, (&off, &size)) in self.global_offset.iter().zip(&box_shape).enumerate() {
+            if off.checked_add(size).is_none() {
+                return Err(Error::sharding(key, format!("axis {d}: offset {off} + size {size} overflows")));
+            }
+        }
+        if checked_nbytes(&self.global_shape, self.dtype.size()).is_none() {
+            return Err(Error::sharding(key, format!("global shape {:?} overflows", self.global_shape)));
+        }
         if in_bounds {
             for d in 0..ndim {
                 if self.global_offset[d] + box_shape[d] > self.global_shape[d] {
@@ -310,7 +331,10 @@ impl<'a> ShardedTensor<'a> {
             }
             for d in 0..ndim {
                 let f = frags[d];
-                if f == 0 || !self.global_shape[d].is_multiple_of(f) || box_shape[d] * f != self.global_shape[d] {
+                if f == 0
+                    || !self.global_shape[d].is_multiple_of(f)
+                    || box_shape[d].checked_mul(f) != Some(self.global_shape[d])
+                {
                     return Err(Error::sharding(
                         key,
                         format!(
@@ -327,6 +351,10 @@ impl<'a> ShardedTensor<'a> {
                 }
             }
         }
+        if checked_nbytes(&box_shape, self.dtype.size()).is_none() {
+            return Err(Error::sharding(key, format!("local box {box_shape:?} overflows")));
+        }
+        // Cannot overflow: the bytes of the box fit in u64 (checked just above).
         let numel: u64 = box_shape.iter().product();
         if let Some(r) = &self.flattened_range {
             if r.start > r.end || r.end > numel {
@@ -346,5 +374,104 @@ impl<'a> ShardedTensor<'a> {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sharding_of(r: Result<impl std::fmt::Debug>, want: &str) -> bool {
+        matches!(r, Err(Error::InvalidSharding { ref key, .. }) if key == want)
+    }
+
+    #[test]
+    fn split_then_join_round_trips_every_kind() {
+        let mut buf: Vec<u8> = (0..8).collect();
+        let (a, b) = TensorData::Mut(&mut buf).split_at(3).unwrap();
+        let joined = TensorData::join(vec![a, b]);
+        // Borrowed parts are copied, never re-joined through a pointer of the first one.
+        assert!(matches!(joined, TensorData::Owned(ref v) if *v == (0..8).collect::<Vec<u8>>()), "{joined:?}");
+        drop(joined);
+
+        // One part is handed back as it is: a part loaded in place stays the caller's buffer.
+        let ptr = buf.as_ptr();
+        match TensorData::join(vec![TensorData::None, TensorData::Mut(&mut buf), TensorData::None]) {
+            TensorData::Mut(m) => assert_eq!(m.as_ptr(), ptr),
+            other => panic!("{other:?}"),
+        }
+
+        let (a, b) = TensorData::Owned((0..5).collect()).split_at(2).unwrap();
+        assert!(matches!(TensorData::join(vec![a, b]), TensorData::Owned(v) if v == [0, 1, 2, 3, 4]));
+        let (a, b) = TensorData::Ref(&[7, 8, 9]).split_at(1).unwrap();
+        let mixed = TensorData::join(vec![a, TensorData::Owned(vec![1]), b]);
+        assert!(matches!(mixed, TensorData::Owned(v) if v == [7, 1, 8, 9]));
+        assert!(matches!(TensorData::join(vec![]), TensorData::Owned(v) if v.is_empty()));
+        assert!(matches!(TensorData::join(vec![TensorData::None]), TensorData::Owned(v) if v.is_empty()));
+    }
+
+    #[test]
+    fn split_past_the_end_is_an_invalid_argument() {
+        let mut buf = [0u8; 4];
+        let r = TensorData::Mut(&mut buf).split_at(5);
+        assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+        let r = TensorData::Ref(&[1]).split_at(2);
+        assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    }
+
+    #[test]
+    fn rank_offsets_that_overflow_are_refused() {
+        let big = u64::MAX / 2 + 1;
+        // Global size: box × fragments overflows.
+        let r = ShardedTensor::from_rank_offsets("w", DType::U8, &[big], TensorData::None, &[(0, 0, 2)], 0);
+        assert!(sharding_of(r, "w"));
+        // Global offset: box × rank offset overflows (with the size fitting: 3 × 2^62 does not).
+        let r = ShardedTensor::from_rank_offsets("w", DType::U8, &[1 << 62], TensorData::None, &[(0, 3, 4)], 0);
+        assert!(sharding_of(r, "w"));
+        let r = ShardedTensor::from_rank_offsets("w", DType::U8, &[2], TensorData::None, &[(0, 1, 2)], usize::MAX);
+        assert!(sharding_of(r, "w"));
+        // In range: fine.
+        let t = ShardedTensor::from_rank_offsets("w", DType::U8, &[2], TensorData::None, &[(0, 1, 2)], 0).unwrap();
+        assert_eq!((t.global_shape, t.global_offset), (vec![4], vec![2]));
+    }
+
+    #[test]
+    fn check_refuses_shapes_and_offsets_that_overflow() {
+        let meta = |offset: u64, local: &[u64], global: &[u64]| ShardedTensor {
+            global_offset: vec![offset; local.len()],
+            global_shape: global.to_vec(),
+            ..ShardedTensor::full("t", DType::F32, local, TensorData::None)
+        };
+        // Offset + size past u64, in and out of bounds mode (load's check is the latter).
+        for in_bounds in [true, false] {
+            assert!(sharding_of(meta(u64::MAX, &[2], &[4]).check(in_bounds), "t"));
+        }
+        // Elements of the box, or their bytes, past u64 (or past one allocation).
+        assert!(sharding_of(meta(0, &[1 << 32, 1 << 32], &[1 << 32, 1 << 32]).check(false), "t"));
+        assert!(sharding_of(meta(0, &[1 << 62], &[1 << 62]).check(false), "t"));
+        // The global shape alone overflows.
+        assert!(sharding_of(meta(0, &[1, 1], &[u64::MAX, 3]).check(false), "t"));
+        // Fragments × box size past u64.
+        let mut t = meta(0, &[1 << 40], &[1 << 40]);
+        t.axis_fragmentations = Some(vec![1 << 40]);
+        assert!(sharding_of(t.check(false), "t"));
+        // A flattened range past the box.
+        let t = meta(0, &[4], &[4]).with_flattened_range(2..5);
+        assert!(sharding_of(t.check(true), "t"));
+        // Sizes saturate instead of wrapping or panicking.
+        let t = meta(0, &[u64::MAX, 2], &[u64::MAX, 2]);
+        assert_eq!((t.data_numel(), t.data_nbytes()), (u64::MAX, u64::MAX));
+        // In range: fine.
+        meta(0, &[2, 3], &[2, 3]).check(true).unwrap();
+    }
+
+    #[test]
+    fn checked_nbytes_stops_at_one_allocation() {
+        assert_eq!(checked_nbytes(&[2, 3], 4), Some(24));
+        assert_eq!(checked_nbytes(&[], 2), Some(2));
+        assert_eq!(checked_nbytes(&[0, u64::MAX], 8), Some(0));
+        assert_eq!(checked_nbytes(&[u64::MAX, 2], 1), None);
+        assert_eq!(checked_nbytes(&[isize::MAX as u64], 2), None);
+        assert_eq!(checked_nbytes(&[isize::MAX as u64], 1), Some(isize::MAX as u64));
     }
 }
