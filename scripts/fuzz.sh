@@ -19,8 +19,8 @@
 # (installed when missing). New corpus entries go to fuzz/target/corpus/TARGET (ignored by
 # git), so the seeds stay as committed; failing inputs go to fuzz/artifacts/TARGET and make the
 # script fail. Minimise one with `cargo +nightly fuzz tmin TARGET ARTIFACT` and keep it in
-# fuzz/regressions/TARGET/. A summary (target, seconds, executions, verdict) is printed and
-# written to fuzz/target/fuzz-summary.txt.
+# fuzz/regressions/TARGET/, which every run replays first. A summary (target, seconds,
+# executions, verdict) is printed and written to fuzz/target/fuzz-summary.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,6 +59,9 @@ for target in "${targets[@]}"; do
     artifacts=fuzz/artifacts/$target
     log=fuzz/target/$target-fuzz.log
     mkdir -p "$work" "$artifacts"
+    # Minimised past findings (fuzz/regressions/TARGET) run first, with the seeds.
+    corpora=("$work" "fuzz/corpus/$target")
+    [ -d "fuzz/regressions/$target" ] && corpora+=("fuzz/regressions/$target")
     marker=$(mktemp)
     # The targets but unpickle read through the load API, which starts IO threads;
     # LeakSanitizer counts glibc's per-thread destructor record (32 bytes,
@@ -70,16 +73,18 @@ for target in "${targets[@]}"; do
     start=$(date +%s)
     status=0
     if [ -n "${FUZZ_KEEP_GOING:-}" ]; then
-        cargo +nightly fuzz run "$target" "$work" "fuzz/corpus/$target" -- "${flags[@]}" \
+        cargo +nightly fuzz run "$target" "${corpora[@]}" -- "${flags[@]}" \
             -fork=1 -ignore_crashes=1 -ignore_ooms=1 -ignore_timeouts=1 >"$log" 2>&1 || status=$?
     else
-        cargo +nightly fuzz run "$target" "$work" "fuzz/corpus/$target" -- "${flags[@]}" >"$log" 2>&1 || status=$?
+        cargo +nightly fuzz run "$target" "${corpora[@]}" -- "${flags[@]}" >"$log" 2>&1 || status=$?
     fi
     took=$(($(date +%s) - start))
     # Executions: the last stats line (`#N` in a run, `#K: … exec/s` per job in fork mode,
     # whose total is in its `Done N runs` or the sum shown by `INFO: … total_runs`).
     runs=$(grep -oE '^Done [0-9]+ runs' "$log" | tail -n 1 | grep -oE '[0-9]+' || true)
     [ -n "$runs" ] || runs=$(grep -oE '^#[0-9]+' "$log" | tail -n 1 | tr -d '#' || true)
+    # Fork mode counts what its jobs hit: `oom/timeout/crash: a/b/c`.
+    hits=$(grep -oE 'oom/timeout/crash: [0-9]+/[0-9]+/[0-9]+' "$log" | tail -n 1 || true)
     found=$(find "$artifacts" -type f -newer "$marker" | sort)
     rm -f "$marker"
     if [ -n "$found" ] || [ "$status" -ne 0 ]; then
@@ -88,7 +93,7 @@ for target in "${targets[@]}"; do
     else
         verdict=clean
     fi
-    echo "$target: $took s, ${runs:-?} executions, $verdict (log: $log)" | tee -a "$summary"
+    echo "$target: $took s, ${runs:-?} executions${hits:+ ($hits)}, $verdict (log: $log)" | tee -a "$summary"
 done
 echo "total: $(($(date +%s) - build_start)) s including the build"
 exit "$failed"
