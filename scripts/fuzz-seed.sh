@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Seeds the fuzz corpora fuzz/corpus/TARGET from the test fixtures (crates/tessera/tests/fixtures),
 # in the input layout each target reads (see the comment at the top of fuzz/fuzz_targets/*.rs):
-#   index        golden v1/v2 tessera.index
+#   index        golden v1/v2 tessera.index, and edit scripts applied to them
 #   safetensors  golden data files, small OLMo rank files and expected exports
 #   dcp          [fixture u8] .metadata (the byte picks the data files the target pairs it with)
 #   zip          torch.save archives: Megatron common.pt, sharded-object .pt, OLMo-core train
@@ -21,6 +21,14 @@ mkdir -p "$out"/{index,safetensors,dcp,zip,zarr,olmo,unpickle}
 # index
 cp "$fx/golden_v1/tessera.index" "$out/index/golden_v1.index"
 cp "$fx/golden_v2/tessera.index" "$out/index/golden_v2.index"
+# Edit scripts (an input that is not an index): [golden v1/v2 u8] then [op][which][dim][value].
+printf '\x00' >"$out/index/edit_v1_none"
+printf '\x01' >"$out/index/edit_v2_none"
+printf '\x01\x01\x00\x00\x05' >"$out/index/edit_v2_byte_offset"
+printf '\x00\x03\x02\x01\x07' >"$out/index/edit_v1_shape"
+printf '\x01\x84\x03\x00\x02\x00\x00\x00\x09' >"$out/index/edit_v2_flat"
+printf '\x01\x09\x01\x00\x00\x0b\x00\x00\x40' >"$out/index/edit_v2_repeat_chunk_file_size"
+printf '\x01\x0f\x00\x00\x11' >"$out/index/edit_v2_object_offset"
 
 # safetensors
 for v in 1 2; do

@@ -3,12 +3,23 @@
 //! public open APIs: the ranged v2 path (`open_checkpoint_keys`: head, then only the wanted
 //! keys' sections), the whole index, a load of every tensor and `verify`. The checksums of the
 //! v1 body and of the v2 head are also recomputed over the mutated bytes, so mutations reach the
-//! decoder behind them. Any input must give an index or an error — no panic, no hang, no
-//! allocation beyond what the bytes claim and hold.
+//! decoder behind them. An input that is not an index is an edit script instead: field edits
+//! (chunk file, byte offset, box, flat range, shapes, file sizes, block size, object shards,
+//! dropped or repeated chunks) applied to the golden v1 or v2 index, re-encoded with valid
+//! checksums, then read the same way — hostile values behind intact checksums. Any input must
+//! give an index or an error — no panic, no hang, no allocation beyond what the bytes claim and
+//! hold.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::{load_plain_tensors, open_checkpoint_keys, open_index, verify, CheckpointIndex, MemoryStorage, Storage};
+use tessera::{
+    load_plain_tensors, open_checkpoint_keys, open_index, verify, CheckpointIndex, MemoryStorage, Storage, TensorEntry,
+};
+
+const GOLDEN: [&[u8]; 2] = [
+    include_bytes!("../../crates/tessera/tests/fixtures/golden_v1/tessera.index"),
+    include_bytes!("../../crates/tessera/tests/fixtures/golden_v2/tessera.index"),
+];
 
 const DATA_FILES: [(&str, &[u8]); 2] = [
     (
@@ -64,7 +75,111 @@ fn check(bytes: &[u8]) {
     }
 }
 
+/// Reads edits from the input: `[op u8][which u8][dim u8][value: 1–8 bytes, little-endian,
+/// length from the op's high bits]`.
+struct Script<'a>(&'a [u8]);
+
+impl Script<'_> {
+    fn byte(&mut self) -> Option<u8> {
+        let (&b, rest) = self.0.split_first()?;
+        self.0 = rest;
+        Some(b)
+    }
+    fn value(&mut self, len: usize) -> u64 {
+        let n = len.min(self.0.len());
+        let mut v = [0u8; 8];
+        v[..n].copy_from_slice(&self.0[..n]);
+        self.0 = &self.0[n..];
+        u64::from_le_bytes(v)
+    }
+}
+
+/// The golden index (v1 or v2 by the first byte) with the script's edits, re-encoded.
+fn edited(data: &[u8]) -> Option<Vec<u8>> {
+    let (&first, rest) = data.split_first()?;
+    let mut index = CheckpointIndex::from_bytes(GOLDEN[(first & 1) as usize], "golden").expect("golden index");
+    let mut tensors: Vec<(String, tessera::DType, Vec<u64>, Vec<tessera::StoredChunk>)> =
+        index.tensors.drain(..).map(|t| (t.key.clone(), t.dtype, t.global_shape.clone(), t.into_chunks())).collect();
+    let mut script = Script(rest);
+    while let (Some(op), Some(which), Some(dim)) = (script.byte(), script.byte(), script.byte()) {
+        let v = script.value(1 + (op >> 5) as usize);
+        let nt = tensors.len();
+        let (_, _, global_shape, chunks) = &mut tensors[which as usize % nt];
+        let nchunks = chunks.len();
+        let ci = (nchunks > 0).then(|| (which as usize / 7) % nchunks);
+        match (op & 31, ci) {
+            (0, Some(i)) => chunks[i].file = v as u32,
+            (1, Some(i)) => chunks[i].byte_offset = v,
+            (2, Some(i)) if !chunks[i].offset.is_empty() => {
+                let k = chunks[i].offset.len();
+                chunks[i].offset[dim as usize % k] = v;
+            }
+            (3, Some(i)) if !chunks[i].shape.is_empty() => {
+                let k = chunks[i].shape.len();
+                chunks[i].shape[dim as usize % k] = v;
+            }
+            // TensorEntry::new (the constructor, not the reader) needs start <= end.
+            (4, Some(i)) => {
+                let (a, b) = (v & 0xFFFF_FFFF, v >> 32);
+                chunks[i].flat = Some((a.min(b), a.max(b)));
+            }
+            (5, Some(i)) => chunks[i].flat = None,
+            (6, Some(i)) => chunks[i].crcs.resize((v as usize) % 4, 0),
+            (7, _) if !global_shape.is_empty() => {
+                let k = global_shape.len();
+                global_shape[dim as usize % k] = v;
+            }
+            (8, _) if nchunks > 0 => {
+                chunks.remove(dim as usize % nchunks);
+            }
+            (9, _) if nchunks > 0 => {
+                let c = chunks[dim as usize % nchunks].clone();
+                chunks.push(c);
+            }
+            (10, _) => global_shape.push(v % 8),
+            (11, _) if !index.files.is_empty() => {
+                let n = index.files.len();
+                index.files[dim as usize % n].size = v;
+            }
+            (12, _) if !index.files.is_empty() => {
+                let n = index.files.len();
+                index.files[dim as usize % n].header_len = v;
+            }
+            (13, _) => index.block_size = v,
+            (14, _) | (15, _) | (16, _) if !index.objects.is_empty() => {
+                let n = index.objects.len();
+                let o = &mut index.objects[which as usize % n];
+                if let Some(s) = (!o.shards.is_empty()).then(|| o.shards.len()).map(|k| &mut o.shards[dim as usize % k])
+                {
+                    match op & 31 {
+                        14 => s.file = v as u32,
+                        15 => s.byte_offset = v,
+                        _ => s.len = v,
+                    }
+                }
+            }
+            (17, _) if !index.objects.is_empty() => {
+                let n = index.objects.len();
+                let o = &mut index.objects[which as usize % n];
+                if !o.global_shape.is_empty() {
+                    let k = o.global_shape.len();
+                    o.global_shape[dim as usize % k] = v;
+                }
+            }
+            _ => {}
+        }
+    }
+    index.tensors = tensors.into_iter().map(|(k, d, g, c)| TensorEntry::new(k, d, g, c)).collect();
+    Some(index.encode())
+}
+
 fuzz_target!(|data: &[u8]| {
+    if !data.starts_with(b"TESSERA\x00") {
+        if let Some(bytes) = edited(data) {
+            check(&bytes);
+        }
+        return;
+    }
     check(data);
     if let Some(fixed) = with_checksums(data) {
         if fixed != data {
