@@ -15,7 +15,8 @@
 #
 # The harness caps memory: one allocation over 512 MiB (-malloc_limit_mb) or a process over
 # 2 GiB (-rss_limit_mb) fails the run, so a parser that allocates from a claimed length is
-# found; an input taking over 10 s is a timeout. Needs a nightly toolchain and cargo-fuzz
+# found; an input taking over 10 s is a timeout. The JSON readers (zarr, olmo, safetensors) get
+# the dictionary fuzz/dict/json.dict. Needs a nightly toolchain and cargo-fuzz
 # (installed when missing). New corpus entries go to fuzz/target/corpus/TARGET (ignored by
 # git), so the seeds stay as committed; failing inputs go to fuzz/artifacts/TARGET and make the
 # script fail. Minimise one with `cargo +nightly fuzz tmin TARGET ARTIFACT` and keep it in
@@ -70,6 +71,8 @@ for target in "${targets[@]}"; do
     [ "$target" = unpickle ] && leaks=1
     flags=(-max_total_time="$secs" -timeout=10 -malloc_limit_mb=512 -rss_limit_mb=2048 -detect_leaks="$leaks"
         -artifact_prefix="$artifacts/")
+    # JSON readers get a dictionary of keys and edge-of-range numbers (fuzz/dict/json.dict).
+    case "$target" in zarr | olmo | safetensors) flags+=(-dict=fuzz/dict/json.dict) ;; esac
     start=$(date +%s)
     status=0
     if [ -n "${FUZZ_KEEP_GOING:-}" ]; then
