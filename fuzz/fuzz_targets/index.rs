@@ -169,6 +169,12 @@ fn edited(data: &[u8]) -> Option<Vec<u8>> {
             _ => {}
         }
     }
+    // TensorEntry::new (the constructor, not the reader) counts each chunk's elements: a box
+    // whose volume overflows u64 is the script's doing, not the reader's, so it is skipped.
+    let volume = |shape: &[u64]| shape.iter().try_fold(1u64, |a, &x| a.checked_mul(x));
+    if tensors.iter().flat_map(|t| &t.3).any(|c| volume(&c.shape).is_none()) {
+        return None;
+    }
     index.tensors = tensors.into_iter().map(|(k, d, g, c)| TensorEntry::new(k, d, g, c)).collect();
     Some(index.encode())
 }
