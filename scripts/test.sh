@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Runs every test of the project: the Rust workspace (unit, integration, CLI tests), then the
-# Python package's tests (pytest, real torch on CPU, multi-process with gloo), then the MPI
-# example and the round trips with ai2-olmo-core 0.1.0 (.venv-olmo). The object-store
-# tests run against moto_server (an S3 implementation, installed into .venv with the Python
-# test requirements), started here on a free loopback port and stopped on exit.
+# Runs every test of the project: the Rust workspace (unit, integration, CLI tests), a short
+# fuzzing of every parser (scripts/fuzz.sh ci), then the Python package's tests (pytest, real
+# torch on CPU, multi-process with gloo), then the MPI example and the round trips with
+# ai2-olmo-core 0.1.0 (.venv-olmo). The object-store tests run against moto_server (an S3
+# implementation, installed into .venv with the Python test requirements), started here on a
+# free loopback port and stopped on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
@@ -26,6 +27,10 @@ if [ -z "${TESSERA_TEST_S3_ENDPOINT:-}" ]; then
 fi
 
 cargo test --workspace --all-targets
+# Every parser fuzzed for 10 s each from its seed corpus, under the harness's allocation cap
+# (nightly + cargo-fuzz, installed if missing; about 2 min with the build). Long runs:
+# FUZZ_KEEP_GOING=1 scripts/fuzz.sh SECS all.
+bash scripts/fuzz.sh ci
 .venv/bin/python -m pytest tests/python -q
 # Multi-process Rust over MPI (installs OpenMPI if missing): save under 4 ranks, load under 3 and 1.
 bash scripts/mpi-example.sh

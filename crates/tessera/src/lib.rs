@@ -73,3 +73,77 @@ pub use state::{
 pub use storage::{open_location, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage};
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
 pub use storage::{ObjectStorage, ObjectStoreOptions, RequestCounts};
+
+/// Entry points into crate-private parsers for the fuzz targets in `fuzz/` (feature
+/// `fuzzing`). Not API: thin wrappers returning plain data, no stability promise.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod __fuzz {
+    use crate::format::{dcp, pickle, torch_save, zarr};
+
+    /// A `.zarray` as [`zarray`] returns it: shape, chunks, chunk grid, name of the last chunk.
+    pub type Zarray = (Vec<u64>, Vec<u64>, Vec<u64>, String);
+    /// Zip entries: name, offset (of the data, or of the local header), size.
+    pub type ZipEntries = Vec<(String, u64, u64)>;
+
+    /// A DCP `.metadata` pickle as the DCP reader decodes it (its limits), then interpreted:
+    /// `(tensors, chunks, byte items)`.
+    pub fn dcp_metadata(bytes: &[u8]) -> Result<(usize, usize, usize), String> {
+        let root = pickle::unpickle(bytes, "fuzz/.metadata", &torch_save::limits()).map_err(|e| e.to_string())?;
+        let m = dcp::parse_metadata(&root)?;
+        Ok((m.tensors.len(), m.tensors.iter().map(|t| t.chunks.len()).sum(), m.bytes.len()))
+    }
+
+    /// A `.zarray`: `(shape, chunks, chunk grid, name of the last chunk)`.
+    pub fn zarray(bytes: &[u8]) -> Result<Zarray, String> {
+        let a = zarr::parse_zarray(bytes)?;
+        let grid = a.grid();
+        let last: Vec<u64> = grid.iter().map(|g| g.saturating_sub(1)).collect();
+        let name = a.chunk_name(&last);
+        Ok((a.shape, a.chunks, grid, name))
+    }
+
+    /// Every entry of a whole zip archive: `(name, data offset, size)`.
+    pub fn zip_entries(archive: &[u8]) -> Result<ZipEntries, String> {
+        Ok(torch_save::zip_entries(archive)?.into_iter().map(|e| (e.name, e.data_offset, e.size)).collect())
+    }
+
+    /// The ranged zip path of the DCP reader: the central directory found from the last bytes
+    /// `tail` of an `archive_len`-byte archive, then parsed when it lies inside `tail`:
+    /// `(name, local header offset, size)` per entry.
+    pub fn zip_tail(tail: &[u8], archive_len: u64) -> Result<Option<ZipEntries>, String> {
+        let Some((off, size, count)) = torch_save::find_central_directory(tail, archive_len)? else { return Ok(None) };
+        let base = archive_len - tail.len() as u64;
+        if off < base {
+            return Ok(None);
+        }
+        let cd = &tail[(off - base) as usize..(off - base + size) as usize];
+        let entries = torch_save::parse_central_directory(cd, count, archive_len)?;
+        for e in &entries {
+            if let Some(at) = e.local_offset.checked_sub(base) {
+                let _ = torch_save::local_header_len(tail.get(at as usize..).unwrap_or(&[]));
+            }
+        }
+        Ok(Some(entries.into_iter().map(|e| (e.name, e.local_offset, e.size)).collect()))
+    }
+
+    /// A whole `torch.save` archive decoded as the object readers do.
+    pub fn torch_save(archive: &[u8]) -> Result<pickle::PickleValue, String> {
+        torch_save::decode_archive(archive, "fuzz.pt")
+    }
+
+    /// A `torch.save` of one tensor decoded as a DCP tensor item is: its C-order bytes.
+    pub fn torch_save_tensor(archive: &[u8]) -> Result<Vec<u8>, String> {
+        let entries = torch_save::zip_entries(archive)?;
+        let pkl = torch_save::find_entry(&entries, "data.pkl").ok_or("no data.pkl")?;
+        let v = pickle::unpickle(
+            &archive[pkl.data_offset as usize..(pkl.data_offset + pkl.size) as usize],
+            "fuzz.pt",
+            &torch_save::limits(),
+        )
+        .map_err(|e| e.to_string())?;
+        let rec = torch_save::tensor_record(&v)?;
+        let e = torch_save::find_entry(&entries, &format!("data/{}", rec.storage_key)).ok_or("no storage entry")?;
+        torch_save::gather(&archive[e.data_offset as usize..(e.data_offset + e.size) as usize], &rec)
+    }
+}

@@ -1,0 +1,52 @@
+//! Fuzzes the PyTorch DCP reader: a `.metadata` pickle through the parser the reader uses
+//! (`tessera::__fuzz::dcp_metadata`: unpickle with the reader's limits, then the Metadata
+//! dataclasses), then through the public API: the `.metadata` next to the real data files of
+//! one fixture checkpoint (chosen by the input's first byte: plain DCP, zstd items, Megatron
+//! `torch_dist` with `metadata.json` and `common.pt`, OLMo-core's `model_and_optim/`) in a
+//! in-memory storage, opened, loaded whole and verified. So a hostile `.metadata` points real
+//! items (zips, zstd frames) at wrong offsets, lengths, shapes and dtypes. Any input must give
+//! tensors or an error — no panic, no hang, no allocation beyond what the files hold.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use tessera::{load_common_state, load_plain_tensors, open_checkpoint, verify};
+
+mod common;
+
+macro_rules! files {
+    ($dir:literal: $($name:literal),* $(,)?) => {
+        &[$(($name, include_bytes!(concat!("../../crates/tessera/tests/fixtures/foreign/", $dir, "/", $name)) as &[u8])),*]
+    };
+}
+
+/// (folder the `.metadata` goes in, the other files of the checkpoint).
+type Fixture = (&'static str, &'static [(&'static str, &'static [u8])]);
+const FIXTURES: [Fixture; 6] = [
+    ("", files!("dcp_single": "__0_0.distcp")),
+    ("", files!("dcp_zstd": "__0_0.distcp")),
+    ("", files!("dcp_legacy": "__0_0.distcp", "__1_0.distcp")),
+    (
+        "",
+        files!("megatron_tp2_dp2": "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp", "__2_0.distcp",
+            "__3_0.distcp", "common.pt", "metadata.json"),
+    ),
+    ("", files!("megatron_common_item": "__0_0.distcp", "__1_0.distcp", "metadata.json")),
+    ("model_and_optim/", files!("olmo_core": "model_and_optim/__0_0.distcp", "model_and_optim/__1_0.distcp")),
+];
+
+fuzz_target!(|data: &[u8]| {
+    // [fixture u8] .metadata
+    let Some((&which, meta)) = data.split_first() else { return };
+    let _ = tessera::__fuzz::dcp_metadata(meta);
+
+    let (folder, files) = FIXTURES[which as usize % FIXTURES.len()];
+    let meta_name = format!("{folder}.metadata");
+    let storage = common::Files::new(files.iter().copied().chain([(meta_name.as_str(), meta)]));
+    if open_checkpoint(&storage).is_err() {
+        return;
+    }
+    // Many chunks may name one item: no bound on the loaded bytes but the allocation cap.
+    let _ = load_plain_tensors(&storage, None);
+    let _ = load_common_state(&storage);
+    let _ = verify(&storage, 1);
+});
