@@ -6,7 +6,7 @@ use libfuzzer_sys::fuzz_target;
 use tessera::{unpickle, UnpickleLimits, Value};
 
 fuzz_target!(|data: &[u8]| {
-    let limits = UnpickleLimits { max_depth: 64, max_values: 100_000, max_bytes: 1 << 20 };
+    let limits = UnpickleLimits { max_depth: 64, max_values: 100_000, max_bytes: 1 << 20, ..UnpickleLimits::default() };
     let Ok(v) = unpickle(data, "fuzz", &limits) else { return };
     if let Some(plain) = v.to_plain() {
         // The plain value is at most as deep as the pickle's (≤ 64 < the codec's 128): it

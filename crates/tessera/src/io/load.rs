@@ -395,25 +395,20 @@ fn prepare<'a>(
         remove_paths(&mut tree, &paths);
     }
 
-    // Requests and targets; buffers not given are allocated.
+    // Requests and targets; buffers not given are allocated once the plan shows the checkpoint
+    // stores every byte of them (a shape read from a checkpoint may claim far more than it
+    // holds: that is a `NotCovered` error, not an allocation of what it claims).
     let mut requests: Vec<Request> = Vec::new();
     let mut datas: Vec<TensorData<'a>> = Vec::new();
+    let mut deferred: Vec<(usize, u64, String)> = Vec::new();
     let mut objects_wanted = 0usize;
     let tree = tree.map_leaves(&mut |_, leaf| {
         Ok(match leaf {
             StateTree::Tensor(mut t) => {
                 t.check(false)?;
                 if matches!(t.data, TensorData::None) {
-                    t.data = TensorData::Owned(crate::io::staging::zeroed(t.data_nbytes()).ok_or_else(|| {
-                        Error::invalid(format!(
-                            "{:?}: cannot allocate {} bytes for the tensor (shape {:?})",
-                            t.key,
-                            t.data_nbytes(),
-                            t.local_shape
-                        ))
-                    })?);
-                }
-                if t.data.bytes_mut().is_none() {
+                    deferred.push((datas.len(), t.data_nbytes(), t.key.clone()));
+                } else if t.data.bytes_mut().is_none() {
                     return Err(Error::invalid(format!(
                         "{:?}: load needs a writable buffer (TensorData::Mut or Owned), got a read-only one",
                         t.key
@@ -451,8 +446,19 @@ fn prepare<'a>(
     }
     // Every destination inside its buffer, none written twice: checked for the whole load before
     // any byte is written (the exchange's scatter included), whatever built the index.
-    let lens: Vec<usize> = datas.iter().map(TensorData::len).collect();
+    let mut lens: Vec<usize> = datas.iter().map(TensorData::len).collect();
+    for (target, nbytes, key) in &deferred {
+        lens[*target] = usize::try_from(*nbytes)
+            .ok()
+            .filter(|&n| n <= isize::MAX as usize)
+            .ok_or_else(|| Error::invalid(format!("{key:?}: {nbytes} bytes do not fit in memory")))?;
+    }
     destination_order(index, &segs, &lens)?;
+    for (target, nbytes, key) in deferred {
+        let buf = crate::io::staging::zeroed(nbytes)
+            .ok_or_else(|| Error::invalid(format!("{key:?}: cannot allocate {nbytes} bytes for the tensor")))?;
+        datas[target] = TensorData::Owned(buf);
+    }
     for t in zero_fill {
         datas[t].bytes_mut().unwrap_or_default().fill(0);
     }

@@ -112,6 +112,43 @@ fn walk(index: &CheckpointIndex, found: &mut dyn FnMut(IndexDefect) -> bool) {
             }
         }
     }
+    if let Some((subject, reason)) = shared_bytes(index) {
+        report(subject, reason, false);
+    }
+}
+
+/// Two stored items (chunks, object shards) whose bytes overlap in one file: every writer gives
+/// each its own bytes, and read planning relies on it (checksum blocks of one read belong to
+/// one chunk). Runs after the per-item checks, on items already known to lie inside files.
+fn shared_bytes(index: &CheckpointIndex) -> Option<(String, String)> {
+    // (file, start, end, owner): owners below tensors.len() are tensors, the rest objects.
+    let mut ranges: Vec<(u32, u64, u64, u32)> = Vec::with_capacity(index.chunk_count());
+    for (ti, t) in index.tensors.iter().enumerate() {
+        let esize = t.dtype.size() as u64;
+        for c in t.chunks() {
+            let len = c.numel().saturating_mul(esize);
+            if len > 0 {
+                ranges.push((c.file, c.byte_offset, c.byte_offset.saturating_add(len), ti as u32));
+            }
+        }
+    }
+    for (oi, o) in index.objects.iter().enumerate() {
+        for s in o.shards.iter().filter(|s| s.len > 0) {
+            let owner = (index.tensors.len() + oi) as u32;
+            ranges.push((s.file, s.byte_offset, s.byte_offset.saturating_add(s.len), owner));
+        }
+    }
+    ranges.sort_unstable();
+    let name = |owner: u32| match index.tensors.get(owner as usize) {
+        Some(t) => format!("tensor {:?}", t.key),
+        None => format!("object {:?}", index.objects[owner as usize - index.tensors.len()].key),
+    };
+    let w = ranges.windows(2).find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)?;
+    let file = index.files.get(w[0].0 as usize).map_or("?", |f| f.name.as_str());
+    Some((
+        name(w[1].3),
+        format!("its bytes {}..{} of {file} are also those of {}", w[1].1, w[0].2.min(w[1].2), name(w[0].3)),
+    ))
 }
 
 /// A file name relative to the checkpoint: plain components (foreign formats keep files in
@@ -364,6 +401,17 @@ mod tests {
         validate_index(&ix, "x").unwrap();
         ix.files[0].name = "../outside".into();
         assert!(matches!(validate_index(&ix, "x").unwrap_err(), Error::Corrupt { .. }));
+    }
+
+    #[test]
+    fn chunks_sharing_file_bytes_are_refused() {
+        // Two tiling chunks, the second pointing into the first's bytes.
+        let ix = one(vec![chunk(&[0, 0], &[2, 4], 8), chunk(&[2, 0], &[2, 4], 24)], &[4, 4]);
+        let e = validate_index(&ix, "x").unwrap_err();
+        assert!(
+            matches!(&e, Error::Corrupt { reason, .. } if reason.contains("are also those of tensor \"w\"")),
+            "{e}"
+        );
     }
 
     #[test]
