@@ -1,6 +1,10 @@
 //! End-to-end tests of the `tessera` binary: demo, inspect, verify, gc, bench (IO, async save,
 //! fully-parallel save, planning), on local directories and on `s3://` locations (moto).
 
+#[path = "../../tessera/tests/common/files.rs"]
+mod files;
+use files::copy_dir;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -817,19 +821,6 @@ fn snapshot(dir: &Path) -> std::collections::BTreeMap<PathBuf, Vec<u8>> {
     walk(dir, dir, &mut out);
     out
 }
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &to.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-        }
-    }
-}
-
 /// Runs, expects exit code 1 and a message naming `path`; returns stderr.
 fn refused(args: &[&str], path: &Path) -> String {
     let out = tessera(args);
@@ -960,17 +951,6 @@ fn benchmarks_and_the_demo_delete_only_what_they_created() {
 fn verify_and_unshard_refuse_a_chunk_linked_out_of_the_checkpoint() {
     // A zarr chunk linked to the process's environment: nothing of it may reach the output, and
     // both commands fail naming the chunk.
-    fn copy_dir(src: &Path, dst: &Path) {
-        std::fs::create_dir_all(dst).unwrap();
-        for e in std::fs::read_dir(src).unwrap() {
-            let e = e.unwrap();
-            if e.file_type().unwrap().is_dir() {
-                copy_dir(&e.path(), &dst.join(e.file_name()));
-            } else {
-                std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-            }
-        }
-    }
     let scratch = Scratch::new("hostile-link");
     let ck = scratch.path().join("ck");
     copy_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tessera/tests/fixtures/foreign/megatron_zarr"), &ck);

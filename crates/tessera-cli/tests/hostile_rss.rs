@@ -2,6 +2,10 @@
 //! to) gigabytes: it exits 1 (never a signal) with a message naming the file, and its peak RSS
 //! (the child's `ru_maxrss`, from `wait4`) stays within 2 × the input + 64 MiB.
 
+#[path = "../../tessera/tests/common/files.rs"]
+mod files;
+use files::copy_dir;
+
 #[path = "../../tessera/tests/common/hostile.rs"]
 mod hostile;
 
@@ -126,19 +130,8 @@ fn hostile_inputs_exit_1_within_bounded_memory() {
     check("verify, stride-0 item", &["verify", &s(&d)], &d, "__0_0.distcp", &scratch.0);
 
     // inspect: a zarr array whose `.zarray` describes a grid of 2^24 chunks.
-    fn copy(from: &Path, to: &Path) {
-        std::fs::create_dir_all(to).unwrap();
-        for e in std::fs::read_dir(from).unwrap() {
-            let e = e.unwrap();
-            if e.file_type().unwrap().is_dir() {
-                copy(&e.path(), &to.join(e.file_name()));
-            } else {
-                std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-            }
-        }
-    }
     let d = dir("zarr");
-    copy(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tessera/tests/fixtures/foreign/megatron_zarr"), &d);
+    copy_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tessera/tests/fixtures/foreign/megatron_zarr"), &d);
     std::fs::write(
         d.join("decoder.final_norm.weight/.zarray"),
         r#"{"chunks":[1],"compressor":null,"dtype":"<f4","shape":[16777216],"zarr_format":2}"#,

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::box_bytes;
+use common::files::copy_dir;
 use common::fixtures::{assert_loads, boxes, json_eq, to_json, Expected};
 
 use tessera::{
@@ -232,24 +233,6 @@ fn a_few_rows_of_a_dcp_item_are_read_in_place() {
 }
 
 // ---- damage ---------------------------------------------------------------------------------
-
-fn copy_dir(src: &Path, dst: &Path) {
-    std::fs::create_dir_all(dst).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        let to = dst.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &to);
-        } else {
-            std::fs::copy(e.path(), &to).unwrap();
-            let mut p = std::fs::metadata(&to).unwrap().permissions();
-            #[allow(clippy::permissions_set_readonly_false)]
-            p.set_readonly(false);
-            std::fs::set_permissions(&to, p).unwrap();
-        }
-    }
-}
-
 fn scratch(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("tessera-foreign-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);

@@ -7,6 +7,7 @@ mod common;
 
 use std::ops::Range;
 
+use common::files::copy_dir;
 use common::*;
 use tessera::*;
 
@@ -159,19 +160,6 @@ fn olmo_copy(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> (std::pat
     let storage = LocalStorage::new(dir.join("model"));
     (dir, storage)
 }
-
-fn copy_dir(src: &std::path::Path, dst: &std::path::Path) {
-    std::fs::create_dir_all(dst).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &dst.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-        }
-    }
-}
-
 #[test]
 fn a_foreign_index_passes_the_same_gate() {
     // OLMo-core: rank 1's piece of embed.weight (elements 1856..2048 of 2048) moved to

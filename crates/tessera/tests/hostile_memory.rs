@@ -8,6 +8,7 @@ mod hostile;
 
 use std::path::Path;
 
+use common::files::copy_dir;
 use common::{shard, TempDir};
 use hostile::*;
 use tessera::*;
@@ -149,19 +150,8 @@ fn open_index_unchecked_header(dir: &TempDir) -> u64 {
 
 /// The Megatron zarr fixture copied to `dir`, with `key`'s `.zarray` replaced by `zarray`.
 fn zarr_with(dir: &TempDir, key: &str, zarray: &str) -> LocalStorage {
-    fn copy(from: &Path, to: &Path) {
-        std::fs::create_dir_all(to).unwrap();
-        for e in std::fs::read_dir(from).unwrap() {
-            let e = e.unwrap();
-            if e.file_type().unwrap().is_dir() {
-                copy(&e.path(), &to.join(e.file_name()));
-            } else {
-                std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-            }
-        }
-    }
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/foreign/megatron_zarr");
-    copy(&fixture, dir.path());
+    copy_dir(&fixture, dir.path());
     std::fs::write(dir.join(key).join(".zarray"), zarray).unwrap();
     LocalStorage::new(dir.path())
 }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use common::files::copy_dir;
 use common::TempDir;
 use tessera::{
     export_safetensors, load_plain_tensors, open_index, verify, Error, ExportOptions, LocalStorage, Storage, INDEX_FILE,
@@ -19,20 +20,6 @@ use tessera::{
 fn fixture(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
 }
-
-fn copy_dir(src: &Path, dst: &Path) {
-    std::fs::create_dir_all(dst).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        let to = dst.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &to);
-        } else {
-            std::fs::copy(e.path(), &to).unwrap();
-        }
-    }
-}
-
 /// A scratch directory holding `ckpt/` (a copy of fixture `rel`) and room outside it.
 fn scratch(tag: &str, rel: &str) -> (TempDir, PathBuf) {
     let dir = TempDir::created(tag);

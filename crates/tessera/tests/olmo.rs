@@ -9,6 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use common::files::copy_dir;
 use common::fixtures::{assert_loads, boxes, to_json, Expected};
 use common::{box_bytes, run_ranks, shard, TempDir};
 use tessera::{
@@ -417,19 +418,6 @@ fn what_the_format_cannot_hold_is_refused_on_every_rank() {
 }
 
 // ---- damaged OLMo-core checkpoints ------------------------------------------------------------
-
-fn copy_dir(src: &Path, dst: &Path) {
-    std::fs::create_dir_all(dst).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &dst.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-        }
-    }
-}
-
 /// `olmo_fsdp1_w2/model` copied, its metadata.json edited by `edit`; the error opening it.
 fn damaged(tag: &str, edit: impl Fn(&mut serde_json::Value)) -> (TempDir, Error) {
     let dir = TempDir::new(tag);

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod files;
 pub mod fixtures;
 pub mod s3;
 
