@@ -3,7 +3,7 @@
 
 #[path = "../../tessera/tests/common/files.rs"]
 mod files;
-use files::copy_dir;
+use files::{copy_dir, snapshot};
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -798,29 +798,6 @@ fn every_tool_works_on_an_olmo_core_checkpoint() {
 // ---------------------------------------------------------------------------------------------
 // Outputs that must not destroy user files.
 
-/// Every entry under `dir` (symlinks not followed): bytes, link target, or kind.
-fn snapshot(dir: &Path) -> std::collections::BTreeMap<PathBuf, Vec<u8>> {
-    fn walk(dir: &Path, base: &Path, out: &mut std::collections::BTreeMap<PathBuf, Vec<u8>>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let e = e.unwrap();
-            let (p, t) = (e.path(), e.file_type().unwrap());
-            let rel = p.strip_prefix(base).unwrap().to_path_buf();
-            if t.is_dir() {
-                out.insert(rel, b"<dir>".to_vec());
-                walk(&p, base, out);
-            } else if t.is_symlink() {
-                out.insert(rel, format!("<link {}>", std::fs::read_link(&p).unwrap().display()).into_bytes());
-            } else if t.is_file() {
-                out.insert(rel, std::fs::read(&p).unwrap());
-            } else {
-                out.insert(rel, b"<special>".to_vec());
-            }
-        }
-    }
-    let mut out = std::collections::BTreeMap::new();
-    walk(dir, dir, &mut out);
-    out
-}
 /// Runs, expects exit code 1 and a message naming `path`; returns stderr.
 fn refused(args: &[&str], path: &Path) -> String {
     let out = tessera(args);

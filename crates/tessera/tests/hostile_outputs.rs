@@ -5,38 +5,14 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::files::copy_dir;
+use common::files::{copy_dir, snapshot};
 use common::*;
 use tessera::*;
 
 fn fixture(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
-}
-/// Every entry under `dir` (not following symlinks): its bytes, or what it points to.
-fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    fn walk(dir: &Path, base: &Path, out: &mut BTreeMap<PathBuf, Vec<u8>>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let e = e.unwrap();
-            let (p, t) = (e.path(), e.file_type().unwrap());
-            let rel = p.strip_prefix(base).unwrap().to_path_buf();
-            if t.is_dir() {
-                out.insert(rel, b"<dir>".to_vec());
-                walk(&p, base, out);
-            } else if t.is_symlink() {
-                out.insert(rel, format!("<link {}>", std::fs::read_link(&p).unwrap().display()).into_bytes());
-            } else if t.is_file() {
-                out.insert(rel, std::fs::read(&p).unwrap());
-            } else {
-                out.insert(rel, b"<special>".to_vec());
-            }
-        }
-    }
-    let mut out = BTreeMap::new();
-    walk(dir, dir, &mut out);
-    out
 }
 
 /// A small native checkpoint at `dir`.
