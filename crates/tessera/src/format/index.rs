@@ -226,6 +226,23 @@ pub struct CheckpointIndex {
 }
 
 impl CheckpointIndex {
+    /// An index of `files` and `tensors` alone (no objects, common state or metadata), for
+    /// unit tests of what reads by an index.
+    #[cfg(test)]
+    pub(crate) fn of_tensors(block_size: u64, files: Vec<FileEntry>, tensors: Vec<TensorEntry>) -> CheckpointIndex {
+        CheckpointIndex {
+            backend: "t".into(),
+            version: 1,
+            block_size,
+            content_metadata: Value::Null,
+            common: Vec::new(),
+            files,
+            tensors,
+            objects: Vec::new(),
+            omitted_tensors: Vec::new(),
+        }
+    }
+
     /// The keys of every tensor in the checkpoint: those held and those omitted by a partial
     /// open.
     pub fn tensor_keys(&self) -> impl Iterator<Item = &str> {

@@ -838,17 +838,11 @@ mod tests {
             flat: None,
             crcs: Vec::new(),
         };
-        let index = CheckpointIndex {
-            backend: "t".into(),
-            version: 1,
-            block_size: 0,
-            content_metadata: crate::Value::Null,
-            common: Vec::new(),
-            files: vec![FileEntry { name: "d".into(), size: 8, header_len: 0, header_crc: 0 }],
-            tensors: vec![TensorEntry::new("x".into(), DType::U8, vec![4], vec![chunk(0, 3, 0), chunk(2, 1, 4)])],
-            objects: Vec::new(),
-            omitted_tensors: Vec::new(),
-        };
+        let index = CheckpointIndex::of_tensors(
+            0,
+            vec![FileEntry { name: "d".into(), size: 8, header_len: 0, header_crc: 0 }],
+            vec![TensorEntry::new("x".into(), DType::U8, vec![4], vec![chunk(0, 3, 0), chunk(2, 1, 4)])],
+        );
         let storage = MemoryStorage::new();
         let w = storage.create("d", 8).unwrap();
         w.write_at(0, &[1, 2, 3, 4, 5, 6, 7, 8]).unwrap();

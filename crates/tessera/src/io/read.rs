@@ -239,17 +239,11 @@ mod tests {
 
     /// One 16-byte file `d` holding bytes 0..16, and one tensor `x` for the errors to name.
     fn setup() -> (CheckpointIndex, MemoryStorage) {
-        let index = CheckpointIndex {
-            backend: "t".into(),
-            version: 1,
-            block_size: 0,
-            content_metadata: crate::Value::Null,
-            common: Vec::new(),
-            files: vec![FileEntry { name: "d".into(), size: 16, header_len: 0, header_crc: 0 }],
-            tensors: vec![TensorEntry::new("x".into(), DType::U8, vec![16], Vec::new())],
-            objects: Vec::new(),
-            omitted_tensors: Vec::new(),
-        };
+        let index = CheckpointIndex::of_tensors(
+            0,
+            vec![FileEntry { name: "d".into(), size: 16, header_len: 0, header_crc: 0 }],
+            vec![TensorEntry::new("x".into(), DType::U8, vec![16], Vec::new())],
+        );
         let storage = MemoryStorage::new();
         let w = storage.create("d", 16).unwrap();
         w.write_at(0, &(0..16).collect::<Vec<u8>>()).unwrap();

@@ -491,17 +491,11 @@ mod tests {
                     at += (w[1] - w[0]) * 4;
                 }
             }
-            let index = CheckpointIndex {
-                backend: "t".into(),
-                version: 1,
-                block_size: 0,
-                content_metadata: crate::Value::Null,
-                common: Vec::new(),
-                files: Vec::new(),
-                tensors: vec![TensorEntry::new("x".into(), DType::F32, shape.clone(), chunks)],
-                objects: Vec::new(),
-                omitted_tensors: Vec::new(),
-            };
+            let index = CheckpointIndex::of_tensors(
+                0,
+                Vec::new(),
+                vec![TensorEntry::new("x".into(), DType::F32, shape.clone(), chunks)],
+            );
             let r0 = next(shape[0]);
             let r1 = r0 + 1 + next(shape[0] - r0);
             let req = Request {
