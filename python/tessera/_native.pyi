@@ -199,6 +199,10 @@ def verify(location: str, threads: Optional[int] = None) -> Dict[str, Union[int,
 def gc(location: str) -> List[str]:
     """Removes leftovers of saves that never committed; returns the names removed."""
 
+def read_file(location: str, name: str) -> Optional[bytes]:
+    """The bytes of the file ``name`` of the checkpoint at ``location`` (a plain name; locally a
+    regular file, no link followed), or None if it does not exist."""
+
 def detect(location: str) -> Optional[Tuple[str, int]]:
     """``(backend, version)`` of the checkpoint at ``location``, or None if there is none."""
 

@@ -428,7 +428,8 @@ def test_checkpointing_config_defaults():
 
 @pytest.fixture
 def fake_native(monkeypatch):
-    """Replaces tessera._native with a stub whose detect() answers from a dict."""
+    """Replaces tessera._native with a stub whose detect() answers from a dict (and whose
+    checkpoints have no files to read)."""
     answers = {}
 
     def detect(location):
@@ -436,7 +437,10 @@ def fake_native(monkeypatch):
             raise FileNotFoundError(location)
         return answers.get(location)
 
-    module = types.SimpleNamespace(detect=detect)
+    def read_file(location, name):
+        return None  # the stub's checkpoints hold no metadata.json
+
+    module = types.SimpleNamespace(detect=detect, read_file=read_file)
     monkeypatch.setitem(sys.modules, "tessera._native", module)
     monkeypatch.setattr(tessera, "_native", module, raising=False)
     return answers

@@ -145,6 +145,21 @@ def test_megatron_common_state(name: str) -> None:
     assert dc.load_common_state_dict(location(name)) == expected_json(name)["common"]
 
 
+def test_a_common_pt_linked_out_of_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    """Python reads common.pt through the core's reader: a link is refused, naming the file,
+    and what it points to is never read."""
+    from tessera.errors import CorruptError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "megatron_tp2_dp2", ckpt)
+    outside = tmp_path / "outside.pt"
+    shutil.copy(ckpt / "common.pt", outside)
+    (ckpt / "common.pt").unlink()
+    (ckpt / "common.pt").symlink_to(outside)
+    with pytest.raises(CorruptError, match="common.pt"):
+        dc.load_common_state_dict(str(ckpt))
+
+
 def test_megatron_common_pt_is_torch_loaded() -> None:
     """With common.pt, the common state is torch.load of the file, exactly."""
     for name in ("megatron_tp2_dp2", "megatron_zarr"):

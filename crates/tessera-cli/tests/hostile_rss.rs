@@ -63,12 +63,12 @@ fn target(input_bytes: u64) -> u64 {
     2 * input_bytes + (64 << 20)
 }
 
-/// The unpickler's budget (`UnpickleLimits::default()`: 8 MiB + 24 × the pickle's length;
+/// The unpickler's budget (`UnpickleLimits::default()`: 8 MiB + 32 × the pickle's length;
 /// legitimate DCP metadata needs 12–22×), plus the input and 16 MiB for the process itself.
 /// Pickles dense in values (millions of one-byte `None`s) past about 1 MB reach it before the
 /// target above.
 fn pickle_bound(input_bytes: u64) -> u64 {
-    input_bytes + (8 << 20) + 24 * input_bytes + (16 << 20)
+    input_bytes + (8 << 20) + 32 * input_bytes + (16 << 20)
 }
 
 /// Checks a run on `input` (a directory): exit 1, a message naming `file`, peak RSS within

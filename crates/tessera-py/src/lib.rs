@@ -427,6 +427,18 @@ fn gc(py: Python<'_>, location: &str) -> PyResult<Vec<String>> {
     lib(py, py.detach(|| tessera::gc(&*storage)))
 }
 
+/// The bytes of the file `name` of the checkpoint at `location`, read as every reader reads
+/// (a plain name; locally a regular file, no link followed), or None when it does not exist.
+#[pyfunction]
+fn read_file<'py>(py: Python<'py>, location: &str, name: &str) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let storage = open(py, location)?;
+    match py.detach(|| storage.read(name)) {
+        Ok(bytes) => Ok(Some(PyBytes::new(py, &bytes))),
+        Err(tessera::Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(to_pyerr(py, e)),
+    }
+}
+
 /// `(backend, version)` of the checkpoint at `location`, or None when there is none.
 #[pyfunction]
 fn detect(py: Python<'_>, location: &str) -> PyResult<Option<(String, u32)>> {
@@ -466,6 +478,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(gc, m)?)?;
     m.add_function(wrap_pyfunction!(detect, m)?)?;
+    m.add_function(wrap_pyfunction!(read_file, m)?)?;
     m.add_function(wrap_pyfunction!(encode_value, m)?)?;
     m.add_function(wrap_pyfunction!(decode_value, m)?)?;
     m.add_class::<async_save::AsyncSaver>()?;

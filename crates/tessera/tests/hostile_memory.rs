@@ -251,3 +251,18 @@ fn loading_a_claimed_2_56_element_tensor_whole_is_an_error_not_an_abort() {
         other => panic!("expected InvalidArgument, got {:?}", other.map(|m| m.len())),
     }
 }
+
+/// Which budget ratios a real pickle (`TESSERA_BUDGET_PICKLE`, e.g. from
+/// `scripts/unpickle_budget.sh`) unpickles under; the default must be one of them.
+#[test]
+#[ignore = "needs a large pickle: scripts/unpickle_budget.sh"]
+fn unpickler_budget_of_real_metadata() {
+    let path = std::env::var("TESSERA_BUDGET_PICKLE").expect("TESSERA_BUDGET_PICKLE");
+    let bytes = std::fs::read(&path).unwrap();
+    for ratio in [8usize, 12, 16, 20, 24, 32, 48] {
+        let limits = UnpickleLimits { output_per_input_byte: ratio, output_floor: 1 << 20, ..Default::default() };
+        let ok = unpickle(&bytes, &path, &limits).is_ok();
+        println!("ratio {ratio}: {} ({} bytes)", if ok { "unpickled" } else { "over budget" }, bytes.len());
+    }
+    assert!(unpickle(&bytes, &path, &UnpickleLimits::default()).is_ok(), "the default budget refuses {path}");
+}

@@ -95,13 +95,15 @@ def local_dir(checkpoint_dir: PathLike) -> Optional[str]:
 
 def _megatron_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
     """What the checkpoint's own ``metadata.json`` says (None if it has none readable here)."""
-    local = local_dir(checkpoint_dir)
-    if local is None:
+    if local_dir(checkpoint_dir) is None:
         return None
     try:
-        with open(os.path.join(local, MEGATRON_CONFIG_FNAME)) as f:
-            return CheckpointingConfig(**json.load(f))
-    except (OSError, ValueError, TypeError):
+        from tessera import _native
+
+        # Read by the core, as every checkpoint file is: never through a link out of the directory.
+        data = _native.read_file(os.fspath(checkpoint_dir), MEGATRON_CONFIG_FNAME)
+        return None if data is None else CheckpointingConfig(**json.loads(data))
+    except (OSError, ValueError, TypeError, CheckpointingException):
         return None
 
 

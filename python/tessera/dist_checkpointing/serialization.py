@@ -126,6 +126,14 @@ def _torch_save_bytes(value: Any) -> bytes:
 def _torch_load_bytes(data: bytes) -> Any:
     import torch
 
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+    if version < (2, 6):
+        # Checkpoint bytes may come from anyone: before 2.6, weights_only=True could be made to
+        # run code (CVE-2025-32434).
+        raise RuntimeError(
+            f"loading Python objects from a checkpoint needs torch >= 2.6 (this is {torch.__version__}): "
+            "torch.load(weights_only=True) of earlier versions is not safe on untrusted bytes"
+        )
     with torch.serialization.safe_globals([argparse.Namespace]):
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
@@ -553,11 +561,7 @@ def _common_from_native(pairs: Iterable[Tuple[Any, Any]]) -> Dict[str, Any]:
 def _megatron_common_pt(checkpoint_dir: Any) -> Optional[Any]:
     """``torch.load`` of a Megatron checkpoint's ``common.pt`` (None if not Megatron or there
     is no such local file: then the common state comes from the native reader)."""
-    local = local_dir(checkpoint_dir)
-    if local is None:
-        return None
-    path = os.path.join(local, _COMMON_STATE_FNAME)
-    if not os.path.isfile(path):
+    if local_dir(checkpoint_dir) is None:
         return None
     try:
         detected = _native.detect(str(checkpoint_dir))
@@ -565,8 +569,9 @@ def _megatron_common_pt(checkpoint_dir: Any) -> Optional[Any]:
         return None
     if detected is None or detected[0] not in MEGATRON_BACKENDS:
         return None
-    with open(path, "rb") as f:
-        return _torch_load_bytes(f.read())
+    # Read by the core, as every checkpoint file is: never through a link out of the directory.
+    data = _native.read_file(os.fspath(checkpoint_dir), _COMMON_STATE_FNAME)
+    return None if data is None else _torch_load_bytes(data)
 
 
 def load_sharded_objects(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any) -> Dict[str, Any]:

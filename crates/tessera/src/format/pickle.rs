@@ -128,7 +128,7 @@ impl Default for UnpickleLimits {
             max_depth: 512,
             max_values: 50_000_000,
             max_bytes: 1 << 32,
-            output_per_input_byte: 24,
+            output_per_input_byte: 32,
             output_floor: 8 << 20,
         }
     }

@@ -102,8 +102,10 @@ fn refuse_committed(dst: &dyn Storage) -> Result<()> {
         Err(e) => Err(e),
     }
 }
-/// Most chunks a conversion writes (each is a planned chunk, then an index record).
-const MAX_PARTS: u64 = 1 << 20;
+/// Most chunks a conversion adds by splitting the source's chunks to the memory budget (each
+/// is a planned chunk, then an index record): the source's own chunks are as many as its
+/// index holds, and only a claimed shape far larger than its bytes splits into more.
+const MAX_EXTRA_PARTS: u64 = 1 << 20;
 
 /// Copies the checkpoint in `src` (any format [`crate::open_checkpoint`] recognises) into `dst` as a
 /// native checkpoint: the same tensors with the same chunks (large ones split), the sharded
@@ -150,10 +152,10 @@ pub fn convert(
         let max_numel = per_job / t.dtype.size() as u64;
         for c in t.chunks() {
             nparts = nparts.saturating_add(split_box_lazy(&c.offset, &c.shape, c.flat, max_numel).count_parts());
-            if nparts > MAX_PARTS {
+            if nparts > MAX_EXTRA_PARTS.saturating_add(index.chunk_count() as u64) {
                 return Err(Error::invalid(format!(
-                    "{}: tensor {:?} (shape {:?}) and those before it would be cut into more than {MAX_PARTS} \
-                     chunks of at most {per_job} bytes; raise the memory budget",
+                    "{}: tensor {:?} (shape {:?}) and those before it would be cut into {MAX_EXTRA_PARTS} \
+                     chunks of at most {per_job} bytes more than the source holds; raise the memory budget",
                     src.location(),
                     t.key,
                     t.global_shape

@@ -223,6 +223,18 @@ pub fn load_from_index<'a>(
     load_with(index, built, storage, comm, opts)
 }
 
+/// [`load_from_index`] for an index an opener gave (and so validated): the tools' loads of box
+/// parts, one call per batch, skip a second run of the gate over the whole index.
+pub(crate) fn load_opened<'a>(
+    index: &CheckpointIndex,
+    tree: StateTree<'a>,
+    storage: &dyn Storage,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<LoadResult<'a>> {
+    load_with(index, apply_factories(tree), storage, comm, opts)
+}
+
 type Built<'a> = Result<(StateTree<'a>, Vec<AppliedFactory>)>;
 
 /// The load itself: `factories` is the tree with its factories applied (or why they failed:
@@ -454,11 +466,13 @@ fn prepare<'a>(
             .ok_or_else(|| Error::invalid(format!("{key:?}: {nbytes} bytes do not fit in memory")))?;
     }
     destination_order(index, &segs, &lens)?;
-    for (target, nbytes, key) in deferred {
-        let buf = crate::io::staging::zeroed(nbytes)
+    for (target, nbytes, key) in &deferred {
+        let buf = crate::io::staging::zeroed(*nbytes)
             .ok_or_else(|| Error::invalid(format!("{key:?}: cannot allocate {nbytes} bytes for the tensor")))?;
-        datas[target] = TensorData::Owned(buf);
+        datas[*target] = TensorData::Owned(buf);
     }
+    // Buffers just allocated are zero already (untouched pages stay free).
+    zero_fill.retain(|t| deferred.binary_search_by_key(t, |d| d.0).is_err());
     for t in zero_fill {
         datas[t].bytes_mut().unwrap_or_default().fill(0);
     }
@@ -775,7 +789,7 @@ pub fn load_plain_tensors(storage: &dyn Storage, keys: Option<&[&str]>) -> Resul
             return Err(Error::NotFound { path: format!("{}: tensor {k:?}", storage.location()).into() });
         }
     }
-    let loaded = load_from_index(index, tree, storage, &crate::SoloComm, &LoadOptions::default())?;
+    let loaded = load_opened(index, tree, storage, &crate::SoloComm, &LoadOptions::default())?;
     let mut out = BTreeMap::new();
     if let StateTree::Map(m) = loaded.state {
         for (k, v) in m {

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::sync::{Condvar, Mutex};
 
 use crate::format::{CheckpointIndex, TensorEntry};
-use crate::io::load::{load_from_index, LoadOptions};
+use crate::io::load::{load_opened, LoadOptions};
 use crate::plan::geometry::BoxPart;
 use crate::state::{ReplicaId, ShardedTensor, StateTree, TensorData};
 use crate::storage::Storage;
@@ -34,8 +34,8 @@ impl TensorPart<'_> {
     }
 }
 
-/// Loads `parts` of tensors of `index` through the generic loader, back to back into `buf`
-/// (which must hold exactly their bytes), with one load call.
+/// Loads `parts` of tensors of `index` (as an opener gave it: validated) through the generic
+/// loader, back to back into `buf` (which must hold exactly their bytes), with one load call.
 pub(crate) fn load_parts(
     index: &CheckpointIndex,
     storage: &dyn Storage,
@@ -75,7 +75,7 @@ pub(crate) fn load_parts(
         return Ok(());
     }
     // The bytes land in `buf`; the returned tree (which also carries the common state) is not needed.
-    load_from_index(index, tree, storage, &SoloComm, opts)?;
+    load_opened(index, tree, storage, &SoloComm, opts)?;
     Ok(())
 }
 

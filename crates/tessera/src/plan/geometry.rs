@@ -403,7 +403,12 @@ pub fn tiling_faults(global: &[u64], pieces: &[Piece]) -> TilingFaults {
         return faults;
     }
     let mut prefix = Vec::new();
-    if let Err(overlap) = tile(global, &live, 0, &mut prefix, &mut faults.gap) {
+    // Real layouts (products of splits, flat ranges of them) sweep in O(n log n) piece visits;
+    // a crafted one (each column split at another row) makes the sweep quadratic. Past this
+    // many visits the layout is refused rather than checked for minutes.
+    let n = live.len() as u64;
+    let mut budget = n.saturating_mul(64 * (u64::from(n.max(2).ilog2()) + 1)).saturating_add(1 << 20);
+    if let Err(overlap) = tile(global, &live, 0, &mut prefix, &mut faults.gap, &mut budget) {
         faults.overlap = Some(overlap);
     }
     faults
@@ -424,9 +429,13 @@ fn tile(
     axis: usize,
     prefix: &mut Vec<u64>,
     gap: &mut Option<String>,
+    budget: &mut u64,
 ) -> Result<(), String> {
     let n = global.len();
     let g = global[axis];
+    *budget = budget.checked_sub(pieces.len() as u64).ok_or_else(|| {
+        "the chunk layout is too irregular to check (its tiling sweep exceeds O(n log n) steps)".to_string()
+    })?;
     let mut sorted: Vec<&Piece> = pieces.to_vec();
     sorted.sort_by_key(|p| (p.off[axis], p.shape[axis]));
     if axis == n - 1 {
@@ -481,7 +490,7 @@ fn tile(
         }
         if changed || lo == 0 {
             prefix.push(lo);
-            let r = tile(global, &active, axis + 1, prefix, gap);
+            let r = tile(global, &active, axis + 1, prefix, gap, budget);
             prefix.pop();
             r?;
         }
@@ -492,6 +501,26 @@ fn tile(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_layout_that_makes_the_sweep_quadratic_is_refused() {
+        // Column j split at row j: a valid tiling whose active set changes at every row.
+        let n = 3000u64;
+        let mut pieces = Vec::new();
+        for j in 0..n {
+            if j > 0 {
+                pieces.push(Piece::new(&[0, j], &[j, 1]));
+            }
+            pieces.push(Piece::new(&[j, j], &[n - j, 1]));
+        }
+        let faults = tiling_faults(&[n, n], &pieces);
+        assert!(faults.overlap.as_deref().is_some_and(|e| e.contains("too irregular")), "{faults:?}");
+        // The same pieces for a small tensor are checked (and tile it).
+        let small: Vec<Piece> = pieces.into_iter().filter(|p| p.off[1] < 8 && p.off[0] < 8).collect();
+        let small: Vec<Piece> =
+            small.into_iter().map(|p| Piece::new(&p.off, &[p.shape[0].min(8 - p.off[0]), 1])).collect();
+        assert_eq!(tiling_faults(&[8, 8], &small), TilingFaults::default());
+    }
 
     #[test]
     fn decompose_covers_range_in_order() {

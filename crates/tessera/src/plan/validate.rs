@@ -119,7 +119,8 @@ fn walk(index: &CheckpointIndex, found: &mut dyn FnMut(IndexDefect) -> bool) {
 
 /// Two stored items (chunks, object shards) whose bytes overlap in one file: every writer gives
 /// each its own bytes, and read planning relies on it (checksum blocks of one read belong to
-/// one chunk). Runs after the per-item checks, on items already known to lie inside files.
+/// one chunk). The gate runs it only on items that passed the per-item checks; `verify`'s report
+/// also on the others, where its saturating arithmetic keeps it total.
 fn shared_bytes(index: &CheckpointIndex) -> Option<(String, String)> {
     // (file, start, end, owner): owners below tensors.len() are tensors, the rest objects.
     let mut ranges: Vec<(u32, u64, u64, u32)> = Vec::with_capacity(index.chunk_count());

@@ -50,7 +50,7 @@ const CACHE_BYTES: u64 = 512 << 20;
 const ARCHIVE_SLACK: u64 = 1 << 20;
 /// A compressed item with no declared size (an object) may decompress to at most this many
 /// times its compressed size, or [`OBJECT_DECODE_FLOOR`] when that is more.
-const OBJECT_DECODE_RATIO: u64 = 64;
+const OBJECT_DECODE_RATIO: u64 = 1024;
 /// See [`OBJECT_DECODE_RATIO`].
 const OBJECT_DECODE_FLOOR: u64 = 32 << 20;
 
