@@ -159,6 +159,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn zeroed_gives_zeros_and_refuses_what_cannot_exist() {
+        assert_eq!(zeroed(0), Some(Vec::new()));
+        assert_eq!(zeroed(4096).unwrap(), vec![0u8; 4096]);
+        assert_eq!(zeroed(u64::MAX), None);
+        assert_eq!(zeroed(isize::MAX as u64 + 1), None);
+    }
+
+    #[test]
     fn buffers_are_lent_returned_and_bounded() {
         let pool = StagingPool::with_buffer_size(3 * 4096 + 100, 4096).unwrap();
         assert_eq!(pool.capacity(), 3 * 4096);
