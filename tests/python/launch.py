@@ -22,6 +22,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     try:
         fn(rank, world, *args)
+        # Every rank done with every collective (torch's own included: DTensor's full_tensor
+        # on sub-meshes) before any group is torn down: a gloo worker still holding work at
+        # teardown aborts the process ('terminate called without an active exception').
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
