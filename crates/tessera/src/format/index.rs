@@ -856,6 +856,16 @@ pub(crate) fn check_file_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A file name relative to the checkpoint: plain components (foreign formats keep files in
+/// sub-folders: zarr's `key/0.0`, OLMo-core's `model/rank_0.safetensors`) joined by `/`.
+pub(crate) fn check_relative_name(name: &str) -> Result<(), String> {
+    if name.split('/').all(|c| check_file_name(c).is_ok()) {
+        Ok(())
+    } else {
+        Err(format!("file name {name:?} is not a relative path of plain components inside the checkpoint"))
+    }
+}
+
 fn encode_path(e: &mut Encoder, path: &[PathSeg]) {
     e.var(path.len() as u64);
     for seg in path {

@@ -249,6 +249,13 @@ fn load_with<'a>(
     let mut strict_gathered = false;
     let prepared = prepare(index, factories, comm, opts, &mut strict_gathered);
     let (prepared, stats) = if opts.exchange_reads {
+        // Received bytes are scattered outside `execute` (which checks its own destinations):
+        // every destination of the load inside its buffer, none written twice, checked once
+        // before any byte is written, whatever built the index.
+        let prepared = prepared.and_then(|p| {
+            let lens: Vec<usize> = p.datas.iter().map(TensorData::len).collect();
+            destination_order(index, &p.segs, &lens).map(|_| p)
+        });
         let mut p = match prepared {
             Ok(p) => p,
             Err(e @ Error::Comm { .. }) => return Err(e),
@@ -456,16 +463,6 @@ fn prepare<'a>(
         }
         segs.extend(p.segs);
     }
-    // Every destination inside its buffer, none written twice: checked for the whole load before
-    // any byte is written (the exchange's scatter included), whatever built the index.
-    let mut lens: Vec<usize> = datas.iter().map(TensorData::len).collect();
-    for (target, nbytes, key) in &deferred {
-        lens[*target] = usize::try_from(*nbytes)
-            .ok()
-            .filter(|&n| n <= isize::MAX as usize)
-            .ok_or_else(|| Error::invalid(format!("{key:?}: {nbytes} bytes do not fit in memory")))?;
-    }
-    destination_order(index, &segs, &lens)?;
     for (target, nbytes, key) in &deferred {
         let buf = crate::io::staging::zeroed(*nbytes)
             .ok_or_else(|| Error::invalid(format!("{key:?}: cannot allocate {nbytes} bytes for the tensor")))?;

@@ -14,6 +14,7 @@
 
 use std::fmt;
 
+use crate::format::index::check_relative_name;
 use crate::format::{CheckpointIndex, FileEntry, ObjectEntry, TensorEntry};
 use crate::plan::geometry::{decompose_flat, tiling_faults, Piece};
 use crate::{Error, Result};
@@ -150,17 +151,6 @@ fn shared_bytes(index: &CheckpointIndex) -> Option<(String, String)> {
         name(w[1].3),
         format!("its bytes {}..{} of {file} are also those of {}", w[1].1, w[0].2.min(w[1].2), name(w[0].3)),
     ))
-}
-
-/// A file name relative to the checkpoint: plain components (foreign formats keep files in
-/// sub-folders: zarr's `key/0.0`, OLMo-core's `model/rank_0.safetensors`) joined by `/`.
-fn check_relative_name(name: &str) -> Result<(), String> {
-    let plain = |c: &str| !c.is_empty() && c != "." && c != ".." && !c.contains(['\\', '\0']);
-    if name.split('/').all(plain) {
-        Ok(())
-    } else {
-        Err(format!("file name {name:?} is not a plain relative name inside the checkpoint"))
-    }
 }
 
 struct Fault {

@@ -163,10 +163,5 @@ pub(crate) fn check_plain_name(name: &str) -> Result<()> {
 
 /// Names that may be read: plain components joined by `/`.
 pub(crate) fn check_name(name: &str) -> Result<()> {
-    if name.is_empty() {
-        return Err(Error::invalid("empty object name"));
-    }
-    name.split('/')
-        .try_for_each(crate::format::check_file_name)
-        .map_err(|_| Error::invalid(format!("object name {name:?} is not a relative path of plain components")))
+    crate::format::index::check_relative_name(name).map_err(Error::invalid)
 }
