@@ -40,7 +40,7 @@ def part(n: int, parts: int, i: int) -> slice:
 def swiglu_factory(key: str, fused: torch.Tensor, g: int, tp: int, tp_rank: int) -> ShardedTensorFactory:
     """A fused [w; v] fc1 weight saved as two tensors, each TP-split on its rows."""
 
-    def build(key: str, t: torch.Tensor, replica_id: Any) -> Dict[str, ShardedTensor]:
+    def build(key: str, t: torch.Tensor, replica_id: Any, flattened_range: Any) -> Dict[str, ShardedTensor]:
         w, v = torch.chunk(t, 2, dim=0)
         return {
             name: ShardedTensor.from_rank_offsets(

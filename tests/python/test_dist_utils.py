@@ -170,7 +170,7 @@ def test_map_reduce():
 
 
 def mixed_state():
-    factory = ShardedTensorFactory("f", torch.zeros(2), lambda k, d, r: {}, lambda s: s)
+    factory = ShardedTensorFactory("f", torch.zeros(2), lambda k, d, r, f: {}, lambda s: s)
     return {
         "t": sharded("t"),
         "o": ShardedObject("o", 1, (1,), (0,)),
@@ -383,7 +383,7 @@ def test_make_sharded_optimizer_tensor_variants():
     with pytest.raises(CheckpointingException, match="flattened range"):
         optimizer.make_sharded_optimizer_tensor(flat_param, torch.ones(5), "p")
 
-    factory = ShardedTensorFactory("f", torch.zeros(2), lambda k, d, r: {}, lambda s: s, replica_id=2)
+    factory = ShardedTensorFactory("f", torch.zeros(2), lambda k, d, r, f: {}, lambda s: s, replica_id=2)
     built = optimizer.make_sharded_optimizer_tensor(factory, moment, "p")
     assert isinstance(built, ShardedTensorFactory)
     assert (built.key, built.data, built.replica_id) == ("p.f", moment, 2)
@@ -394,7 +394,7 @@ def test_factory_param_with_scalar_state_asks_for_exclusion():
     optim = torch.optim.AdamW([weight])
     weight.grad = torch.ones(2, 2)
     optim.step()
-    factory = ShardedTensorFactory("f", weight, lambda k, d, r: {}, lambda s: s)
+    factory = ShardedTensorFactory("f", weight, lambda k, d, r, f: {}, lambda s: s)
     with pytest.raises(CheckpointingException, match=r"exclude_keys=\('step',\)"):
         optimizer.optim_state_to_sharding_state(optim.state_dict(), {0: factory})
     state = optim.state_dict()

@@ -310,7 +310,7 @@ def swiglu_factory(key, weight, tp_rank=0, tp_size=1, replica_id=0):
     """Megatron's SwiGLU pattern: the local weight is [w_tp ; v_tp] stacked, saved as two
     global tensors so that TP resharding keeps the halves apart."""
 
-    def build(key, data, replica_id):
+    def build(key, data, replica_id, flattened_range):
         w, v = torch.chunk(data, 2, dim=0)
         return {
             "w": ShardedTensor.from_rank_offsets(f"{key}_w", w, (0, tp_rank, tp_size), replica_id=replica_id),
@@ -469,3 +469,39 @@ print("ok")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_factory_passes_flattened_range_to_build_fn():
+    seen = []
+
+    def build(key, data, replica_id, flattened_range):
+        seen.append((key, replica_id, flattened_range))
+        return ShardedTensor.from_rank_offsets(key, data, replica_id=replica_id)
+
+    factory = ShardedTensorFactory("f", torch.zeros(4), build, lambda x: x, replica_id=1, flattened_range=slice(0, 2))
+    built = factory.build()
+    assert seen == [("f", 1, slice(0, 2))]
+    assert isinstance(built, ShardedTensor) and built.key == "f"
+    assert ShardedTensorFactory("g", torch.zeros(1), build, lambda x: x).flattened_range is None
+
+
+def test_narrow_scales_the_global_box_on_a_regular_grid():
+    data = torch.arange(12.0).reshape(4, 3)
+    sh = ShardedTensor.from_rank_offsets("n", data, (0, 1, 2), (1, 0, 1), prepend_axis_num=1)
+    assert sh.has_regular_grid
+    assert sh.global_shape == (2, 4, 3) and sh.global_offset == (1, 0, 0)
+    (out,) = sh.narrow(0, 1, 2)
+    assert torch.equal(out.data, data[1:3])
+    assert out.local_shape == (2, 3)
+    assert out.global_shape == (2, 2, 3) and out.global_offset == (1, 0, 0)
+    # A piece on the second of 2 rows: offset 4 of 8 becomes 2 of 4.
+    sh2 = ShardedTensor.from_rank_offsets("n", data, (0, 1, 2))
+    (out2,) = sh2.narrow(0, 0, 2)
+    assert out2.global_shape == (4, 3) and out2.global_offset == (2, 0)
+
+
+def test_narrow_refuses_an_irregular_grid():
+    sh = ShardedTensor("n", torch.zeros(3, 2), torch.float32, (3, 2), (8, 2), (5, 0), None)
+    assert not sh.has_regular_grid
+    with pytest.raises(CheckpointingException, match="regular grid"):
+        sh.narrow(0, 0, 1)

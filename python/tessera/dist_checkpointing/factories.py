@@ -4,7 +4,7 @@ loading, and the helpers that apply them to a whole state dict."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from .base import ReplicaId, ShardedBase, ShardedStateDict, StateDict, _check_replica_id
 from .core import CheckpointingException, CheckpointingValueError
@@ -12,7 +12,7 @@ from .dict_utils import dict_list_map_inplace
 
 __all__ = ["ShardedTensorFactory", "FactoryBuildFn", "FactoryMergeFn", "apply_factories", "apply_factory_merges"]
 
-FactoryBuildFn = Callable[[str, Any, ReplicaId], ShardedStateDict]
+FactoryBuildFn = Callable[[str, Any, ReplicaId, Optional[slice]], ShardedStateDict]
 FactoryMergeFn = Callable[[StateDict], Any]
 
 
@@ -20,9 +20,12 @@ FactoryMergeFn = Callable[[StateDict], Any]
 class ShardedTensorFactory(ShardedBase):
     """Transforms a tensor into a sharded sub-state before saving and back after loading.
 
-    ``build_fn(key, data, replica_id)`` returns a sharded state dict (e.g. the two halves of a
-    SwiGLU weight as separate ShardedTensors); ``merge_fn(loaded_sub_state)`` inverts it. Being
-    applied to optimizer states exactly as to the parameters is what makes it useful.
+    ``build_fn(key, data, replica_id, flattened_range)`` returns a sharded state dict (e.g. the
+    two halves of a SwiGLU weight as separate ShardedTensors); ``merge_fn(loaded_sub_state)``
+    inverts it. Being applied to optimizer states exactly as to the parameters is what makes it
+    useful. ``flattened_range`` is Megatron's: the part of the flattened tensor the factory's
+    ShardedTensors hold (a distributed optimizer's shard), passed through to ``build_fn``, which
+    decides what it means (Megatron-Core 0.16's own build functions ignore it).
     """
 
     key: str
@@ -30,12 +33,13 @@ class ShardedTensorFactory(ShardedBase):
     build_fn: FactoryBuildFn
     merge_fn: FactoryMergeFn
     replica_id: ReplicaId = 0
+    flattened_range: Optional[slice] = None
 
     def __post_init__(self) -> None:
         self.validate_metadata_integrity()
 
     def build(self) -> ShardedStateDict:
-        return self.build_fn(self.key, self.data, self.replica_id)
+        return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
 
     def validate_metadata_integrity(self) -> None:
         if not isinstance(self.key, str):

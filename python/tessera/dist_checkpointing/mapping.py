@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 from .base import (
     LocalNonpersistentObject,
@@ -204,6 +204,41 @@ class ShardedTensor(ShardedBase):
     def local_chunk_offset_in_global(self) -> Tuple[int, ...]:
         """Offset of the local box counted in chunks (box sizes) rather than elements."""
         return tuple(off // max(size, 1) for off, size in zip(self.global_offset, self.box_shape()))
+
+    @property
+    def has_regular_grid(self) -> bool:
+        """Whether the tensor is cut on a regular grid (``axis_fragmentations`` is given)."""
+        return self.axis_fragmentations is not None
+
+    def narrow(self, dim: int, start: int, length: int) -> List["ShardedTensor"]:
+        """``torch.narrow`` of the local tensor on every rank, as one ShardedTensor in a list.
+
+        ``dim`` is a local axis (prepended axes not counted). Every rank narrows its own piece
+        the same way, so the global tensor shrinks in proportion: global shape and offset on
+        that axis are scaled by ``length / local size``, which needs a regular grid there.
+        """
+        if self.flattened_range is not None:
+            raise CheckpointingException(f"{self.key!r}: narrow of a flattened ShardedTensor is not supported")
+        axis = dim + self.prepend_axis_num
+        local = self.local_shape[dim]
+        glob, off = self.global_shape[axis], self.global_offset[axis]
+        if local == 0 or glob % local != 0 or off % local != 0 or (glob * length) % local or (off * length) % local:
+            raise CheckpointingException(
+                f"{self.key!r}: narrow needs a regular grid on axis {dim}: global shape {self.global_shape} "
+                f"and offset {self.global_offset} must be multiples of the local size {local}"
+            )
+        data = self.data.narrow(dim, start, length)
+        global_shape = self.global_shape[:axis] + (glob * length // local,) + self.global_shape[axis + 1 :]
+        global_offset = self.global_offset[:axis] + (off * length // local,) + self.global_offset[axis + 1 :]
+        return [
+            replace(
+                self,
+                data=data,
+                local_shape=tuple(data.shape),
+                global_shape=global_shape,
+                global_offset=global_offset,
+            )
+        ]
 
     def max_allowed_chunks(self) -> Tuple[int, ...]:
         """Chunk size along each global axis implied by ``axis_fragmentations``."""
