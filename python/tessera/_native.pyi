@@ -164,6 +164,8 @@ def load(
     strict: str = "assume_ok_unexpected",
     verify: bool = True,
     threads: Optional[int] = None,
+    exchange_reads: bool = False,
+    cast_dtypes: bool = False,
 ) -> Dict[str, object]:
     """Loads into the tensors' memory and returns::
 

@@ -240,6 +240,31 @@ def test_allow_shape_mismatch_pads_and_truncates(tmp_path: Any) -> None:
     assert torch.equal(dc.load({"e": smaller}, ckpt)["e"], stored[:4])
 
 
+def test_load_casts_a_tensor_stored_in_another_dtype(tmp_path: Any) -> None:
+    # Megatron-Core loads into the request's dtype as copy_ does (its test_tensor_shape_mismatch
+    # saves int64 and loads float32).
+    ckpt = str(tmp_path / "ckpt")
+    stored = torch.arange(-6, 18).reshape(6, 4)
+    dc.save({"i": ShardedTensor.from_rank_offsets("i", stored)}, ckpt)
+    as_f32 = dc.load({"i": ShardedTensor.from_rank_offsets("i", torch.zeros(6, 4))}, ckpt)["i"]
+    assert as_f32.dtype == torch.float32 and torch.equal(as_f32, stored.to(torch.float32))
+    half = ShardedTensor.from_rank_offsets("i", torch.zeros(3, 4, dtype=torch.bfloat16), (0, 1, 2))
+    got = dc.load({"i": half}, ckpt)["i"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, stored[3:].to(torch.bfloat16))
+
+
+def test_tied_tensors_load_into_their_own_buffers(tmp_path: Any) -> None:
+    # T5 ties one parameter under two keys; both load, each with the values of its own key.
+    ckpt = str(tmp_path / "ckpt")
+    a, b = torch.arange(8.0), torch.arange(8.0) + 100
+    dc.save({"a": ShardedTensor.from_rank_offsets("a", a), "b": ShardedTensor.from_rank_offsets("b", b)}, ckpt)
+    shared = torch.zeros(8)
+    sd = {"a": ShardedTensor.from_rank_offsets("a", shared), "b": ShardedTensor.from_rank_offsets("b", shared)}
+    out = dc.load(sd, ckpt)
+    assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
+    assert out["a"] is shared, "the first owner of the memory is loaded in place"
+
+
 def test_flattened_ranges_and_every_dtype(tmp_path: Any) -> None:
     ckpt = str(tmp_path / "ckpt")
     dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,

@@ -271,7 +271,7 @@ fn validate_sharding<'py>(
 /// Loads tensors in place (into the caller's memory) and objects; collective over `comm`.
 #[pyfunction]
 #[pyo3(signature = (tensors, objects, location, comm=None, strict="assume_ok_unexpected", verify=true, threads=None,
-                    exchange_reads=false))]
+                    exchange_reads=false, cast_dtypes=false))]
 #[allow(clippy::too_many_arguments)]
 fn load<'py>(
     py: Python<'py>,
@@ -283,6 +283,7 @@ fn load<'py>(
     verify: bool,
     threads: Option<usize>,
     exchange_reads: bool,
+    cast_dtypes: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let specs = each(&tensors, TensorSpec::load_from_py)?;
     let objects = each(&objects, convert::load_object)?;
@@ -302,6 +303,7 @@ fn load<'py>(
     let opts = LoadOptions {
         verify_checksums: verify,
         exchange_reads,
+        cast_dtypes,
         strict: lib(py, StrictHandling::parse(strict))?,
         threads: threads.unwrap_or(defaults.threads),
         cancel: Some(cancel.clone()),

@@ -281,6 +281,89 @@ pub fn cast_into(src: &[u8], from: DType, to: DType, dst: &mut [u8]) -> Result<(
     Ok(())
 }
 
+/// A value as a load cast sees it: integers (and bools) exactly, floats as f64.
+#[derive(Clone, Copy)]
+enum Num {
+    Int(i128),
+    Float(f64),
+}
+
+fn read_num(bytes: &[u8], dtype: DType) -> Option<Num> {
+    let raw = read_le(bytes);
+    Some(match dtype {
+        DType::I64 => Num::Int(raw as i64 as i128),
+        DType::I32 => Num::Int(raw as u32 as i32 as i128),
+        DType::I16 => Num::Int(raw as u16 as i16 as i128),
+        DType::I8 => Num::Int(raw as u8 as i8 as i128),
+        DType::U8 | DType::U16 | DType::U32 | DType::U64 => Num::Int(raw as i128),
+        DType::Bool => Num::Int((raw != 0) as i128),
+        DType::F64 | DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2 => {
+            Num::Float(element_to_f64(bytes, dtype))
+        }
+    })
+}
+
+/// The little-endian bits of `v` as `to`, or None for a target no load cast writes (fp8).
+fn write_num(v: Num, to: DType) -> Option<u64> {
+    let int = |v: Num| match v {
+        Num::Int(i) => i,
+        // As a C cast truncates toward zero; out of range saturates (NaN is 0) where C is undefined.
+        Num::Float(f) => f as i128,
+    };
+    let float = |v: Num| match v {
+        Num::Int(i) => i as f64,
+        Num::Float(f) => f,
+    };
+    Some(match to {
+        DType::F64 => float(v).to_bits(),
+        // From an integer, one rounding straight to f32 (an i64 past 2^53 would round twice via f64).
+        DType::F32 => match v {
+            Num::Int(i) => (i as f32).to_bits() as u64,
+            Num::Float(f) => convert_bits(f.to_bits(), FMT_F64, FMT_F32),
+        },
+        DType::F16 => convert_bits(float(v).to_bits(), FMT_F64, FMT_F16),
+        DType::BF16 => convert_bits(float(v).to_bits(), FMT_F64, FMT_BF16),
+        // Two's complement wrap, as torch's integer casts do.
+        DType::I64 | DType::I32 | DType::I16 | DType::I8 | DType::U8 | DType::U16 | DType::U32 | DType::U64 => {
+            int(v) as u128 as u64
+        }
+        DType::Bool => match v {
+            Num::Int(i) => (i != 0) as u64,
+            Num::Float(f) => (f != 0.0) as u64,
+        },
+        DType::F8E4M3 | DType::F8E5M2 => return None,
+    })
+}
+
+/// Converts `src` (elements of `from`) to `to` into `dst` as `tensor.to(dtype)` would, for a
+/// load into a buffer of another dtype (Megatron-Core casts there): float to float as
+/// [`cast_into`] (round to nearest even); integer to float rounded to nearest (an integer past
+/// 2^53 in magnitude rounds twice into f16/bf16); float to integer truncated toward zero,
+/// saturating where torch's cast is undefined; integer to integer wrapped; anything to bool is
+/// "not zero". Writing fp8 is refused.
+pub fn cast_numeric(src: &[u8], from: DType, to: DType, dst: &mut [u8]) -> Result<()> {
+    if from == to || (castable_fmt(from).is_some() && castable_fmt(to).is_some()) {
+        return cast_into(src, from, to, dst);
+    }
+    let (fs, ts) = (from.size(), to.size());
+    let n = src.len() / fs;
+    if !src.len().is_multiple_of(fs) || dst.len() != n * ts {
+        return Err(Error::invalid(format!(
+            "cast of {} bytes of {from} into {} bytes of {to}: not the same number of elements",
+            src.len(),
+            dst.len()
+        )));
+    }
+    if write_num(Num::Int(0), to).is_none() {
+        return Err(Error::invalid(format!("cannot cast {from} to {to}: fp8 is not written by a cast")));
+    }
+    for (a, b) in src.chunks_exact(fs).zip(dst.chunks_exact_mut(ts)) {
+        let bits = read_num(a, from).and_then(|v| write_num(v, to)).unwrap_or(0);
+        b.copy_from_slice(&bits.to_le_bytes()[..ts]);
+    }
+    Ok(())
+}
+
 /// [`cast_into`] into a new buffer.
 pub fn cast_bytes(src: &[u8], from: DType, to: DType) -> Result<Vec<u8>> {
     let mut out = vec![0u8; src.len() / from.size() * to.size()];
@@ -349,6 +432,33 @@ pub(crate) fn elements_to_f64(bytes: &[u8], dtype: DType, out: &mut [f64]) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn cast_numeric_follows_torch_to() {
+        let ints: Vec<u8> = [-3i64, 0, 7, 1 << 40].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut f = vec![0u8; 16];
+        cast_numeric(&ints, DType::I64, DType::F32, &mut f).unwrap();
+        let got: Vec<f32> = f.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(got, vec![-3.0, 0.0, 7.0, (1u64 << 40) as f32]);
+        let floats: Vec<u8> = [-2.7f32, 0.5, 3.9, 300.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut i = vec![0u8; 4 * 8];
+        cast_numeric(&floats, DType::F32, DType::I64, &mut i).unwrap();
+        let got: Vec<i64> = i.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(got, vec![-2, 0, 3, 300]);
+        let mut u = vec![0u8; 4];
+        cast_numeric(&floats, DType::F32, DType::U8, &mut u).unwrap();
+        assert_eq!(u, vec![254, 0, 3, 44], "wrapped as an integer cast");
+        let mut b = vec![0u8; 4];
+        cast_numeric(&floats, DType::F32, DType::Bool, &mut b).unwrap();
+        assert_eq!(b, vec![1, 1, 1, 1]);
+        let mut h = vec![0u8; 8];
+        cast_numeric(&floats, DType::F32, DType::BF16, &mut h).unwrap();
+        let mut back = vec![0u8; 16];
+        cast_into(&h, DType::BF16, DType::F32, &mut back).unwrap();
+        assert_eq!(f32::from_le_bytes(back[12..16].try_into().unwrap()), 300.0);
+        assert!(cast_numeric(&floats, DType::F32, DType::F8E4M3, &mut u).is_err());
+        assert!(cast_numeric(&floats, DType::F32, DType::I64, &mut u).is_err(), "wrong length");
+    }
+
     use super::*;
 
     fn f32_to(x: f32, to: DType) -> u64 {

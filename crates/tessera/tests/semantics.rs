@@ -657,6 +657,36 @@ fn shape_and_dtype_mismatches_are_refused_without_the_flag() {
 }
 
 #[test]
+fn cast_dtypes_converts_a_tensor_stored_in_another_dtype() {
+    let storage = mismatch_checkpoint();
+    let opts = LoadOptions { cast_dtypes: true, ..load_opts() };
+    // f32 1..=24 into an i64 request of rows 2..5, with a shape mismatch (zero rows past 6).
+    let mut buf = vec![0xFFu8; 4 * 4 * 8];
+    let t = shard("m", DType::I64, &[8, 4], &[3, 0], &[4, 4], 0, None, TensorData::Mut(&mut buf))
+        .with_allow_shape_mismatch(true);
+    load(StateTree::map().with("m", StateTree::Tensor(t)), &storage, &SoloComm, &opts).unwrap();
+    let got: Vec<i64> = buf.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+    let want: Vec<i64> = (13..=24).chain([0; 4]).collect();
+    assert_eq!(got, want);
+    // A buffer tessera allocates (TensorData::None) is cast too.
+    let t = ShardedTensor::full("m", DType::BF16, &[6, 4], TensorData::None);
+    let r = load(StateTree::map().with("m", StateTree::Tensor(t)), &storage, &SoloComm, &opts).unwrap();
+    let mut leaves = Vec::new();
+    r.state.for_each_leaf(&mut |_, l| {
+        if let StateTree::Tensor(t) = l {
+            leaves.push(t.data.bytes().unwrap().to_vec());
+        }
+    });
+    let back: Vec<f32> =
+        leaves[0].chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)).collect();
+    assert_eq!(back, iota(24, 1.0));
+    // Without the option the same request is a dtype mismatch.
+    let t = ShardedTensor::full("m", DType::BF16, &[6, 4], TensorData::None);
+    let r = load(StateTree::map().with("m", StateTree::Tensor(t)), &storage, &SoloComm, &load_opts());
+    assert!(matches!(&r, Err(Error::Mismatch { reason, .. }) if reason.contains("dtype")), "{r:?}");
+}
+
+#[test]
 fn stacked_layers_saved_per_layer_load_as_one_tensor() {
     // 3 layers of [4, 2]: layer l lives on rank l, without the layer axis (prepend_axis_num 1).
     let layers: Vec<Vec<f32>> = (0..3).map(|l| iota(8, 10.0 * l as f32)).collect();

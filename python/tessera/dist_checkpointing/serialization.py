@@ -21,7 +21,7 @@ import argparse
 import io
 import os
 from enum import Enum
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from .. import _native
 from .._comm import default_comm
@@ -409,8 +409,10 @@ def _check_save_strategy(strategy: Any) -> None:
         )
 
 
-def _load_target(sh: ShardedTensor) -> Tuple[Any, Any]:
-    """(CPU buffer to load into, final tensor): in place when the data already fits."""
+def _load_target(sh: ShardedTensor, taken: Set[int]) -> Tuple[Any, Any]:
+    """(CPU buffer to load into, final tensor): in place when the data already fits and no
+    other tensor of this load took the same memory (tied weights, e.g. T5's position
+    embeddings under two keys, each get their own buffer, as Megatron's load returns them)."""
     import torch
 
     numel = (sh.flattened_range.stop - sh.flattened_range.start) if sh.flattened_range is not None else None
@@ -422,7 +424,9 @@ def _load_target(sh: ShardedTensor) -> Tuple[Any, Any]:
         and data.is_contiguous()
         and data.dtype == sh.dtype
         and data.numel() == (numel if numel is not None else _prod(shape))
+        and (data.numel() == 0 or data.data_ptr() not in taken)
     ):
+        taken.add(data.data_ptr())
         return data, data
     buf = torch.empty(shape, dtype=sh.dtype)
     return buf, buf
@@ -467,7 +471,8 @@ def load(
     tensors, objects, _ = _split(sharded_state_dict)
     collective = exchange_reads or StrictHandling.requires_global_app_metadata(strict)
     comm = default_comm(process_group) if collective else None
-    targets = [_load_target(sh) for _, sh in tensors]
+    taken: Set[int] = set()
+    targets = [_load_target(sh, taken) for _, sh in tensors]
     native_tensors = []
     for (_, sh), (buf, _) in zip(tensors, targets):
         native_tensors.append(
@@ -488,6 +493,8 @@ def load(
         strict=strict.value,
         verify=verify_checksums,
         exchange_reads=exchange_reads and comm is not None,
+        # Megatron-Core loads a tensor stored in another dtype converted, as `copy_` does.
+        cast_dtypes=True,
     )
 
     state = _megatron_common_pt(checkpoint_dir)

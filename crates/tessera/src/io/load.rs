@@ -96,6 +96,11 @@ pub struct LoadOptions {
     /// needed by `k` ranks counts `k − 1` times), which bounds the memory of the exchange to
     /// about twice this per rank plus what it receives. Default 256 MiB.
     pub exchange_round_bytes: u64,
+    /// Load a tensor stored in another dtype by converting it (as `tensor.to(dtype)`, see
+    /// [`crate::dtype::cast_numeric`]) instead of failing with [`Error::Mismatch`]. Off by
+    /// default: a dtype change is usually a mistake; Megatron-Core's load casts, and so does
+    /// its mirror. Each cast tensor is staged once in its stored dtype.
+    pub cast_dtypes: bool,
 }
 
 impl Default for LoadOptions {
@@ -108,6 +113,7 @@ impl Default for LoadOptions {
             cancel: None,
             exchange_reads: false,
             exchange_round_bytes: DEFAULT_ROUND_BYTES,
+            cast_dtypes: false,
         }
     }
 }
@@ -289,7 +295,14 @@ fn load_with<'a>(
         };
         (p, stats)
     };
-    let Prepared { tree, datas, applied, objects_wanted, unexpected_keys, missing, .. } = prepared;
+    let Prepared { tree, mut datas, applied, objects_wanted, unexpected_keys, missing, casts, .. } = prepared;
+    for c in casts.iter().rev() {
+        let staged = datas.pop().unwrap_or_default();
+        debug_assert_eq!(datas.len(), c.staging);
+        let dst = datas[c.target].bytes_mut().unwrap_or_default();
+        crate::dtype::cast_numeric(staged.bytes().unwrap_or_default(), c.stored, c.wanted, dst)
+            .map_err(|e| Error::Mismatch { key: c.key.clone(), reason: format!("stored as {}: {e}", c.stored) })?;
+    }
     // The loaded buffers go back into their leaves (the same walk that took them out).
     let mut datas = datas.into_iter();
     let mut tree = tree.map_leaves(&mut |_, leaf| {
@@ -344,6 +357,18 @@ struct Prepared<'a> {
     objects_wanted: usize,
     unexpected_keys: Vec<String>,
     missing: Vec<String>,
+    /// Requests read in their stored dtype into a staging buffer (in `datas` past the tree's
+    /// buffers), converted into their own buffer once the bytes are in.
+    casts: Vec<PendingCast>,
+}
+
+/// A request loaded through a staging buffer in the stored dtype (`LoadOptions::cast_dtypes`).
+struct PendingCast {
+    key: String,
+    staging: usize,
+    target: usize,
+    stored: DType,
+    wanted: DType,
 }
 
 /// The local part of a load: factories, key checks (with the strict-mode all-gather, after
@@ -456,7 +481,32 @@ fn prepare<'a>(
 
     let mut segs = Vec::new();
     let mut zero_fill = Vec::new();
-    for r in &requests {
+    let mut casts = Vec::new();
+    for r in &mut requests {
+        let stored =
+            index.tensors.binary_search_by(|t| t.key.as_str().cmp(&r.key)).ok().map(|i| index.tensors[i].dtype);
+        if let Some(stored) = stored.filter(|d| opts.cast_dtypes && *d != r.dtype) {
+            let target_bytes = match deferred.iter().find(|d| d.0 == r.target) {
+                Some(d) => d.1,
+                None => datas[r.target].len() as u64,
+            };
+            let nbytes = (target_bytes / r.dtype.size() as u64)
+                .checked_mul(stored.size() as u64)
+                .ok_or_else(|| Error::invalid(format!("{:?}: staging size overflows", r.key)))?;
+            let buf = crate::io::staging::zeroed(nbytes).ok_or_else(|| {
+                Error::invalid(format!("{:?}: cannot allocate {nbytes} bytes to stage a {stored} tensor", r.key))
+            })?;
+            datas.push(TensorData::Owned(buf));
+            casts.push(PendingCast {
+                key: r.key.clone(),
+                staging: datas.len() - 1,
+                target: r.target,
+                stored,
+                wanted: r.dtype,
+            });
+            r.dtype = stored;
+            r.target = datas.len() - 1;
+        }
         let p = plan_request(index, r)?;
         if p.zero_fill {
             zero_fill.push(r.target);
@@ -473,7 +523,7 @@ fn prepare<'a>(
     for t in zero_fill {
         datas[t].bytes_mut().unwrap_or_default().fill(0);
     }
-    Ok(Prepared { tree, datas, applied, segs, objects_wanted, unexpected_keys, missing })
+    Ok(Prepared { tree, datas, applied, segs, objects_wanted, unexpected_keys, missing, casts })
 }
 
 /// The writable buffers of `datas`, indexed like them (`prepare` refused read-only ones).
