@@ -141,6 +141,8 @@ def determine_main_replica_uniform_distribution(
     with it, every shard a rank of the group needs (load), those with a main replica elsewhere last.
     """
     dist = _torch().distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
     if parallelization_group is None:
         parallelization_group = dist.group.WORLD
     size, _ = _group_size_rank(parallelization_group)

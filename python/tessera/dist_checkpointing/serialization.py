@@ -798,6 +798,8 @@ def _megatron_common_pt(checkpoint_dir: Any) -> Optional[Any]:
 def load_sharded_objects(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any) -> Dict[str, Any]:
     """Replaces every ShardedObject of ``sharded_state_dict`` by its loaded value (in place)."""
     objects = [(path, leaf) for path, leaf in _leaves(sharded_state_dict) if isinstance(leaf, ShardedObject)]
+    if not objects:
+        return sharded_state_dict
     datas = _native.load_objects(
         [(o.key, tuple(o.global_shape), tuple(o.global_offset)) for _, o in objects], str(checkpoint_dir)
     )

@@ -77,7 +77,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     version = 1
 
     def load_common(self, checkpoint_dir: Any) -> StateDict:
-        return _serialization().load_common_state_dict(checkpoint_dir)
+        return _serialization()._native_common_state_dict(checkpoint_dir)
 
     def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
         return _serialization().load_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
