@@ -99,18 +99,23 @@ def verify_checkpoint_and_load_strategy(
     does not exist or is not a distributed checkpoint."""
     from .strategies.base import StrategyAction, get_default_strategy
 
+    # NotFoundError is the core's "nothing there" error and a CheckpointingException, so both
+    # tessera's callers (catching NotFoundError) and Megatron's (CheckpointingException) see it.
+    from tessera.errors import NotFoundError
+
     try:
         config = maybe_load_config(checkpoint_dir)
     except FileNotFoundError as e:
-        raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist") from e
+        raise NotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist") from e
     if config is None:
-        from .core import local_dir
         import os
+
+        from .core import local_dir
 
         path = local_dir(checkpoint_dir)
         if path is not None and not os.path.isdir(path):
-            raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
-        raise CheckpointingException(f"{checkpoint_dir} is not a distributed checkpoint")
+            raise NotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
+        raise NotFoundError(f"{checkpoint_dir} is not a distributed checkpoint")
 
     def default(action: Any, backend: str, version: int) -> Any:
         try:
