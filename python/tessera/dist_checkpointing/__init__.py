@@ -8,7 +8,7 @@ The mapping, dict and strategy modules are pure Python; the entry points of ``se
 need the native extension and are exported only when it is available.
 """
 
-from . import core, dict_utils, dtypes, mapping, optimizer, strategies, utils
+from . import core, dict_utils, dtypes, mapping, optimizer, strategies, utils, validation
 from .core import (
     CheckpointingConfig,
     CheckpointingException,
@@ -57,6 +57,7 @@ from .optimizer import (
     make_sharded_optimizer_tensor,
     optim_state_to_sharding_state,
 )
+from .validation import StrictHandling, parse_strict_flag
 from .strategies import (
     AsyncSaveShardedStrategy,
     FullyParallelLoadStrategyWrapper,
@@ -85,8 +86,9 @@ from .utils import (
 
 try:
     # save/load and friends: they drive tessera._native, which may not be built.
-    from . import async_utils, serialization
-    from .async_utils import AsyncCallsQueue, AsyncRequest, AsyncSaver
+    from . import async_utils, exchange_utils, serialization, state_dict_utils, tensor_aware_state_dict
+    from .strategies import async_utils as _strategies_async_utils  # noqa: F401
+    from .strategies.async_utils import AsyncCallsQueue, AsyncRequest, AsyncSaver
     from .serialization import *  # noqa: F401,F403
 except ImportError:
     # Left unset so that `from tessera.dist_checkpointing import serialization` retries the

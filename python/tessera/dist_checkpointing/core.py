@@ -21,6 +21,8 @@ __all__ = [
     "CheckpointingConfig",
     "maybe_load_config",
     "check_is_distributed_checkpoint",
+    "save_config",
+    "CONFIG_FNAME",
 ]
 
 try:
@@ -81,6 +83,8 @@ def _detect(checkpoint_dir: PathLike) -> Optional[Tuple[str, int]]:
 MEGATRON_BACKENDS = ("torch_dist", "zarr")
 DCP_BACKENDS = ("torch_dcp", "olmo_core")
 MEGATRON_CONFIG_FNAME = "metadata.json"
+#: Megatron's name for it.
+CONFIG_FNAME = MEGATRON_CONFIG_FNAME
 
 
 def local_dir(checkpoint_dir: PathLike) -> Optional[str]:
@@ -112,7 +116,9 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
     checkpoint that tessera recognises."""
     detected = _detect(checkpoint_dir)
     if detected is None:
-        return None
+        # Not a format the core detects: a checkpoint written by a caller's own strategy still
+        # describes itself in metadata.json, as Megatron's do.
+        return _megatron_config(checkpoint_dir)
     backend, version = detected
     if backend in MEGATRON_BACKENDS:
         config = _megatron_config(checkpoint_dir)
@@ -140,3 +146,15 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
 def check_is_distributed_checkpoint(checkpoint_dir: PathLike) -> bool:
     """True if ``checkpoint_dir`` holds a committed distributed checkpoint."""
     return maybe_load_config(checkpoint_dir) is not None
+
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: PathLike) -> None:
+    """Writes ``config`` to ``<checkpoint_dir>/metadata.json`` (Megatron's description of a
+    checkpoint). tessera's own saves never need it (the committed index describes the
+    checkpoint, and the core writes ``metadata.json`` of ``torch_dist``); it is written for
+    checkpoints whose sharded part a caller's own strategy wrote."""
+    from dataclasses import asdict
+
+    path = os.path.join(os.fspath(checkpoint_dir), CONFIG_FNAME)
+    with open(path, "w") as f:
+        json.dump(asdict(config), f)

@@ -25,6 +25,7 @@ from .mapping import (
 from .utils import extract_sharded_tensors_and_factories
 
 __all__ = [
+    "KEEP_VARS_HINT",
     "get_optim_param_to_id_map",
     "get_param_id_to_sharded_param_map",
     "make_sharded_optimizer_tensor",
@@ -32,6 +33,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Appended by Megatron-Core (``megatron.core.optimizer``) to errors about parameters it cannot map.
+KEEP_VARS_HINT = (
+    " Make sure state dict contains original torch.nn.Parameters (not pure torch.Tensors)"
+    " by passing `keep_vars=True` to `.state_dict()`. If any transformation of the original"
+    " parameter is needed, use a ShardedTensorFactory."
+)
 
 ShardedParam = Union[ShardedTensor, ShardedTensorFactory]
 

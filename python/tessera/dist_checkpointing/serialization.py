@@ -20,15 +20,16 @@ from __future__ import annotations
 import argparse
 import io
 import os
-from enum import Enum
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .. import _native
 from .._comm import default_comm
 from ..errors import TesseraError
-from .core import MEGATRON_BACKENDS, local_dir
+from .core import MEGATRON_BACKENDS, CheckpointingConfig, CheckpointingException, local_dir, save_config
 from .dict_utils import extract_matching_values
-from .strategies import TESSERA_BACKEND, TESSERA_BACKEND_VERSION
+from .strategies.base import AsyncSaveShardedStrategy, SaveShardedStrategy, StrategyAction, get_default_strategy
+from .strategies.tessera import TESSERA_BACKEND, TESSERA_BACKEND_VERSION
+from .validation import StrictHandling, parse_strict_flag, validate_sharding_integrity, verify_checkpoint_and_load_strategy
 from .mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -47,9 +48,22 @@ __all__ = [
     "load_common_state_dict",
     "load_sharded_objects",
     "load_content_metadata",
+    "load_sharded_metadata",
     "remove_sharded_tensors",
     "validate_sharding_integrity",
+    "get_default_save_sharded_strategy",
+    "get_default_save_common_strategy",
+    "get_default_load_sharded_strategy",
+    "CkptShardedMetadata",
+    "TorchDistWriterUnavailableError",
 ]
+
+CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]
+_CONTENT_METADATA_KEY = "content_metadata"
+
+
+class TorchDistWriterUnavailableError(CheckpointingException):
+    """Writing ``torch_dist`` was asked for and this build's core has no torch_dist writer."""
 
 _TORCH_SAVE_KEY = "__tessera_torch_save__"
 # Object shards are opaque bytes to tessera; this prefix says how the Python layer encoded them.
@@ -59,41 +73,6 @@ _TORCH_OBJECT = b"TPT1"
 # payload is those bytes, the object is the list's only element.
 _TORCH_LIST_OBJECT = b"TPL1"
 _COMMON_STATE_FNAME = "common.pt"
-
-
-class StrictHandling(Enum):
-    """What load does about keys that differ between the request and the checkpoint."""
-
-    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
-    LOG_UNEXPECTED = "log_unexpected"
-    LOG_ALL = "log_all"
-    RAISE_UNEXPECTED = "raise_unexpected"
-    RAISE_ALL = "raise_all"
-    RETURN_UNEXPECTED = "return_unexpected"
-    RETURN_ALL = "return_all"
-    IGNORE_ALL = "ignore_all"
-
-    @staticmethod
-    def requires_explicit_ckpt_mismatch_check(val: "StrictHandling") -> bool:
-        return val != StrictHandling.ASSUME_OK_UNEXPECTED
-
-    @staticmethod
-    def requires_global_app_metadata(val: "StrictHandling") -> bool:
-        return val in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
-
-    @staticmethod
-    def requires_returning_mismatch_keys(val: "StrictHandling") -> bool:
-        return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
-
-
-def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
-    """Accepts a StrictHandling or its value (``"raise_all"``)."""
-    if isinstance(strict, StrictHandling):
-        return strict
-    try:
-        return StrictHandling(strict)
-    except ValueError as e:
-        raise ValueError(f"unknown strict handling {strict!r}") from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +311,7 @@ def save(
     common_strategy: Any = None,
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
     content_metadata: Optional[dict] = None,
     *,
     overwrite: bool = False,
@@ -340,24 +320,60 @@ def save(
 ) -> Any:
     """Saves a sharded state dict; every rank of the process group calls it.
 
-    ``sharded_strategy`` / ``common_strategy`` may be None, a strategy object or a
-    ``(backend, version)`` tuple; only the native backend ("tessera", 2) writes.
+    ``sharded_strategy`` may be None (tessera's native format), a ``(backend, version)`` tuple
+    (the registered default, e.g. ``("torch_dist", 1)``) or a strategy object, which is the one
+    used. tessera's own strategies (and ``torch_dist``) are run by the native engine: tensors,
+    objects and common state in one commit. Any other strategy is called as Megatron calls it:
+    the common state goes to ``common.pt`` (``common_strategy``, default ``("torch", 1)``), then
+    ``strategy.save`` / ``strategy.async_save`` gets the sharded part, then ``metadata.json``.
 
-    ``async_sharded_save=True`` returns an :class:`~.async_utils.AsyncRequest` as soon as this
-    rank's bytes are staged (the tensors may then change); schedule it on an
-    :class:`~.async_utils.AsyncCallsQueue` or call its ``finalize()``. Staging goes through
-    ``async_saver`` (default: one :class:`~.async_utils.AsyncSaver` per process group, created
-    collectively on first use); a save still in flight is waited for first.
+    ``preprocess_common_before_consistancy_check`` maps the common state before it is compared
+    with rank 0's (only with ``validate_access_integrity``); differences are logged, as Megatron
+    does. ``content_metadata`` is saved with the common state (key ``"content_metadata"``).
+
+    ``async_sharded_save=True`` returns an :class:`~.strategies.async_utils.AsyncRequest` as soon
+    as this rank's bytes are staged (the tensors may then change); schedule it on an
+    :class:`~.strategies.async_utils.AsyncCallsQueue` or call its ``finalize()``. Staging goes
+    through ``async_saver`` (default: one saver per live process group, created collectively on
+    first use); a save still in flight is waited for first.
     """
-    _check_save_strategy(sharded_strategy)
-    _check_save_strategy(common_strategy)
+    strategy = _resolve_save_strategy(sharded_strategy)
+    writer = getattr(strategy, "native_writer", None)
+    if not writer:
+        return _save_with_strategy(
+            strategy,
+            sharded_state_dict,
+            checkpoint_dir,
+            common_strategy,
+            validate_access_integrity,
+            async_sharded_save,
+            preprocess_common_before_consistancy_check,
+            content_metadata,
+        )
+    _check_common_strategy(common_strategy)
+    if content_metadata is not None:
+        sharded_state_dict[_CONTENT_METADATA_KEY] = content_metadata
     apply_factories(sharded_state_dict)
     tensors, objects, common = _split(sharded_state_dict)
+    if validate_access_integrity:
+        from .validation import _validate_common_state_dict
+
+        common_state = {}
+        for path, value in common:
+            _set_path(common_state, path, value)
+        if preprocess_common_before_consistancy_check is not None:
+            common_state = preprocess_common_before_consistancy_check(common_state)
+        _validate_common_state_dict(common_state)
     comm = default_comm(process_group)
     rank = comm.rank() if comm is not None else 0
+    if writer == "torch_dist":
+        return _save_torch_dist_request(
+            tensors, objects, common, str(checkpoint_dir), comm, rank, async_sharded_save,
+            overwrite=overwrite, validate=validate_access_integrity,
+        )
     saver = None
     if async_sharded_save:
-        from .async_utils import default_saver
+        from .strategies.async_utils import default_saver
 
         if async_saver is not None:
             saver = async_saver
@@ -380,13 +396,15 @@ def save(
         validate=validate_access_integrity,
         content_metadata=_to_plain(content_metadata) if content_metadata is not None else None,
     )
-    plan_cache = getattr(sharded_strategy, "plan_cache", None)
+    plan_cache = getattr(strategy, "plan_cache", None)
+    if plan_cache is None:
+        plan_cache = getattr(getattr(strategy, "base_strategy", None), "plan_cache", None)
     if plan_cache is not None:
         kwargs["plan_cache"] = plan_cache
     if saver is None:
         _native.save(*args, **kwargs)
         return None
-    from .async_utils import AsyncRequest
+    from .strategies.async_utils import AsyncRequest
 
     try:
         handle = saver.start(*args, **kwargs)
@@ -397,16 +415,151 @@ def save(
     return AsyncRequest(handle)
 
 
-def _check_save_strategy(strategy: Any) -> None:
-    if strategy is None:
+def _resolve_save_strategy(sharded_strategy: Any) -> Any:
+    if sharded_strategy is None:
+        return get_default_save_sharded_strategy()
+    if isinstance(sharded_strategy, tuple):
+        return get_default_strategy(StrategyAction.SAVE_SHARDED, *sharded_strategy)
+    return sharded_strategy
+
+
+def _check_common_strategy(common_strategy: Any) -> None:
+    """The native engine commits the common state itself; a common strategy other than
+    tessera's or Megatron's ``torch`` one cannot be honoured there."""
+    if common_strategy is None:
         return
-    backend = strategy[0] if isinstance(strategy, tuple) else getattr(strategy, "backend", TESSERA_BACKEND)
-    version = strategy[1] if isinstance(strategy, tuple) else getattr(strategy, "version", TESSERA_BACKEND_VERSION)
-    if (backend, version) != (TESSERA_BACKEND, TESSERA_BACKEND_VERSION):
-        raise TesseraError(
-            f"no save strategy for backend {backend!r} version {version}; "
-            f"tessera writes ({TESSERA_BACKEND!r}, {TESSERA_BACKEND_VERSION})"
+    backend = common_strategy[0] if isinstance(common_strategy, tuple) else getattr(common_strategy, "backend", None)
+    if backend not in (TESSERA_BACKEND, "torch"):
+        raise CheckpointingException(
+            f"common strategy {common_strategy} cannot be used with a native save; tessera commits the "
+            "common state with the shards"
         )
+
+
+def _save_with_strategy(
+    strategy: Any,
+    sharded_state_dict: Dict[str, Any],
+    checkpoint_dir: Any,
+    common_strategy: Any,
+    validate_access_integrity: bool,
+    async_sharded_save: bool,
+    preprocess_common_before_consistancy_check: Any,
+    content_metadata: Optional[dict],
+) -> Any:
+    """Megatron's save protocol around a caller's own strategy (one the core does not run)."""
+    from .state_dict_utils import save_preprocess
+    from .validation import validate_sharded_objects_handling
+
+    if common_strategy is None:
+        common_strategy = get_default_save_common_strategy()
+    elif isinstance(common_strategy, tuple):
+        common_strategy = get_default_strategy(StrategyAction.SAVE_COMMON, *common_strategy)
+    if content_metadata is not None:
+        sharded_state_dict[_CONTENT_METADATA_KEY] = content_metadata
+    sharded_part, common_state = save_preprocess(
+        sharded_state_dict, validate_access_integrity, preprocess_common_before_consistancy_check
+    )
+    common_strategy.save_common(common_state, checkpoint_dir)
+    if not strategy.can_handle_sharded_objects:
+        validate_sharded_objects_handling(strategy, common_strategy)
+        objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+        common_strategy.save_sharded_objects(objects, checkpoint_dir)
+
+    def metadata_finalize_fn() -> None:
+        comm = default_comm(None)
+        if comm is None or comm.rank() == 0:
+            save_config(CheckpointingConfig(strategy.backend, strategy.version, "torch", 1), checkpoint_dir)
+        _barrier()
+
+    if not async_sharded_save:
+        strategy.save(sharded_part, checkpoint_dir)
+        metadata_finalize_fn()
+        return None
+    if not isinstance(strategy, AsyncSaveShardedStrategy):
+        raise CheckpointingException(f"Cannot apply async_save to non-async strategy {strategy}")
+    request = strategy.async_save(sharded_part, checkpoint_dir)
+    request.finalize_fns.append(metadata_finalize_fn)
+    return request
+
+
+def _barrier() -> None:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class _DoneSave:
+    """The handle of a save that already committed (``AsyncRequest`` of a synchronous write)."""
+
+    def __init__(self, report: Any) -> None:
+        self._report = report
+
+    def is_done(self) -> bool:
+        return True
+
+    def finalize(self) -> Any:
+        return self._report
+
+
+def _save_torch_dist_request(
+    tensors: list, objects: list, common: list, location: str, comm: Any, rank: int, async_save: bool, **kwargs: Any
+) -> Any:
+    """Builds the descriptors of ``_native.save`` and ``common.pt`` and writes torch_dist."""
+    keep_alive: List[Any] = []
+    native_tensors = [_save_tuple(sh, keep_alive) for _, sh in tensors]
+    native_objects = [
+        (o.key, _encode_object(o.data), tuple(o.global_shape), tuple(o.global_offset), _replica_tuple(o.replica_id))
+        for _, o in objects
+    ]
+    common_pt = b""
+    if rank == 0:
+        state: Dict[str, Any] = {}
+        for path, value in common:
+            _set_path(state, path, value)
+        common_pt = _torch_save_bytes(state)
+    report = _save_torch_dist(native_tensors, native_objects, common_pt, location, comm, **kwargs)
+    del keep_alive
+    if not async_save:
+        return None
+    from .strategies.async_utils import AsyncRequest
+
+    # The core's torch_dist writer is synchronous: the request is already complete.
+    return AsyncRequest(_DoneSave(report))
+
+
+def _save_torch_dist(
+    tensors: Sequence[tuple], objects: Sequence[tuple], common_pt: bytes, location: str, comm: Any, **kwargs: Any
+) -> Any:
+    """THE place where a ``torch_dist`` checkpoint is written: by the core's writer
+    ``tessera._native.save_torch_dist(tensors, objects, common_pt, location, comm, **kwargs)``,
+    which takes the tensor and object descriptors of ``_native.save`` and the bytes of
+    ``common.pt`` (``torch.save`` of the common state; rank 0's, empty on the other ranks)."""
+    writer = getattr(_native, "save_torch_dist", None)
+    if writer is None:
+        raise TorchDistWriterUnavailableError(
+            "writing torch_dist needs tessera._native.save_torch_dist, which this build of tessera's core "
+            "does not have; save with the default strategy (tessera's native format) instead"
+        )
+    return writer(tensors, objects, common_pt, location, comm, **kwargs)
+
+
+def get_default_save_sharded_strategy(backend: str = TESSERA_BACKEND, version: int = TESSERA_BACKEND_VERSION) -> Any:
+    """The registered save strategy of ``(backend, version)``; tessera's native format by
+    default (Megatron's default is ``("torch_dist", 1)``: ask for it by name)."""
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+
+
+def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -> Any:
+    """The registered common save strategy (used only around a caller's own sharded strategy)."""
+    return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: Any) -> Any:
+    """The default load strategy for the checkpoint at ``checkpoint_dir`` (by its backend)."""
+    return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
 
 
 def _load_target(sh: ShardedTensor, taken: Set[int]) -> Tuple[Any, Any]:
@@ -463,6 +616,11 @@ def load(
     ``(state_dict, missing_keys, unexpected_keys)``.
     """
     strict = parse_strict_flag(strict)
+    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
+        checkpoint_dir, sharded_strategy, common_strategy
+    )
+    if not getattr(sharded_strategy, "native_reader", False):
+        return _load_with_strategy(sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, strict)
     if getattr(sharded_strategy, "exchange_reads", False):
         exchange_reads = True
         process_group = getattr(sharded_strategy, "parallelization_group", None) or process_group
@@ -523,8 +681,42 @@ def _torch() -> Any:
     return torch
 
 
+def _load_with_strategy(
+    sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, sharded_strategy: Any, common_strategy: Any, strict: StrictHandling
+) -> Any:
+    """Megatron's load protocol around a caller's own strategy (one the core does not run):
+    common state first, then ``strategy.load`` of the sharded part, factories merged. The keys
+    are not compared with the checkpoint here (the strategy reads its own format), so
+    ``RETURN_*`` strictness returns empty sets."""
+    from .dict_utils import merge
+    from .state_dict_utils import load_preprocess
+    from .utils import extract_sharded_base
+    from .validation import validate_sharded_objects_handling
+
+    state = common_strategy.load_common(checkpoint_dir)
+    sharded_state_dict, nonpersistent, factories = load_preprocess(sharded_state_dict)
+    merge(state, nonpersistent)
+    sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
+    if not sharded_strategy.can_handle_sharded_objects:
+        validate_sharded_objects_handling(sharded_strategy, common_strategy)
+        objects, sharded_state_dict = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedObject))
+        merge(state, common_strategy.load_sharded_objects(objects, checkpoint_dir))
+    merge(state, sharded_strategy.load(sharded_state_dict, checkpoint_dir))
+    state = apply_factory_merges(state, factories)
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return state, set(), set()
+    return state
+
+
 def load_tensors_metadata(checkpoint_dir: Any, sharded_strategy: Any = None) -> Dict[str, ShardedTensor]:
-    """Key → ShardedTensor without data or sharding (dtype and global shape only)."""
+    """Key -> ShardedTensor without data or sharding (dtype and global shape only)."""
+    sharded_strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
+    if getattr(sharded_strategy, "native_reader", False):
+        return _native_tensors_metadata(checkpoint_dir)
+    return sharded_strategy.load_tensors_metadata(checkpoint_dir)
+
+
+def _native_tensors_metadata(checkpoint_dir: Any) -> Dict[str, ShardedTensor]:
     from .mapping import tessera_dtype_to_torch
 
     out = {}
@@ -542,16 +734,45 @@ def load_tensors_metadata(checkpoint_dir: Any, sharded_strategy: Any = None) -> 
     return out
 
 
+def _native_sharded_metadata(checkpoint_dir: Any) -> CkptShardedMetadata:
+    """Tensors of the checkpoint without data; the core's index does not describe object shards
+    beyond their keys, so objects are loaded through a sharded state dict that names them."""
+    return _native_tensors_metadata(checkpoint_dir)
+
+
+def load_sharded_metadata(
+    checkpoint_dir: Any, sharded_strategy: Any = None, common_strategy: Any = None
+) -> CkptShardedMetadata:
+    """Like :func:`load_tensors_metadata`, with ShardedObjects where the strategy lists them."""
+    from .dict_utils import merge
+    from .validation import validate_sharded_objects_handling
+
+    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
+        checkpoint_dir, sharded_strategy, common_strategy
+    )
+    metadata = sharded_strategy.load_sharded_metadata(checkpoint_dir)
+    if not sharded_strategy.can_handle_sharded_objects:
+        validate_sharded_objects_handling(sharded_strategy, common_strategy)
+        metadata = merge(metadata, common_strategy.load_sharded_metadata(checkpoint_dir))
+    return metadata
+
+
 def load_plain_tensors(checkpoint_dir: Any) -> Dict[str, Any]:
     """Every tensor, whole (not the common state)."""
     metadata = load_tensors_metadata(checkpoint_dir)
-    state = load(dict(metadata), checkpoint_dir)
+    state = load(dict(metadata), checkpoint_dir, validate_access_integrity=False)
     return {key: state[key] for key in metadata}
 
 
 def load_common_state_dict(checkpoint_dir: Any) -> Dict[str, Any]:
     """The common (non-sharded) state. For a Megatron ``torch_dist`` / ``zarr`` checkpoint with
     ``common.pt``, what ``torch.load`` of that file gives (as Megatron loads it)."""
+    _, common_strategy = verify_checkpoint_and_load_strategy(os.fspath(checkpoint_dir))
+    return common_strategy.load_common(checkpoint_dir)
+
+
+def _native_common_state_dict(checkpoint_dir: Any) -> Dict[str, Any]:
+    """The common state as the core reads it (``common.pt`` of a Megatron checkpoint)."""
     state = _megatron_common_pt(checkpoint_dir)
     if state is not None:
         return state
@@ -566,15 +787,15 @@ def _common_from_native(pairs: Iterable[Tuple[Any, Any]]) -> Dict[str, Any]:
 
 
 def _megatron_common_pt(checkpoint_dir: Any) -> Optional[Any]:
-    """``torch.load`` of a Megatron checkpoint's ``common.pt`` (None if not Megatron or there
-    is no such local file: then the common state comes from the native reader)."""
+    """``torch.load`` of the checkpoint's ``common.pt`` when it is not one the core keeps its
+    common state in (a Megatron checkpoint, or one a caller's own strategy wrote); None otherwise."""
     if local_dir(checkpoint_dir) is None:
         return None
     try:
         detected = _native.detect(str(checkpoint_dir))
     except FileNotFoundError:
         return None
-    if detected is None or detected[0] not in MEGATRON_BACKENDS:
+    if detected is not None and detected[0] not in MEGATRON_BACKENDS:
         return None
     # Read by the core, as every checkpoint file is: never through a link out of the directory.
     data = _native.read_file(os.fspath(checkpoint_dir), _COMMON_STATE_FNAME)
@@ -584,6 +805,8 @@ def _megatron_common_pt(checkpoint_dir: Any) -> Optional[Any]:
 def load_sharded_objects(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any) -> Dict[str, Any]:
     """Replaces every ShardedObject of ``sharded_state_dict`` by its loaded value (in place)."""
     objects = [(path, leaf) for path, leaf in _leaves(sharded_state_dict) if isinstance(leaf, ShardedObject)]
+    if not objects:
+        return sharded_state_dict
     datas = _native.load_objects(
         [(o.key, tuple(o.global_shape), tuple(o.global_offset)) for _, o in objects], str(checkpoint_dir)
     )
@@ -592,26 +815,24 @@ def load_sharded_objects(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any
     return sharded_state_dict
 
 
-def load_content_metadata(checkpoint_dir: Any, *, preloaded_state_dict: Any = None) -> Optional[dict]:
-    """The ``content_metadata`` given at save (None if none)."""
-    return _from_plain(_native.load_content_metadata(str(checkpoint_dir)))
+def load_content_metadata(checkpoint_dir: Optional[Any] = None, *, preloaded_state_dict: Any = None) -> Optional[dict]:
+    """The ``content_metadata`` given at save (None if none): from ``preloaded_state_dict`` (a
+    state dict ``load`` returned) when given, else read from ``checkpoint_dir``."""
+    if preloaded_state_dict is not None:
+        return preloaded_state_dict.get(_CONTENT_METADATA_KEY)
+    if checkpoint_dir is None:
+        raise ValueError("Both checkpoint_dir and loaded_state_dict cannot be None")
+    try:
+        return _from_plain(_native.load_content_metadata(str(checkpoint_dir)))
+    except CheckpointingException:
+        return load_common_state_dict(checkpoint_dir).get(_CONTENT_METADATA_KEY)
 
 
-def remove_sharded_tensors(checkpoint_dir: Any, key_prefix: str) -> List[str]:
-    """Drops every tensor whose key starts with ``key_prefix`` from the checkpoint's index."""
+def remove_sharded_tensors(checkpoint_dir: Any, key_prefix: str) -> Any:
+    """Drops every tensor whose key starts with ``key_prefix`` (through the checkpoint's strategy)."""
+    sharded_strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    return sharded_strategy.remove_sharded_tensors(checkpoint_dir, key_prefix)
+
+
+def _native_remove_sharded_tensors(checkpoint_dir: Any, key_prefix: str) -> List[str]:
     return _native.remove_sharded_tensors(str(checkpoint_dir), key_prefix)
-
-
-def validate_sharding_integrity(sharded_tensors: Iterable[Any], process_group: Any = None) -> None:
-    """Collective check that the ranks' ShardedTensors/ShardedObjects tile every global tensor
-    exactly; raises InvalidShardingError (a CheckpointingException) on every rank otherwise."""
-    keep_alive: List[Any] = []
-    tensors, objects = [], []
-    for sh in sharded_tensors:
-        if isinstance(sh, ShardedTensor):
-            t = _save_tuple(sh, keep_alive)
-            tensors.append(t[:9] + (0, 0))
-        elif isinstance(sh, ShardedObject):
-            objects.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset), _replica_tuple(sh.replica_id)))
-    _native.validate_sharding(tensors, objects, default_comm(process_group))
-

@@ -3,7 +3,10 @@ keys of their sharded leaves (Megatron-Core's ``utils`` module)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+import logging
+import time
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .core import CheckpointingValueError
 from .dict_utils import dict_list_map_inplace, extract_matching_values
@@ -26,6 +29,11 @@ __all__ = [
     "add_prefix_for_sharding",
     "replace_prefix_for_sharding",
     "apply_prefix_mapping",
+    "zip_strict",
+    "force_all_tensors_to_non_fp8",
+    "logger_stack",
+    "debug_time",
+    "debug_msg",
 ]
 
 # Each extractor returns (matching, rest), both keeping the original hierarchy.
@@ -112,3 +120,99 @@ def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: Dict[
         return x
 
     dict_list_map_inplace(replace_prefix, sharded_state_dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Core's shard ids and small helpers (``megatron.core.dist_checkpointing.utils``)
+
+_ShardId = Tuple[str, tuple, Optional[tuple]]
+
+
+def zip_strict(*args: Any) -> Any:
+    """``zip`` that raises ValueError when the iterables' lengths differ."""
+    lists = [list(a) for a in args]
+    lengths = {len(x) for x in lists}
+    if len(lengths) > 1:
+        raise ValueError(f"zip_strict: iterables of different lengths {sorted(len(x) for x in lists)}")
+    return zip(*lists)
+
+
+def _sharded_tensor_shard_id(sharded_tensor: Any) -> _ShardId:
+    """The id of a tensor shard's data, the same on every rank holding a replica of it."""
+    f_range = sharded_tensor.flattened_range
+    return (
+        sharded_tensor.key,
+        tuple(sharded_tensor.global_offset),
+        None if f_range is None else (f_range.start, f_range.stop),
+    )
+
+
+def _sharded_object_id(sharded_object: Any) -> _ShardId:
+    """The id of an object shard, the same on every rank holding a replica of it."""
+    return (sharded_object.key, tuple(sharded_object.global_offset), tuple(sharded_object.global_shape))
+
+
+def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
+    """Megatron dequantizes FP8 (TransformerEngine) tensors before loading; tensors that know
+    how (``dequantize``/``from_float8``) are replaced by their high-precision value."""
+
+    def to_non_fp8(x: Any) -> Any:
+        data = getattr(x, "data", None)
+        if data is not None and type(data).__name__ == "Float8Tensor":
+            x.data = data.dequantize() if hasattr(data, "dequantize") else data.from_float8()
+        return x
+
+    from .dict_utils import dict_list_map_inplace
+
+    dict_list_map_inplace(to_non_fp8, sharded_state_dict)
+
+
+_LOGGER_NAMES: List[str] = []
+_LOGGERS: List[logging.Logger] = []
+
+
+@contextmanager
+def logger_stack(name: Optional[str] = None, current_logger: Optional[logging.Logger] = None) -> Iterator[Any]:
+    """Nests ``name`` under the names of the enclosing stacks: yields (``"a.b.name"``, logger)."""
+    if name:
+        _LOGGER_NAMES.append(name)
+    if current_logger:
+        _LOGGERS.append(current_logger)
+    try:
+        yield ".".join(_LOGGER_NAMES), (_LOGGERS[-1] if _LOGGERS else logging.getLogger(__name__))
+    finally:
+        if name:
+            _LOGGER_NAMES.pop()
+        if current_logger:
+            _LOGGERS.pop()
+
+
+@contextmanager
+def debug_time(
+    name: str, logger: Optional[logging.Logger] = None, threshold: float = float("-inf"), level: Optional[int] = None
+) -> Iterator[None]:
+    """Logs how long the block took (DEBUG; WARNING when a ``threshold`` in seconds is passed)."""
+    with logger_stack(name, logger) as (stacked_name, last_logger):
+        start = time.time()
+        try:
+            yield
+        finally:
+            took = time.time() - start
+            if took >= threshold:
+                lvl = level if level is not None else (logging.DEBUG if threshold == float("-inf") else logging.WARNING)
+                last_logger.log(lvl, f"{stacked_name} took {took:.4f}s")
+
+
+def debug_msg(msg: str) -> None:
+    """Logs ``msg`` at DEBUG under the current logger stack's name."""
+    with logger_stack(None, None) as (stacked_name, last_logger):
+        last_logger.debug(f"{stacked_name} {msg}")
+
+
+def _clean_metadata_for_serialization(metadata: Optional[dict]) -> Optional[dict]:
+    """A copy of ``metadata`` without what cannot be saved (the ``dp_cp_group`` process group)."""
+    if metadata is None:
+        return None
+    clean = metadata.copy()
+    clean.pop("dp_cp_group", None)
+    return clean

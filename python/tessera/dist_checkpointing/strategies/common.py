@@ -1,0 +1,104 @@
+"""Common (non-sharded) state in megatron's ``torch`` common backend (megatron-core's
+``strategies.common``).
+
+tessera's native checkpoints keep the common state in their own index (``strategies.tessera``).
+These strategies serve the others: a Megatron checkpoint's ``common.pt`` is read through the
+core (``tessera._native.read_file``) and unpickled with ``torch.load(weights_only=True)``, as
+Megatron loads it; and when a caller saves with a sharded strategy of their own (not one the
+native engine runs), the common state goes to ``common.pt`` as Megatron writes it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Union
+
+from ..mapping import ShardedStateDict, StateDict
+from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
+
+__all__ = [
+    "COMMON_STATE_FNAME",
+    "TorchCommonSaveStrategy",
+    "TorchCommonLoadStrategy",
+    "register_default_common_strategies",
+]
+
+COMMON_STATE_FNAME = "common.pt"
+
+
+def _serialization() -> Any:
+    from .. import serialization
+
+    return serialization
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class TorchCommonSaveStrategy(SaveCommonStrategy):
+    """Writes the common state to ``<checkpoint_dir>/common.pt`` (``torch.save``, rank 0), for
+    checkpoints whose sharded part a caller's own strategy writes."""
+
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, "os.PathLike[str]"]) -> None:
+        if _rank() == 0:
+            import torch
+
+            os.makedirs(checkpoint_dir, exist_ok=True)
+            torch.save(common_state_dict, os.path.join(os.fspath(checkpoint_dir), COMMON_STATE_FNAME))
+
+    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> None:
+        """Each main-replica object to ``<checkpoint_dir>/<unique_key>.pt``, as Megatron does."""
+        import torch
+
+        from ..dict_utils import nested_values
+        from ..mapping import is_main_replica
+
+        for obj in nested_values(sharded_objects_state_dict):
+            if is_main_replica(obj.replica_id):
+                path = os.path.join(os.fspath(checkpoint_dir), obj.unique_key + ".pt")
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(obj.data, path)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+
+class TorchCommonLoadStrategy(LoadCommonStrategy):
+    """Reads ``common.pt`` (through the core) and the checkpoint's sharded objects (through the
+    native reader, which knows every format tessera reads)."""
+
+    backend = "torch"
+    version = 1
+
+    def load_common(self, checkpoint_dir: Any) -> StateDict:
+        return _serialization()._native_common_state_dict(checkpoint_dir)
+
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        return _serialization().load_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
+
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
+        return {}
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_version: Any) -> None:
+        pass
+
+    def check_version_compatibility(self, loaded_version: Any) -> None:
+        pass
+
+
+def register_default_common_strategies() -> None:
+    """Registers the ``("torch", 1)`` common strategies."""
+    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())
+    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))
+
+

@@ -1,0 +1,174 @@
+"""tessera's native backend, ``("tessera", 2)``: the default of this package.
+
+Its strategies carry no algorithm of their own: ``serialization`` recognises them
+(``native_writer``) and runs the native engine, which saves the sharded tensors, sharded objects
+and common state in one commit and loads any layout. Calling their methods directly goes through
+the same entry points. Format version 2 is written; versions 1 and 2 are read.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Dict, Tuple
+
+from ..core import CheckpointingException
+from ..mapping import ShardedStateDict, ShardedTensor, StateDict
+from .base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+
+__all__ = [
+    "TESSERA_BACKEND",
+    "TESSERA_BACKEND_VERSION",
+    "TESSERA_READ_VERSIONS",
+    "TesseraSaveShardedStrategy",
+    "TesseraLoadShardedStrategy",
+    "TesseraLoadCommonStrategy",
+    "register_default_tessera_strategies",
+]
+
+TESSERA_BACKEND = "tessera"
+#: The format version tessera writes (``tessera._native.FORMAT_VERSION``).
+TESSERA_BACKEND_VERSION = 2
+#: The format versions tessera reads.
+TESSERA_READ_VERSIONS = (1, 2)
+
+
+def _serialization() -> ModuleType:
+    """The entry points, imported late: they need the native extension, this module does not."""
+    try:
+        from .. import serialization
+    except ImportError as e:
+        raise ImportError(
+            "running a tessera strategy needs tessera's native extension (tessera._native); build and "
+            "install the package (`pip install .` or `maturin develop`)"
+        ) from e
+    return serialization
+
+
+def _check_tessera(backend: Any, version: Any, versions: Tuple[int, ...] = (TESSERA_BACKEND_VERSION,)) -> None:
+    if backend != TESSERA_BACKEND:
+        raise CheckpointingException(f"tessera strategies read and write backend {TESSERA_BACKEND!r}, not {backend!r}")
+    if version not in versions:
+        handled = ", ".join(str(v) for v in versions)
+        raise CheckpointingException(
+            f"tessera {TESSERA_BACKEND!r} format version {version} is not supported (this version handles {handled})"
+        )
+
+
+class TesseraSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """tessera's native save: tensors, objects and common state in one commit.
+
+    ``cached_metadata=True`` (Megatron's name for it; ``--ckpt-assume-constant-structure``)
+    keeps this rank's global plan across saves made with this strategy object: a save whose
+    structure is unchanged on every rank then skips the plan exchange and validation. Every rank
+    of the group must use such a strategy, or none.
+    """
+
+    #: serialization runs the native writer for this strategy (see ``serialization.native_writer``).
+    native_writer = "tessera"
+
+    def __init__(
+        self, backend: str = TESSERA_BACKEND, version: int = TESSERA_BACKEND_VERSION, cached_metadata: bool = False
+    ) -> None:
+        _check_tessera(backend, version)
+        super().__init__(backend, version)
+        self.plan_cache = None
+        if cached_metadata:
+            from tessera import _native
+
+            self.plan_cache = _native.PlanCache()
+
+    @property
+    def use_cached_ckpt_structure(self) -> bool:
+        """Megatron's switch for reusing the global plan (``--ckpt-assume-constant-structure``)."""
+        return self.plan_cache is not None
+
+    @use_cached_ckpt_structure.setter
+    def use_cached_ckpt_structure(self, value: bool) -> None:
+        if value and self.plan_cache is None:
+            from tessera import _native
+
+            self.plan_cache = _native.PlanCache()
+        elif not value:
+            self.plan_cache = None
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        """Same as ``dist_checkpointing.save(sharded_state_dict, checkpoint_dir, self)``."""
+        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        """Same as ``dist_checkpointing.save(..., self, async_sharded_save=True)``."""
+        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self, async_sharded_save=True)
+
+
+class _TesseraReader:
+    """What both tessera load strategies share: the backend they read and its checks."""
+
+    backend = TESSERA_BACKEND
+    version = TESSERA_BACKEND_VERSION
+    #: serialization runs the native reader for this strategy.
+    native_reader = True
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        _check_tessera(loaded_backend, self.version)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        _check_tessera(self.backend, loaded_version, TESSERA_READ_VERSIONS)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+
+class TesseraLoadShardedStrategy(_TesseraReader, LoadShardedStrategy):
+    """tessera's native load, into any layout."""
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> StateDict:
+        """Same as ``dist_checkpointing.load(sharded_state_dict, checkpoint_dir, self)``."""
+        return _serialization().load(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
+
+    def load_tensors_metadata(self, checkpoint_dir: Any) -> Dict[str, ShardedTensor]:
+        return _serialization().load_tensors_metadata(checkpoint_dir, self)
+
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
+        """Tensors and objects of the checkpoint, without data (see ``serialization.load_sharded_metadata``)."""
+        return _serialization()._native_sharded_metadata(checkpoint_dir)
+
+    def remove_sharded_tensors(self, checkpoint_dir: Any, key_prefix: str) -> Any:
+        return _serialization()._native_remove_sharded_tensors(checkpoint_dir, key_prefix)
+
+
+class TesseraLoadCommonStrategy(_TesseraReader, LoadCommonStrategy):
+    """Reads the common state and sharded objects of a tessera checkpoint."""
+
+    def load_common(self, checkpoint_dir: Any) -> StateDict:
+        return _serialization()._native_common_state_dict(checkpoint_dir)
+
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        return _serialization().load_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
+
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
+        """Objects are listed with the tensors by the sharded strategy: nothing extra here."""
+        return {}
+
+
+def register_default_tessera_strategies() -> None:
+    """Registers tessera's native strategies: save ``("tessera", 2)``, load versions 1 and 2."""
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED, TESSERA_BACKEND, TESSERA_BACKEND_VERSION, TesseraSaveShardedStrategy()
+    )
+    for version in TESSERA_READ_VERSIONS:
+        register_default_strategy(StrategyAction.LOAD_SHARDED, TESSERA_BACKEND, version, TesseraLoadShardedStrategy())
+        register_default_strategy(StrategyAction.LOAD_COMMON, TESSERA_BACKEND, version, TesseraLoadCommonStrategy())
+
+
+register_default_tessera_strategies()

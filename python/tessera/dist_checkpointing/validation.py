@@ -1,0 +1,189 @@
+"""Checks around save and load (megatron-core's ``validation``).
+
+The sharding check is the core's (``tessera._native.validate_sharding``: every global tensor
+tiled exactly once by main replicas, collectively); the native load reports missing and
+unexpected keys itself. What stays here is megatron's API: the strictness flags, the choice and
+check of load strategies from a checkpoint's config, and the common-state comparison with rank
+0 that Megatron logs before a save.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+from typing import Any, Iterable, List, Optional, Tuple, Union
+
+from .core import CheckpointingException, maybe_load_config
+from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
+
+__all__ = [
+    "StrictHandling",
+    "parse_strict_flag",
+    "verify_checkpoint_and_load_strategy",
+    "validate_sharding_integrity",
+    "validate_sharded_objects_handling",
+    "determine_global_metadata",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class StrictHandling(Enum):
+    """What load does about keys that differ between the request and the checkpoint."""
+
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
+    LOG_UNEXPECTED = "log_unexpected"
+    LOG_ALL = "log_all"
+    RAISE_UNEXPECTED = "raise_unexpected"
+    RAISE_ALL = "raise_all"
+    RETURN_UNEXPECTED = "return_unexpected"
+    RETURN_ALL = "return_all"
+    IGNORE_ALL = "ignore_all"
+
+    @staticmethod
+    def requires_explicit_ckpt_mismatch_check(val: "StrictHandling") -> bool:
+        return val != StrictHandling.ASSUME_OK_UNEXPECTED
+
+    @staticmethod
+    def requires_global_app_metadata(val: "StrictHandling") -> bool:
+        return val in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
+
+    @staticmethod
+    def requires_returning_mismatch_keys(val: "StrictHandling") -> bool:
+        return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
+
+
+def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
+    """Accepts a StrictHandling or its value (``"raise_all"``)."""
+    if isinstance(strict, StrictHandling):
+        return strict
+    try:
+        return StrictHandling(strict)
+    except ValueError as e:
+        raise ValueError(f"unknown strict handling {strict!r}") from e
+
+
+
+
+def _validate_common_state_dict(common_state_dict: Any) -> None:
+    """Logs a warning on each rank whose common state differs from rank 0's (rank 0 alone writes
+    it). One ``broadcast_object_list``; nothing without an initialized process group."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    rank = dist.get_rank()
+    objects = [common_state_dict if rank == 0 else None]
+    dist.broadcast_object_list(objects, src=0)
+    if rank > 0:
+        from .dict_utils import diff
+
+        only_in_rank0, only_here, mismatch = diff(objects[0], common_state_dict)
+        if only_in_rank0 or only_here or mismatch:
+            logger.warning(
+                f"Rank {rank} common state dict differs from rank 0 common state dict. "
+                f"Keys only on rank 0: {only_in_rank0}, "
+                f"Keys only on {rank}: {only_here}, "
+                f"Mismatched keys: {mismatch}"
+            )
+
+
+def verify_checkpoint_and_load_strategy(
+    checkpoint_dir: Any, sharded_strategy: Any = None, common_strategy: Any = None
+) -> Tuple[Any, Any]:
+    """The (sharded, common) load strategies for ``checkpoint_dir``: the ones given (a strategy
+    or a ``(backend, version)`` tuple), or the defaults for the checkpoint's backends; each
+    checked against the checkpoint's config. Raises CheckpointingException if the directory
+    does not exist or is not a distributed checkpoint."""
+    from .strategies.base import StrategyAction, get_default_strategy
+
+    # NotFoundError is the core's "nothing there" error and a CheckpointingException, so both
+    # tessera's callers (catching NotFoundError) and Megatron's (CheckpointingException) see it.
+    from tessera.errors import NotFoundError
+
+    try:
+        config = maybe_load_config(checkpoint_dir)
+    except FileNotFoundError as e:
+        raise NotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist") from e
+    if config is None:
+        import os
+
+        from .core import local_dir
+
+        path = local_dir(checkpoint_dir)
+        if path is not None and not os.path.isdir(path):
+            raise NotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
+        raise NotFoundError(f"{checkpoint_dir} is not a distributed checkpoint")
+
+    def default(action: Any, backend: str, version: int) -> Any:
+        try:
+            return get_default_strategy(action, backend, version)
+        except CheckpointingException:
+            from .strategies._native_load import NativeLoadShardedStrategy
+            from .strategies.tessera import TesseraLoadCommonStrategy
+
+            # A format the core reads without a registered strategy (torch_dcp, olmo_core, ...).
+            if action == StrategyAction.LOAD_SHARDED:
+                return NativeLoadShardedStrategy(backend, version)
+            common = TesseraLoadCommonStrategy()
+            common.check_backend_compatibility = lambda *_: None  # type: ignore[method-assign]
+            common.check_version_compatibility = lambda *_: None  # type: ignore[method-assign]
+            return common
+
+    if sharded_strategy is None:
+        sharded_strategy = default(StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version)
+    elif isinstance(sharded_strategy, tuple):
+        sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *sharded_strategy)
+    if common_strategy is None:
+        common_strategy = default(StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version)
+    elif isinstance(common_strategy, tuple):
+        common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, *common_strategy)
+    sharded_strategy.check_backend_compatibility(config.sharded_backend)
+    sharded_strategy.check_version_compatibility(config.sharded_backend_version)
+    common_strategy.check_backend_compatibility(config.common_backend)
+    common_strategy.check_version_compatibility(config.common_backend_version)
+    return sharded_strategy, common_strategy
+
+
+def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: Any) -> None:
+    """Raises CheckpointingException when neither strategy handles ShardedObjects."""
+    if not sharded_strategy.can_handle_sharded_objects and not common_strategy.can_handle_sharded_objects:
+        raise CheckpointingException(
+            f"Either sharded strategy or common strategy must implement ShardedObjects handling."
+            f" Both {sharded_strategy} and {common_strategy} specify can_handle_sharded_objects=False"
+        )
+
+
+def determine_global_metadata(sharded_state_dict: ShardedStateDict) -> Tuple[List[ShardedBase], List[List[ShardedBase]]]:
+    """(this rank's sharded leaves without data, every rank's): one ``all_gather_object``."""
+    import torch.distributed as dist
+
+    from .dict_utils import nested_values
+
+    local = [sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)]
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return local, gathered
+
+
+def validate_sharding_integrity(sharded_tensors: Iterable[Any], process_group: Any = None) -> None:
+    """Collective check that the ranks' ShardedTensors/ShardedObjects tile every global tensor
+    exactly; raises InvalidShardingError (a CheckpointingException) on every rank otherwise."""
+    keep_alive: List[Any] = []
+    tensors, objects = [], []
+    for sh in sharded_tensors:
+        if isinstance(sh, ShardedTensor):
+            t = _ser()._save_tuple(sh, keep_alive)
+            tensors.append(t[:9] + (0, 0))
+        elif isinstance(sh, ShardedObject):
+            objects.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset), _ser()._replica_tuple(sh.replica_id)))
+    _ser()._native.validate_sharding(tensors, objects, _ser().default_comm(process_group))
+
+
+
+def _ser() -> Any:
+    from . import serialization
+
+    return serialization
