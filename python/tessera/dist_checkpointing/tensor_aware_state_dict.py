@@ -18,7 +18,12 @@ from .exchange_utils import ShardDistribution, determine_main_replica_uniform_di
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, apply_factory_merges
 from .state_dict_utils import load_preprocess, save_preprocess
 from .utils import _sharded_object_id, _sharded_tensor_shard_id, extract_sharded_base, zip_strict
-from .validation import StrictHandling, parse_strict_flag
+from .validation import (
+    StrictHandling,
+    determine_global_metadata,
+    maybe_report_missing_and_unexpected_keys,
+    parse_strict_flag,
+)
 
 __all__ = ["MCoreTensorAwareStateDict"]
 
@@ -183,12 +188,14 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):  # type: ignore[misc,vali
             if isinstance(x, ShardedTensor):
                 sid = _sharded_tensor_shard_id(x)
                 if sid not in loaded:
-                    raise CheckpointingException(f"shard {sid} is not in the tensor-aware state dict")
+                    # An AssertionError, as Megatron's: its strictness tests expect exactly this
+                    # failure when an unexpected shard is passed through.
+                    raise AssertionError(f"shard {sid} is not in the tensor-aware state dict")
                 return loaded[sid]
             if isinstance(x, ShardedObject):
                 oid = _sharded_object_id(x)
                 if oid not in objects:
-                    raise CheckpointingException(f"object {oid} is not in the tensor-aware state dict")
+                    raise AssertionError(f"object {oid} is not in the tensor-aware state dict")
                 return objects[oid]
             return x
 
@@ -214,28 +221,44 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):  # type: ignore[misc,vali
         merge(state, nonpersistent)
         sharded_part, _ = extract_sharded_base(sharded_state_dict)
         strict = parse_strict_flag(strict)
-        sharded_part, missing, unexpected = self._apply_strictness(sharded_part, strict)
+        missing, unexpected = self._apply_strictness(sharded_part, strict)
         self._insert_sharded_data(algo == "fully_parallel", sharded_part, parallelization_group, exchange_algo)
         merge(state, apply_factory_merges(sharded_part, factories))
         if return_mismatch_keys:
             return state, missing, unexpected
         return state
 
-    def _apply_strictness(self, sharded_part: ShardedStateDict, strict: StrictHandling) -> Tuple[ShardedStateDict, Set[str], Set[str]]:
-        """Missing keys (held here, not requested) and unexpected keys (requested, not held);
-        unexpected ones are dropped from the request, and logged or raised as ``strict`` says."""
-        if strict == StrictHandling.ASSUME_OK_UNEXPECTED:
-            return sharded_part, set(), set()
+    def _apply_strictness(self, sharded_part: ShardedStateDict, strict: StrictHandling) -> Tuple[Set[str], Set[str]]:
+        """Missing keys (held here, requested by no rank) and unexpected keys (requested here,
+        not held), reported as ``strict`` says, as Megatron's ``validate_integrity_and_strict_load``
+        does. The request is not changed: an unexpected shard then fails the insertion, as in
+        Megatron (its strictness modes pass such errors through to the algorithm)."""
+        if strict in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.IGNORE_ALL):
+            return set(), set()
         held = {sh.key for sh in nested_values(self.sharded_state_dict) if hasattr(sh, "key")}
         requested = {sh.key for sh in nested_values(sharded_part) if hasattr(sh, "key")}
         unexpected = requested - held
-        missing = held - requested if StrictHandling.requires_global_app_metadata(strict) else set()
-        if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL) and (unexpected or missing):
-            raise CheckpointingException(f"Unexpected keys: {sorted(unexpected)}; missing keys: {sorted(missing)}")
-        if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and (unexpected or missing):
-            logger.warning(f"Unexpected keys: {sorted(unexpected)}; missing keys: {sorted(missing)}")
-        if unexpected:
-            from .dict_utils import extract_matching_values
+        missing: Set[str] = set()
+        if StrictHandling.requires_global_app_metadata(strict):
+            everyone = set(requested)
+            if _distributed():
+                _, gathered = determine_global_metadata(sharded_part)
+                everyone = {sh.key for rank in gathered for sh in rank}
+            missing = held - everyone
+        if strict == StrictHandling.RAISE_UNEXPECTED:
+            maybe_report_missing_and_unexpected_keys(set(), unexpected, raise_error=True)
+        elif strict == StrictHandling.RAISE_ALL:
+            maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=True)
+        elif strict == StrictHandling.LOG_UNEXPECTED:
+            maybe_report_missing_and_unexpected_keys(set(), unexpected, raise_error=False)
+        elif strict == StrictHandling.LOG_ALL:
+            maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=False)
+        return missing, unexpected
 
-            _, sharded_part = extract_matching_values(sharded_part, lambda x: getattr(x, "key", None) in unexpected)
-        return sharded_part, missing, unexpected
+
+def _distributed() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized()

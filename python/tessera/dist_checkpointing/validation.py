@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from enum import Enum
-from typing import Any, Iterable, List, Optional, Tuple, Union
+from typing import Any, Iterable, List, Optional, Set, Tuple, Union
 
 from .core import CheckpointingException, maybe_load_config
 from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
@@ -23,6 +23,7 @@ __all__ = [
     "validate_sharding_integrity",
     "validate_sharded_objects_handling",
     "determine_global_metadata",
+    "maybe_report_missing_and_unexpected_keys",
 ]
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,25 @@ def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: An
             f"Either sharded strategy or common strategy must implement ShardedObjects handling."
             f" Both {sharded_strategy} and {common_strategy} specify can_handle_sharded_objects=False"
         )
+
+
+def maybe_report_missing_and_unexpected_keys(
+    missing_keys: Set[str], unexpected_keys: Set[str], raise_error: bool = True
+) -> None:
+    """Raises CheckpointingException (``raise_error``) or logs a warning naming the missing
+    keys (stored, requested by no rank) and this rank's unexpected keys (requested, not stored);
+    nothing when both are empty. The text says "Missing keys" / "Unexpected keys" as Megatron's."""
+    if not missing_keys and not unexpected_keys:
+        return
+    parts = []
+    if missing_keys:
+        parts.append(f"Missing keys (in the checkpoint, requested by no rank): {sorted(missing_keys)}.")
+    if unexpected_keys:
+        parts.append(f"Unexpected keys (requested by this rank, not in the checkpoint): {sorted(unexpected_keys)}.")
+    message = "The sharded state dict does not match the checkpoint.\n" + " ".join(parts)
+    if raise_error:
+        raise CheckpointingException(message)
+    logger.warning(message)
 
 
 def determine_global_metadata(sharded_state_dict: ShardedStateDict) -> Tuple[List[ShardedBase], List[List[ShardedBase]]]:
