@@ -177,3 +177,22 @@ def test_checkpointable_sharded_tensors_go_through_plain_dcp(tmp_path):
     dcp.load(loaded, checkpoint_id=str(tmp_path))
     assert [s._sh_ten.data.tolist() for s in loaded["t"]._local_shards] == [[3.0] * 3, [4.0] * 3]
     assert loaded["s"]._sh_ten.data.tolist() == [3.0, 4.0, 5.0, 6.0]
+
+
+def test_install_as_megatron_aliases_every_module():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib\n"
+        "import tessera.dist_checkpointing as dc\n"
+        "dc.install_as_megatron('fake_megatron_dc')\n"
+        "assert sys.modules['fake_megatron_dc'] is dc\n"
+        "for name in dc.MEGATRON_MODULES:\n"
+        "    assert sys.modules['fake_megatron_dc.' + name] is importlib.import_module('tessera.dist_checkpointing.' + name), name\n"
+        "from fake_megatron_dc.strategies.torch import TorchDistSaveShardedStrategy\n"
+        "from fake_megatron_dc.optimizer import KEEP_VARS_HINT\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -94,3 +94,32 @@ except ImportError:
     # Left unset so that `from tessera.dist_checkpointing import serialization` retries the
     # import and shows the real reason.
     pass
+
+#: Megatron-Core 0.16.1's ``dist_checkpointing`` modules, each mirrored here under the same path.
+MEGATRON_MODULES = (
+    "core", "dict_utils", "exchange_utils", "mapping", "optimizer", "serialization", "state_dict_utils",
+    "tensor_aware_state_dict", "utils", "validation", "strategies", "strategies.async_utils", "strategies.base",
+    "strategies.cached_metadata_filesystem_reader", "strategies.checkpointable", "strategies.common",
+    "strategies.filesystem_async", "strategies.fully_parallel", "strategies.state_dict_saver",
+    "strategies.torch", "strategies.tensorstore", "strategies.two_stage", "strategies.zarr",
+)
+
+
+def install_as_megatron(prefix: str = "megatron.core.dist_checkpointing") -> None:
+    """Makes ``megatron.core.dist_checkpointing`` and each of its modules *be* tessera's, by a
+    plain ``sys.modules`` alias: call it before importing ``megatron.core``, and Megatron-LM
+    (``megatron.core``, ``megatron.core.optimizer``, ``megatron.training.checkpointing``) then
+    saves and loads through tessera unchanged. ``strategies.checkpointable`` needs torch >= 2.6
+    and is aliased only where it imports."""
+    import importlib
+    import sys
+
+    sys.modules[prefix] = sys.modules[__name__]
+    for name in MEGATRON_MODULES:
+        try:
+            module = importlib.import_module(f"{__name__}.{name}")
+        except ImportError:
+            if name == "strategies.checkpointable":
+                continue
+            raise
+        sys.modules[f"{prefix}.{name}"] = module
