@@ -40,6 +40,7 @@ pub use format::{
 };
 pub use io::async_save::{AsyncSave, AsyncSaver};
 pub use io::convert::{convert, ConvertOptions, ConvertReport};
+pub use io::convert_dcp::convert_to_dcp;
 pub use io::diff::{
     diff, CommonDiff, DiffOptions, DiffReport, ObjectDiff, ObjectDifference, TensorDiff, TensorDifference, ValueDiff,
 };

@@ -259,3 +259,124 @@ fn what_the_format_cannot_hold_is_refused_on_every_rank() {
     assert!(e.unwrap_err().to_string().contains("iteration"));
     assert!(!dir.path().exists() || std::fs::read_dir(dir.path()).unwrap().next().is_none(), "nothing written");
 }
+
+// ---- tessera convert --to dcp ------------------------------------------------------------------
+
+fn same_tensors(a: &Path, b: &Path, what: &str) {
+    let (a, b) = (
+        load_plain_tensors(&LocalStorage::new(a), None).unwrap(),
+        load_plain_tensors(&LocalStorage::new(b), None).unwrap(),
+    );
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}: keys");
+    for (k, x) in &a {
+        let y = &b[k];
+        assert_eq!((x.dtype, &x.shape), (y.dtype, &y.shape), "{what}: {k}");
+        assert!(x.data == y.data, "{what}: {k}: values differ");
+    }
+}
+
+#[test]
+fn a_native_checkpoint_with_flat_ranges_objects_and_common_state_converts_exactly() {
+    let src = TempDir::new("to-dcp-src");
+    let data = truth(DType::F32, &[13, 7], 3);
+    let rows = truth(DType::BF16, &[5, 4], 4);
+    run_ranks(2, |comm| {
+        let r = comm.rank() as u64;
+        let (a, b) = if r == 0 { (0u64, 40u64) } else { (40, 91) };
+        let mut tree = StateTree::map();
+        let flat = shard(
+            "flat",
+            DType::F32,
+            &[13, 7],
+            &[0, 0],
+            &[13, 7],
+            0,
+            Some(a..b),
+            TensorData::Ref(&data[a as usize * 4..b as usize * 4]),
+        );
+        tree.insert("flat", StateTree::Tensor(flat));
+        let (o, n) = if r == 0 { (0u64, 2u64) } else { (2, 3) };
+        let part = box_bytes(&rows, &[5, 4], 2, &[o, 0], &[n, 4]);
+        tree.insert(
+            "rows",
+            StateTree::Tensor(shard("rows", DType::BF16, &[5, 4], &[o, 0], &[n, 4], 0, None, TensorData::Owned(part))),
+        );
+        let obj = ShardedObject::new("rng_state", plain_object(&rng_state(r as usize)), &[2], &[r]);
+        tree.insert("rng", StateTree::Object(obj));
+        if r == 0 {
+            tree.insert("iteration", StateTree::Value(Value::Int(9)));
+        }
+        let opts =
+            SaveOptions { content_metadata: Value::Map(vec![("format".into(), Value::Int(2))]), ..Default::default() };
+        tessera::save(tree, &LocalStorage::new(src.path()), comm, &opts).unwrap();
+    });
+    let dst = TempDir::new("to-dcp-dst");
+    // A small budget: chunks are cut, flat ranges into boxes.
+    let opts = tessera::ConvertOptions { memory_budget: 256, max_file_size: 200, ..Default::default() };
+    let report =
+        tessera::convert_to_dcp(&LocalStorage::new(src.path()), &LocalStorage::new(dst.path()), &opts, &mut |_, _| {})
+            .unwrap();
+    assert!(report.files > 1 && report.chunks > 4, "{report:?}");
+    assert_eq!(detect_format(&LocalStorage::new(dst.path())).unwrap().0.backend, "torch_dist");
+    same_tensors(src.path(), dst.path(), "native -> dcp");
+    let storage = LocalStorage::new(dst.path());
+    let mut tree = StateTree::map();
+    for r in 0..2u64 {
+        let mut o = ShardedObject::new("rng_state", Vec::new(), &[2], &[r]);
+        o.data = None;
+        tree.insert(format!("o{r}"), StateTree::Object(o));
+    }
+    let StateTree::Map(objects) = load_sharded_objects(tree, &storage).unwrap() else { panic!("not a map") };
+    for r in 0..2 {
+        let Some(StateTree::Object(o)) = objects.get(&format!("o{r}")) else { panic!("object {r}") };
+        assert_eq!(o.data.as_deref(), Some(plain_object(&rng_state(r)).as_slice()));
+    }
+    let common = load_common_state(&storage).unwrap();
+    assert_eq!(common.get(&[PathSeg::Key("iteration".into())]).and_then(StateTree::as_value), Some(&Value::Int(9)));
+    let meta = common.get(&[PathSeg::Key("content_metadata".into())]).and_then(StateTree::as_value);
+    assert_eq!(meta, Some(&Value::Map(vec![("format".into(), Value::Int(2))])));
+
+    // Refused over a committed checkpoint unless overwriting; then replaced.
+    let e = tessera::convert_to_dcp(&LocalStorage::new(src.path()), &storage, &opts, &mut |_, _| {}).unwrap_err();
+    assert!(matches!(e, Error::AlreadyExists { .. }), "{e}");
+    let over = tessera::ConvertOptions { overwrite: true, ..Default::default() };
+    let report = tessera::convert_to_dcp(&LocalStorage::new(src.path()), &storage, &over, &mut |_, _| {}).unwrap();
+    assert_eq!(report.files, 1);
+    assert!(!dst.join("__1_0.distcp").exists(), "the files of the replaced checkpoint are gone");
+    same_tensors(src.path(), dst.path(), "native -> dcp, overwritten");
+}
+
+#[test]
+fn every_readable_fixture_converts_to_dcp_or_names_what_cannot_go() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut converted = 0;
+    for group in ["foreign", "olmo", "golden_v2"] {
+        let Ok(dirs) = std::fs::read_dir(root.join(group)) else { continue };
+        let mut dirs: Vec<_> = dirs.map(|d| d.unwrap().path()).filter(|p| p.is_dir()).collect();
+        dirs.sort();
+        for src in dirs {
+            let what = src.display().to_string();
+            if detect_format(&LocalStorage::new(&src)).is_err() {
+                continue; // a fixture of a damaged or partial checkpoint
+            }
+            let dst = TempDir::new("fixture-to-dcp");
+            let opts = tessera::ConvertOptions::default();
+            match tessera::convert_to_dcp(
+                &LocalStorage::new(&src),
+                &LocalStorage::new(dst.path()),
+                &opts,
+                &mut |_, _| {},
+            ) {
+                Ok(_) => {
+                    same_tensors(&src, dst.path(), &what);
+                    converted += 1;
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    assert!(msg.contains("common value") && msg.contains("torch.save bytes"), "{what}: {msg}");
+                }
+            }
+        }
+    }
+    assert!(converted >= 8, "only {converted} fixtures converted");
+}

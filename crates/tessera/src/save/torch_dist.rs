@@ -83,7 +83,7 @@ pub fn save_torch_dist(
     if rank == 0 {
         c.plan.save_id = new_save_id();
         if c.local_error.is_none() {
-            match existing(storage, opts) {
+            match existing(storage, opts.overwrite) {
                 Ok(refuse) => c.plan.refuse_overwrite = refuse,
                 Err(e) => c.local_error = Some(e),
             }
@@ -111,7 +111,7 @@ pub fn save_torch_dist(
 }
 
 /// The `.data/serialization_id` of the archives a save writes: 40 digits, as torch's.
-fn serialization_id(save_id: u64, n: u64) -> String {
+pub(crate) fn serialization_id(save_id: u64, n: u64) -> String {
     format!("{save_id:020}{n:020}")
 }
 
@@ -140,13 +140,13 @@ fn unsupported(c: &Collected<'_>, has_common_pt: bool, opts: &SaveOptions) -> Op
 /// was not asked for; an error if one of a format this save cannot replace is there. A DCP
 /// directory is committed when it has `.metadata` (its `metadata.json` alone is a save that
 /// never finished, or one being overwritten).
-fn existing(storage: &dyn Storage, opts: &SaveOptions) -> Result<bool> {
+pub(crate) fn existing(storage: &dyn Storage, overwrite: bool) -> Result<bool> {
     if crate::storage::size_if_present(storage, DCP_METADATA)?.is_some() {
-        return Ok(!opts.overwrite);
+        return Ok(!overwrite);
     }
     match detect_format(storage) {
         Ok((record, _)) if REPLACEABLE.contains(&record.backend.as_str()) => Ok(false),
-        Ok(_) if !opts.overwrite => Ok(true),
+        Ok(_) if !overwrite => Ok(true),
         Ok((record, _)) => Err(Error::invalid(format!(
             "{} holds a {} checkpoint; a torch_dist checkpoint cannot replace it there",
             storage.location(),
@@ -313,21 +313,35 @@ fn commit(
         None => common_pt(&c.common, &serialization_id(save_id, u64::MAX))?,
     };
     let metadata = metadata_pickle(&tensors, &bytes, &format!("{save_id:016x}"));
-    storage.put_atomic(MEGATRON_COMMON, &common_bytes)?;
-    storage.put_atomic(MEGATRON_METADATA, MEGATRON_METADATA_JSON.as_bytes())?;
-    if opts.overwrite {
-        storage.put_atomic(DCP_METADATA, &metadata)?;
-    } else {
-        storage.put_if_absent(DCP_METADATA, &metadata)?;
-    }
-    remove_stale_files(storage, plans.len());
+    let files = (0..plans.len()).map(data_file_name).collect();
+    publish(storage, &common_bytes, &metadata, opts.overwrite, &files)?;
     Ok(metadata.len() as u64)
+}
+
+/// The commit of a torch_dist checkpoint whose data files (`files`) are complete:
+/// `common.pt`, `metadata.json`, then `.metadata` (create-if-absent unless `overwrite`), then
+/// the removal of DCP data files not in `files`. Shared by save and convert.
+pub(crate) fn publish(
+    storage: &dyn Storage,
+    common: &[u8],
+    metadata: &[u8],
+    overwrite: bool,
+    files: &BTreeSet<String>,
+) -> Result<()> {
+    storage.put_atomic(MEGATRON_COMMON, common)?;
+    storage.put_atomic(MEGATRON_METADATA, MEGATRON_METADATA_JSON.as_bytes())?;
+    if overwrite {
+        storage.put_atomic(DCP_METADATA, metadata)?;
+    } else {
+        storage.put_if_absent(DCP_METADATA, metadata)?;
+    }
+    remove_stale_files(storage, files);
+    Ok(())
 }
 
 /// After the commit: DCP data files this save did not write (an earlier save with more ranks,
 /// or one torch wrote with several files per rank) are garbage. Best effort.
-fn remove_stale_files(storage: &dyn Storage, world: usize) {
-    let ours: BTreeSet<String> = (0..world).map(data_file_name).collect();
+fn remove_stale_files(storage: &dyn Storage, ours: &BTreeSet<String>) {
     let Ok(names) = storage.list() else { return };
     for name in names.into_iter().filter(|n| is_data_file_name(n) && !ours.contains(n)) {
         let _ = storage.delete(&name);
