@@ -154,7 +154,8 @@ fn check_written(dir: &Path, world: usize) {
 fn written_checkpoints_read_back_exactly_whole_and_resharded() {
     for world in [1, 2, 3] {
         let dir = TempDir::new("torch-dist-write");
-        let opts = SaveOptions { threads: 2, ..Default::default() };
+        let meta = Value::Map(vec![("format".into(), Value::Int(world as i64))]);
+        let opts = SaveOptions { threads: 2, content_metadata: meta.clone(), ..Default::default() };
         for (r, rep) in save_world(dir.path(), world, &opts).into_iter().enumerate() {
             let rep = rep.unwrap_or_else(|e| panic!("world {world} rank {r}: {e}"));
             assert_eq!(rep.file.as_deref(), Some(format!("__{r}_0.distcp").as_str()));
@@ -166,6 +167,9 @@ fn written_checkpoints_read_back_exactly_whole_and_resharded() {
         let json = std::fs::read_to_string(dir.join("metadata.json")).unwrap();
         assert!(json.contains("\"sharded_backend\": \"torch_dist\""), "{json}");
         check_written(dir.path(), world);
+        let common = load_common_state(&LocalStorage::new(dir.path())).unwrap();
+        let got = common.get(&[PathSeg::Key("content_metadata".into())]).and_then(StateTree::as_value);
+        assert_eq!(got, Some(&meta), "content metadata sits in common.pt, as Megatron keeps it");
 
         // A resharded load: rows split 2 / 7 on one rank, whatever the save's split was.
         let storage = LocalStorage::new(dir.path());

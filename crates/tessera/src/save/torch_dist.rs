@@ -44,7 +44,8 @@ const REPLACEABLE: [&str; 2] = ["torch_dist", "torch_dcp"];
 /// the byte item `"{key}/shard_{offset}_{grid}"` holding `torch.save([obj])` (its payload read
 /// as [`object_item`] says). `common`, given on rank 0 (ignored elsewhere), is the whole
 /// `common.pt` (`torch.save` of the common dict, as Python makes it); without it, the tree's
-/// plain values make the dict. Errors come out identically on every rank.
+/// plain values make the dict (with `opts.content_metadata`, when set, under
+/// `content_metadata`, where Megatron keeps it). Errors come out identically on every rank.
 ///
 /// The report's `index_bytes` is the size of `.metadata` on rank 0 and 0 elsewhere.
 pub fn save_torch_dist(
@@ -310,7 +311,14 @@ fn commit(
     }
     let common_bytes = match common {
         Some(b) => b.to_vec(),
-        None => common_pt(&c.common, &serialization_id(save_id, u64::MAX))?,
+        None => {
+            // Megatron keeps the content metadata in the common dict, under this key.
+            let mut values = c.common.clone();
+            if opts.content_metadata != crate::Value::Null {
+                values.push((vec![crate::PathSeg::Key("content_metadata".into())], opts.content_metadata.clone()));
+            }
+            common_pt(&values, &serialization_id(save_id, u64::MAX))?
+        }
     };
     let metadata = metadata_pickle(&tensors, &bytes, &format!("{save_id:016x}"));
     let files = (0..plans.len()).map(data_file_name).collect();
