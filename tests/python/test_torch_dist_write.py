@@ -34,7 +34,9 @@ def full_tensors() -> Dict[str, torch.Tensor]:
     }
 
 
-def _tuple(key: str, local: torch.Tensor, full: torch.Tensor, offset: List[int], replica: int, keep: List[Any]) -> tuple:
+def _tuple(
+    key: str, local: torch.Tensor, full: torch.Tensor, offset: List[int], replica: int, keep: List[Any]
+) -> tuple:
     local = local.contiguous()
     keep.append(local)
     return (
@@ -157,3 +159,43 @@ def test_an_existing_checkpoint_is_kept(tmp_path: Any) -> None:
     dcp.load(state, checkpoint_id=path, no_dist=True)
     assert torch.equal(state["x"], t2)
     assert torch.load(os.path.join(path, "common.pt"), weights_only=True) == {}
+
+
+def test_every_dtype_loads_in_torch(tmp_path: Any) -> None:
+    """Typed storages (`_rebuild_tensor_v2`) and the dtypes torch saves untyped
+    (`_rebuild_tensor_v3`: fp8, unsigned wider than 8 bits), 0-d and empty tensors."""
+    path = str(tmp_path / "ckpt")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, generator=g)
+    tensors = {
+        "f64": x.double(),
+        "f32": x,
+        "f16": x.half(),
+        "bf16": x.bfloat16(),
+        "f8_e4m3fn": x.to(torch.float8_e4m3fn),
+        "f8_e5m2": x.to(torch.float8_e5m2),
+        "i64": torch.arange(15, dtype=torch.int64).reshape(3, 5) - 7,
+        "i32": torch.arange(15, dtype=torch.int32) - 7,
+        "i16": torch.arange(15, dtype=torch.int16) - 7,
+        "i8": torch.arange(15, dtype=torch.int8) - 7,
+        "u8": torch.arange(15, dtype=torch.uint8),
+        "u16": torch.arange(15, dtype=torch.int32).to(torch.uint16),
+        "u32": torch.arange(15, dtype=torch.int64).to(torch.uint32),
+        "u64": torch.arange(15, dtype=torch.int64).to(torch.uint64),
+        "bool": x > 0,
+    }
+    extra = {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+    keep: List[Any] = []
+    native = []
+    for name, t in list(tensors.items()) + list(extra.items()):
+        dtype = name if name in tensors else "f32"
+        shape, nbytes = tuple(t.shape), t.numel() * t.element_size()
+        native.append((name, dtype, shape, shape, (0,) * t.dim(), 0, 0, None, None, t.data_ptr(), nbytes))
+        keep.append(t)
+    _native.save_torch_dist(native, [], None, path)
+    state = {k: torch.zeros_like(v) for k, v in {**tensors, **extra}.items()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    for k, v in {**tensors, **extra}.items():
+        assert state[k].dtype == v.dtype and state[k].shape == v.shape, k
+        as_bytes = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731 (bitwise: NaN-safe, any dtype)
+        assert torch.equal(as_bytes(state[k]), as_bytes(v)), k

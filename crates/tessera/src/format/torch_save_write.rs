@@ -317,13 +317,15 @@ pub(crate) fn tensor_pickle(dtype: DType, shape: &[u64]) -> Vec<u8> {
     let size = Pk::dims(shape);
     let stride = Pk::dims(&contiguous_strides(shape));
     let hooks = Pk::call("collections", "OrderedDict", vec![]);
-    let (storage_class, storage_len) = match typed_storage(dtype) {
-        Some(class) => (class, numel),
-        None => ("UntypedStorage", numel * dtype.size() as u64),
+    // torch names the untyped storage class by its defining module (`torch.storage`), and its
+    // weights-only unpickler allows it only under that name.
+    let (storage_module, storage_class, storage_len) = match typed_storage(dtype) {
+        Some(class) => ("torch", class, numel),
+        None => ("torch.storage", "UntypedStorage", numel * dtype.size() as u64),
     };
     let pid = Pk::PersId(Box::new(Pk::Tuple(vec![
         Pk::str("storage"),
-        Pk::global("torch", storage_class),
+        Pk::global(storage_module, storage_class),
         Pk::str("0"),
         Pk::str("cpu"),
         Pk::Int(storage_len as i64),
