@@ -139,6 +139,31 @@ def validate_sharding(
 ) -> None:
     """Checks collectively, writing nothing, that the shards of all ranks form a valid state."""
 
+def save_torch_dist(
+    tensors: Sequence[SaveTensor],
+    objects: Sequence[SaveObject],
+    common_pt: Optional[bytes],
+    location: str,
+    comm: Optional[Communicator] = None,
+    overwrite: bool = False,
+    validate: bool = True,
+    threads: Optional[int] = None,
+) -> Dict[str, Union[int, Optional[str]]]:
+    """Saves this rank's part as a Megatron ``torch_dist`` checkpoint (collective): DCP
+    ``.metadata`` (rank 0, last: the commit), ``__{rank}_0.distcp`` per rank, ``metadata.json``
+    and ``common.pt``, loadable by megatron-core and ``torch.distributed.checkpoint``.
+
+    Tensors and objects as for :func:`save`; flattened ranges are refused (as megatron-core
+    0.16.1 does). An object's payload becomes the byte item ``torch.save([obj])``: ``b"TSV1"`` +
+    :func:`encode_value` bytes (a plain value), ``b"TPL1"`` + ``torch.save([obj])`` (stored as
+    is), ``b"TPT1"`` + ``torch.save(obj)`` (wrapped in a list); any other payload is stored as
+    ``bytes``. ``common_pt`` (read on rank 0) is the whole ``common.pt``, ``torch.save`` of the
+    common dict; None writes an empty dict.
+
+    Returns ``{"file", "bytes_written", "total_tensor_bytes", "files", "chunks", "index_bytes"}``
+    (``index_bytes``: the size of ``.metadata`` on rank 0, 0 elsewhere).
+    """
+
 def save_olmo(
     dirs: Sequence[Tuple[Sequence[SaveTensor], str]],
     comm: Optional[Communicator] = None,

@@ -1,4 +1,5 @@
-//! `tessera convert SRC DST`: any readable checkpoint into the native format, same chunks.
+//! `tessera convert SRC DST [--to native|dcp]`: any readable checkpoint into the native format
+//! (same chunks), or into a Megatron torch_dist / PyTorch DCP directory.
 
 use anyhow::{Context, Result};
 use tessera::ConvertOptions;
@@ -7,19 +8,32 @@ use crate::location::Location;
 use crate::progress::Progress;
 use crate::sizes::fmt_bytes;
 
+/// The format `tessera convert` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// tessera's own.
+    Native,
+    /// Megatron `torch_dist` (PyTorch DCP plus `metadata.json` and `common.pt`).
+    Dcp,
+}
+
 /// Runs `tessera convert`.
-pub fn run(src: &Location, dst: &Location, overwrite: bool, memory: u64) -> Result<()> {
+pub fn run(src: &Location, dst: &Location, to: Target, overwrite: bool, memory: u64) -> Result<()> {
     let from = src.open()?;
     dst.create()?;
-    let to = dst.open()?;
+    let dst_storage = dst.open()?;
     let opts = ConvertOptions { overwrite, memory_budget: memory, ..Default::default() };
     let mut bar: Option<Progress> = None;
     let mut shown = 0;
-    let report = tessera::convert(from.as_ref(), to.as_ref(), &opts, &mut |done, total| {
+    let mut progress = |done: u64, total: u64| {
         let bar = bar.get_or_insert_with(|| Progress::new("convert", total));
         bar.add(done - shown);
         shown = done;
-    })
+    };
+    let report = match to {
+        Target::Native => tessera::convert(from.as_ref(), dst_storage.as_ref(), &opts, &mut progress),
+        Target::Dcp => tessera::convert_to_dcp(from.as_ref(), dst_storage.as_ref(), &opts, &mut progress),
+    }
     .with_context(|| format!("converting {src} to {dst}"))?;
     if let Some(b) = &bar {
         b.finish();

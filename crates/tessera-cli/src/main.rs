@@ -174,13 +174,19 @@ enum Command {
         #[arg(long, value_name = "SIZE", default_value = "512MiB")]
         memory: String,
     },
-    /// Convert a checkpoint (any readable format) into the native format, keeping its chunks;
-    /// refuses a destination holding a committed checkpoint unless --overwrite.
+    /// Convert a checkpoint (any readable format) into the native format, keeping its chunks,
+    /// or (--to dcp) into a Megatron torch_dist / PyTorch DCP checkpoint; refuses a destination
+    /// holding a committed checkpoint unless --overwrite.
     Convert {
         /// Source location: a directory or s3://bucket/prefix.
         src: String,
         /// Destination location: a directory or s3://bucket/prefix.
         dst: String,
+        /// Format to write: tessera's native format, or a DCP directory as Megatron's torch_dist
+        /// backend writes it (.metadata, __N_0.distcp, metadata.json, common.pt), which
+        /// torch.distributed.checkpoint and megatron-core load.
+        #[arg(long, value_parser = ["native", "dcp", "torch_dist"], default_value = "native")]
+        to: String,
         /// Replace a committed checkpoint at the destination.
         #[arg(long)]
         overwrite: bool,
@@ -286,8 +292,9 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             })?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Convert { src, dst, overwrite, memory } => {
-            convert::run(&Location::parse(&src), &Location::parse(&dst), overwrite, sizes::parse_size(&memory)?)?;
+        Command::Convert { src, dst, to, overwrite, memory } => {
+            let to = if to == "native" { convert::Target::Native } else { convert::Target::Dcp };
+            convert::run(&Location::parse(&src), &Location::parse(&dst), to, overwrite, sizes::parse_size(&memory)?)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Diff { a, b, atol, keys } => {

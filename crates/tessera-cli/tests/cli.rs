@@ -636,6 +636,30 @@ fn convert_round_trip_then_verify_and_diff() {
     assert!(text(&out.stderr).contains("not found"), "{}", text(&out.stderr));
 }
 
+#[test]
+fn convert_to_dcp_and_back() {
+    let scratch = Scratch::new("convert-dcp");
+    let (ck, dcp, back) = (scratch.path().join("ck"), scratch.path().join("dcp"), scratch.path().join("back"));
+    let (ck, dcp, back) = (ck.to_str().unwrap(), dcp.to_str().unwrap(), back.to_str().unwrap());
+    expect(&["demo", "--size", "1MiB", "--dir", ck], 0);
+    let out = expect(&["convert", ck, dcp, "--to", "dcp", "--memory", "64KiB"], 0);
+    assert!(out.contains("tensors in"), "{out}");
+    for name in [".metadata", "__0_0.distcp", "metadata.json", "common.pt"] {
+        assert!(Path::new(dcp).join(name).exists(), "{name}");
+    }
+    assert_eq!(plain_tensors(Path::new(dcp)), plain_tensors(Path::new(ck)));
+    // And back to the native format (the default target).
+    expect(&["convert", dcp, back], 0);
+    assert_eq!(plain_tensors(Path::new(back)), plain_tensors(Path::new(ck)));
+    // A committed destination is refused, unless --overwrite; an unknown target is a usage error.
+    let out = tessera(&["convert", ck, dcp, "--to", "dcp"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("already exists"), "{}", text(&out.stderr));
+    expect(&["convert", ck, dcp, "--to", "torch_dist", "--overwrite"], 0);
+    assert_eq!(plain_tensors(Path::new(dcp)), plain_tensors(Path::new(ck)));
+    assert_eq!(tessera(&["convert", ck, dcp, "--to", "zarr"]).status.code(), Some(2));
+}
+
 /// A one-rank checkpoint with tensors `x` (and `y`) and a common value.
 fn small_checkpoint(dir: &Path, x: &[f32], with_y: bool, iteration: i64) {
     use tessera::{DType, ShardedTensor, StateTree, TensorData, Value};

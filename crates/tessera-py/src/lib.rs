@@ -196,6 +196,37 @@ fn save<'py>(
     report_to_py(py, report)
 }
 
+/// Saves this rank's tensors and objects as a Megatron `torch_dist` checkpoint (DCP `.metadata`,
+/// `__{rank}_0.distcp`, `metadata.json`, `common.pt`), which megatron-core and
+/// `torch.distributed.checkpoint` load; collective over `comm`. `common_pt`, on rank 0, is the
+/// whole `common.pt` (`torch.save` of the common dict); None writes an empty dict.
+#[pyfunction]
+#[pyo3(signature = (tensors, objects, common_pt, location, comm=None, overwrite=false, validate=true, threads=None))]
+#[allow(clippy::too_many_arguments)]
+fn save_torch_dist<'py>(
+    py: Python<'py>,
+    tensors: Vec<Bound<'py, PyAny>>,
+    objects: Vec<Bound<'py, PyAny>>,
+    common_pt: Option<Vec<u8>>,
+    location: &str,
+    comm: Option<Bound<'py, PyAny>>,
+    overwrite: bool,
+    validate: bool,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    // SAFETY: the contract of `save_torch_dist`, as of `save`: the Python caller keeps every
+    // tensor's memory alive, C-contiguous and unmodified until it returns; the tree is dropped
+    // before that.
+    let (tree, opts, cancel) =
+        unsafe { save_request(py, &tensors, &objects, &[], overwrite, validate, None, threads)? };
+    let comm = communicator(comm.as_ref())?;
+    let storage = open(py, location)?;
+    let common = common_pt.as_deref();
+    let report =
+        lib(py, interruptible(py, &cancel, || tessera::save_torch_dist(tree, common, &*storage, &*comm, &opts))?)?;
+    report_to_py(py, report)
+}
+
 /// Saves this rank's tensors as OLMo-core 0.1.x checkpoint directories, one per
 /// `(tensors, location)` in `dirs` (the files `Checkpointer.save` writes), all validated before
 /// any is written and committed in order; collective over `comm`. Returns per directory the
@@ -469,6 +500,7 @@ fn decode_value<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyAny>
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(save_olmo, m)?)?;
+    m.add_function(wrap_pyfunction!(save_torch_dist, m)?)?;
     m.add_function(wrap_pyfunction!(olmo_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(validate_sharding, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;

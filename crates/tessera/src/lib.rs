@@ -40,6 +40,7 @@ pub use format::{
 };
 pub use io::async_save::{AsyncSave, AsyncSaver};
 pub use io::convert::{convert, ConvertOptions, ConvertReport};
+pub use io::convert_dcp::convert_to_dcp;
 pub use io::diff::{
     diff, CommonDiff, DiffOptions, DiffReport, ObjectDiff, ObjectDifference, TensorDiff, TensorDifference, ValueDiff,
 };
@@ -66,6 +67,7 @@ pub use io::verify::{verify, VerifyReport};
 #[cfg(feature = "mpi")]
 pub use mpi;
 pub use save::olmo::{save_olmo, save_olmo_dirs, OlmoSaveReport};
+pub use save::torch_dist::save_torch_dist;
 pub use state::{
     path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,
     StatePath, StateTree, TensorData, TensorFactory, Value,

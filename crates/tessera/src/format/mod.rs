@@ -5,8 +5,10 @@ pub(crate) mod codec;
 pub(crate) mod dcp;
 pub(crate) mod index;
 pub(crate) mod pickle;
+pub(crate) mod pickle_write;
 pub(crate) mod safetensors;
 pub(crate) mod torch_save;
+pub(crate) mod torch_save_write;
 pub(crate) mod zarr;
 
 pub(crate) use index::check_file_name;

@@ -5,3 +5,4 @@
 //! the re-cut of the crate.
 
 pub(crate) mod olmo;
+pub(crate) mod torch_dist;

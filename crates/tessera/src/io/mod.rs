@@ -5,6 +5,7 @@
 
 pub(crate) mod async_save;
 pub(crate) mod convert;
+pub(crate) mod convert_dcp;
 pub(crate) mod diff;
 pub(crate) mod export;
 pub(crate) mod factories;

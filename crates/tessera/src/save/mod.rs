@@ -2,3 +2,4 @@
 //! convert) until the crate's re-cut moves it here; new engines start here.
 
 pub(crate) mod olmo;
+pub(crate) mod torch_dist;

@@ -222,7 +222,7 @@ fn remove_stale_files(storage: &dyn Storage, plans: &[RankPlan]) {
 
 /// Every rank learns whether every rank succeeded, with the save's rule for which error each
 /// returns (`io::save::first_failure`: the first failing rank's; its own, on that rank).
-fn agree<T>(comm: &dyn Communicator, mine: Result<T>) -> Result<T> {
+pub(crate) fn agree<T>(comm: &dyn Communicator, mine: Result<T>) -> Result<T> {
     let msg = mine.as_ref().err().map(encode_local_error).unwrap_or_default();
     let reported: Vec<Option<String>> = comm
         .all_gather(msg.as_bytes())?

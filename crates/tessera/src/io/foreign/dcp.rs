@@ -11,12 +11,8 @@ use crate::state::{PathSeg, StatePath};
 use crate::storage::{size_if_present, Storage};
 use crate::{Error, Result, Value};
 
-/// Name of DCP's metadata file.
-pub const DCP_METADATA: &str = ".metadata";
-/// Megatron's record of the backend a checkpoint was written with.
-pub const MEGATRON_METADATA: &str = "metadata.json";
-/// Megatron's common (non-sharded) state, `torch.save` of a dict (Megatron ≤ 0.16).
-pub const MEGATRON_COMMON: &str = "common.pt";
+pub use crate::formats::torch_dist::{DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA};
+
 /// Key of the sharded object newer Megatron stores the common state as.
 const MEGATRON_COMMON_OBJECT: &str = "common_state";
 /// Folder OLMo-core keeps its DCP checkpoint in.
@@ -212,8 +208,7 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
     Ok((index, view))
 }
 
-/// The key Python's glue uses for a value it must rebuild with `torch.load`.
-pub(crate) const TORCH_SAVE_KEY: &str = "__tessera_torch_save__";
+pub(crate) use crate::formats::torch_dist::TORCH_SAVE_KEY;
 
 #[cfg(test)]
 mod tests {

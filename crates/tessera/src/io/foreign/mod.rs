@@ -31,13 +31,8 @@ use crate::state::{PathSeg, StatePath};
 use crate::storage::{check_claimed, read_claimed, ObjectWriter, Storage};
 use crate::{DType, Error, Result, Value};
 
-/// Prefix of an object payload that is a plain value in tessera's value encoding.
-pub const OBJECT_TAG_VALUE: &[u8; 4] = b"TSV1";
-/// Prefix of an object payload that is the `torch.save` bytes of the object.
-pub const OBJECT_TAG_TORCH: &[u8; 4] = b"TPT1";
-/// Prefix of an object payload that is the `torch.save` bytes of a one-element list holding the
-/// object (how Megatron `torch_dist` stores sharded objects).
-pub const OBJECT_TAG_TORCH_LIST: &[u8; 4] = b"TPL1";
+// The payload tags are the torch_dist writer's too: one definition, beside it.
+pub use crate::formats::torch_dist::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
 
 /// Bytes read at each end of a tensor item to find where its data starts: its central
 /// directory (≈ 7 entries) at the end, its `data.pkl` (a few hundred bytes) at the start.

@@ -1,0 +1,390 @@
+//! Writing PyTorch Distributed Checkpoint directories as Megatron-Core's `torch_dist` backend
+//! lays them out (`TorchDistSaveShardedStrategy`, megatron-core 0.16.1): what
+//! `torch.distributed.checkpoint.load` and `megatron.core.dist_checkpointing.load` read.
+//! (Reading them is `format/dcp.rs` with `io/foreign/dcp.rs`.)
+//!
+//! - `__{rank}_0.distcp`: the rank's items back to back, each a complete `torch.save` archive —
+//!   a tensor chunk (one per main-replica shard, the box Megatron gives it: prepended axes
+//!   included, as size 1) or a byte item (a sharded object, `torch.save([obj])`, under
+//!   `"{key}/shard_{offsets}_{grid}"`, dot-joined).
+//! - `.metadata`: one pickle of `torch.distributed.checkpoint.metadata.Metadata`, rank 0, last:
+//!   the commit marker. Keys are Megatron's: a tensor's key is its fqn.
+//! - `metadata.json`: Megatron's backend record; `common.pt`: `torch.save` of the common dict.
+//!
+//! DCP has no checksums: nothing here can detect a flipped bit later (tessera's reader still
+//! checks every structure and size through its one gate; the zip entries carry the CRC-32s
+//! torch checks when it extracts them).
+//!
+//! Pure: descriptions in, bytes out.
+
+use super::super::format::pickle_write::{pickle, Pk};
+use super::super::format::torch_save_write::{torch_dtype_name, value_archive, wrap_archive_in_list};
+use crate::state::{path_string, PathSeg, StatePath, Value};
+use crate::{DType, Error, Result};
+
+/// DCP's metadata file (the commit marker).
+pub const DCP_METADATA: &str = ".metadata";
+/// Megatron's backend record.
+pub const MEGATRON_METADATA: &str = "metadata.json";
+/// Megatron's common state.
+pub const MEGATRON_COMMON: &str = "common.pt";
+/// The backend record megatron-core 0.16.1 writes for `torch_dist` (`CheckpointingConfig`).
+pub const MEGATRON_METADATA_JSON: &str = r#"{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}"#;
+/// The `Metadata.version` torch 2.4 – 2.15 write.
+const DCP_VERSION: &str = "1.0.0";
+const MD: &str = "torch.distributed.checkpoint.metadata";
+
+/// The data file of `rank` (DCP's `__{rank}_{bucket}.distcp`, one bucket).
+pub fn data_file_name(rank: usize) -> String {
+    format!("__{rank}_0.distcp")
+}
+
+/// Whether `name` is a DCP data file (`__{rank}_{k}.distcp`).
+pub fn is_data_file_name(name: &str) -> bool {
+    name.strip_prefix("__").and_then(|s| s.strip_suffix(".distcp")).is_some_and(|s| {
+        s.split_once('_').is_some_and(|(r, k)| {
+            !r.is_empty()
+                && !k.is_empty()
+                && r.bytes().all(|b| b.is_ascii_digit())
+                && k.bytes().all(|b| b.is_ascii_digit())
+        })
+    })
+}
+
+/// Megatron's name for one shard of a sharded object (`ShardedObject.unique_key`).
+pub fn object_fqn(key: &str, offset: &[u64], grid: &[u64]) -> String {
+    let dotted = |xs: &[u64]| xs.iter().map(u64::to_string).collect::<Vec<_>>().join(".");
+    format!("{key}/shard_{}_{}", dotted(offset), dotted(grid))
+}
+
+/// Where an item lies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ItemPlace {
+    /// Data file (relative).
+    pub file: String,
+    /// Offset in it.
+    pub offset: u64,
+    /// Length.
+    pub length: u64,
+}
+
+/// One stored chunk of a tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkItem {
+    /// Global offset.
+    pub offsets: Vec<u64>,
+    /// Extent.
+    pub sizes: Vec<u64>,
+    /// Its item.
+    pub place: ItemPlace,
+}
+
+/// A tensor of the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorItems {
+    /// Key (fqn).
+    pub fqn: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub size: Vec<u64>,
+    /// Chunks, each stored once.
+    pub chunks: Vec<ChunkItem>,
+}
+
+fn size(xs: &[u64]) -> Pk {
+    Pk::call("torch", "Size", vec![Pk::dims(xs)])
+}
+
+fn storage_info(p: &ItemPlace) -> Pk {
+    Pk::object(
+        "torch.distributed.checkpoint.filesystem",
+        "_StorageInfo",
+        Pk::fields(vec![
+            ("relative_path", Pk::Str(p.file.clone())),
+            ("offset", Pk::Int(p.offset as i64)),
+            ("length", Pk::Int(p.length as i64)),
+        ]),
+    )
+}
+
+fn metadata_index(fqn: &str, offset: Option<&[u64]>) -> Pk {
+    Pk::object(
+        MD,
+        "MetadataIndex",
+        Pk::fields(vec![("fqn", Pk::str(fqn)), ("offset", offset.map_or(Pk::None, size)), ("index", Pk::None)]),
+    )
+}
+
+/// `TensorProperties` with the 5-item tuple state both torch 2.10 (exactly 5) and torch 2.15
+/// (5, or 6 with strides) accept: dtype, layout, requires_grad, memory format, pin_memory.
+fn tensor_properties(dtype: DType) -> Pk {
+    Pk::Obj {
+        class: Box::new(Pk::global(MD, "TensorProperties")),
+        args: Vec::new(),
+        state: Some(Box::new(Pk::Tuple(vec![
+            Pk::global("torch", torch_dtype_name(dtype)),
+            Pk::call("torch.serialization", "_get_layout", vec![Pk::str("torch.strided")]),
+            Pk::Bool(false),
+            // _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+            Pk::call(MD, "_MEM_FORMAT_ENCODING", vec![Pk::Int(0)]),
+            Pk::Bool(false),
+        ]))),
+    }
+}
+
+/// The `.metadata` pickle (protocol 4, as `pickle.dump` writes it) of a checkpoint holding
+/// `tensors` and the byte items `bytes` (fqn, place). `save_id` names the save.
+pub fn metadata_pickle(tensors: &[TensorItems], bytes: &[(String, ItemPlace)], save_id: &str) -> Vec<u8> {
+    let mut sdm = Vec::with_capacity(tensors.len() + bytes.len());
+    let mut storage = Vec::new();
+    for t in tensors {
+        let chunks = t
+            .chunks
+            .iter()
+            .map(|c| {
+                storage.push((metadata_index(&t.fqn, Some(&c.offsets)), storage_info(&c.place)));
+                Pk::object(
+                    MD,
+                    "ChunkStorageMetadata",
+                    Pk::fields(vec![("offsets", size(&c.offsets)), ("sizes", size(&c.sizes))]),
+                )
+            })
+            .collect();
+        let meta = Pk::object(
+            MD,
+            "TensorStorageMetadata",
+            Pk::fields(vec![
+                ("properties", tensor_properties(t.dtype)),
+                ("size", size(&t.size)),
+                ("chunks", Pk::List(chunks)),
+            ]),
+        );
+        sdm.push((Pk::Str(t.fqn.clone()), meta));
+    }
+    for (fqn, place) in bytes {
+        sdm.push((Pk::Str(fqn.clone()), Pk::object(MD, "BytesStorageMetadata", Pk::Dict(Vec::new()))));
+        storage.push((metadata_index(fqn, None), storage_info(place)));
+    }
+    let storage_meta = Pk::object(
+        MD,
+        "StorageMeta",
+        Pk::fields(vec![
+            ("checkpoint_id", Pk::None),
+            ("save_id", Pk::str(save_id)),
+            ("load_id", Pk::None),
+            ("modules", Pk::List(Vec::new())),
+        ]),
+    );
+    let root = Pk::object(
+        MD,
+        "Metadata",
+        Pk::fields(vec![
+            ("state_dict_metadata", Pk::Dict(sdm)),
+            // Megatron plans each rank on its own and records no planner data.
+            ("planner_data", Pk::None),
+            ("storage_data", Pk::Dict(storage)),
+            ("storage_meta", storage_meta),
+            ("version", Pk::str(DCP_VERSION)),
+        ]),
+    );
+    pickle(&root, 4)
+}
+
+/// Prefix of an object payload that is a plain value in tessera's value encoding.
+pub const OBJECT_TAG_VALUE: &[u8; 4] = b"TSV1";
+/// Prefix of an object payload that is the `torch.save` bytes of the object.
+pub const OBJECT_TAG_TORCH: &[u8; 4] = b"TPT1";
+/// Prefix of an object payload that is the `torch.save` bytes of a one-element list holding the
+/// object (how Megatron `torch_dist` stores sharded objects).
+pub const OBJECT_TAG_TORCH_LIST: &[u8; 4] = b"TPL1";
+
+/// The byte item Megatron stores for a sharded object: `torch.save([obj])`. The payload says
+/// what `obj` is (the encodings tessera's Python layer writes): `TSV1` + a plain value,
+/// `TPL1` + `torch.save([obj])` (stored as is, once checked), `TPT1` + `torch.save(obj)`
+/// (wrapped in a list); any other payload is stored as Python `bytes`.
+pub fn object_item(key: &str, payload: &[u8], serialization_id: &str) -> Result<Vec<u8>> {
+    let bad = |e: String| Error::invalid(format!("object {key:?}: {e}"));
+    let (tag, body) = payload.split_at(payload.len().min(4));
+    if tag == OBJECT_TAG_VALUE {
+        let v = Value::from_bytes(body).map_err(|e| bad(e.to_string()))?;
+        Ok(value_archive(&Pk::List(vec![Pk::from(&v)]), serialization_id))
+    } else if tag == OBJECT_TAG_TORCH_LIST {
+        match crate::format::torch_save::decode_archive(body, key) {
+            Ok(crate::format::PickleValue::List(xs)) if xs.len() == 1 => Ok(body.to_vec()),
+            Ok(_) => Err(bad("the torch.save payload tagged TPL1 is not a one-element list".into())),
+            Err(e) => Err(bad(format!("the torch.save payload tagged TPL1 does not read: {e}"))),
+        }
+    } else if tag == OBJECT_TAG_TORCH {
+        wrap_archive_in_list(body, serialization_id).map_err(|e| bad(format!("torch.save payload: {e}")))
+    } else {
+        Ok(value_archive(&Pk::List(vec![Pk::Bytes(payload.to_vec())]), serialization_id))
+    }
+}
+
+/// A map key that Python's glue uses for a value only `torch.load` can rebuild: tessera holds
+/// its `torch.save` bytes, not the value.
+pub(crate) const TORCH_SAVE_KEY: &str = "__tessera_torch_save__";
+
+enum Node {
+    Leaf(Pk),
+    Map(Vec<(String, Node)>),
+    List(Vec<(u64, Node)>),
+}
+
+impl Node {
+    fn into_pk(self) -> Pk {
+        match self {
+            Node::Leaf(p) => p,
+            Node::Map(kv) => Pk::Dict(kv.into_iter().map(|(k, v)| (Pk::Str(k), v.into_pk())).collect()),
+            Node::List(mut xs) => {
+                xs.sort_by_key(|(i, _)| *i);
+                let mut out = Vec::with_capacity(xs.len());
+                for (i, v) in xs {
+                    while (out.len() as u64) < i {
+                        out.push(Pk::None);
+                    }
+                    out.push(v.into_pk());
+                }
+                Pk::List(out)
+            }
+        }
+    }
+}
+
+/// The node under `node` at `seg`, created empty if new (an empty map becomes a list when
+/// indexed); `None` if `node` cannot have it (a value, or a map indexed by position).
+fn child<'a>(node: &'a mut Node, seg: &PathSeg) -> Option<&'a mut Node> {
+    if matches!((&*node, seg), (Node::Map(kv), PathSeg::Index(_)) if kv.is_empty()) {
+        *node = Node::List(Vec::new());
+    }
+    match (node, seg) {
+        (Node::Map(kv), PathSeg::Key(k)) => {
+            let at = kv.iter().position(|(x, _)| x == k).unwrap_or_else(|| {
+                kv.push((k.clone(), Node::Map(Vec::new())));
+                kv.len() - 1
+            });
+            Some(&mut kv[at].1)
+        }
+        (Node::List(xs), PathSeg::Index(i)) => {
+            let at = xs.iter().position(|(x, _)| x == i).unwrap_or_else(|| {
+                xs.push((*i, Node::Map(Vec::new())));
+                xs.len() - 1
+            });
+            Some(&mut xs[at].1)
+        }
+        _ => None,
+    }
+}
+
+fn holds_torch_blob(v: &Value) -> bool {
+    match v {
+        Value::Map(kv) => kv.iter().any(|(k, v)| k == TORCH_SAVE_KEY || holds_torch_blob(v)),
+        Value::List(xs) => xs.iter().any(holds_torch_blob),
+        _ => false,
+    }
+}
+
+/// `common.pt`: `torch.save` of the dict the common values make (each at its path: keys make
+/// dicts, indices lists). A value tessera holds only as `torch.save` bytes (a Python object
+/// that is not plain data) cannot be re-pickled into it: an error names it.
+pub fn common_pt(common: &[(StatePath, Value)], serialization_id: &str) -> Result<Vec<u8>> {
+    let mut root = Node::Map(Vec::new());
+    for (path, value) in common {
+        if holds_torch_blob(value) {
+            return Err(Error::invalid(format!(
+                "common value {:?} is a Python object tessera holds only as torch.save bytes; \
+                 it cannot be written into common.pt (load and re-save it from Python)",
+                path_string(path)
+            )));
+        }
+        let Some((last, parents)) = path.split_last() else {
+            return Err(Error::invalid("a common value has an empty path"));
+        };
+        let mut node = &mut root;
+        for seg in parents.iter().chain(std::iter::once(last)) {
+            node = child(node, seg).ok_or_else(|| {
+                Error::invalid(format!("common value {:?}: its path crosses another value", path_string(path)))
+            })?;
+        }
+        *node = Node::Leaf(Pk::from(value));
+    }
+    Ok(value_archive(&root.into_pk(), serialization_id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::dcp::parse_metadata;
+    use crate::format::pickle::{unpickle, PickleValue, UnpickleLimits};
+    use crate::format::torch_save::decode_archive;
+
+    #[test]
+    fn metadata_reads_back() {
+        let place = |o| ItemPlace { file: "__0_0.distcp".into(), offset: o, length: 10 };
+        let tensors = vec![TensorItems {
+            fqn: "a.w".into(),
+            dtype: DType::BF16,
+            size: vec![4, 2],
+            chunks: vec![
+                ChunkItem { offsets: vec![0, 0], sizes: vec![2, 2], place: place(0) },
+                ChunkItem { offsets: vec![2, 0], sizes: vec![2, 2], place: place(10) },
+            ],
+        }];
+        let bytes = vec![(object_fqn("rng", &[1], &[2]), place(20))];
+        let pkl = metadata_pickle(&tensors, &bytes, "id");
+        let meta = parse_metadata(&unpickle(&pkl, "m", &UnpickleLimits::default()).unwrap()).unwrap();
+        assert_eq!(meta.tensors.len(), 1);
+        let t = &meta.tensors[0];
+        assert_eq!((t.fqn.as_str(), t.dtype, t.size.clone()), ("a.w", DType::BF16, vec![4, 2]));
+        assert_eq!(t.chunks[1].offsets, vec![2, 0]);
+        assert_eq!(t.chunks[1].location.offset, 10);
+        assert_eq!(meta.bytes.len(), 1);
+        assert_eq!(meta.bytes[0].fqn, "rng/shard_1_2");
+        assert_eq!(meta.bytes[0].location.offset, 20);
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(object_fqn("a/b", &[0, 3], &[1, 4]), "a/b/shard_0.3_1.4");
+        assert!(is_data_file_name("__12_0.distcp"));
+        assert!(!is_data_file_name("__x_0.distcp") && !is_data_file_name("__1.distcp"));
+    }
+
+    #[test]
+    fn object_payloads() {
+        let plain = [OBJECT_TAG_VALUE.as_slice(), &Value::Int(7).to_bytes()].concat();
+        let item = object_item("o", &plain, "1").unwrap();
+        assert_eq!(decode_archive(&item, "o").unwrap(), PickleValue::List(vec![PickleValue::Int(7)]));
+        let list = [OBJECT_TAG_TORCH_LIST.as_slice(), &item].concat();
+        assert_eq!(object_item("o", &list, "1").unwrap(), item);
+        let single = value_archive(&Pk::Int(7), "1");
+        let wrapped = object_item("o", &[OBJECT_TAG_TORCH.as_slice(), &single].concat(), "1").unwrap();
+        assert_eq!(decode_archive(&wrapped, "o").unwrap(), PickleValue::List(vec![PickleValue::Int(7)]));
+        let raw = object_item("o", b"xy", "1").unwrap();
+        assert_eq!(decode_archive(&raw, "o").unwrap(), PickleValue::List(vec![PickleValue::Bytes(b"xy".to_vec())]));
+        assert!(object_item("o", &[OBJECT_TAG_TORCH_LIST.as_slice(), &single].concat(), "1").is_err());
+    }
+
+    #[test]
+    fn common_dict() {
+        let k = |s: &str| PathSeg::Key(s.into());
+        let common = vec![
+            (vec![k("iteration")], Value::Int(3)),
+            (vec![k("args"), k("lr")], Value::Float(0.5)),
+            (vec![k("list"), PathSeg::Index(1)], Value::Str("b".into())),
+            (vec![k("list"), PathSeg::Index(0)], Value::Str("a".into())),
+        ];
+        let back = decode_archive(&common_pt(&common, "1").unwrap(), "c").unwrap().to_plain().unwrap();
+        let expected = Value::Map(vec![
+            ("iteration".into(), Value::Int(3)),
+            ("args".into(), Value::Map(vec![("lr".into(), Value::Float(0.5))])),
+            ("list".into(), Value::List(vec![Value::Str("a".into()), Value::Str("b".into())])),
+        ]);
+        assert_eq!(back, expected);
+        let blob = Value::Map(vec![(TORCH_SAVE_KEY.into(), Value::Bytes(vec![1]))]);
+        let err = common_pt(&[(vec![k("opaque")], blob)], "1").unwrap_err().to_string();
+        assert!(err.contains("opaque"), "{err}");
+        assert_eq!(decode_archive(&common_pt(&[], "1").unwrap(), "c").unwrap(), PickleValue::Dict(vec![]));
+    }
+}

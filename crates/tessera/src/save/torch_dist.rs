@@ -1,0 +1,357 @@
+//! Saving as Megatron-Core `torch_dist` (a PyTorch DCP directory plus Megatron's
+//! `metadata.json` and `common.pt`, `formats::torch_dist`), which megatron-core 0.16.1 and
+//! `torch.distributed.checkpoint` load themselves.
+//!
+//! The global plan is the native save's: one exchange of shard metadata, the check that the
+//! shards tile every tensor (before anything is written or removed), the spreading of
+//! replicated shards over the ranks that hold them. Each rank then writes
+//! `__{rank}_0.distcp` (its items back to back, every one a `torch.save` archive written
+//! around the caller's bytes, not through a copy), and rank 0, once every rank's file is
+//! complete, writes `common.pt`, `metadata.json` and last `.metadata`: the commit (DCP's
+//! readers and tessera's take a directory without `.metadata` for an unfinished save). With
+//! `overwrite`, the old `.metadata` is removed after validation and before any file is
+//! rewritten, so a crash leaves no loadable mix of old and new files.
+//!
+//! What the format cannot hold is refused on every rank before anything is written: shards
+//! with a flattened range (megatron-core 0.16.1 refuses them too: "ShardedTensor.flattened_range
+//! is not supported"), and common values next to a caller-made `common.pt`.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::comm::Communicator;
+use crate::format::torch_save_write::{crc32, tensor_archive};
+use crate::formats::torch_dist::{
+    common_pt, data_file_name, is_data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace,
+    TensorItems, DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA, MEGATRON_METADATA_JSON,
+};
+use crate::io::factories::apply_factories_collective;
+use crate::io::save::{collect, new_save_id, plan_globally, Collected, SaveOptions, SaveReport};
+use crate::io::strategy::detect_format;
+use crate::io::write::{write_sources, Source};
+use crate::plan::save::RankPlan;
+use crate::save::olmo::agree;
+use crate::state::{path_string, StateTree};
+use crate::storage::Storage;
+use crate::{Error, Result};
+
+/// Backends a `torch_dist` save may replace with `overwrite` (a DCP directory either way).
+const REPLACEABLE: [&str; 2] = ["torch_dist", "torch_dcp"];
+
+/// Saves this rank's part of the state as a Megatron `torch_dist` checkpoint. Every rank of
+/// `comm` calls it with its own tree. Tensor keys become DCP fqns; a sharded object becomes
+/// the byte item `"{key}/shard_{offset}_{grid}"` holding `torch.save([obj])` (its payload read
+/// as [`object_item`] says). `common`, given on rank 0 (ignored elsewhere), is the whole
+/// `common.pt` (`torch.save` of the common dict, as Python makes it); without it, the tree's
+/// plain values make the dict (with `opts.content_metadata`, when set, under
+/// `content_metadata`, where Megatron keeps it). Errors come out identically on every rank.
+///
+/// The report's `index_bytes` is the size of `.metadata` on rank 0 and 0 elsewhere.
+pub fn save_torch_dist(
+    tree: StateTree<'_>,
+    common: Option<&[u8]>,
+    storage: &dyn Storage,
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
+    let rank = comm.rank();
+    let (tree, factory_error) = apply_factories_collective(tree);
+    let mut c = collect(&tree, rank, true, opts.distribute_replicas);
+    let found = factory_error.or(c.local_error.take()).or_else(|| unsupported(&c, common.is_some(), opts));
+    c.local_error = found;
+
+    // Object items are made before the exchange: their sizes travel in it (as the objects'
+    // lengths), so rank 0 can place every item, and a payload that does not convert fails
+    // every rank alike.
+    let own_id = serialization_id(new_save_id(), rank as u64);
+    let mut object_items = Vec::new();
+    if c.local_error.is_none() {
+        let mains = c.plan.objects.iter_mut().filter(|o| o.main);
+        for (o, data) in mains.zip(&c.object_data) {
+            match object_item(&o.key, data, &own_id) {
+                Ok(item) => {
+                    o.len = item.len() as u64;
+                    object_items.push(item);
+                }
+                Err(e) => {
+                    c.local_error = Some(e);
+                    break;
+                }
+            }
+        }
+    }
+    if rank == 0 {
+        c.plan.save_id = new_save_id();
+        if c.local_error.is_none() {
+            match existing(storage, opts.overwrite) {
+                Ok(refuse) => c.plan.refuse_overwrite = refuse,
+                Err(e) => c.local_error = Some(e),
+            }
+        }
+    }
+    let plans = plan_globally(comm, &mut c, opts, storage, None)?;
+    let save_id = plans[0].save_id;
+
+    // Uncommit what is being replaced before any of its files is rewritten in place.
+    let removed = if rank == 0 && opts.overwrite { storage.delete(DCP_METADATA) } else { Ok(()) };
+    agree(comm, removed)?;
+
+    let name = data_file_name(rank);
+    let written = write_rank_file(&plans[rank], &c, &object_items, save_id, &name, storage, opts);
+    let bytes_written = agree(comm, written)?;
+
+    let mut index_bytes = 0;
+    let committed =
+        if rank == 0 { commit(&plans, save_id, common, &c, storage, opts).map(|n| index_bytes = n) } else { Ok(()) };
+    agree(comm, committed)?;
+
+    let mains = plans.iter().flat_map(|p| p.tensors.iter().filter(|t| t.main));
+    let (chunks, total_tensor_bytes) = mains.fold((0, 0), |(n, b), t| (n + 1, b + t.nbytes()));
+    Ok(SaveReport { file: Some(name), bytes_written, total_tensor_bytes, files: plans.len(), chunks, index_bytes })
+}
+
+/// The `.data/serialization_id` of the archives a save writes: 40 digits, as torch's.
+pub(crate) fn serialization_id(save_id: u64, n: u64) -> String {
+    format!("{save_id:020}{n:020}")
+}
+
+/// What the format cannot hold, or a bad option: found locally, it travels in the exchange
+/// so that every rank fails alike.
+fn unsupported(c: &Collected<'_>, has_common_pt: bool, opts: &SaveOptions) -> Option<Error> {
+    if let Some(t) = c.plan.tensors.iter().find(|t| t.flat.is_some()) {
+        return Some(Error::sharding(
+            &*t.key,
+            "a shard with a flattened range cannot be saved as torch_dist (megatron-core 0.16.1 refuses \
+             them too: ShardedTensor.flattened_range is not supported); save it in the native format",
+        ));
+    }
+    if has_common_pt {
+        if let Some((path, _)) = c.common.first() {
+            return Some(Error::invalid(format!(
+                "common value {:?} given next to a ready-made common.pt: pass the common state one way",
+                path_string(path)
+            )));
+        }
+    }
+    (opts.block_size == 0).then(|| Error::invalid("block size must be positive"))
+}
+
+/// Rank 0's look at the location: `true` if a committed checkpoint is there and overwriting
+/// was not asked for; an error if one of a format this save cannot replace is there. A DCP
+/// directory is committed when it has `.metadata` (its `metadata.json` alone is a save that
+/// never finished, or one being overwritten).
+pub(crate) fn existing(storage: &dyn Storage, overwrite: bool) -> Result<bool> {
+    if crate::storage::size_if_present(storage, DCP_METADATA)?.is_some() {
+        return Ok(!overwrite);
+    }
+    match detect_format(storage) {
+        Ok((record, _)) if REPLACEABLE.contains(&record.backend.as_str()) => Ok(false),
+        Ok(_) if !overwrite => Ok(true),
+        Ok((record, _)) => Err(Error::invalid(format!(
+            "{} holds a {} checkpoint; a torch_dist checkpoint cannot replace it there",
+            storage.location(),
+            record.backend
+        ))),
+        Err(Error::NotFound { .. } | Error::NotCommitted { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// One item of a rank's file: a tensor chunk (index of the shard in the rank's plan) or an
+/// object (index among the rank's main objects), and its length.
+#[derive(Debug, Clone, Copy)]
+enum Item {
+    Tensor(usize, u64),
+    Object(usize, u64),
+}
+
+/// The items of the file of the rank with plan `plan`, in file order: its main tensor shards,
+/// then its main objects. Every rank computes any rank's layout from the plans alone (an
+/// archive's length does not depend on the data's checksum).
+fn items(plan: &RankPlan, save_id: u64) -> Vec<Item> {
+    let id = serialization_id(save_id, 0);
+    let mut out = Vec::new();
+    for (i, t) in plan.tensors.iter().enumerate().filter(|(_, t)| t.main) {
+        out.push(Item::Tensor(i, tensor_archive(t.dtype, &t.shape, 0, &id).len()));
+    }
+    for (i, o) in plan.objects.iter().filter(|o| o.main).enumerate() {
+        out.push(Item::Object(i, o.len));
+    }
+    out
+}
+
+/// Writes this rank's data file; returns its size. A rank with nothing to store writes an
+/// empty file, as DCP does (so a file of an earlier save cannot pass for this one's).
+fn write_rank_file(
+    plan: &RankPlan,
+    c: &Collected<'_>,
+    object_items: &[Vec<u8>],
+    save_id: u64,
+    name: &str,
+    storage: &dyn Storage,
+    opts: &SaveOptions,
+) -> Result<u64> {
+    let layout = items(plan, save_id);
+    let data: Vec<(usize, &[u8])> = layout
+        .iter()
+        .filter_map(|it| match *it {
+            Item::Tensor(i, _) => Some(i),
+            Item::Object(..) => None,
+        })
+        .map(|i| {
+            let t = &plan.tensors[i];
+            c.tensor_data[i]
+                .map(|d| (i, d))
+                .ok_or_else(|| Error::invalid(format!("{:?}: chosen to write a shard it has no data for", t.key)))
+        })
+        .collect::<Result<_>>()?;
+    let crcs = parallel_crc32(&data, opts.threads);
+    let mut archives = Vec::with_capacity(data.len());
+    for (n, &(i, bytes)) in data.iter().enumerate() {
+        let t = &plan.tensors[i];
+        let a = tensor_archive(t.dtype, &t.shape, crcs[n], &serialization_id(save_id, i as u64));
+        if a.data_len != bytes.len() as u64 {
+            return Err(Error::invalid(format!(
+                "{:?}: {} bytes of data for a {:?} chunk of {} bytes",
+                t.key,
+                bytes.len(),
+                t.shape.to_vec(),
+                a.data_len
+            )));
+        }
+        archives.push(a);
+    }
+    let mut sources = Vec::with_capacity(3 * archives.len() + object_items.len());
+    let mut at = 0u64;
+    for (a, &(_, bytes)) in archives.iter().zip(&data) {
+        for part in [a.prefix.as_slice(), bytes, a.suffix.as_slice()] {
+            sources.push(Source { data: part, file_off: at, block: opts.block_size });
+            at += part.len() as u64;
+        }
+    }
+    for item in object_items {
+        sources.push(Source { data: item, file_off: at, block: opts.block_size });
+        at += item.len() as u64;
+    }
+    let planned: u64 = layout
+        .iter()
+        .map(|it| match *it {
+            Item::Tensor(_, n) | Item::Object(_, n) => n,
+        })
+        .sum();
+    if planned != at {
+        return Err(Error::invalid(format!("{name}: {at} bytes laid out, {planned} planned")));
+    }
+    let writer = storage.create(name, at)?;
+    write_sources(writer.as_ref(), &sources, opts.threads, opts.cancel.as_deref())?;
+    writer.finish()?;
+    Ok(at)
+}
+
+/// CRC-32 of every buffer, on up to `threads` threads.
+fn parallel_crc32(data: &[(usize, &[u8])], threads: usize) -> Vec<u32> {
+    let out = Mutex::new(vec![0u32; data.len()]);
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, data.len().max(1)) {
+            s.spawn(|| loop {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(_, bytes)) = data.get(n) else { return };
+                let crc = crc32(bytes);
+                out.lock().unwrap()[n] = crc;
+            });
+        }
+    });
+    out.into_inner().unwrap()
+}
+
+/// Rank 0, once every rank's file is complete: `common.pt`, `metadata.json`, then `.metadata`
+/// (the commit), then the removal of data files no rank wrote this time. Returns the size of
+/// `.metadata`.
+fn commit(
+    plans: &[RankPlan],
+    save_id: u64,
+    common: Option<&[u8]>,
+    c: &Collected<'_>,
+    storage: &dyn Storage,
+    opts: &SaveOptions,
+) -> Result<u64> {
+    let mut tensors: Vec<TensorItems> = Vec::new();
+    let mut by_key: HashMap<&str, usize> = HashMap::new();
+    let mut bytes = Vec::new();
+    for (r, plan) in plans.iter().enumerate() {
+        let file = data_file_name(r);
+        let mut at = 0;
+        for it in items(plan, save_id) {
+            let (len, place) = match it {
+                Item::Tensor(_, n) | Item::Object(_, n) => (n, ItemPlace { file: file.clone(), offset: at, length: n }),
+            };
+            at += len;
+            match it {
+                Item::Tensor(i, _) => {
+                    let t = &plan.tensors[i];
+                    let k = *by_key.entry(&t.key).or_insert_with(|| {
+                        tensors.push(TensorItems {
+                            fqn: t.key.to_string(),
+                            dtype: t.dtype,
+                            size: t.global_shape.to_vec(),
+                            chunks: Vec::new(),
+                        });
+                        tensors.len() - 1
+                    });
+                    tensors[k].chunks.push(ChunkItem { offsets: t.offset.to_vec(), sizes: t.shape.to_vec(), place });
+                }
+                Item::Object(i, _) => {
+                    let o = plan.objects.iter().filter(|o| o.main).nth(i).expect("items() counted it");
+                    bytes.push((object_fqn(&o.key, &o.offset, &o.global_shape), place));
+                }
+            }
+        }
+    }
+    let common_bytes = match common {
+        Some(b) => b.to_vec(),
+        None => {
+            // Megatron keeps the content metadata in the common dict, under this key.
+            let mut values = c.common.clone();
+            if opts.content_metadata != crate::Value::Null {
+                values.push((vec![crate::PathSeg::Key("content_metadata".into())], opts.content_metadata.clone()));
+            }
+            common_pt(&values, &serialization_id(save_id, u64::MAX))?
+        }
+    };
+    let metadata = metadata_pickle(&tensors, &bytes, &format!("{save_id:016x}"));
+    let files = (0..plans.len()).map(data_file_name).collect();
+    publish(storage, &common_bytes, &metadata, opts.overwrite, &files)?;
+    Ok(metadata.len() as u64)
+}
+
+/// The commit of a torch_dist checkpoint whose data files (`files`) are complete:
+/// `common.pt`, `metadata.json`, then `.metadata` (create-if-absent unless `overwrite`), then
+/// the removal of DCP data files not in `files`. Shared by save and convert.
+pub(crate) fn publish(
+    storage: &dyn Storage,
+    common: &[u8],
+    metadata: &[u8],
+    overwrite: bool,
+    files: &BTreeSet<String>,
+) -> Result<()> {
+    storage.put_atomic(MEGATRON_COMMON, common)?;
+    storage.put_atomic(MEGATRON_METADATA, MEGATRON_METADATA_JSON.as_bytes())?;
+    if overwrite {
+        storage.put_atomic(DCP_METADATA, metadata)?;
+    } else {
+        storage.put_if_absent(DCP_METADATA, metadata)?;
+    }
+    remove_stale_files(storage, files);
+    Ok(())
+}
+
+/// After the commit: DCP data files this save did not write (an earlier save with more ranks,
+/// or one torch wrote with several files per rank) are garbage. Best effort.
+fn remove_stale_files(storage: &dyn Storage, ours: &BTreeSet<String>) {
+    let Ok(names) = storage.list() else { return };
+    for name in names.into_iter().filter(|n| is_data_file_name(n) && !ours.contains(n)) {
+        let _ = storage.delete(&name);
+    }
+}
