@@ -205,6 +205,10 @@ def load(
     ``ignore_all``.
     """
 
+def load_objects_metadata(location: str) -> Dict[str, Tuple[Tuple[int, ...], List[Tuple[int, ...]]]]:
+    """Key -> (grid shape, grid offset of every stored shard) of every stored object."""
+    ...
+
 def load_tensors_metadata(location: str) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
     """Key -> (dtype, global shape) of every stored tensor."""
 

@@ -392,6 +392,19 @@ fn load_tensors_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound
     Ok(out)
 }
 
+/// Key -> (grid shape, [grid offset of every stored shard]) of every stored object.
+#[pyfunction]
+fn load_objects_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyDict>> {
+    let storage = open(py, location)?;
+    let index = lib(py, py.detach(|| tessera::open_index(&*storage)))?;
+    let out = PyDict::new(py);
+    for o in &index.objects {
+        let offsets = o.shards.iter().map(|s| PyTuple::new(py, &s.offset)).collect::<PyResult<Vec<_>>>()?;
+        out.set_item(&o.key, (PyTuple::new(py, &o.global_shape)?, offsets))?;
+    }
+    Ok(out)
+}
+
 /// The common state as `(path, value)` pairs, as stored (maps in key order).
 #[pyfunction]
 fn load_common<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyList>> {
@@ -505,6 +518,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_sharding, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(load_tensors_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(load_objects_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(load_common, m)?)?;
     m.add_function(wrap_pyfunction!(load_content_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(load_objects, m)?)?;

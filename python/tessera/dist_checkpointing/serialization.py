@@ -24,12 +24,19 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 from .. import _native
 from .._comm import default_comm
-from ..errors import TesseraError
+from ..errors import KeyMismatchError, NotCoveredError, TesseraError
 from .core import MEGATRON_BACKENDS, CheckpointingConfig, CheckpointingException, local_dir, save_config
 from .dict_utils import extract_matching_values
 from .strategies.base import AsyncSaveShardedStrategy, SaveShardedStrategy, StrategyAction, get_default_strategy
 from .strategies.tessera import TESSERA_BACKEND, TESSERA_BACKEND_VERSION
-from .validation import StrictHandling, parse_strict_flag, validate_sharding_integrity, verify_checkpoint_and_load_strategy
+from .validation import (
+    StrictHandling,
+    maybe_report_missing_and_unexpected_keys,
+    mismatch_message,
+    parse_strict_flag,
+    validate_sharding_integrity,
+    verify_checkpoint_and_load_strategy,
+)
 from .mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -624,7 +631,9 @@ def load(
     if getattr(sharded_strategy, "exchange_reads", False):
         exchange_reads = True
         process_group = getattr(sharded_strategy, "parallelization_group", None) or process_group
-    factories, _ = extract_matching_values(sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory))
+    factories, _ = extract_matching_values(
+        sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
+    )
     apply_factories(sharded_state_dict)
     tensors, objects, _ = _split(sharded_state_dict)
     collective = exchange_reads or StrictHandling.requires_global_app_metadata(strict)
@@ -643,17 +652,34 @@ def load(
             )
         )
     native_objects = [(o.key, tuple(o.global_shape), tuple(o.global_offset)) for _, o in objects]
-    result = _native.load(
-        native_tensors,
-        native_objects,
-        str(checkpoint_dir),
-        comm,
-        strict=strict.value,
-        verify=verify_checksums,
-        exchange_reads=exchange_reads and comm is not None,
-        # Megatron-Core loads a tensor stored in another dtype converted, as `copy_` does.
-        cast_dtypes=True,
-    )
+    # The core finds the mismatched keys; the LOG_* modes are reported here, through `logging`
+    # as Megatron does, so the core is asked to return them instead of printing them.
+    native_strict = _RETURNED_INSTEAD_OF_LOGGED.get(strict, strict)
+    try:
+        result = _native.load(
+            native_tensors,
+            native_objects,
+            str(checkpoint_dir),
+            comm,
+            strict=native_strict.value,
+            verify=verify_checksums,
+            exchange_reads=exchange_reads and comm is not None,
+            # Megatron-Core loads a tensor stored in another dtype converted, as `copy_` does.
+            cast_dtypes=True,
+        )
+    except NotCoveredError as e:
+        if getattr(sharded_strategy, "backend", None) == "torch_dist":
+            raise _torch_dist_load_error(e) from None
+        raise
+    except KeyMismatchError as e:
+        # Megatron's wording ("Unexpected keys ...", "Missing keys ..."), the same exception.
+        missing = set(e.missing) if strict == StrictHandling.RAISE_ALL else set()
+        err = KeyMismatchError(mismatch_message(missing, set(e.unexpected)))
+        err.missing, err.unexpected = e.missing, e.unexpected
+        raise err from None
+    if strict in _RETURNED_INSTEAD_OF_LOGGED:
+        missing = set(result["missing_keys"]) if strict == StrictHandling.LOG_ALL else set()
+        maybe_report_missing_and_unexpected_keys(missing, set(result["unexpected_keys"]), raise_error=False)
 
     state = _megatron_common_pt(checkpoint_dir)
     if state is None:
@@ -673,6 +699,31 @@ def load(
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return state, set(result["missing_keys"]), set(result["unexpected_keys"])
     return state
+
+
+def _torch_dist_load_error(e: Exception) -> Exception:
+    """A request the torch_dist checkpoint cannot serve, raised as what megatron-core raises
+    there (torch DCP's ``CheckpointException``, which code written for Megatron catches) and as
+    tessera's own ``NotCoveredError`` (with its key and region) at once."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:
+        return e
+
+    class TorchDistNotCoveredError(NotCoveredError, CheckpointException):  # type: ignore[misc]
+        pass
+
+    err = TorchDistNotCoveredError(str(e))
+    err.__dict__.update(getattr(e, "__dict__", {}))
+    err._failures = {}
+    return err
+
+
+#: The strict modes whose mismatches are logged by this module: the core returns them.
+_RETURNED_INSTEAD_OF_LOGGED = {
+    StrictHandling.LOG_UNEXPECTED: StrictHandling.RETURN_UNEXPECTED,
+    StrictHandling.LOG_ALL: StrictHandling.RETURN_ALL,
+}
 
 
 def _torch() -> Any:
@@ -735,9 +786,14 @@ def _native_tensors_metadata(checkpoint_dir: Any) -> Dict[str, ShardedTensor]:
 
 
 def _native_sharded_metadata(checkpoint_dir: Any) -> CkptShardedMetadata:
-    """Tensors of the checkpoint without data; the core's index does not describe object shards
-    beyond their keys, so objects are loaded through a sharded state dict that names them."""
-    return _native_tensors_metadata(checkpoint_dir)
+    """Tensors (by key) and every stored object shard (by its unique key) of the checkpoint,
+    without data, as Megatron's ``load_sharded_metadata`` lists them."""
+    metadata: CkptShardedMetadata = dict(_native_tensors_metadata(checkpoint_dir))
+    for key, (grid, offsets) in _native.load_objects_metadata(os.fspath(checkpoint_dir)).items():
+        for offset in offsets:
+            obj = ShardedObject(key, None, tuple(grid), tuple(offset), replica_id=0)
+            metadata[obj.unique_key] = obj
+    return metadata
 
 
 def load_sharded_metadata(
@@ -823,9 +879,13 @@ def load_content_metadata(checkpoint_dir: Optional[Any] = None, *, preloaded_sta
     if checkpoint_dir is None:
         raise ValueError("Both checkpoint_dir and loaded_state_dict cannot be None")
     try:
-        return _from_plain(_native.load_content_metadata(str(checkpoint_dir)))
+        value = _from_plain(_native.load_content_metadata(str(checkpoint_dir)))
     except CheckpointingException:
-        return load_common_state_dict(checkpoint_dir).get(_CONTENT_METADATA_KEY)
+        value = None
+    if value is None:
+        # Megatron's torch_dist keeps it in common.pt, under the common state's key.
+        value = load_common_state_dict(checkpoint_dir).get(_CONTENT_METADATA_KEY)
+    return value
 
 
 def remove_sharded_tensors(checkpoint_dir: Any, key_prefix: str) -> Any:

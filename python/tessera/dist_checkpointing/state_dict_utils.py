@@ -50,7 +50,9 @@ def load_preprocess(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateD
     removed, the unwrapped non-persistent values, the factories for ``apply_factory_merges``)."""
     sharded_state_dict, _ = extract_matching_values(sharded_state_dict, lambda x: True)
     sharded_state_dict = filter_out_empty_flatten_tensor(sharded_state_dict)
-    factories, _ = extract_matching_values(sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory))
+    factories, _ = extract_matching_values(
+        sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
+    )
     apply_factories(sharded_state_dict)
     nonpersistent, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
     dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)

@@ -24,6 +24,7 @@ __all__ = [
     "validate_sharded_objects_handling",
     "determine_global_metadata",
     "maybe_report_missing_and_unexpected_keys",
+    "mismatch_message",
 ]
 
 logger = logging.getLogger(__name__)
@@ -165,15 +166,19 @@ def maybe_report_missing_and_unexpected_keys(
     nothing when both are empty. The text says "Missing keys" / "Unexpected keys" as Megatron's."""
     if not missing_keys and not unexpected_keys:
         return
+    if raise_error:
+        raise CheckpointingException(mismatch_message(missing_keys, unexpected_keys))
+    logger.warning(mismatch_message(missing_keys, unexpected_keys))
+
+
+def mismatch_message(missing_keys: Set[str], unexpected_keys: Set[str]) -> str:
+    """The report of a key mismatch, in the terms of Megatron's ("Missing keys", "Unexpected keys")."""
     parts = []
     if missing_keys:
         parts.append(f"Missing keys (in the checkpoint, requested by no rank): {sorted(missing_keys)}.")
     if unexpected_keys:
         parts.append(f"Unexpected keys (requested by this rank, not in the checkpoint): {sorted(unexpected_keys)}.")
-    message = "The sharded state dict does not match the checkpoint.\n" + " ".join(parts)
-    if raise_error:
-        raise CheckpointingException(message)
-    logger.warning(message)
+    return "The sharded state dict does not match the checkpoint.\n" + " ".join(parts)
 
 
 def determine_global_metadata(sharded_state_dict: ShardedStateDict) -> Tuple[List[ShardedBase], List[List[ShardedBase]]]:
