@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs every test of the project: the Rust workspace (unit, integration, CLI tests), a short
 # fuzzing of every parser (scripts/fuzz.sh ci), then the Python package's tests (pytest, real
-# torch on CPU, multi-process with gloo), then the MPI example and the round trips with
-# ai2-olmo-core 0.1.0 (.venv-olmo). The object-store tests run against moto_server (an S3
-# implementation, installed into .venv with the Python test requirements), started here on a
-# free loopback port and stopped on exit.
+# torch on CPU, multi-process with gloo), then the MPI example, the round trips with
+# ai2-olmo-core 0.1.0 (.venv-olmo) and three suites of Megatron-LM's own tests
+# (.venv-megatron). The object-store tests run against moto_server (an S3 implementation,
+# installed into .venv with the Python test requirements), started here on a free loopback
+# port and stopped on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
@@ -36,3 +37,8 @@ bash scripts/fuzz.sh ci
 bash scripts/mpi-example.sh
 # OLMo-core: round trips with ai2-olmo-core 0.1.0 itself, both ways (its own venv, torch 2.7.1).
 bash scripts/olmo_interop.sh
+# Megatron-LM's own dist_checkpointing tests (test_mapping, test_serialization, test_strict) with
+# megatron.core.dist_checkpointing aliased to tessera's (the peer's harness and tests in
+# ../shared/peers/megatron-lm; its run.sh creates .venv-megatron: torch 2.10 + megatron-core
+# 0.16.1, about 7 min the first time). The full suite: scripts/megatron-suite.sh all.
+bash scripts/megatron-suite.sh

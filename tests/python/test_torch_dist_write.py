@@ -103,7 +103,10 @@ def test_torch_loads_what_two_ranks_wrote(tmp_path: Any) -> None:
     path = str(tmp_path / "ckpt")
     run_ranks(2, _save, path)
     names = sorted(os.listdir(path))
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
+    assert names[0] == ".metadata" and names[3:] == ["common.pt", "metadata.json"], names
+    # One data file per rank, named for this save (__{rank}_{k}.distcp, the same k).
+    assert [n.split("_")[2] for n in names[1:3]] == ["0", "1"], names
+    assert names[1].split("_")[3] == names[2].split("_")[3] and names[1].endswith(".distcp"), names
     with open(os.path.join(path, "metadata.json")) as f:
         assert json.load(f) == {
             "sharded_backend": "torch_dist",

@@ -305,10 +305,21 @@ fn read_num(bytes: &[u8], dtype: DType) -> Option<Num> {
 
 /// The little-endian bits of `v` as `to`, or None for a target no load cast writes (fp8).
 fn write_num(v: Num, to: DType) -> Option<u64> {
+    let (lo, hi) = match to {
+        DType::I64 => (i64::MIN as i128, i64::MAX as i128),
+        DType::I32 => (i32::MIN as i128, i32::MAX as i128),
+        DType::I16 => (i16::MIN as i128, i16::MAX as i128),
+        DType::I8 => (i8::MIN as i128, i8::MAX as i128),
+        DType::U64 => (0, u64::MAX as i128),
+        DType::U32 => (0, u32::MAX as i128),
+        DType::U16 => (0, u16::MAX as i128),
+        _ => (0, u8::MAX as i128),
+    };
     let int = |v: Num| match v {
         Num::Int(i) => i,
-        // As a C cast truncates toward zero; out of range saturates (NaN is 0) where C is undefined.
-        Num::Float(f) => f as i128,
+        // Truncated toward zero as a C cast; out of the target's range it saturates there (NaN
+        // is 0), where C's cast is undefined.
+        Num::Float(f) => (f as i128).clamp(lo, hi),
     };
     let float = |v: Num| match v {
         Num::Int(i) => i as f64,
@@ -339,8 +350,8 @@ fn write_num(v: Num, to: DType) -> Option<u64> {
 /// load into a buffer of another dtype (Megatron-Core casts there): float to float as
 /// [`cast_into`] (round to nearest even); integer to float rounded to nearest (an integer past
 /// 2^53 in magnitude rounds twice into f16/bf16); float to integer truncated toward zero,
-/// saturating where torch's cast is undefined; integer to integer wrapped; anything to bool is
-/// "not zero". Writing fp8 is refused.
+/// saturating at the target's range (NaN is 0) where torch's cast is undefined; integer to
+/// integer wrapped; anything to bool is "not zero". Writing fp8 is refused.
 pub fn cast_numeric(src: &[u8], from: DType, to: DType, dst: &mut [u8]) -> Result<()> {
     if from == to || (castable_fmt(from).is_some() && castable_fmt(to).is_some()) {
         return cast_into(src, from, to, dst);
@@ -446,7 +457,16 @@ mod tests {
         assert_eq!(got, vec![-2, 0, 3, 300]);
         let mut u = vec![0u8; 4];
         cast_numeric(&floats, DType::F32, DType::U8, &mut u).unwrap();
-        assert_eq!(u, vec![254, 0, 3, 44], "wrapped as an integer cast");
+        assert_eq!(u, vec![0, 0, 3, 255], "saturated at the target's range");
+        let wide: Vec<u8> = [1e19f64, -f64::INFINITY, f64::NAN, -1e30].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut i = vec![0u8; 4 * 8];
+        cast_numeric(&wide, DType::F64, DType::I64, &mut i).unwrap();
+        let got: Vec<i64> = i.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(got, vec![i64::MAX, i64::MIN, 0, i64::MIN]);
+        let ints: Vec<u8> = [300i64, -1].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut w = vec![0u8; 2];
+        cast_numeric(&ints, DType::I64, DType::U8, &mut w).unwrap();
+        assert_eq!(w, vec![44, 255], "integers wrap, as torch's integer casts");
         let mut b = vec![0u8; 4];
         cast_numeric(&floats, DType::F32, DType::Bool, &mut b).unwrap();
         assert_eq!(b, vec![1, 1, 1, 1]);

@@ -20,7 +20,6 @@ use std::collections::BTreeSet;
 use crate::format::torch_save_write::{crc32, tensor_archive};
 use crate::formats::torch_dist::{
     common_pt, data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace, TensorItems,
-    DCP_METADATA,
 };
 use crate::io::convert::{ConvertOptions, ConvertReport};
 use crate::io::load::{read_object, LoadOptions};
@@ -135,12 +134,9 @@ pub fn convert_to_dcp(
     };
     let object_places: Vec<Place> = objects.iter().map(|(_, item)| place(item.len() as u64)).collect();
     let part_places: Vec<Place> = parts.iter().map(|p| place(archive_len(p))).collect();
-    let names: Vec<String> = (0..sizes.len()).map(data_file_name).collect();
-
-    // Uncommit what is being replaced, then write.
-    if opts.overwrite {
-        dst.delete(DCP_METADATA)?;
-    }
+    // Names of this save's own: a checkpoint being replaced (even the source itself) stays
+    // whole until the new `.metadata` commits.
+    let names: Vec<String> = (0..sizes.len()).map(|f| data_file_name(f, save_id)).collect();
     let bytes = write_files(
         src,
         dst,

@@ -493,10 +493,12 @@ fn prepare<'a>(
             let nbytes = (target_bytes / r.dtype.size() as u64)
                 .checked_mul(stored.size() as u64)
                 .ok_or_else(|| Error::invalid(format!("{:?}: staging size overflows", r.key)))?;
-            let buf = crate::io::staging::zeroed(nbytes).ok_or_else(|| {
-                Error::invalid(format!("{:?}: cannot allocate {nbytes} bytes to stage a {stored} tensor", r.key))
-            })?;
-            datas.push(TensorData::Owned(buf));
+            // Refused before any read if no cast exists; staged like a buffer the caller did not
+            // give: allocated once the plan shows the checkpoint stores it.
+            crate::dtype::cast_numeric(&[], stored, r.dtype, &mut [])
+                .map_err(|e| Error::Mismatch { key: r.key.clone(), reason: format!("stored as {stored}: {e}") })?;
+            datas.push(TensorData::None);
+            deferred.push((datas.len() - 1, nbytes, r.key.clone()));
             casts.push(PendingCast {
                 key: r.key.clone(),
                 staging: datas.len() - 1,

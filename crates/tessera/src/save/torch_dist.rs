@@ -93,11 +93,9 @@ pub fn save_torch_dist(
     let plans = plan_globally(comm, &mut c, opts, storage, None)?;
     let save_id = plans[0].save_id;
 
-    // Uncommit what is being replaced before any of its files is rewritten in place.
-    let removed = if rank == 0 && opts.overwrite { storage.delete(DCP_METADATA) } else { Ok(()) };
-    agree(comm, removed)?;
-
-    let name = data_file_name(rank);
+    // Files of this save's own names: what is replaced stays committed until the new
+    // `.metadata` replaces it.
+    let name = data_file_name(rank, save_id);
     let written = write_rank_file(&plans[rank], &c, &object_items, save_id, &name, storage, opts);
     let bytes_written = agree(comm, written)?;
 
@@ -281,7 +279,7 @@ fn commit(
     let mut by_key: HashMap<&str, usize> = HashMap::new();
     let mut bytes = Vec::new();
     for (r, plan) in plans.iter().enumerate() {
-        let file = data_file_name(r);
+        let file = data_file_name(r, save_id);
         let mut at = 0;
         for it in items(plan, save_id) {
             let (len, place) = match it {
@@ -321,7 +319,7 @@ fn commit(
         }
     };
     let metadata = metadata_pickle(&tensors, &bytes, &format!("{save_id:016x}"));
-    let files = (0..plans.len()).map(data_file_name).collect();
+    let files = (0..plans.len()).map(|r| data_file_name(r, save_id)).collect();
     publish(storage, &common_bytes, &metadata, opts.overwrite, &files)?;
     Ok(metadata.len() as u64)
 }
