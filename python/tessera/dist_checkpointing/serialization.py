@@ -553,9 +553,13 @@ def _save_torch_dist(
     return writer(tensors, objects, common_pt, location, comm, **kwargs)
 
 
-def get_default_save_sharded_strategy(backend: str = TESSERA_BACKEND, version: int = TESSERA_BACKEND_VERSION) -> Any:
+def get_default_save_sharded_strategy(backend: str = TESSERA_BACKEND, version: Optional[int] = None) -> Any:
     """The registered save strategy of ``(backend, version)``; tessera's native format by
-    default (Megatron's default is ``("torch_dist", 1)``: ask for it by name)."""
+    default (Megatron's default is ``("torch_dist", 1)``: ask for it by name, as Megatron-LM
+    does with ``get_default_save_sharded_strategy(args.ckpt_format)``). Without ``version``,
+    the version that backend is written in: 2 for tessera, 1 for Megatron's backends."""
+    if version is None:
+        version = TESSERA_BACKEND_VERSION if backend == TESSERA_BACKEND else 1
     return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
 
 
