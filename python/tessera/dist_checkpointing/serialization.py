@@ -705,19 +705,22 @@ def load(
     return state
 
 
+_TORCH_DIST_NOT_COVERED: Any = None
+
+
 def _torch_dist_load_error(e: Exception) -> Exception:
     """A request the torch_dist checkpoint cannot serve, raised as what megatron-core raises
     there (torch DCP's ``CheckpointException``, which code written for Megatron catches) and as
-    tessera's own ``NotCoveredError`` (with its key and region) at once."""
-    try:
-        from torch.distributed.checkpoint.api import CheckpointException
-    except ImportError:
-        return e
-
-    class TorchDistNotCoveredError(NotCoveredError, CheckpointException):  # type: ignore[misc]
-        pass
-
-    err = TorchDistNotCoveredError(str(e))
+    tessera's own ``NotCoveredError`` (with its key and region) at once: one class, made on
+    first use (torch is imported only then), named ``TorchDistNotCoveredError``."""
+    global _TORCH_DIST_NOT_COVERED
+    if _TORCH_DIST_NOT_COVERED is None:
+        try:
+            from torch.distributed.checkpoint.api import CheckpointException
+        except ImportError:
+            return e
+        _TORCH_DIST_NOT_COVERED = type("TorchDistNotCoveredError", (NotCoveredError, CheckpointException), {})
+    err = _TORCH_DIST_NOT_COVERED(str(e))
     err.__dict__.update(getattr(e, "__dict__", {}))
     err._failures = {}
     return err

@@ -196,12 +196,14 @@ def determine_global_metadata(sharded_state_dict: ShardedStateDict) -> Tuple[Lis
 def validate_sharding_integrity(sharded_tensors: Iterable[Any], process_group: Any = None) -> None:
     """Collective check that the ranks' ShardedTensors/ShardedObjects tile every global tensor
     exactly; raises InvalidShardingError (a CheckpointingException) on every rank otherwise."""
-    keep_alive: List[Any] = []
     tensors, objects = [], []
     for sh in sharded_tensors:
         if isinstance(sh, ShardedTensor):
-            t = _ser()._save_tuple(sh, keep_alive)
-            tensors.append(t[:9] + (0, 0))
+            # The save tuple's geometry, replica, flat range and grid, without the data: only
+            # the layout is checked, so no tensor is copied to the host for it.
+            ser = _ser()
+            fr = tuple(sh.axis_fragmentations) if sh.axis_fragmentations is not None else None
+            tensors.append(ser._geometry(sh) + (ser._replica_tuple(sh.replica_id), ser._flat_range(sh), fr, 0, 0))
         elif isinstance(sh, ShardedObject):
             objects.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset), _ser()._replica_tuple(sh.replica_id)))
     _ser()._native.validate_sharding(tensors, objects, _ser().default_comm(process_group))
