@@ -363,8 +363,26 @@ fn tensor_archive_with(
 }
 
 /// The archive `torch.save(value)` writes for a value holding no tensors (`data.pkl` only).
-pub(crate) fn value_archive(value: &Pk, serialization_id: &str) -> Vec<u8> {
-    archive_of_pickle(&pickle(value, 2), &[], serialization_id)
+/// Refused when a string or bytes value would not fit protocol 2's 4-byte length (bytes go
+/// as latin-1 text there, up to twice as long), where Python's pickle refuses too.
+pub(crate) fn value_archive(value: &Pk, serialization_id: &str) -> crate::Result<Vec<u8>> {
+    fn longest(v: &Pk) -> usize {
+        match v {
+            Pk::Str(s) => s.len(),
+            Pk::Bytes(b) => b.len().saturating_mul(2),
+            Pk::List(xs) | Pk::Tuple(xs) => xs.iter().map(longest).max().unwrap_or(0),
+            Pk::Dict(kv) => kv.iter().map(|(k, v)| longest(k).max(longest(v))).max().unwrap_or(0),
+            Pk::Reduce(f, args) => longest(f).max(args.iter().map(longest).max().unwrap_or(0)),
+            _ => 0,
+        }
+    }
+    let n = longest(value);
+    if n > u32::MAX as usize {
+        return Err(crate::Error::invalid(format!(
+            "a value of {n} bytes cannot be stored by torch.save's pickle (protocol 2: at most 4 GiB per string or bytes value)"
+        )));
+    }
+    Ok(archive_of_pickle(&pickle(value, 2), &[], serialization_id))
 }
 
 /// An archive of a given `data.pkl` and storage entries (`data/<key>`, in order).
@@ -482,7 +500,7 @@ mod tests {
     #[test]
     fn value_archive_and_list_wrapping() {
         let v = Pk::Dict(vec![(Pk::str("a"), Pk::Bytes(vec![1, 2, 255]))]);
-        let archive = value_archive(&v, "1");
+        let archive = value_archive(&v, "1").unwrap();
         let back = decode_archive(&archive, "v").unwrap();
         let expected = PickleValue::Dict(vec![(PickleValue::Str("a".into()), PickleValue::Bytes(vec![1, 2, 255]))]);
         assert_eq!(back, expected);

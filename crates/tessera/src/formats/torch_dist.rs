@@ -212,7 +212,7 @@ pub fn object_item(key: &str, payload: &[u8], serialization_id: &str) -> Result<
     let (tag, body) = payload.split_at(payload.len().min(4));
     if tag == OBJECT_TAG_VALUE {
         let v = Value::from_bytes(body).map_err(|e| bad(e.to_string()))?;
-        Ok(value_archive(&Pk::List(vec![Pk::from(&v)]), serialization_id))
+        value_archive(&Pk::List(vec![Pk::from(&v)]), serialization_id)
     } else if tag == OBJECT_TAG_TORCH_LIST {
         match crate::format::torch_save::decode_archive(body, key) {
             Ok(crate::format::PickleValue::List(xs)) if xs.len() == 1 => Ok(body.to_vec()),
@@ -222,7 +222,7 @@ pub fn object_item(key: &str, payload: &[u8], serialization_id: &str) -> Result<
     } else if tag == OBJECT_TAG_TORCH {
         wrap_archive_in_list(body, serialization_id).map_err(|e| bad(format!("torch.save payload: {e}")))
     } else {
-        Ok(value_archive(&Pk::List(vec![Pk::Bytes(payload.to_vec())]), serialization_id))
+        value_archive(&Pk::List(vec![Pk::Bytes(payload.to_vec())]), serialization_id)
     }
 }
 
@@ -313,7 +313,7 @@ pub fn common_pt(common: &[(StatePath, Value)], serialization_id: &str) -> Resul
         }
         *node = Node::Leaf(Pk::from(value));
     }
-    Ok(value_archive(&root.into_pk(), serialization_id))
+    value_archive(&root.into_pk(), serialization_id)
 }
 
 #[cfg(test)]
@@ -362,7 +362,7 @@ mod tests {
         assert_eq!(decode_archive(&item, "o").unwrap(), PickleValue::List(vec![PickleValue::Int(7)]));
         let list = [OBJECT_TAG_TORCH_LIST.as_slice(), &item].concat();
         assert_eq!(object_item("o", &list, "1").unwrap(), item);
-        let single = value_archive(&Pk::Int(7), "1");
+        let single = value_archive(&Pk::Int(7), "1").unwrap();
         let wrapped = object_item("o", &[OBJECT_TAG_TORCH.as_slice(), &single].concat(), "1").unwrap();
         assert_eq!(decode_archive(&wrapped, "o").unwrap(), PickleValue::List(vec![PickleValue::Int(7)]));
         let raw = object_item("o", b"xy", "1").unwrap();
