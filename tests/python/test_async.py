@@ -199,3 +199,35 @@ def test_the_fully_parallel_save_wrapper_saves_like_the_base_strategy(tmp_path: 
     assert_holds(str(tmp_path / "s"), t)
     wrapper.async_save(state(t), str(tmp_path / "a")).finalize()
     assert_holds(str(tmp_path / "a"), t)
+
+
+def test_queue_runs_a_megatron_shaped_request():
+    # nvidia-resiliency-ext's local checkpointing hands Megatron's queue its own (immutable)
+    # AsyncRequest: async_fn in the background, preload_fn's result as the second argument,
+    # finalize functions at finalization.
+    from collections import namedtuple
+
+    from tessera.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    Req = namedtuple("Req", "async_fn async_fn_args finalize_fns async_fn_kwargs preload_fn is_frozen call_idx")
+    calls = []
+    req = Req(
+        async_fn=lambda a, state, k=None: calls.append(("run", a, state, k)),
+        async_fn_args=("x", None),
+        finalize_fns=[lambda: calls.append("finalized")],
+        async_fn_kwargs={"k": 3},
+        preload_fn=lambda: "preloaded",
+        is_frozen=False,
+        call_idx=None,
+    )
+    queue = AsyncCallsQueue()
+    assert queue.schedule_async_request(req) == 0
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    assert calls == [("run", "x", "preloaded", 3), "finalized"]
+
+    def boom(*_, **__):
+        raise OSError("disk full")
+
+    queue.schedule_async_request(req._replace(async_fn=boom, preload_fn=None))
+    with pytest.raises(OSError, match="disk full"):
+        queue.maybe_finalize_async_calls(blocking=True)

@@ -10,6 +10,7 @@ dedicated gloo process group. Nothing here polls with a collective: ``is_done`` 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ... import _native
@@ -196,6 +197,55 @@ class AsyncRequest:
         return self.finalize()
 
 
+def _all_ranks(flag: bool) -> bool:
+    """``flag`` and-ed over the default process group (the flag itself without one)."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return flag
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+class _CallRequest:
+    """A Megatron-shaped request (a function to run in the background and functions to run
+    once it is done) on a background thread: the queue's view of a request tessera did not make."""
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.call_idx: Optional[int] = None
+        self._error: Optional[BaseException] = None
+        args = list(request.async_fn_args or ())
+        if request.preload_fn is not None:
+            # As Megatron: the preloaded state replaces the second argument.
+            args[1] = request.preload_fn()
+        kwargs = dict(getattr(request, "async_fn_kwargs", None) or {})
+
+        def run() -> None:
+            try:
+                if request.async_fn is not None:
+                    request.async_fn(*args, **kwargs)
+            except BaseException as e:  # re-raised by finalize, on the caller's thread
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="tessera-async-call", daemon=True)
+        self._thread.start()
+
+    def is_done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def finalize(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        for fn in self.request.finalize_fns or ():
+            fn()
+
+
 class AsyncCallsQueue:
     """Schedules async requests and finalizes them in order (Megatron's ``AsyncCallsQueue``).
 
@@ -209,8 +259,13 @@ class AsyncCallsQueue:
         self._pending: List[AsyncRequest] = []
         self._next_idx = 0
 
-    def schedule_async_request(self, async_request: AsyncRequest) -> int:
-        """Takes ownership of a request; returns its call index."""
+    def schedule_async_request(self, async_request: Any) -> int:
+        """Takes ownership of a request; returns its call index. A request of Megatron's own
+        shape (``async_fn``, ``async_fn_args``, ``preload_fn``, ``finalize_fns``, as
+        nvidia-resiliency-ext's local checkpointing makes them) is run as Megatron runs it:
+        preloaded now, ``async_fn`` on a background thread, finalize functions at finalization."""
+        if not isinstance(async_request, AsyncRequest):
+            async_request = _CallRequest(async_request)
         async_request.call_idx = self._next_idx
         self._next_idx += 1
         self._pending.append(async_request)
@@ -219,13 +274,21 @@ class AsyncCallsQueue:
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> List[int]:
         """Finalizes the requests that are done (all of them if ``blocking``), oldest first;
         returns their call indices. The first failure is raised after the requests before it
-        were finalized. ``no_dist`` is accepted for compatibility (no collective is ever run)."""
-        del no_dist
+        were finalized. tessera's own saves are polled without a collective (every rank gets
+        the same verdict); a Megatron-shaped request is finalized once it is done on every
+        rank (one all-reduce per poll, as Megatron's queue does, skipped with ``no_dist``)."""
         done: List[int] = []
-        while self._pending and (blocking or self._pending[0].is_done()):
-            req = self._pending.pop(0)
-            req.finalize()
-            done.append(req.call_idx if req.call_idx is not None else -1)
+        while self._pending:
+            head = self._pending[0]
+            if not blocking:
+                ready = head.is_done()
+                if isinstance(head, _CallRequest) and not no_dist:
+                    ready = _all_ranks(ready)
+                if not ready:
+                    break
+            self._pending.pop(0)
+            head.finalize()
+            done.append(head.call_idx if head.call_idx is not None else -1)
         return done
 
     def get_num_unfinalized_calls(self) -> int:
