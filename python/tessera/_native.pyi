@@ -148,10 +148,13 @@ def save_torch_dist(
     overwrite: bool = False,
     validate: bool = True,
     threads: Optional[int] = None,
+    files_per_rank: int = 1,
 ) -> Dict[str, Union[int, Optional[str]]]:
     """Saves this rank's part as a Megatron ``torch_dist`` checkpoint (collective): DCP
-    ``.metadata`` (rank 0, last: the commit), ``__{rank}_0.distcp`` per rank, ``metadata.json``
-    and ``common.pt``, loadable by megatron-core and ``torch.distributed.checkpoint``.
+    ``.metadata`` (rank 0, last: the commit), ``files_per_rank`` files ``__{rank}_{k}.distcp``
+    per rank (``k`` from 0 in a directory without data files, else numbers of this save's own,
+    so a checkpoint being replaced stays whole until the commit), ``metadata.json`` and
+    ``common.pt``, loadable by megatron-core and ``torch.distributed.checkpoint``.
 
     Tensors and objects as for :func:`save`; flattened ranges are refused (as megatron-core
     0.16.1 does). An object's payload becomes the byte item ``torch.save([obj])``: ``b"TSV1"`` +

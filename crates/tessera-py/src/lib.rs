@@ -197,11 +197,13 @@ fn save<'py>(
 }
 
 /// Saves this rank's tensors and objects as a Megatron `torch_dist` checkpoint (DCP `.metadata`,
-/// `__{rank}_0.distcp`, `metadata.json`, `common.pt`), which megatron-core and
-/// `torch.distributed.checkpoint` load; collective over `comm`. `common_pt`, on rank 0, is the
-/// whole `common.pt` (`torch.save` of the common dict); None writes an empty dict.
+/// `files_per_rank` data files `__{rank}_{k}.distcp` per rank (Megatron's `thread_count`),
+/// `metadata.json`, `common.pt`), which megatron-core and `torch.distributed.checkpoint` load;
+/// collective over `comm`. `common_pt`, on rank 0, is the whole `common.pt` (`torch.save` of
+/// the common dict); None writes an empty dict.
 #[pyfunction]
-#[pyo3(signature = (tensors, objects, common_pt, location, comm=None, overwrite=false, validate=true, threads=None))]
+#[pyo3(signature = (tensors, objects, common_pt, location, comm=None, overwrite=false, validate=true, threads=None,
+                    files_per_rank=1))]
 #[allow(clippy::too_many_arguments)]
 fn save_torch_dist<'py>(
     py: Python<'py>,
@@ -213,6 +215,7 @@ fn save_torch_dist<'py>(
     overwrite: bool,
     validate: bool,
     threads: Option<usize>,
+    files_per_rank: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     // SAFETY: the contract of `save_torch_dist`, as of `save`: the Python caller keeps every
     // tensor's memory alive, C-contiguous and unmodified until it returns; the tree is dropped
@@ -222,8 +225,12 @@ fn save_torch_dist<'py>(
     let comm = communicator(comm.as_ref())?;
     let storage = open(py, location)?;
     let common = common_pt.as_deref();
-    let report =
-        lib(py, interruptible(py, &cancel, || tessera::save_torch_dist(tree, common, &*storage, &*comm, &opts))?)?;
+    let report = lib(
+        py,
+        interruptible(py, &cancel, || {
+            tessera::save_torch_dist(tree, common, &*storage, &*comm, &opts, files_per_rank)
+        })?,
+    )?;
     report_to_py(py, report)
 }
 

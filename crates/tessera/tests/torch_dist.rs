@@ -115,7 +115,7 @@ fn save_world(dir: &Path, world: usize, opts: &SaveOptions) -> Vec<tessera::Resu
     let buffers = buffers();
     run_ranks(world, |comm| {
         let storage = LocalStorage::new(dir);
-        save_torch_dist(rank_tree(comm.rank(), world, &buffers), None, &storage, comm, opts)
+        save_torch_dist(rank_tree(comm.rank(), world, &buffers), None, &storage, comm, opts, 2)
     })
 }
 
@@ -159,13 +159,16 @@ fn written_checkpoints_read_back_exactly_whole_and_resharded() {
         for (r, rep) in save_world(dir.path(), world, &opts).into_iter().enumerate() {
             let rep = rep.unwrap_or_else(|e| panic!("world {world} rank {r}: {e}"));
             let file = rep.file.clone().unwrap_or_default();
-            assert!(file.starts_with(&format!("__{r}_")) && file.ends_with(".distcp"), "{file}");
+            assert_eq!(file, format!("__{r}_0.distcp"), "a fresh directory has DCP's own names");
             assert_eq!(rep.index_bytes > 0, r == 0);
         }
         for name in [".metadata", "metadata.json", "common.pt"] {
             assert!(dir.join(name).exists(), "world {world}: {name}");
         }
-        assert_eq!(data_files(dir.path()).len(), world, "one data file per rank");
+        let mut want: Vec<String> =
+            (0..world).flat_map(|r| [format!("__{r}_0.distcp"), format!("__{r}_1.distcp")]).collect();
+        want.sort();
+        assert_eq!(data_files(dir.path()), want, "two data files per rank (Megatron's thread_count)");
         let json = std::fs::read_to_string(dir.join("metadata.json")).unwrap();
         assert!(json.contains("\"sharded_backend\": \"torch_dist\""), "{json}");
         check_written(dir.path(), world);
@@ -206,9 +209,13 @@ fn an_existing_checkpoint_is_kept_unless_overwriting() {
     check_written(dir.path(), 3);
     // Overwriting with fewer ranks: the new checkpoint, and the old third rank's file is gone.
     let over = SaveOptions { overwrite: true, ..opts.clone() };
+    let old_files = data_files(dir.path());
     save_world(dir.path(), 2, &over).into_iter().for_each(|r| drop(r.unwrap()));
     check_written(dir.path(), 2);
-    assert!(!dir.join("__2_0.distcp").exists());
+    let new_files = data_files(dir.path());
+    assert_eq!(new_files.len(), 4, "{new_files:?}");
+    assert!(new_files.iter().all(|f| !old_files.contains(f)), "the overwrite wrote files of its own: {new_files:?}");
+    assert!(!dir.join("__2_0.distcp").exists() && !dir.join("__0_0.distcp").exists(), "replaced files removed");
 
     // A save that never committed (no .metadata) does not block a new one.
     std::fs::remove_file(dir.join(".metadata")).unwrap();
@@ -224,7 +231,7 @@ fn an_existing_checkpoint_is_kept_unless_overwriting() {
         tree
     };
     tessera::save(tree(), &LocalStorage::new(native.path()), &SoloComm, &opts).unwrap();
-    let e = save_torch_dist(tree(), None, &LocalStorage::new(native.path()), &SoloComm, &over).unwrap_err();
+    let e = save_torch_dist(tree(), None, &LocalStorage::new(native.path()), &SoloComm, &over, 1).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("tessera"), "{e}");
 }
 
@@ -239,7 +246,7 @@ fn what_the_format_cannot_hold_is_refused_on_every_rank() {
         let t = shard("w", DType::F32, &[8], &[0], &[8], 0, Some(r), TensorData::Ref(bytes));
         let mut tree = StateTree::map();
         tree.insert("w", StateTree::Tensor(t));
-        save_torch_dist(tree, None, &LocalStorage::new(dir.path()), comm, &SaveOptions::default())
+        save_torch_dist(tree, None, &LocalStorage::new(dir.path()), comm, &SaveOptions::default(), 1)
     });
     for r in results {
         let e = r.unwrap_err().to_string();
@@ -252,7 +259,7 @@ fn what_the_format_cannot_hold_is_refused_on_every_rank() {
         let t = shard("w", DType::F32, &[8], &[off], &[n], 0, None, TensorData::Ref(bytes));
         let mut tree = StateTree::map();
         tree.insert("w", StateTree::Tensor(t));
-        save_torch_dist(tree, None, &LocalStorage::new(dir.path()), comm, &SaveOptions::default())
+        save_torch_dist(tree, None, &LocalStorage::new(dir.path()), comm, &SaveOptions::default(), 1)
     });
     for r in results {
         assert!(matches!(r, Err(Error::InvalidSharding { .. })), "{r:?}");
@@ -261,7 +268,7 @@ fn what_the_format_cannot_hold_is_refused_on_every_rank() {
     let mut tree = StateTree::map();
     tree.insert("w", StateTree::Tensor(ShardedTensor::full("w", DType::F32, &[8], TensorData::Ref(&data))));
     tree.insert("iteration", StateTree::Value(Value::Int(1)));
-    let e = save_torch_dist(tree, Some(b"x"), &LocalStorage::new(dir.path()), &SoloComm, &SaveOptions::default());
+    let e = save_torch_dist(tree, Some(b"x"), &LocalStorage::new(dir.path()), &SoloComm, &SaveOptions::default(), 1);
     assert!(e.unwrap_err().to_string().contains("iteration"));
     assert!(!dir.path().exists() || std::fs::read_dir(dir.path()).unwrap().next().is_none(), "nothing written");
 }

@@ -377,6 +377,8 @@ def save(
         return _save_torch_dist_request(
             tensors, objects, common, str(checkpoint_dir), comm, rank, async_sharded_save,
             overwrite=overwrite, validate=validate_access_integrity,
+            # Megatron's thread_count: the data files each rank writes.
+            files_per_rank=max(1, int(getattr(getattr(strategy, "base_strategy", strategy), "thread_count", 1) or 1)),
         )
     saver = None
     if async_sharded_save:

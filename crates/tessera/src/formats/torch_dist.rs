@@ -34,13 +34,10 @@ pub const MEGATRON_METADATA_JSON: &str = r#"{"sharded_backend": "torch_dist", "s
 const DCP_VERSION: &str = "1.0.0";
 const MD: &str = "torch.distributed.checkpoint.metadata";
 
-/// The data file of `rank` in the save `save_id`: DCP's `__{rank}_{k}.distcp` with `k` taken
-/// from the save id. DCP and Megatron find data files through `.metadata` (each item's
-/// `relative_path`), not by name, so a name of its own per save means a save never writes into
-/// the files of the checkpoint it replaces, nor into a concurrent save's: until the new
-/// `.metadata` lands, the old checkpoint stays whole, and its files are removed only after.
-pub fn data_file_name(rank: usize, save_id: u64) -> String {
-    format!("__{rank}_{}.distcp", save_id % 1_000_000_007)
+/// DCP's data file `__{rank}_{k}.distcp`. DCP and Megatron find data files through
+/// `.metadata` (each item's `relative_path`), not by name: `k` is free (see the save).
+pub fn data_file_name(rank: usize, k: u64) -> String {
+    format!("__{rank}_{k}.distcp")
 }
 
 /// Whether `name` is a DCP data file (`__{rank}_{k}.distcp`).

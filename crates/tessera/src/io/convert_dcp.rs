@@ -19,7 +19,7 @@ use std::collections::BTreeSet;
 
 use crate::format::torch_save_write::{crc32, tensor_archive};
 use crate::formats::torch_dist::{
-    common_pt, data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace, TensorItems,
+    common_pt, is_data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace, TensorItems,
 };
 use crate::io::convert::{ConvertOptions, ConvertReport};
 use crate::io::load::{read_object, LoadOptions};
@@ -28,7 +28,7 @@ use crate::io::save::new_save_id;
 use crate::io::strategy::open_checkpoint;
 use crate::io::write::{write_sources, Source};
 use crate::plan::geometry::{decompose_flat, split_box_lazy, BoxPart};
-use crate::save::torch_dist::{existing, publish, serialization_id};
+use crate::save::torch_dist::{existing, file_names, publish, serialization_id, with_first_file_number};
 use crate::state::{PathSeg, Value};
 use crate::storage::{ObjectWriter, Storage};
 use crate::{Error, Result};
@@ -64,7 +64,10 @@ pub fn convert_to_dcp(
     let ckpt = open_checkpoint(src)?;
     let src = ckpt.storage();
     let index = &ckpt.index;
-    let save_id = new_save_id();
+    // File numbers from 0 in a directory without data files, else this save's own (the source
+    // itself, or a checkpoint being replaced, stays whole until the new `.metadata` lands).
+    let fresh = !dst.list()?.iter().any(|n| is_data_file_name(n));
+    let save_id = with_first_file_number(new_save_id(), fresh);
 
     // The common state first: a value that cannot go into common.pt fails before any write.
     let mut common = index.common.clone();
@@ -136,7 +139,7 @@ pub fn convert_to_dcp(
     let part_places: Vec<Place> = parts.iter().map(|p| place(archive_len(p))).collect();
     // Names of this save's own: a checkpoint being replaced (even the source itself) stays
     // whole until the new `.metadata` commits.
-    let names: Vec<String> = (0..sizes.len()).map(|f| data_file_name(f, save_id)).collect();
+    let names: Vec<String> = (0..sizes.len()).flat_map(|f| file_names(f, save_id, 1)).collect();
     let bytes = write_files(
         src,
         dst,

@@ -4,13 +4,16 @@
 //!
 //! The global plan is the native save's: one exchange of shard metadata, the check that the
 //! shards tile every tensor (before anything is written or removed), the spreading of
-//! replicated shards over the ranks that hold them. Each rank then writes
-//! `__{rank}_0.distcp` (its items back to back, every one a `torch.save` archive written
-//! around the caller's bytes, not through a copy), and rank 0, once every rank's file is
-//! complete, writes `common.pt`, `metadata.json` and last `.metadata`: the commit (DCP's
-//! readers and tessera's take a directory without `.metadata` for an unfinished save). With
-//! `overwrite`, the old `.metadata` is removed after validation and before any file is
-//! rewritten, so a crash leaves no loadable mix of old and new files.
+//! replicated shards over the ranks that hold them. Each rank then writes `files_per_rank`
+//! data files `__{rank}_{k}.distcp` (Megatron's `thread_count`; its items spread over them by
+//! size, each a `torch.save` archive written around the caller's bytes, not through a copy),
+//! and rank 0, once every rank's files are complete, writes `common.pt`, `metadata.json` and
+//! last `.metadata`: the commit (DCP's readers and tessera's take a directory without
+//! `.metadata` for an unfinished save). DCP finds data files through `.metadata`, not by name:
+//! in a directory without data files `k` counts from 0 (DCP's own names); where data files
+//! exist (a checkpoint being overwritten, a failed save's leftovers) `k` counts from a number
+//! taken from the save id, so a save never writes into files the committed checkpoint uses:
+//! it stays whole until the new `.metadata` replaces it, and its files are removed after.
 //!
 //! What the format cannot hold is refused on every rank before anything is written: shards
 //! with a flattened range (megatron-core 0.16.1 refuses them too: "ShardedTensor.flattened_range
@@ -54,7 +57,9 @@ pub fn save_torch_dist(
     storage: &dyn Storage,
     comm: &dyn Communicator,
     opts: &SaveOptions,
+    files_per_rank: usize,
 ) -> Result<SaveReport> {
+    let files_per_rank = files_per_rank.max(1);
     let rank = comm.rank();
     let (tree, factory_error) = apply_factories_collective(tree);
     let mut c = collect(&tree, rank, true, opts.distribute_replicas);
@@ -83,6 +88,14 @@ pub fn save_torch_dist(
     }
     if rank == 0 {
         c.plan.save_id = new_save_id();
+        // The save id carries where this save's file numbers start (`first_file_number`).
+        match storage.list() {
+            Ok(names) => {
+                let fresh = !names.iter().any(|n| is_data_file_name(n));
+                c.plan.save_id = with_first_file_number(c.plan.save_id, fresh);
+            }
+            Err(e) => c.local_error = c.local_error.take().or(Some(e)),
+        }
         if c.local_error.is_none() {
             match existing(storage, opts.overwrite) {
                 Ok(refuse) => c.plan.refuse_overwrite = refuse,
@@ -95,18 +108,65 @@ pub fn save_torch_dist(
 
     // Files of this save's own names: what is replaced stays committed until the new
     // `.metadata` replaces it.
-    let name = data_file_name(rank, save_id);
-    let written = write_rank_file(&plans[rank], &c, &object_items, save_id, &name, storage, opts);
+    let names = file_names(rank, save_id, files_per_rank);
+    let written = write_rank_files(&plans[rank], &c, &object_items, save_id, &names, storage, opts);
     let bytes_written = agree(comm, written)?;
 
     let mut index_bytes = 0;
-    let committed =
-        if rank == 0 { commit(&plans, save_id, common, &c, storage, opts).map(|n| index_bytes = n) } else { Ok(()) };
+    let committed = if rank == 0 {
+        commit(&plans, save_id, files_per_rank, common, &c, storage, opts).map(|n| index_bytes = n)
+    } else {
+        Ok(())
+    };
     agree(comm, committed)?;
+    let name = names.into_iter().next();
 
     let mains = plans.iter().flat_map(|p| p.tensors.iter().filter(|t| t.main));
     let (chunks, total_tensor_bytes) = mains.fold((0, 0), |(n, b), t| (n + 1, b + t.nbytes()));
-    Ok(SaveReport { file: Some(name), bytes_written, total_tensor_bytes, files: plans.len(), chunks, index_bytes })
+    Ok(SaveReport { file: name, bytes_written, total_tensor_bytes, files: plans.len(), chunks, index_bytes })
+}
+
+/// File numbers are `first_file_number(save_id) + k`; the modulus keeps them short.
+const FILE_NUMBER_MODULUS: u64 = 1_000_000_007;
+
+/// `save_id` changed so that this save's file numbers start at 0 in a directory without data
+/// files (`fresh`), and elsewhere at a number no earlier save likely used (never 0).
+pub(crate) fn with_first_file_number(save_id: u64, fresh: bool) -> u64 {
+    let rest = save_id % FILE_NUMBER_MODULUS;
+    match (fresh, rest) {
+        (true, _) => save_id - rest,
+        (false, 0) => save_id + 1,
+        (false, _) => save_id,
+    }
+}
+
+/// The number of this save's first data file per rank.
+fn first_file_number(save_id: u64) -> u64 {
+    save_id % FILE_NUMBER_MODULUS
+}
+
+/// The data files of `rank` in this save.
+pub(crate) fn file_names(rank: usize, save_id: u64, files_per_rank: usize) -> Vec<String> {
+    let first = first_file_number(save_id);
+    (0..files_per_rank as u64).map(|k| data_file_name(rank, first + k)).collect()
+}
+
+/// Which of `n` files each item goes to: largest first into the least-filled file (ties to the
+/// lower file), as Megatron spreads a rank's items over its writer threads' files.
+fn spread(layout: &[Item], n: usize) -> Vec<usize> {
+    let len = |it: &Item| match *it {
+        Item::Tensor(_, l) | Item::Object(_, l) => l,
+    };
+    let mut order: Vec<usize> = (0..layout.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(len(&layout[i])), i));
+    let mut fill = vec![0u64; n];
+    let mut out = vec![0usize; layout.len()];
+    for i in order {
+        let f = (0..n).min_by_key(|&f| (fill[f], f)).unwrap_or(0);
+        fill[f] += len(&layout[i]);
+        out[i] = f;
+    }
+    out
 }
 
 /// The `.data/serialization_id` of the archives a save writes: 40 digits, as torch's.
@@ -179,14 +239,15 @@ fn items(plan: &RankPlan, save_id: u64) -> Vec<Item> {
     out
 }
 
-/// Writes this rank's data file; returns its size. A rank with nothing to store writes an
-/// empty file, as DCP does (so a file of an earlier save cannot pass for this one's).
-fn write_rank_file(
+/// Writes this rank's data files (`names`, items spread by [`spread`]); returns their total
+/// size. A file with nothing to store is written empty, as DCP does (so a file of an earlier
+/// save cannot pass for this one's).
+fn write_rank_files(
     plan: &RankPlan,
     c: &Collected<'_>,
     object_items: &[Vec<u8>],
     save_id: u64,
-    name: &str,
+    names: &[String],
     storage: &dyn Storage,
     opts: &SaveOptions,
 ) -> Result<u64> {
@@ -220,31 +281,45 @@ fn write_rank_file(
         }
         archives.push(a);
     }
-    let mut sources = Vec::with_capacity(3 * archives.len() + object_items.len());
-    let mut at = 0u64;
+    // The sources of every item, in layout order (tensors first, then objects, as `items`).
+    let mut item_sources: Vec<Vec<&[u8]>> = Vec::with_capacity(layout.len());
     for (a, &(_, bytes)) in archives.iter().zip(&data) {
-        for part in [a.prefix.as_slice(), bytes, a.suffix.as_slice()] {
-            sources.push(Source { data: part, file_off: at, block: opts.block_size });
-            at += part.len() as u64;
-        }
+        item_sources.push(vec![a.prefix.as_slice(), bytes, a.suffix.as_slice()]);
     }
     for item in object_items {
-        sources.push(Source { data: item, file_off: at, block: opts.block_size });
-        at += item.len() as u64;
+        item_sources.push(vec![item.as_slice()]);
     }
-    let planned: u64 = layout
-        .iter()
-        .map(|it| match *it {
-            Item::Tensor(_, n) | Item::Object(_, n) => n,
-        })
-        .sum();
-    if planned != at {
-        return Err(Error::invalid(format!("{name}: {at} bytes laid out, {planned} planned")));
+    if item_sources.len() != layout.len() {
+        return Err(Error::invalid(format!("{} items laid out, {} to write", layout.len(), item_sources.len())));
     }
-    let writer = storage.create(name, at)?;
-    write_sources(writer.as_ref(), &sources, opts.threads, opts.cancel.as_deref())?;
-    writer.finish()?;
-    Ok(at)
+    let bins = spread(&layout, names.len());
+    let mut total = 0;
+    for (f, name) in names.iter().enumerate() {
+        let mut sources = Vec::new();
+        let mut at = 0u64;
+        for (parts, _) in item_sources.iter().zip(&bins).filter(|(_, &b)| b == f) {
+            for &part in parts {
+                sources.push(Source { data: part, file_off: at, block: opts.block_size });
+                at += part.len() as u64;
+            }
+        }
+        let planned: u64 = layout
+            .iter()
+            .zip(&bins)
+            .filter(|(_, &b)| b == f)
+            .map(|(it, _)| match *it {
+                Item::Tensor(_, n) | Item::Object(_, n) => n,
+            })
+            .sum();
+        if planned != at {
+            return Err(Error::invalid(format!("{name}: {at} bytes laid out, {planned} planned")));
+        }
+        let writer = storage.create(name, at)?;
+        write_sources(writer.as_ref(), &sources, opts.threads, opts.cancel.as_deref())?;
+        writer.finish()?;
+        total += at;
+    }
+    Ok(total)
 }
 
 /// CRC-32 of every buffer, on up to `threads` threads.
@@ -270,6 +345,7 @@ fn parallel_crc32(data: &[(usize, &[u8])], threads: usize) -> Vec<u32> {
 fn commit(
     plans: &[RankPlan],
     save_id: u64,
+    files_per_rank: usize,
     common: Option<&[u8]>,
     c: &Collected<'_>,
     storage: &dyn Storage,
@@ -279,13 +355,17 @@ fn commit(
     let mut by_key: HashMap<&str, usize> = HashMap::new();
     let mut bytes = Vec::new();
     for (r, plan) in plans.iter().enumerate() {
-        let file = data_file_name(r, save_id);
-        let mut at = 0;
-        for it in items(plan, save_id) {
+        let names = file_names(r, save_id, files_per_rank);
+        let layout = items(plan, save_id);
+        let bins = spread(&layout, files_per_rank);
+        let mut at = vec![0u64; files_per_rank];
+        for (it, &f) in layout.into_iter().zip(&bins) {
             let (len, place) = match it {
-                Item::Tensor(_, n) | Item::Object(_, n) => (n, ItemPlace { file: file.clone(), offset: at, length: n }),
+                Item::Tensor(_, n) | Item::Object(_, n) => {
+                    (n, ItemPlace { file: names[f].clone(), offset: at[f], length: n })
+                }
             };
-            at += len;
+            at[f] += len;
             match it {
                 Item::Tensor(i, _) => {
                     let t = &plan.tensors[i];
@@ -319,7 +399,7 @@ fn commit(
         }
     };
     let metadata = metadata_pickle(&tensors, &bytes, &format!("{save_id:016x}"));
-    let files = (0..plans.len()).map(|r| data_file_name(r, save_id)).collect();
+    let files = (0..plans.len()).flat_map(|r| file_names(r, save_id, files_per_rank)).collect();
     publish(storage, &common_bytes, &metadata, opts.overwrite, &files)?;
     Ok(metadata.len() as u64)
 }
