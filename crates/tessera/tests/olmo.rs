@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use common::files::copy_dir;
 use common::fixtures::{assert_loads, boxes, to_json, Expected};
-use common::{box_bytes, run_ranks, shard, TempDir};
+use common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
 use tessera::{
     detect_format, load, load_common_state, load_plain_tensors, save_olmo, verify, CountingStorage, DType, Error,
     LoadOptions, LocalStorage, ReplicaId, SaveOptions, ShardedObject, ShardedTensor, SoloComm, StateTree, Storage,
@@ -165,22 +165,6 @@ fn megatron_detection_is_not_fooled_by_olmo_metadata() {
 }
 
 // ---- tessera's writer ------------------------------------------------------------------------
-
-/// The truth of a tensor: element i holds f32 `seed + i` (or the dtype's closest).
-fn truth(dtype: DType, shape: &[u64], seed: u64) -> Vec<u8> {
-    let n: u64 = shape.iter().product();
-    (0..n)
-        .flat_map(|i| {
-            let x = (seed * 1000 + i) as f32;
-            match dtype {
-                DType::F32 => x.to_le_bytes().to_vec(),
-                DType::BF16 => ((x.to_bits() >> 16) as u16).to_le_bytes().to_vec(),
-                DType::I64 => ((seed * 1000 + i) as i64).to_le_bytes().to_vec(),
-                other => panic!("{other:?}"),
-            }
-        })
-        .collect()
-}
 
 /// A model of tensors of every kind the writer handles, as `world` ranks hold it.
 struct Layout {

@@ -9,28 +9,12 @@ mod common;
 
 use std::path::Path;
 
-use common::{box_bytes, run_ranks, shard, TempDir};
+use common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
 use tessera::{
     detect_format, load, load_common_state, load_plain_tensors, load_sharded_objects, save_torch_dist, Communicator,
     DType, Error, LoadOptions, LocalStorage, PathSeg, ReplicaId, SaveOptions, ShardedObject, ShardedTensor, SoloComm,
     StateTree, TensorData, Value, OBJECT_TAG_VALUE,
 };
-
-/// Element i of tensor `seed` holds `seed * 1000 + i` in the dtype.
-fn truth(dtype: DType, shape: &[u64], seed: u64) -> Vec<u8> {
-    let n: u64 = shape.iter().product();
-    (0..n)
-        .flat_map(|i| {
-            let x = (seed * 1000 + i) as f32;
-            match dtype {
-                DType::F32 => x.to_le_bytes().to_vec(),
-                DType::BF16 => ((x.to_bits() >> 16) as u16).to_le_bytes().to_vec(),
-                DType::I64 => ((seed * 1000 + i) as i64).to_le_bytes().to_vec(),
-                other => panic!("{other:?}"),
-            }
-        })
-        .collect()
-}
 
 struct Layout {
     key: &'static str,

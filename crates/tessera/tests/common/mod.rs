@@ -220,6 +220,23 @@ pub fn load_opts() -> LoadOptions {
 }
 
 /// Number of elements of a shape (1 for a scalar).
+/// The bytes of a test tensor: element i holds `seed * 1000 + i`, as f32, bf16 (f32's top
+/// half) or i64.
+pub fn seeded_truth(dtype: DType, shape: &[u64], seed: u64) -> Vec<u8> {
+    let n: u64 = shape.iter().product();
+    (0..n)
+        .flat_map(|i| {
+            let x = (seed * 1000 + i) as f32;
+            match dtype {
+                DType::F32 => x.to_le_bytes().to_vec(),
+                DType::BF16 => ((x.to_bits() >> 16) as u16).to_le_bytes().to_vec(),
+                DType::I64 => ((seed * 1000 + i) as i64).to_le_bytes().to_vec(),
+                other => panic!("{other:?}"),
+            }
+        })
+        .collect()
+}
+
 pub fn numel(shape: &[u64]) -> u64 {
     shape.iter().product()
 }
