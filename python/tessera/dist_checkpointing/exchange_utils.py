@@ -91,6 +91,18 @@ def _get_empty_tensor_for_exchange(
     return tensor, orig_device
 
 
+_GET_EMPTY_TENSOR_FOR_EXCHANGE = _get_empty_tensor_for_exchange
+
+
+def _empty_tensor_for_exchange() -> Any:
+    """``_get_empty_tensor_for_exchange`` as the module holds it at call time (callers, e.g.
+    Megatron's tests, replace it with ``mock.patch``), or the function defined here when the
+    module no longer holds the name: a patcher working through a proxy of this module (a
+    ``sys.modules`` alias object that is not the module itself) restores the original onto the
+    proxy after deleting it here."""
+    return globals().get("_get_empty_tensor_for_exchange", _GET_EMPTY_TENSOR_FOR_EXCHANGE)
+
+
 T = TypeVar("T")
 
 
@@ -192,10 +204,7 @@ def exchange_loaded_tensors_broadcast(
                 orig_device = out[shard_id].device
                 tensor = out[shard_id].cuda()
             else:
-                # Looked up at call time: megatron's tests patch this name on the module.
-                tensor, orig_device = globals()["_get_empty_tensor_for_exchange"](
-                    shard_id, unloaded_shards, shard_to_metadata, out
-                )
+                tensor, orig_device = _empty_tensor_for_exchange()(shard_id, unloaded_shards, shard_to_metadata, out)
             src = rank if parallelization_group is None else dist.get_global_rank(parallelization_group, rank)
             dist.broadcast(tensor, src=src, group=parallelization_group)
             if orig_device is not None:

@@ -294,6 +294,8 @@ def _split(sharded_state_dict: Dict[str, Any]) -> Tuple[list, list, list]:
     """Sharded tensors, sharded objects and common (path, value) leaves of a state dict."""
     tensors, objects, common = [], [], []
     for path, leaf in _leaves(sharded_state_dict):
+        if not path:
+            continue  # an empty state dict: the root holds nothing to save
         if isinstance(leaf, ShardedTensor):
             tensors.append((path, leaf))
         elif isinstance(leaf, ShardedObject):
