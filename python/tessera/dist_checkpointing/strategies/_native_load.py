@@ -1,11 +1,12 @@
-"""A load strategy that reads through tessera's native reader, for a named foreign backend."""
+"""Strategies the core runs: a load strategy reading through tessera's native reader (for any
+backend it detects) and the base of the save strategies it writes."""
 
 from __future__ import annotations
 
 from typing import Any, Dict
 
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
-from .base import LoadShardedStrategy
+from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
 
 
 def _serialization() -> Any:
@@ -32,7 +33,7 @@ class NativeLoadShardedStrategy(LoadShardedStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> StateDict:
         return _serialization().load(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
 
-    def load_tensors_metadata(self, checkpoint_dir: Any) -> Dict[str, ShardedTensor]:
+    def load_tensors_metadata(self, checkpoint_dir: Any, metadata: Any = None) -> Dict[str, ShardedTensor]:
         return _serialization()._native_tensors_metadata(checkpoint_dir)
 
     def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
@@ -42,7 +43,27 @@ class NativeLoadShardedStrategy(LoadShardedStrategy):
         return _serialization()._native_remove_sharded_tensors(checkpoint_dir, key_prefix)
 
     def check_backend_compatibility(self, loaded_version: Any) -> None:
-        pass
+        pass  # the core detects the format and refuses what it cannot read
 
     def check_version_compatibility(self, loaded_version: Any) -> None:
         pass
+
+
+class NativeSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """A save strategy the core writes (``native_writer`` names its writer): its methods are
+    ``serialization.save`` with itself as the strategy, which writes the whole state in one
+    commit (sharded objects included)."""
+
+    native_writer: str = ""
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        """Same as ``dist_checkpointing.save(sharded_state_dict, checkpoint_dir, self)``."""
+        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        """Same as ``dist_checkpointing.save(..., self, async_sharded_save=True)``."""
+        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self, async_sharded_save=True)

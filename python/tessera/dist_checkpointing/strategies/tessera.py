@@ -14,12 +14,12 @@ from typing import Any, Dict, Tuple
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from .base import (
-    AsyncSaveShardedStrategy,
     LoadCommonStrategy,
     LoadShardedStrategy,
     StrategyAction,
     register_default_strategy,
 )
+from ._native_load import NativeSaveShardedStrategy
 
 __all__ = [
     "TESSERA_BACKEND",
@@ -60,7 +60,7 @@ def _check_tessera(backend: Any, version: Any, versions: Tuple[int, ...] = (TESS
         )
 
 
-class TesseraSaveShardedStrategy(AsyncSaveShardedStrategy):
+class TesseraSaveShardedStrategy(NativeSaveShardedStrategy):
     """tessera's native save: tensors, objects and common state in one commit.
 
     ``cached_metadata=True`` (Megatron's name for it; ``--ckpt-assume-constant-structure``)
@@ -97,17 +97,6 @@ class TesseraSaveShardedStrategy(AsyncSaveShardedStrategy):
         elif not value:
             self.plan_cache = None
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
-        """Same as ``dist_checkpointing.save(sharded_state_dict, checkpoint_dir, self)``."""
-        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
-
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
-        """Same as ``dist_checkpointing.save(..., self, async_sharded_save=True)``."""
-        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self, async_sharded_save=True)
 
 
 class _TesseraReader:

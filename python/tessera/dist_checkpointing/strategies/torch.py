@@ -13,10 +13,10 @@ does not plan through torch.distributed.checkpoint.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
-from ..mapping import ShardedStateDict, ShardedTensor, StateDict
-from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, StrategyAction, register_default_strategy
+from .base import StrategyAction, register_default_strategy
+from ._native_load import NativeLoadShardedStrategy, NativeSaveShardedStrategy
 
 __all__ = [
     "TorchDistSaveShardedStrategy",
@@ -30,12 +30,6 @@ __all__ = [
 
 MSC_PREFIX = "msc://"
 _metadata_fn = ".metadata"
-
-
-def _serialization() -> Any:
-    from .. import serialization
-
-    return serialization
 
 
 class MCoreMetadata:
@@ -72,7 +66,7 @@ class MCoreLoadPlanner(DefaultLoadPlanner):  # type: ignore[misc,valid-type]
         self.allow_shape_mismatch_sharded_tensors = allow_shape_mismatch_sharded_tensors
 
 
-class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
+class TorchDistSaveShardedStrategy(NativeSaveShardedStrategy):
     """Writes a ``torch_dist`` checkpoint with the core's writer (``serialization._save_torch_dist``).
 
     ``thread_count`` and ``separation_hint`` shape megatron's file layout and are kept as
@@ -102,50 +96,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.validated_loaded_metadata_reuse = False
         self.plan_cache: Any = None
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
-        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
-
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
-        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self, async_sharded_save=True)
 
 
-class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+class TorchDistLoadShardedStrategy(NativeLoadShardedStrategy):
     """Reads a ``torch_dist`` checkpoint (or any format the core reads) with the native reader."""
 
-    #: serialization runs the native reader for this strategy.
-    native_reader = True
-    backend = "torch_dist"
-    version = 1
-
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__("torch_dist", 1)
         self.cached_global_metadata: Any = None
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> StateDict:
-        return _serialization().load(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
-
-    def load_tensors_metadata(self, checkpoint_dir: Any, metadata: Any = None) -> Dict[str, ShardedTensor]:
-        return _serialization()._native_tensors_metadata(checkpoint_dir)
-
-    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
-        return _serialization()._native_sharded_metadata(checkpoint_dir)
-
-    def remove_sharded_tensors(self, checkpoint_dir: Any, key_prefix: str) -> Any:
-        return _serialization()._native_remove_sharded_tensors(checkpoint_dir, key_prefix)
-
-    def check_backend_compatibility(self, loaded_version: Any) -> None:
-        pass  # the core detects the format and refuses what it cannot read
-
-    def check_version_compatibility(self, loaded_version: Any) -> None:
-        pass
 
 
 def register_default_torch_strategies() -> None:
