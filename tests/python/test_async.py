@@ -201,7 +201,7 @@ def test_the_fully_parallel_save_wrapper_saves_like_the_base_strategy(tmp_path: 
     assert_holds(str(tmp_path / "a"), t)
 
 
-def test_queue_runs_a_megatron_shaped_request():
+def test_queue_runs_a_megatron_shaped_request(caplog):
     # nvidia-resiliency-ext's local checkpointing hands Megatron's queue its own (immutable)
     # AsyncRequest: async_fn in the background, preload_fn's result as the second argument,
     # finalize functions at finalization.
@@ -228,6 +228,9 @@ def test_queue_runs_a_megatron_shaped_request():
     def boom(*_, **__):
         raise OSError("disk full")
 
+    # A failure is logged and the finalize functions still run (they check, as Megatron's do).
+    calls.clear()
     queue.schedule_async_request(req._replace(async_fn=boom, preload_fn=None))
-    with pytest.raises(OSError, match="disk full"):
-        queue.maybe_finalize_async_calls(blocking=True)
+    with caplog.at_level("ERROR"):
+        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+    assert calls == ["finalized"] and "disk full" in caplog.text

@@ -10,11 +10,14 @@ dedicated gloo process group. Nothing here polls with a collective: ``is_done`` 
 from __future__ import annotations
 
 import os
+import logging
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ... import _native
 from ..._comm import TorchComm
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncRequest", "AsyncCallsQueue", "AsyncSaver", "DEFAULT_STAGING_BUDGET"]
 
@@ -241,7 +244,10 @@ class _CallRequest:
     def finalize(self) -> None:
         self._thread.join()
         if self._error is not None:
-            raise self._error
+            # As in Megatron, whose background writer process just dies: the failure is
+            # reported here and the finalize functions still run on every rank, where the
+            # request's own check (e.g. the local checkpoint manager's, collective) decides.
+            logger.error("async call %s failed: %r", self.call_idx, self._error, exc_info=self._error)
         for fn in self.request.finalize_fns or ():
             fn()
 
