@@ -221,3 +221,22 @@ def test_empty_tensor_for_exchange_is_looked_up_at_call_time(monkeypatch):
     assert exchange_utils._empty_tensor_for_exchange() is replacement
     monkeypatch.delattr(exchange_utils, "_get_empty_tensor_for_exchange")
     assert exchange_utils._empty_tensor_for_exchange() is exchange_utils._GET_EMPTY_TENSOR_FOR_EXCHANGE
+
+
+def test_a_torch_dist_strategy_called_directly_keeps_the_common_state(tmp_path):
+    # Megatron's serialization.save writes common.pt through its common strategy, then calls
+    # strategy.save(sharded_part): that save must not replace common.pt with an empty dict.
+    import torch
+
+    from tessera.dist_checkpointing import ShardedTensor
+    from tessera.dist_checkpointing import serialization as ser
+    from tessera.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+    from tessera.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    TorchCommonSaveStrategy("torch", 1).save_common({"iteration": 7, "args": {"lr": 0.5}}, ckpt)
+    TorchDistSaveShardedStrategy("torch_dist", 1).save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, ckpt)
+    assert (ckpt / ".metadata").exists()
+    assert ser.load_common_state_dict(ckpt) == {"iteration": 7, "args": {"lr": 0.5}}
+    assert torch.equal(ser.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, ckpt)["w"], torch.arange(4.0))

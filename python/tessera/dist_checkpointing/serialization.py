@@ -326,6 +326,7 @@ def save(
     overwrite: bool = False,
     process_group: Any = None,
     async_saver: Any = None,
+    _sharded_part_only: bool = False,
 ) -> Any:
     """Saves a sharded state dict; every rank of the process group calls it.
 
@@ -378,6 +379,7 @@ def save(
     if writer == "torch_dist":
         return _save_torch_dist_request(
             tensors, objects, common, str(checkpoint_dir), comm, rank, async_sharded_save,
+            keep_common_pt=_sharded_part_only,
             overwrite=overwrite, validate=validate_access_integrity,
             # Megatron's thread_count: the data files each rank writes.
             files_per_rank=max(1, int(getattr(getattr(strategy, "base_strategy", strategy), "thread_count", 1) or 1)),
@@ -516,9 +518,20 @@ class _DoneSave:
 
 
 def _save_torch_dist_request(
-    tensors: list, objects: list, common: list, location: str, comm: Any, rank: int, async_save: bool, **kwargs: Any
+    tensors: list,
+    objects: list,
+    common: list,
+    location: str,
+    comm: Any,
+    rank: int,
+    async_save: bool,
+    keep_common_pt: bool = False,
+    **kwargs: Any,
 ) -> Any:
-    """Builds the descriptors of ``_native.save`` and ``common.pt`` and writes torch_dist."""
+    """Builds the descriptors of ``_native.save`` and ``common.pt`` and writes torch_dist.
+    ``keep_common_pt``: the state is the sharded part only (a strategy's ``save`` called the way
+    Megatron's ``serialization.save`` calls it, after its common strategy wrote ``common.pt``):
+    the ``common.pt`` already there is committed again rather than replaced by an empty one."""
     keep_alive: List[Any] = []
     native_tensors = [_save_tuple(sh, keep_alive) for _, sh in tensors]
     native_objects = [
@@ -527,10 +540,14 @@ def _save_torch_dist_request(
     ]
     common_pt = b""
     if rank == 0:
-        state: Dict[str, Any] = {}
-        for path, value in common:
-            _set_path(state, path, value)
-        common_pt = _torch_save_bytes(state)
+        existing = _native.read_file(location, _COMMON_STATE_FNAME) if keep_common_pt and not common else None
+        if existing is not None:
+            common_pt = existing
+        else:
+            state: Dict[str, Any] = {}
+            for path, value in common:
+                _set_path(state, path, value)
+            common_pt = _torch_save_bytes(state)
     report = _save_torch_dist(native_tensors, native_objects, common_pt, location, comm, **kwargs)
     del keep_alive
     if not async_save:

@@ -61,9 +61,13 @@ class NativeSaveShardedStrategy(AsyncSaveShardedStrategy):
         return True
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
-        """Same as ``dist_checkpointing.save(sharded_state_dict, checkpoint_dir, self)``."""
-        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
+        """``dist_checkpointing.save(sharded_state_dict, checkpoint_dir, self)`` of the sharded
+        part, as Megatron's ``serialization.save`` calls a strategy after its common strategy
+        wrote ``common.pt``: a torch_dist save keeps that ``common.pt``."""
+        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self, _sharded_part_only=True)
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
-        """Same as ``dist_checkpointing.save(..., self, async_sharded_save=True)``."""
-        return _serialization().save(sharded_state_dict, checkpoint_dir, sharded_strategy=self, async_sharded_save=True)
+        """As :meth:`save`, returning the request (``async_sharded_save=True``)."""
+        return _serialization().save(
+            sharded_state_dict, checkpoint_dir, sharded_strategy=self, async_sharded_save=True, _sharded_part_only=True
+        )

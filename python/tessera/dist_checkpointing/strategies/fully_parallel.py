@@ -89,7 +89,9 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
         if self.native_writer:
-            return _serialization().save(sharded_state_dict, checkpoint_dir, self, async_sharded_save=True)
+            return _serialization().save(
+                sharded_state_dict, checkpoint_dir, self, async_sharded_save=True, _sharded_part_only=True
+            )
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"Cannot apply async_save to non-async base strategy {self.base_strategy}")
         self.apply_saving_parallelization(sharded_state_dict)
@@ -97,7 +99,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
         if self.native_writer:
-            return _serialization().save(sharded_state_dict, checkpoint_dir, self)
+            return _serialization().save(sharded_state_dict, checkpoint_dir, self, _sharded_part_only=True)
         self.apply_saving_parallelization(sharded_state_dict)
         return self.base_strategy.save(sharded_state_dict, checkpoint_dir)
 
