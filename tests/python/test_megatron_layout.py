@@ -70,6 +70,9 @@ class RecordingLoad(LoadShardedStrategy):
     def load_tensors_metadata(self, checkpoint_dir):
         return {}
 
+    def load_sharded_metadata(self, checkpoint_dir):
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3)), "v": ShardedTensor.from_rank_offsets("v", torch.zeros(1))}
+
     def check_backend_compatibility(self, loaded_backend):
         assert loaded_backend == "recording"
 
@@ -90,6 +93,29 @@ def test_a_callers_strategy_is_called(tmp_path):
     out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3))}, str(ckpt), load_strategy)
     assert load_strategy.loaded == [["w"]]
     assert out["step"] == 5 and out["w"].tolist() == [7.0, 7.0, 7.0]
+
+
+def test_strictness_with_a_callers_strategy(tmp_path, caplog):
+    # The keys are compared with what the strategy's load_sharded_metadata lists, as Megatron does.
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3))}, str(ckpt), RecordingSave())
+
+    def request():
+        return {
+            "w": ShardedTensor.from_rank_offsets("w", torch.zeros(3)),
+            "x": ShardedTensor.from_rank_offsets("x", torch.zeros(2)),
+        }
+
+    with pytest.raises(dc.CheckpointingException, match="Unexpected keys.*'x'"):
+        dc.load(request(), str(ckpt), RecordingLoad(), strict=dc.StrictHandling.RAISE_UNEXPECTED)
+    load_strategy = RecordingLoad()
+    out, missing, unexpected = dc.load(request(), str(ckpt), load_strategy, strict=dc.StrictHandling.RETURN_ALL)
+    assert (missing, unexpected) == ({"v"}, {"x"})
+    assert load_strategy.loaded == [["w"]], "the unexpected key is not asked of the strategy"
+    with caplog.at_level("WARNING"):
+        dc.load(request(), str(ckpt), RecordingLoad(), strict=dc.StrictHandling.LOG_ALL)
+    assert "Missing keys" in caplog.text and "Unexpected keys" in caplog.text
 
 
 def test_wrapped_callers_strategy_is_called(tmp_path):

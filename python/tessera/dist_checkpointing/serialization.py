@@ -31,6 +31,7 @@ from .strategies.base import AsyncSaveShardedStrategy, SaveShardedStrategy, Stra
 from .strategies.tessera import TESSERA_BACKEND, TESSERA_BACKEND_VERSION
 from .validation import (
     StrictHandling,
+    check_strict_load,
     maybe_report_missing_and_unexpected_keys,
     mismatch_message,
     parse_strict_flag,
@@ -764,9 +765,9 @@ def _load_with_strategy(
     sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, sharded_strategy: Any, common_strategy: Any, strict: StrictHandling
 ) -> Any:
     """Megatron's load protocol around a caller's own strategy (one the core does not run):
-    common state first, then ``strategy.load`` of the sharded part, factories merged. The keys
-    are not compared with the checkpoint here (the strategy reads its own format), so
-    ``RETURN_*`` strictness returns empty sets."""
+    common state first, then ``strategy.load`` of the sharded part, factories merged. Unless
+    ``strict`` is ``ASSUME_OK_UNEXPECTED`` or ``IGNORE_ALL``, the request's keys are compared
+    with what ``load_sharded_metadata`` lists (through the strategies), as Megatron does."""
     from .dict_utils import merge
     from .state_dict_utils import load_preprocess
     from .utils import extract_sharded_base
@@ -776,6 +777,12 @@ def _load_with_strategy(
     sharded_state_dict, nonpersistent, factories = load_preprocess(sharded_state_dict)
     merge(state, nonpersistent)
     sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
+    missing: Set[str] = set()
+    unexpected: Set[str] = set()
+    if strict not in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.IGNORE_ALL):
+        stored = load_sharded_metadata(checkpoint_dir, sharded_strategy, common_strategy)
+        stored_keys = {sh.key for sh in stored.values() if hasattr(sh, "key")}
+        sharded_state_dict, missing, unexpected = check_strict_load(sharded_state_dict, stored_keys, strict)
     if not sharded_strategy.can_handle_sharded_objects:
         validate_sharded_objects_handling(sharded_strategy, common_strategy)
         objects, sharded_state_dict = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedObject))
@@ -783,7 +790,7 @@ def _load_with_strategy(
     merge(state, sharded_strategy.load(sharded_state_dict, checkpoint_dir))
     state = apply_factory_merges(state, factories)
     if StrictHandling.requires_returning_mismatch_keys(strict):
-        return state, set(), set()
+        return state, missing, unexpected
     return state
 
 

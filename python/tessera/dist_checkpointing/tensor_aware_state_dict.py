@@ -18,12 +18,7 @@ from .exchange_utils import ShardDistribution, determine_main_replica_uniform_di
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, apply_factory_merges
 from .state_dict_utils import load_preprocess, save_preprocess
 from .utils import _sharded_object_id, _sharded_tensor_shard_id, extract_sharded_base, zip_strict
-from .validation import (
-    StrictHandling,
-    determine_global_metadata,
-    maybe_report_missing_and_unexpected_keys,
-    parse_strict_flag,
-)
+from .validation import StrictHandling, check_strict_load, parse_strict_flag
 
 __all__ = ["MCoreTensorAwareStateDict"]
 
@@ -229,36 +224,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):  # type: ignore[misc,vali
         return state
 
     def _apply_strictness(self, sharded_part: ShardedStateDict, strict: StrictHandling) -> Tuple[Set[str], Set[str]]:
-        """Missing keys (held here, requested by no rank) and unexpected keys (requested here,
-        not held), reported as ``strict`` says, as Megatron's ``validate_integrity_and_strict_load``
-        does. The request is not changed: an unexpected shard then fails the insertion, as in
-        Megatron (its strictness modes pass such errors through to the algorithm)."""
-        if strict in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.IGNORE_ALL):
-            return set(), set()
+        """Missing and unexpected keys against what this state dict holds, reported as
+        ``strict`` says. The request is not changed: an unexpected shard then fails the
+        insertion, as in Megatron (its strictness modes pass such errors through)."""
         held = {sh.key for sh in nested_values(self.sharded_state_dict) if hasattr(sh, "key")}
-        requested = {sh.key for sh in nested_values(sharded_part) if hasattr(sh, "key")}
-        unexpected = requested - held
-        missing: Set[str] = set()
-        if StrictHandling.requires_global_app_metadata(strict):
-            everyone = set(requested)
-            if _distributed():
-                _, gathered = determine_global_metadata(sharded_part)
-                everyone = {sh.key for rank in gathered for sh in rank}
-            missing = held - everyone
-        if strict == StrictHandling.RAISE_UNEXPECTED:
-            maybe_report_missing_and_unexpected_keys(set(), unexpected, raise_error=True)
-        elif strict == StrictHandling.RAISE_ALL:
-            maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=True)
-        elif strict == StrictHandling.LOG_UNEXPECTED:
-            maybe_report_missing_and_unexpected_keys(set(), unexpected, raise_error=False)
-        elif strict == StrictHandling.LOG_ALL:
-            maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=False)
+        _, missing, unexpected = check_strict_load(sharded_part, held, strict)
         return missing, unexpected
-
-
-def _distributed() -> bool:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False
-    return dist.is_available() and dist.is_initialized()

@@ -24,6 +24,7 @@ __all__ = [
     "validate_sharded_objects_handling",
     "determine_global_metadata",
     "maybe_report_missing_and_unexpected_keys",
+    "check_strict_load",
     "mismatch_message",
 ]
 
@@ -156,6 +157,48 @@ def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: An
             f"Either sharded strategy or common strategy must implement ShardedObjects handling."
             f" Both {sharded_strategy} and {common_strategy} specify can_handle_sharded_objects=False"
         )
+
+
+def check_strict_load(
+    sharded_part: ShardedStateDict, stored_keys: Set[str], strict: StrictHandling
+) -> Tuple[ShardedStateDict, Set[str], Set[str]]:
+    """Megatron's strict-load handling for a request checked in Python (a caller's own strategy,
+    a tensor-aware state dict; the core checks its own loads): missing keys (stored, requested
+    by no rank: one ``all_gather_object``) and this rank's unexpected keys (requested, not
+    stored), raised or logged as ``strict`` says. Returns the request without its unexpected
+    keys (unless nothing is checked), the missing and the unexpected keys."""
+    if strict in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.IGNORE_ALL):
+        return sharded_part, set(), set()
+    from .dict_utils import extract_matching_values, nested_values
+
+    requested = {sh.key for sh in nested_values(sharded_part) if hasattr(sh, "key")}
+    unexpected = requested - stored_keys
+    missing: Set[str] = set()
+    if StrictHandling.requires_global_app_metadata(strict):
+        everyone = set(requested)
+        if _distributed():
+            _, gathered = determine_global_metadata(sharded_part)
+            everyone = {sh.key for rank in gathered for sh in rank}
+        missing = stored_keys - everyone
+    if strict == StrictHandling.RAISE_UNEXPECTED:
+        maybe_report_missing_and_unexpected_keys(set(), unexpected, raise_error=True)
+    elif strict == StrictHandling.RAISE_ALL:
+        maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=True)
+    elif strict == StrictHandling.LOG_UNEXPECTED:
+        maybe_report_missing_and_unexpected_keys(set(), unexpected, raise_error=False)
+    elif strict == StrictHandling.LOG_ALL:
+        maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=False)
+    if unexpected:
+        _, sharded_part = extract_matching_values(sharded_part, lambda x: getattr(x, "key", None) in unexpected)
+    return sharded_part, missing, unexpected
+
+
+def _distributed() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized()
 
 
 def maybe_report_missing_and_unexpected_keys(
