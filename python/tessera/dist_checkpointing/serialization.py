@@ -25,9 +25,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 from .. import _native
 from .._comm import default_comm
 from ..errors import KeyMismatchError, NotCoveredError, TesseraError
-from .core import MEGATRON_BACKENDS, CheckpointingConfig, CheckpointingException, local_dir, save_config
+from .core import CheckpointingConfig, CheckpointingException, save_config
 from .dict_utils import extract_matching_values
-from .strategies.base import AsyncSaveShardedStrategy, SaveShardedStrategy, StrategyAction, get_default_strategy
+from .strategies.base import AsyncSaveShardedStrategy, StrategyAction, get_default_strategy
+from .strategies.common import COMMON_STATE_FNAME
 from .strategies.tessera import TESSERA_BACKEND, TESSERA_BACKEND_VERSION
 from .validation import (
     StrictHandling,
@@ -80,7 +81,6 @@ _TORCH_OBJECT = b"TPT1"
 # A foreign object stored as torch.save([obj]) (Megatron torch_dist ShardedObjects): the
 # payload is those bytes, the object is the list's only element.
 _TORCH_LIST_OBJECT = b"TPL1"
-_COMMON_STATE_FNAME = "common.pt"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,7 +541,7 @@ def _save_torch_dist_request(
     ]
     common_pt = b""
     if rank == 0:
-        existing = _native.read_file(location, _COMMON_STATE_FNAME) if keep_common_pt and not common else None
+        existing = _native.read_file(location, COMMON_STATE_FNAME) if keep_common_pt and not common else None
         if existing is not None:
             common_pt = existing
         else:
@@ -707,9 +707,12 @@ def load(
         missing = set(result["missing_keys"]) if strict == StrictHandling.LOG_ALL else set()
         maybe_report_missing_and_unexpected_keys(missing, set(result["unexpected_keys"]), raise_error=False)
 
-    state = _megatron_common_pt(checkpoint_dir)
-    if state is None:
+    # The common state came with the load where the core keeps it; Megatron's common.pt is read
+    # by its common strategy (torch.load, exact objects).
+    if getattr(common_strategy, "common_from_index", False):
         state = _common_from_native(result["common"])
+    else:
+        state = common_strategy.load_common(checkpoint_dir)
     for path, leaf in _leaves(sharded_state_dict):
         if isinstance(leaf, LocalNonpersistentObject):
             _set_path(state, path, leaf.unwrap())
@@ -862,35 +865,11 @@ def load_common_state_dict(checkpoint_dir: Any) -> Dict[str, Any]:
     return common_strategy.load_common(checkpoint_dir)
 
 
-def _native_common_state_dict(checkpoint_dir: Any) -> Dict[str, Any]:
-    """The common state as the core reads it (``common.pt`` of a Megatron checkpoint)."""
-    state = _megatron_common_pt(checkpoint_dir)
-    if state is not None:
-        return state
-    return _common_from_native(_native.load_common(str(checkpoint_dir)))
-
-
 def _common_from_native(pairs: Iterable[Tuple[Any, Any]]) -> Dict[str, Any]:
     state: Dict[str, Any] = {}
     for path, value in pairs:
         _set_path(state, _from_native_path(path), _from_plain(value))
     return state
-
-
-def _megatron_common_pt(checkpoint_dir: Any) -> Optional[Any]:
-    """``torch.load`` of the checkpoint's ``common.pt`` when it is not one the core keeps its
-    common state in (a Megatron checkpoint, or one a caller's own strategy wrote); None otherwise."""
-    if local_dir(checkpoint_dir) is None:
-        return None
-    try:
-        detected = _native.detect(str(checkpoint_dir))
-    except FileNotFoundError:
-        return None
-    if detected is not None and detected[0] not in MEGATRON_BACKENDS:
-        return None
-    # Read by the core, as every checkpoint file is: never through a link out of the directory.
-    data = _native.read_file(os.fspath(checkpoint_dir), _COMMON_STATE_FNAME)
-    return None if data is None else _torch_load_bytes(data)
 
 
 def load_sharded_objects(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any) -> Dict[str, Any]:

@@ -124,16 +124,12 @@ def verify_checkpoint_and_load_strategy(
         try:
             return get_default_strategy(action, backend, version)
         except CheckpointingException:
-            from .strategies._native_load import NativeLoadShardedStrategy
-            from .strategies.tessera import TesseraLoadCommonStrategy
+            from .strategies._native_load import NativeLoadCommonStrategy, NativeLoadShardedStrategy
 
             # A format the core reads without a registered strategy (torch_dcp, olmo_core, ...).
             if action == StrategyAction.LOAD_SHARDED:
                 return NativeLoadShardedStrategy(backend, version)
-            common = TesseraLoadCommonStrategy()
-            common.check_backend_compatibility = lambda *_: None  # type: ignore[method-assign]
-            common.check_version_compatibility = lambda *_: None  # type: ignore[method-assign]
-            return common
+            return NativeLoadCommonStrategy(backend, version)
 
     if sharded_strategy is None:
         sharded_strategy = default(StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version)

@@ -483,8 +483,7 @@ fn prepare<'a>(
     let mut zero_fill = Vec::new();
     let mut casts = Vec::new();
     for r in &mut requests {
-        let stored =
-            index.tensors.binary_search_by(|t| t.key.as_str().cmp(&r.key)).ok().map(|i| index.tensors[i].dtype);
+        let stored = index.tensor(&r.key).map(|t| t.dtype);
         if let Some(stored) = stored.filter(|d| opts.cast_dtypes && *d != r.dtype) {
             let target_bytes = match deferred.iter().find(|d| d.0 == r.target) {
                 Some(d) => d.1,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
-from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from .base import AsyncSaveShardedStrategy, LoadCommonStrategy, LoadShardedStrategy
 
 
 def _serialization() -> Any:
@@ -71,3 +71,37 @@ class NativeSaveShardedStrategy(AsyncSaveShardedStrategy):
         return _serialization().save(
             sharded_state_dict, checkpoint_dir, sharded_strategy=self, async_sharded_save=True, _sharded_part_only=True
         )
+
+
+class NativeLoadCommonStrategy(LoadCommonStrategy):
+    """Reads the common state the core keeps in a checkpoint's index, and its sharded objects
+    (for any format the core reads; the compatibility checks accept everything)."""
+
+    #: serialization.load takes the common state from the core's load result instead.
+    common_from_index = True
+
+    def __init__(self, backend: str = "", version: int = 1) -> None:
+        super().__init__()
+        self.backend = backend
+        self.version = version
+
+    def load_common(self, checkpoint_dir: Any) -> StateDict:
+        ser = _serialization()
+        return ser._common_from_native(ser._native.load_common(str(checkpoint_dir)))
+
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
+        return _serialization().load_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
+
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
+        """Objects are listed with the tensors by the sharded strategy: nothing extra here."""
+        return {}
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend: Any) -> None:
+        pass  # the core detects the format and refuses what it cannot read
+
+    def check_version_compatibility(self, loaded_version: Any) -> None:
+        pass

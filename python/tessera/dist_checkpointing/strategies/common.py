@@ -14,7 +14,8 @@ import os
 from typing import Any, Union
 
 from ..mapping import ShardedStateDict, StateDict
-from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
+from ._native_load import NativeLoadCommonStrategy
+from .base import SaveCommonStrategy, StrategyAction, register_default_strategy
 
 __all__ = [
     "COMMON_STATE_FNAME",
@@ -69,31 +70,21 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         return True
 
 
-class TorchCommonLoadStrategy(LoadCommonStrategy):
-    """Reads ``common.pt`` (through the core) and the checkpoint's sharded objects (through the
-    native reader, which knows every format tessera reads)."""
+class TorchCommonLoadStrategy(NativeLoadCommonStrategy):
+    """Reads ``common.pt`` (through the core, then ``torch.load(weights_only=True)``, as
+    Megatron loads it) and the checkpoint's sharded objects (through the native reader, which
+    knows every format tessera reads). Without ``common.pt`` (a save that kept it elsewhere),
+    the common state the core reads from the checkpoint."""
 
-    backend = "torch"
-    version = 1
+    common_from_index = False
+
+    def __init__(self) -> None:
+        super().__init__("torch", 1)
 
     def load_common(self, checkpoint_dir: Any) -> StateDict:
-        return _serialization()._native_common_state_dict(checkpoint_dir)
-
-    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
-        return _serialization().load_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
-
-    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
-        return {}
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
-    def check_backend_compatibility(self, loaded_version: Any) -> None:
-        pass
-
-    def check_version_compatibility(self, loaded_version: Any) -> None:
-        pass
+        ser = _serialization()
+        data = ser._native.read_file(os.fspath(checkpoint_dir), COMMON_STATE_FNAME)
+        return super().load_common(checkpoint_dir) if data is None else ser._torch_load_bytes(data)
 
 
 def register_default_common_strategies() -> None:

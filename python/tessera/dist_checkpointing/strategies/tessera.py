@@ -14,12 +14,11 @@ from typing import Any, Dict, Tuple
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from .base import (
-    LoadCommonStrategy,
     LoadShardedStrategy,
     StrategyAction,
     register_default_strategy,
 )
-from ._native_load import NativeSaveShardedStrategy
+from ._native_load import NativeLoadCommonStrategy, NativeSaveShardedStrategy
 
 __all__ = [
     "TESSERA_BACKEND",
@@ -136,18 +135,11 @@ class TesseraLoadShardedStrategy(_TesseraReader, LoadShardedStrategy):
         return _serialization()._native_remove_sharded_tensors(checkpoint_dir, key_prefix)
 
 
-class TesseraLoadCommonStrategy(_TesseraReader, LoadCommonStrategy):
+class TesseraLoadCommonStrategy(_TesseraReader, NativeLoadCommonStrategy):
     """Reads the common state and sharded objects of a tessera checkpoint."""
 
-    def load_common(self, checkpoint_dir: Any) -> StateDict:
-        return _serialization()._native_common_state_dict(checkpoint_dir)
-
-    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
-        return _serialization().load_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
-
-    def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
-        """Objects are listed with the tensors by the sharded strategy: nothing extra here."""
-        return {}
+    def __init__(self) -> None:
+        super().__init__(TESSERA_BACKEND, TESSERA_BACKEND_VERSION)
 
 
 def register_default_tessera_strategies() -> None:
