@@ -19,7 +19,7 @@ and ``int`` (list indices). Values at list indices are stored in lists; a list i
 by the paths given to :func:`save` is stored as ``None``.
 """
 
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 PlainValue = Union[None, bool, int, float, str, bytes, List["PlainValue"], Dict[str, "PlainValue"]]
 Path = List[Union[str, int]]
@@ -138,6 +138,43 @@ def validate_sharding(
     comm: Optional[Communicator] = None,
 ) -> None:
     """Checks collectively, writing nothing, that the shards of all ranks form a valid state."""
+
+class TorchDistFile:
+    """One data file of a planned ``torch_dist`` save."""
+
+    @property
+    def name(self) -> str:
+        """The file's name, relative to the checkpoint."""
+    def write(self) -> int:
+        """Writes the file whole (any thread, GIL released); returns its size in bytes."""
+
+class TorchDistSave:
+    """A planned ``torch_dist`` save: write every file of :meth:`files`, then :meth:`commit`."""
+
+    def files(self) -> List[TorchDistFile]:
+        """This rank's data files, in order (empty once committed)."""
+    def commit(
+        self, bytes_written: int, comm: Optional[Communicator] = None, failure: Optional[str] = None
+    ) -> Dict[str, Union[int, Optional[str]]]:
+        """Ends the save (collective): ``failure`` is this rank's error writing its files. With
+        none on any rank, rank 0 commits; otherwise the save's files are removed and every rank
+        raises the first failure (another rank's as ``PeerFailedError``)."""
+
+def plan_torch_dist(
+    tensors: Sequence[SaveTensor],
+    objects: Sequence[SaveObject],
+    common_pt: Optional[bytes],
+    location: str,
+    owners: Any,
+    comm: Optional[Communicator] = None,
+    overwrite: bool = False,
+    validate: bool = True,
+    threads: Optional[int] = None,
+    files_per_rank: int = 1,
+) -> TorchDistSave:
+    """Plans a :func:`save_torch_dist` (collective; every check runs here), writing nothing.
+    ``owners`` owns the tensors' memory and is held by the plan; that memory must stay
+    unmodified until the save is committed or dropped."""
 
 def save_torch_dist(
     tensors: Sequence[SaveTensor],

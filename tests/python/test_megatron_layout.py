@@ -41,13 +41,27 @@ def test_names_megatron_core_and_training_import():
 
     assert "keep_vars=True" in KEEP_VARS_HINT
     assert callable(FileSystemWriterAsync.write_preloaded_data) and _results_queue is None
-    assert get_default_save_sharded_strategy().backend == "tessera"
+    # Megatron's signature and default; save() without a strategy still writes tessera's format.
+    assert get_default_save_sharded_strategy().backend == "torch_dist"
+    assert get_default_save_sharded_strategy("tessera").backend == "tessera"
     assert callable(get_default_load_sharded_strategy) and callable(load_sharded_metadata)
     assert callable(save_config) and callable(_sharded_tensor_shard_id)
     # Greedy: lowest coverage first, then largest; ties to the least loaded, lowest rank.
     assert distribute_shards_to_ranks({"a": [0, 1], "b": [1], "c": [0, 1]}, {"a": 4, "b": 8, "c": 2}, 2, set()) == {
         "b": 1, "a": 0, "c": 0,
     }
+
+
+def test_save_writes_tessera_format_unless_the_default_getter_is_replaced(tmp_path, monkeypatch):
+    sd = lambda: {"w": ShardedTensor.from_rank_offsets("w", torch.arange(3.0))}  # noqa: E731
+    dc.save(sd(), str(tmp_path / "native"))
+    assert dc.core.maybe_load_config(str(tmp_path / "native")).sharded_backend == "tessera"
+    # Megatron's tests (and users) pick the default by replacing the module's getter.
+    pick = lambda: serialization.get_default_strategy(serialization.StrategyAction.SAVE_SHARDED, "torch_dist", 1)  # noqa: E731
+    monkeypatch.setattr(serialization, "get_default_save_sharded_strategy", pick)
+    dc.save(sd(), str(tmp_path / "dist"))
+    assert (tmp_path / "dist" / ".metadata").is_file()
+    assert dc.load(sd(), str(tmp_path / "dist"))["w"].tolist() == [0.0, 1.0, 2.0]
 
 
 class RecordingSave(SaveShardedStrategy):
@@ -155,14 +169,13 @@ def test_missing_directory_message(tmp_path):
 
 def test_torch_dist_save_goes_through_one_place(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(serialization._native, "save_torch_dist", lambda *a, **k: calls.append(a), raising=False)
+    plan = serialization._native.plan_torch_dist
+    monkeypatch.setattr(serialization._native, "plan_torch_dist", lambda *a, **k: calls.append(a) or plan(*a, **k))
     dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "x": 1}, str(tmp_path / "t"), ("torch_dist", 1))
-    (tensors, objects, common_pt, location, comm) = calls[0]
+    (tensors, objects, common_pt, location, owners, comm) = calls[0]
     assert [t[0] for t in tensors] == ["w"] and objects == [] and location.endswith("t")
     assert serialization._torch_load_bytes(common_pt) == {"x": 1}
-    monkeypatch.delattr(serialization._native, "save_torch_dist")
-    with pytest.raises(CheckpointingException, match="writing torch_dist needs tessera._native.save_torch_dist"):
-        dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, str(tmp_path / "u"), ("torch_dist", 1))
+    assert (tmp_path / "t" / ".metadata").is_file()
 
 
 def test_tensor_aware_state_dict_round_trip():

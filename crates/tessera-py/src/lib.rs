@@ -11,6 +11,7 @@ mod comm;
 mod convert;
 mod errors;
 mod plan_cache;
+mod torch_dist;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -521,6 +522,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(save_olmo, m)?)?;
     m.add_function(wrap_pyfunction!(save_torch_dist, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_dist::plan_torch_dist, m)?)?;
+    m.add_class::<torch_dist::TorchDistSave>()?;
+    m.add_class::<torch_dist::TorchDistFile>()?;
     m.add_function(wrap_pyfunction!(olmo_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(validate_sharding, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;

@@ -67,7 +67,7 @@ pub use io::verify::{verify, VerifyReport};
 #[cfg(feature = "mpi")]
 pub use mpi;
 pub use save::olmo::{save_olmo, save_olmo_dirs, OlmoSaveReport};
-pub use save::torch_dist::save_torch_dist;
+pub use save::torch_dist::{save_torch_dist, TorchDistSave};
 pub use state::{
     path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,
     StatePath, StateTree, TensorData, TensorFactory, Value,

@@ -13,7 +13,7 @@ use common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
 use tessera::{
     detect_format, load, load_common_state, load_plain_tensors, load_sharded_objects, save_torch_dist, Communicator,
     DType, Error, LoadOptions, LocalStorage, PathSeg, ReplicaId, SaveOptions, ShardedObject, ShardedTensor, SoloComm,
-    StateTree, TensorData, Value, OBJECT_TAG_VALUE,
+    StateTree, TensorData, TorchDistSave, Value, OBJECT_TAG_VALUE,
 };
 
 struct Layout {
@@ -387,4 +387,82 @@ fn data_files(dir: &std::path::Path) -> Vec<String> {
         .collect();
     names.sort();
     names
+}
+
+/// The three steps of [`TorchDistSave`], as Megatron's writer workers drive them: files
+/// written from several threads in reverse order make the same checkpoint; a file that fails
+/// on one rank fails every rank at the commit (the others with `PeerFailed` naming it), commits
+/// nothing and leaves none of the save's files.
+#[test]
+fn a_save_driven_file_by_file_commits_only_when_every_file_of_every_rank_is_written() {
+    let opts = SaveOptions { threads: 2, ..SaveOptions::default() };
+    let buffers = buffers();
+    let dir = TempDir::new("torch-dist-split");
+    let results = run_ranks(2, |comm| {
+        let storage = LocalStorage::new(dir.path());
+        let tree = rank_tree(comm.rank(), 2, &buffers);
+        let save = TorchDistSave::plan(tree, None, &storage, comm, &opts, 3)?;
+        assert_eq!(save.files(), 3);
+        assert!(save.file_name(3).is_none());
+        let (plan, out, o) = (&save, &storage, &opts);
+        let written: Vec<u64> = std::thread::scope(|s| {
+            let write = |k| s.spawn(move || plan.write_file(k, out, o));
+            let handles: Vec<_> = (0..save.files()).rev().map(write).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect::<tessera::Result<_>>()
+        })?;
+        save.commit(Ok(written.iter().sum()), &storage, comm, &opts)
+    });
+    for r in results {
+        r.unwrap();
+    }
+    check_written(dir.path(), 2);
+    assert_eq!(data_files(dir.path()).len(), 6);
+
+    let dir = TempDir::new("torch-dist-split-fails");
+    let results = run_ranks(2, |comm| {
+        let storage = LocalStorage::new(dir.path());
+        let save = TorchDistSave::plan(rank_tree(comm.rank(), 2, &buffers), None, &storage, comm, &opts, 2)?;
+        let mut written = Ok(0);
+        for k in 0..save.files() {
+            written = if comm.rank() == 1 && k == 1 {
+                Err(Error::Io { path: "__1_1.distcp".into(), source: std::io::Error::other("disk full") })
+            } else {
+                written.and_then(|n| Ok(n + save.write_file(k, &storage, &opts)?))
+            };
+        }
+        save.commit(written, &storage, comm, &opts)
+    });
+    match &results[0] {
+        Err(Error::PeerFailed { rank: 1, message }) => assert!(message.contains("disk full"), "{message}"),
+        other => panic!("rank 0: {other:?}"),
+    }
+    assert!(matches!(&results[1], Err(Error::Io { .. })), "rank 1: {:?}", results[1]);
+    assert!(!dir.path().join(".metadata").exists());
+    assert_eq!(data_files(dir.path()), Vec::<String>::new());
+}
+
+/// A load that exchanges reads between ranks (Megatron's fully parallel load) of a checkpoint
+/// without checksum blocks, with checksum verification asked for: every rank needs the whole
+/// of `rows.weight`, one reads each piece, all get exact bytes. (It once divided by the block
+/// size, 0 in a foreign checkpoint.)
+#[test]
+fn a_load_exchanging_reads_between_ranks_works_without_checksum_blocks() {
+    let dir = TempDir::new("torch-dist-exchange");
+    for r in save_world(dir.path(), 2, &SaveOptions::default()) {
+        r.unwrap();
+    }
+    let l = &layouts()[0];
+    let all = truth(l.dtype, &l.shape, 1);
+    let opts = LoadOptions { exchange_reads: true, verify_checksums: true, ..LoadOptions::default() };
+    let results = run_ranks(3, |comm| -> tessera::Result<Option<Vec<u8>>> {
+        let storage = LocalStorage::new(dir.path());
+        let buf = vec![0u8; all.len()];
+        let t = shard(l.key, l.dtype, &l.shape, &[0, 0], &l.shape, 0, None, TensorData::Owned(buf));
+        let res = load(StateTree::map().with("w", StateTree::Tensor(t)), &storage, comm, &opts)?;
+        let Some(StateTree::Tensor(t)) = res.state.get(&[PathSeg::Key("w".into())]) else { panic!("w") };
+        Ok(t.data.bytes().map(<[u8]>::to_vec))
+    });
+    for (r, got) in results.into_iter().enumerate() {
+        assert!(got.unwrap().as_deref() == Some(all.as_slice()), "rank {r}");
+    }
 }

@@ -64,15 +64,11 @@ __all__ = [
     "get_default_save_common_strategy",
     "get_default_load_sharded_strategy",
     "CkptShardedMetadata",
-    "TorchDistWriterUnavailableError",
 ]
 
 CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]
 _CONTENT_METADATA_KEY = "content_metadata"
 
-
-class TorchDistWriterUnavailableError(CheckpointingException):
-    """Writing ``torch_dist`` was asked for and this build's core has no torch_dist writer."""
 
 _TORCH_SAVE_KEY = "__tessera_torch_save__"
 # Object shards are opaque bytes to tessera; this prefix says how the Python layer encoded them.
@@ -240,9 +236,12 @@ def _flat_range(sh: ShardedTensor) -> Optional[Tuple[int, int]]:
     return (int(r.start), int(r.stop))
 
 
-def _cpu_contiguous(t: Any) -> Any:
+def _cpu_contiguous(t: Any, copy: bool = False) -> Any:
     """The tensor as CPU C-contiguous memory: CUDA tensors are staged to host (a copy), and
-    non-contiguous tensors are copied into a contiguous one."""
+    non-contiguous tensors are copied into a contiguous one; ``copy``: always a copy (an async
+    save writes after the caller has moved on)."""
+    if copy:
+        return t.detach().to("cpu", copy=True, memory_format=_torch().contiguous_format)
     if t.device.type != "cpu":
         t = t.detach().to("cpu")
     if not t.is_contiguous():
@@ -268,7 +267,7 @@ def _geometry(sh: ShardedTensor) -> tuple:
     )
 
 
-def _save_tuple(sh: ShardedTensor, keep_alive: List[Any], pinned: Any = None) -> tuple:
+def _save_tuple(sh: ShardedTensor, keep_alive: List[Any], pinned: Any = None, copy: bool = False) -> tuple:
     if sh.data is None:
         ptr, nbytes = 0, 0
     else:
@@ -278,7 +277,7 @@ def _save_tuple(sh: ShardedTensor, keep_alive: List[Any], pinned: Any = None) ->
             data = pinned.take(sh.data.numel(), sh.data.dtype).view(sh.data.shape)
             data.copy_(sh.data.detach(), non_blocking=True)
         else:
-            data = _cpu_contiguous(sh.data)
+            data = _cpu_contiguous(sh.data, copy)
         keep_alive.append(data)
         ptr, nbytes = data.data_ptr(), data.numel() * data.element_size()
     fr = tuple(sh.axis_fragmentations) if sh.axis_fragmentations is not None else None
@@ -431,7 +430,13 @@ def save(
 
 def _resolve_save_strategy(sharded_strategy: Any) -> Any:
     if sharded_strategy is None:
-        return get_default_save_sharded_strategy()
+        # tessera's format is the default. Megatron's save asks the module's
+        # get_default_save_sharded_strategy(), and code that picks its default by replacing
+        # that function (Megatron's own test suite does) is honoured the same way.
+        chosen = globals()["get_default_save_sharded_strategy"]
+        if chosen is not _GET_DEFAULT_SAVE_SHARDED_STRATEGY:
+            return chosen()
+        return get_default_save_sharded_strategy(TESSERA_BACKEND)
     if isinstance(sharded_strategy, tuple):
         return get_default_strategy(StrategyAction.SAVE_SHARDED, *sharded_strategy)
     return sharded_strategy
@@ -505,19 +510,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-class _DoneSave:
-    """The handle of a save that already committed (``AsyncRequest`` of a synchronous write)."""
-
-    def __init__(self, report: Any) -> None:
-        self._report = report
-
-    def is_done(self) -> bool:
-        return True
-
-    def finalize(self) -> Any:
-        return self._report
-
-
 def _save_torch_dist_request(
     tensors: list,
     objects: list,
@@ -527,14 +519,20 @@ def _save_torch_dist_request(
     rank: int,
     async_save: bool,
     keep_common_pt: bool = False,
+    files_per_rank: int = 1,
     **kwargs: Any,
 ) -> Any:
-    """Builds the descriptors of ``_native.save`` and ``common.pt`` and writes torch_dist.
-    ``keep_common_pt``: the state is the sharded part only (a strategy's ``save`` called the way
-    Megatron's ``serialization.save`` calls it, after its common strategy wrote ``common.pt``):
-    the ``common.pt`` already there is committed again rather than replaced by an empty one."""
+    """Writes ``torch_dist`` with the core's writer, as megatron's ``FileSystemWriterAsync``
+    does: the core plans the save (collective), each of this rank's ``files_per_rank`` data
+    files is written by ``FileSystemWriterAsync.write_preloaded_data`` on a thread of its own
+    (in the background when ``async_save``: the request's ``finalize`` then commits), and the
+    commit is collective. ``keep_common_pt``: the state is the sharded part only (a strategy's
+    ``save`` called the way Megatron's ``serialization.save`` calls it, after its common
+    strategy wrote ``common.pt``): the ``common.pt`` already there is committed again rather
+    than replaced by an empty one."""
     keep_alive: List[Any] = []
-    native_tensors = [_save_tuple(sh, keep_alive) for _, sh in tensors]
+    # An async save writes after the caller has moved on: it writes copies.
+    native_tensors = [_save_tuple(sh, keep_alive, copy=async_save) for _, sh in tensors]
     native_objects = [
         (o.key, _encode_object(o.data), tuple(o.global_shape), tuple(o.global_offset), _replica_tuple(o.replica_id))
         for _, o in objects
@@ -549,40 +547,34 @@ def _save_torch_dist_request(
             for path, value in common:
                 _set_path(state, path, value)
             common_pt = _torch_save_bytes(state)
-    report = _save_torch_dist(native_tensors, native_objects, common_pt, location, comm, **kwargs)
-    del keep_alive
+    # The planned save holds keep_alive, the tensors (or copies) whose memory it writes.
+    save = _native.plan_torch_dist(
+        native_tensors, native_objects, common_pt, location, keep_alive, comm, files_per_rank=files_per_rank, **kwargs
+    )
+    from .strategies.filesystem_async import TorchDistWrites
+
+    writes = TorchDistWrites(save, location, comm, rank, background=async_save)
     if not async_save:
+        writes.finalize()
         return None
     from .strategies.async_utils import AsyncRequest
 
-    # The core's torch_dist writer is synchronous: the request is already complete.
-    return AsyncRequest(_DoneSave(report))
+    return AsyncRequest(writes)
 
 
-def _save_torch_dist(
-    tensors: Sequence[tuple], objects: Sequence[tuple], common_pt: bytes, location: str, comm: Any, **kwargs: Any
-) -> Any:
-    """THE place where a ``torch_dist`` checkpoint is written: by the core's writer
-    ``tessera._native.save_torch_dist(tensors, objects, common_pt, location, comm, **kwargs)``,
-    which takes the tensor and object descriptors of ``_native.save`` and the bytes of
-    ``common.pt`` (``torch.save`` of the common state; rank 0's, empty on the other ranks)."""
-    writer = getattr(_native, "save_torch_dist", None)
-    if writer is None:
-        raise TorchDistWriterUnavailableError(
-            "writing torch_dist needs tessera._native.save_torch_dist, which this build of tessera's core "
-            "does not have; save with the default strategy (tessera's native format) instead"
-        )
-    return writer(tensors, objects, common_pt, location, comm, **kwargs)
-
-
-def get_default_save_sharded_strategy(backend: str = TESSERA_BACKEND, version: Optional[int] = None) -> Any:
-    """The registered save strategy of ``(backend, version)``; tessera's native format by
-    default (Megatron's default is ``("torch_dist", 1)``: ask for it by name, as Megatron-LM
-    does with ``get_default_save_sharded_strategy(args.ckpt_format)``). Without ``version``,
-    the version that backend is written in: 2 for tessera, 1 for Megatron's backends."""
+def get_default_save_sharded_strategy(backend: str = "torch_dist", version: Optional[int] = None) -> Any:
+    """Megatron's: the registered save strategy of ``(backend, version)``, ``torch_dist`` unless
+    another backend is named (Megatron-LM names it: ``get_default_save_sharded_strategy(
+    args.ckpt_format)``). Without ``version``, the version that backend is written in: 2 for
+    tessera, 1 for Megatron's backends. :func:`save` without a strategy does not use this
+    default: it writes tessera's format (``get_default_save_sharded_strategy("tessera")``)."""
     if version is None:
         version = TESSERA_BACKEND_VERSION if backend == TESSERA_BACKEND else 1
     return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+
+
+# Our own, to tell it from a replacement (see _resolve_save_strategy).
+_GET_DEFAULT_SAVE_SHARDED_STRATEGY = get_default_save_sharded_strategy
 
 
 def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -> Any:

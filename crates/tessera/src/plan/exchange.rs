@@ -69,8 +69,10 @@ fn merge(mut v: Vec<ByteRange>) -> Vec<ByteRange> {
 }
 
 /// The byte ranges a rank's load reads for `segs`: with `verify`, every checksum block a
-/// segment touches (read whole to be checked), else the segments. Sorted, disjoint, merged.
+/// segment touches (read whole to be checked), else the segments (also for a checkpoint
+/// without checksum blocks, a foreign one). Sorted, disjoint, merged.
 pub fn needed_ranges(index: &CheckpointIndex, segs: &[CopySeg], verify: bool) -> Vec<ByteRange> {
+    let verify = verify && index.block_size > 0;
     let raw = segs
         .iter()
         .filter(|s| s.len > 0)

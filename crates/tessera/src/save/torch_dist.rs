@@ -35,9 +35,9 @@ use crate::io::strategy::detect_format;
 use crate::io::write::{write_sources, Source};
 use crate::plan::save::RankPlan;
 use crate::save::olmo::agree;
-use crate::state::{path_string, StateTree};
+use crate::state::{path_string, StatePath, StateTree};
 use crate::storage::Storage;
-use crate::{Error, Result};
+use crate::{Error, Result, Value};
 
 /// Backends a `torch_dist` save may replace with `overwrite` (a DCP directory either way).
 const REPLACEABLE: [&str; 2] = ["torch_dist", "torch_dcp"];
@@ -50,7 +50,8 @@ const REPLACEABLE: [&str; 2] = ["torch_dist", "torch_dcp"];
 /// plain values make the dict (with `opts.content_metadata`, when set, under
 /// `content_metadata`, where Megatron keeps it). Errors come out identically on every rank.
 ///
-/// The report's `index_bytes` is the size of `.metadata` on rank 0 and 0 elsewhere.
+/// The report's `index_bytes` is the size of `.metadata` on rank 0 and 0 elsewhere. This is
+/// [`TorchDistSave`]'s three steps in a row, the files written one after the other.
 pub fn save_torch_dist(
     tree: StateTree<'_>,
     common: Option<&[u8]>,
@@ -59,71 +60,271 @@ pub fn save_torch_dist(
     opts: &SaveOptions,
     files_per_rank: usize,
 ) -> Result<SaveReport> {
-    let files_per_rank = files_per_rank.max(1);
-    let rank = comm.rank();
-    let (tree, factory_error) = apply_factories_collective(tree);
-    let mut c = collect(&tree, rank, true, opts.distribute_replicas);
-    let found = factory_error.or(c.local_error.take()).or_else(|| unsupported(&c, common.is_some(), opts));
-    c.local_error = found;
+    let save = TorchDistSave::plan(tree, common, storage, comm, opts, files_per_rank)?;
+    let written = (0..save.files()).try_fold(0u64, |n, k| Ok(n + save.write_file(k, storage, opts)?));
+    save.commit(written, storage, comm, opts)
+}
 
-    // Object items are made before the exchange: their sizes travel in it (as the objects'
-    // lengths), so rank 0 can place every item, and a payload that does not convert fails
-    // every rank alike.
-    let own_id = serialization_id(new_save_id(), rank as u64);
-    let mut object_items = Vec::new();
-    if c.local_error.is_none() {
-        let mains = c.plan.objects.iter_mut().filter(|o| o.main);
-        for (o, data) in mains.zip(&c.object_data) {
-            match object_item(&o.key, data, &own_id) {
-                Ok(item) => {
-                    o.len = item.len() as u64;
-                    object_items.push(item);
-                }
-                Err(e) => {
-                    c.local_error = Some(e);
-                    break;
-                }
-            }
-        }
-    }
-    if rank == 0 {
-        c.plan.save_id = new_save_id();
-        // The save id carries where this save's file numbers start (`first_file_number`).
-        match storage.list() {
-            Ok(names) => {
-                let fresh = !names.iter().any(|n| is_data_file_name(n));
-                c.plan.save_id = with_first_file_number(c.plan.save_id, fresh);
-            }
-            Err(e) => c.local_error = c.local_error.take().or(Some(e)),
-        }
+/// A `torch_dist` save in three steps, for a caller that drives the writing of the data files
+/// itself (Megatron's writer workers, each writing one file, possibly later, in the
+/// background): [`plan`](Self::plan) (collective: the exchange, the checks, every file's
+/// layout), [`write_file`](Self::write_file) for each of this rank's files (local, from any
+/// thread, in any order), then [`commit`](Self::commit) (collective: every rank's verdict, the
+/// commit on rank 0, or on a failure the removal of this save's files). Nothing is committed
+/// before `commit`, and a save dropped without it leaves only uncommitted files (which
+/// `tessera gc` removes).
+pub struct TorchDistSave<'a> {
+    /// The state after its factories were applied: the data files are written from it.
+    tree: StateTree<'a>,
+    rank: usize,
+    plans: Vec<RankPlan>,
+    save_id: u64,
+    /// This rank's data files, in file order.
+    names: Vec<String>,
+    /// This rank's items in layout order, and the file each goes to.
+    layout: Vec<Item>,
+    bins: Vec<usize>,
+    /// This rank's main objects as DCP byte items.
+    object_items: Vec<Vec<u8>>,
+    /// Rank 0: the `common.pt` the caller gave, or the tree's plain values that make it.
+    common_pt: Option<Vec<u8>>,
+    common_values: Vec<(StatePath, Value)>,
+}
+
+impl<'a> TorchDistSave<'a> {
+    /// Plans the save (collective over `comm`; arguments as [`save_torch_dist`]'s). Every
+    /// check runs here: a state the format cannot hold, a sharding that does not tile, a
+    /// checkpoint in the way, fail every rank alike before any byte is written.
+    pub fn plan(
+        tree: StateTree<'a>,
+        common: Option<&[u8]>,
+        storage: &dyn Storage,
+        comm: &dyn Communicator,
+        opts: &SaveOptions,
+        files_per_rank: usize,
+    ) -> Result<Self> {
+        let files_per_rank = files_per_rank.max(1);
+        let rank = comm.rank();
+        let (tree, factory_error) = apply_factories_collective(tree);
+        let mut c = collect(&tree, rank, true, opts.distribute_replicas);
+        let found = factory_error.or(c.local_error.take()).or_else(|| unsupported(&c, common.is_some(), opts));
+        c.local_error = found;
+
+        // Object items are made before the exchange: their sizes travel in it (as the objects'
+        // lengths), so rank 0 can place every item, and a payload that does not convert fails
+        // every rank alike.
+        let own_id = serialization_id(new_save_id(), rank as u64);
+        let mut object_items = Vec::new();
         if c.local_error.is_none() {
-            match existing(storage, opts.overwrite) {
-                Ok(refuse) => c.plan.refuse_overwrite = refuse,
-                Err(e) => c.local_error = Some(e),
+            let mains = c.plan.objects.iter_mut().filter(|o| o.main);
+            for (o, data) in mains.zip(&c.object_data) {
+                match object_item(&o.key, data, &own_id) {
+                    Ok(item) => {
+                        o.len = item.len() as u64;
+                        object_items.push(item);
+                    }
+                    Err(e) => {
+                        c.local_error = Some(e);
+                        break;
+                    }
+                }
             }
         }
+        if rank == 0 {
+            c.plan.save_id = new_save_id();
+            // The save id carries where this save's file numbers start (`first_file_number`).
+            match storage.list() {
+                Ok(names) => {
+                    let fresh = !names.iter().any(|n| is_data_file_name(n));
+                    c.plan.save_id = with_first_file_number(c.plan.save_id, fresh);
+                }
+                Err(e) => c.local_error = c.local_error.take().or(Some(e)),
+            }
+            if c.local_error.is_none() {
+                match existing(storage, opts.overwrite) {
+                    Ok(refuse) => c.plan.refuse_overwrite = refuse,
+                    Err(e) => c.local_error = Some(e),
+                }
+            }
+        }
+        let plans = plan_globally(comm, &mut c, opts, storage, None)?;
+        let save_id = plans[0].save_id;
+        let common_values = std::mem::take(&mut c.common);
+        drop(c);
+        // Files of this save's own names: what is replaced stays committed until the new
+        // `.metadata` replaces it.
+        let names = file_names(rank, save_id, files_per_rank);
+        let layout = items(&plans[rank], save_id);
+        let bins = spread(&layout, files_per_rank);
+        Ok(TorchDistSave {
+            tree,
+            rank,
+            plans,
+            save_id,
+            names,
+            layout,
+            bins,
+            object_items,
+            common_pt: (rank == 0).then(|| common.map(<[u8]>::to_vec)).flatten(),
+            common_values,
+        })
     }
-    let plans = plan_globally(comm, &mut c, opts, storage, None)?;
-    let save_id = plans[0].save_id;
 
-    // Files of this save's own names: what is replaced stays committed until the new
-    // `.metadata` replaces it.
-    let names = file_names(rank, save_id, files_per_rank);
-    let written = write_rank_files(&plans[rank], &c, &object_items, save_id, &names, storage, opts);
-    let bytes_written = agree(comm, written)?;
+    /// How many data files this rank writes (`files_per_rank`; a file may hold no item).
+    pub fn files(&self) -> usize {
+        self.names.len()
+    }
 
-    let mut index_bytes = 0;
-    let committed = if rank == 0 {
-        commit(&plans, save_id, files_per_rank, common, &c, storage, opts).map(|n| index_bytes = n)
-    } else {
-        Ok(())
-    };
-    agree(comm, committed)?;
-    let name = names.into_iter().next();
+    /// The name of this rank's data file `k` (relative to the checkpoint).
+    pub fn file_name(&self, k: usize) -> Option<&str> {
+        self.names.get(k).map(String::as_str)
+    }
 
-    let mains = plans.iter().flat_map(|p| p.tensors.iter().filter(|t| t.main));
-    let (chunks, total_tensor_bytes) = mains.fold((0, 0), |(n, b), t| (n + 1, b + t.nbytes()));
-    Ok(SaveReport { file: name, bytes_written, total_tensor_bytes, files: plans.len(), chunks, index_bytes })
+    /// Writes this rank's data file `k`, whole (a `torch.save` archive per tensor chunk,
+    /// written around the state's own bytes; the chunks' CRC-32s on `opts.threads` threads);
+    /// returns its size. Local: several files may be written at once from several threads.
+    pub fn write_file(&self, k: usize, storage: &dyn Storage, opts: &SaveOptions) -> Result<u64> {
+        let Some(name) = self.names.get(k) else {
+            return Err(Error::invalid(format!(
+                "data file {k} of {}: this rank writes {}",
+                self.rank,
+                self.names.len()
+            )));
+        };
+        let plan = &self.plans[self.rank];
+        // The state's bytes, found again in the tree (in the plan's order, as `plan` found them).
+        let c = collect(&self.tree, self.rank, true, opts.distribute_replicas);
+        let mut tensors: Vec<(usize, &[u8])> = Vec::new();
+        let mut parts: Vec<Part> = Vec::new();
+        for (item, _) in self.layout.iter().zip(&self.bins).filter(|(_, &b)| b == k) {
+            match *item {
+                Item::Tensor(i, _) => {
+                    let t = &plan.tensors[i];
+                    let data = c.tensor_data.get(i).copied().flatten().ok_or_else(|| {
+                        Error::invalid(format!("{:?}: chosen to write a shard it has no data for", t.key))
+                    })?;
+                    parts.push(Part::Tensor(tensors.len()));
+                    tensors.push((i, data));
+                }
+                Item::Object(i, _) => {
+                    parts.push(Part::Object(i));
+                }
+            }
+        }
+        let crcs = parallel_crc32(&tensors, opts.threads);
+        let mut archives = Vec::with_capacity(tensors.len());
+        for (&(i, bytes), &crc) in tensors.iter().zip(&crcs) {
+            let t = &plan.tensors[i];
+            let a = tensor_archive(t.dtype, &t.shape, crc, &serialization_id(self.save_id, i as u64));
+            if a.data_len != bytes.len() as u64 {
+                return Err(Error::invalid(format!(
+                    "{:?}: {} bytes of data for a {:?} chunk of {} bytes",
+                    t.key,
+                    bytes.len(),
+                    t.shape.to_vec(),
+                    a.data_len
+                )));
+            }
+            archives.push(a);
+        }
+        // The file's byte runs in order: each chunk's archive around the state's own bytes.
+        let mut runs: Vec<&[u8]> = Vec::new();
+        for part in &parts {
+            match *part {
+                Part::Tensor(n) => {
+                    let a = &archives[n];
+                    runs.extend([a.prefix.as_slice(), tensors[n].1, a.suffix.as_slice()]);
+                }
+                Part::Object(i) => {
+                    let item = self
+                        .object_items
+                        .get(i)
+                        .ok_or_else(|| Error::invalid(format!("{name}: object item {i} laid out, not made")))?;
+                    runs.push(item);
+                }
+            }
+        }
+        let mut sources = Vec::with_capacity(runs.len());
+        let mut at = 0u64;
+        for data in runs {
+            sources.push(Source { data, file_off: at, block: opts.block_size });
+            at += data.len() as u64;
+        }
+        let planned: u64 = self
+            .layout
+            .iter()
+            .zip(&self.bins)
+            .filter(|(_, &b)| b == k)
+            .map(|(it, _)| match *it {
+                Item::Tensor(_, n) | Item::Object(_, n) => n,
+            })
+            .sum();
+        if planned != at {
+            return Err(Error::invalid(format!("{name}: {at} bytes laid out, {planned} planned")));
+        }
+        let writer = storage.create(name, at)?;
+        write_sources(writer.as_ref(), &sources, opts.threads, opts.cancel.as_deref())?;
+        writer.finish()?;
+        Ok(at)
+    }
+
+    /// Ends the save (collective over `comm`). `written` is this rank's verdict on its files
+    /// (their total size, or the error that stopped one): when every rank's files are whole,
+    /// rank 0 commits (`common.pt`, `metadata.json`, then `.metadata`); otherwise nothing is
+    /// committed, each rank removes the files of this save it may have written, and every rank
+    /// gets the first failure (another rank's as [`Error::PeerFailed`]).
+    pub fn commit(
+        self,
+        written: Result<u64>,
+        storage: &dyn Storage,
+        comm: &dyn Communicator,
+        opts: &SaveOptions,
+    ) -> Result<SaveReport> {
+        let bytes_written = match agree(comm, written) {
+            Ok(n) => n,
+            Err(e) => {
+                // This save's files carry its own numbers: none belongs to a committed checkpoint.
+                for name in &self.names {
+                    let _ = storage.delete(name);
+                }
+                return Err(e);
+            }
+        };
+        let mut index_bytes = 0;
+        let committed = if self.rank == 0 {
+            let files_per_rank = self.names.len();
+            commit(
+                &self.plans,
+                self.save_id,
+                files_per_rank,
+                self.common_pt.as_deref(),
+                &self.common_values,
+                storage,
+                opts,
+            )
+            .map(|n| index_bytes = n)
+        } else {
+            Ok(())
+        };
+        agree(comm, committed)?;
+        let mains = self.plans.iter().flat_map(|p| p.tensors.iter().filter(|t| t.main));
+        let (chunks, total_tensor_bytes) = mains.fold((0, 0), |(n, b), t| (n + 1, b + t.nbytes()));
+        Ok(SaveReport {
+            file: self.names.into_iter().next(),
+            bytes_written,
+            total_tensor_bytes,
+            files: self.plans.len(),
+            chunks,
+            index_bytes,
+        })
+    }
+}
+
+/// One item of a data file being written: a tensor chunk (its index among the file's chunks)
+/// or an object (its index among the rank's object items).
+enum Part {
+    Tensor(usize),
+    Object(usize),
 }
 
 /// File numbers are `first_file_number(save_id) + k`; the modulus keeps them short.
@@ -239,89 +440,6 @@ fn items(plan: &RankPlan, save_id: u64) -> Vec<Item> {
     out
 }
 
-/// Writes this rank's data files (`names`, items spread by [`spread`]); returns their total
-/// size. A file with nothing to store is written empty, as DCP does (so a file of an earlier
-/// save cannot pass for this one's).
-fn write_rank_files(
-    plan: &RankPlan,
-    c: &Collected<'_>,
-    object_items: &[Vec<u8>],
-    save_id: u64,
-    names: &[String],
-    storage: &dyn Storage,
-    opts: &SaveOptions,
-) -> Result<u64> {
-    let layout = items(plan, save_id);
-    let data: Vec<(usize, &[u8])> = layout
-        .iter()
-        .filter_map(|it| match *it {
-            Item::Tensor(i, _) => Some(i),
-            Item::Object(..) => None,
-        })
-        .map(|i| {
-            let t = &plan.tensors[i];
-            c.tensor_data[i]
-                .map(|d| (i, d))
-                .ok_or_else(|| Error::invalid(format!("{:?}: chosen to write a shard it has no data for", t.key)))
-        })
-        .collect::<Result<_>>()?;
-    let crcs = parallel_crc32(&data, opts.threads);
-    let mut archives = Vec::with_capacity(data.len());
-    for (n, &(i, bytes)) in data.iter().enumerate() {
-        let t = &plan.tensors[i];
-        let a = tensor_archive(t.dtype, &t.shape, crcs[n], &serialization_id(save_id, i as u64));
-        if a.data_len != bytes.len() as u64 {
-            return Err(Error::invalid(format!(
-                "{:?}: {} bytes of data for a {:?} chunk of {} bytes",
-                t.key,
-                bytes.len(),
-                t.shape.to_vec(),
-                a.data_len
-            )));
-        }
-        archives.push(a);
-    }
-    // The sources of every item, in layout order (tensors first, then objects, as `items`).
-    let mut item_sources: Vec<Vec<&[u8]>> = Vec::with_capacity(layout.len());
-    for (a, &(_, bytes)) in archives.iter().zip(&data) {
-        item_sources.push(vec![a.prefix.as_slice(), bytes, a.suffix.as_slice()]);
-    }
-    for item in object_items {
-        item_sources.push(vec![item.as_slice()]);
-    }
-    if item_sources.len() != layout.len() {
-        return Err(Error::invalid(format!("{} items laid out, {} to write", layout.len(), item_sources.len())));
-    }
-    let bins = spread(&layout, names.len());
-    let mut total = 0;
-    for (f, name) in names.iter().enumerate() {
-        let mut sources = Vec::new();
-        let mut at = 0u64;
-        for (parts, _) in item_sources.iter().zip(&bins).filter(|(_, &b)| b == f) {
-            for &part in parts {
-                sources.push(Source { data: part, file_off: at, block: opts.block_size });
-                at += part.len() as u64;
-            }
-        }
-        let planned: u64 = layout
-            .iter()
-            .zip(&bins)
-            .filter(|(_, &b)| b == f)
-            .map(|(it, _)| match *it {
-                Item::Tensor(_, n) | Item::Object(_, n) => n,
-            })
-            .sum();
-        if planned != at {
-            return Err(Error::invalid(format!("{name}: {at} bytes laid out, {planned} planned")));
-        }
-        let writer = storage.create(name, at)?;
-        write_sources(writer.as_ref(), &sources, opts.threads, opts.cancel.as_deref())?;
-        writer.finish()?;
-        total += at;
-    }
-    Ok(total)
-}
-
 /// CRC-32 of every buffer, on up to `threads` threads.
 fn parallel_crc32(data: &[(usize, &[u8])], threads: usize) -> Vec<u32> {
     let out = Mutex::new(vec![0u32; data.len()]);
@@ -347,7 +465,7 @@ fn commit(
     save_id: u64,
     files_per_rank: usize,
     common: Option<&[u8]>,
-    c: &Collected<'_>,
+    common_values: &[(StatePath, Value)],
     storage: &dyn Storage,
     opts: &SaveOptions,
 ) -> Result<u64> {
@@ -391,7 +509,7 @@ fn commit(
         Some(b) => b.to_vec(),
         None => {
             // Megatron keeps the content metadata in the common dict, under this key.
-            let mut values = c.common.clone();
+            let mut values = common_values.to_vec();
             if opts.content_metadata != crate::Value::Null {
                 values.push((vec![crate::PathSeg::Key("content_metadata".into())], opts.content_metadata.clone()));
             }

@@ -183,6 +183,12 @@ class AsyncRequest:
         """True once this rank's part is written and the commit decided. No communication."""
         return self._finalized or self._handle.is_done()
 
+    @property
+    def collective_finalize(self) -> bool:
+        """True when finalizing is a collective (a ``torch_dist`` save commits then), so
+        every rank must finalize together: a poll then agrees that every rank is done."""
+        return bool(getattr(self._handle, "collective_finalize", False))
+
     def finalize(self) -> dict:
         """Waits for the commit; returns the save report or raises the save's error."""
         if self._finalized:
@@ -280,15 +286,17 @@ class AsyncCallsQueue:
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> List[int]:
         """Finalizes the requests that are done (all of them if ``blocking``), oldest first;
         returns their call indices. The first failure is raised after the requests before it
-        were finalized. tessera's own saves are polled without a collective (every rank gets
-        the same verdict); a Megatron-shaped request is finalized once it is done on every
-        rank (one all-reduce per poll, as Megatron's queue does, skipped with ``no_dist``)."""
+        were finalized. tessera's native saves are polled without a collective (each commits in
+        the background; every rank gets the same verdict); a request whose finalization is
+        collective (a ``torch_dist`` save, a Megatron-shaped request) is finalized once it is
+        done on every rank (one all-reduce per poll, as Megatron's queue does, skipped with
+        ``no_dist``)."""
         done: List[int] = []
         while self._pending:
             head = self._pending[0]
             if not blocking:
                 ready = head.is_done()
-                if isinstance(head, _CallRequest) and not no_dist:
+                if (isinstance(head, _CallRequest) or head.collective_finalize) and not no_dist:
                     ready = _all_ranks(ready)
                 if not ready:
                     break

@@ -2,10 +2,12 @@
 
 Reading a ``torch_dist`` checkpoint is the native reader's job (it parses the DCP ``.metadata``
 and reads the ``.distcp`` files in any layout). Writing one goes through a single place,
-:func:`..serialization._save_torch_dist`, which hands the core the same tensor and object
-descriptors as ``tessera._native.save`` plus the ``common.pt`` bytes. tessera's native format
-stays the default (``get_default_save_sharded_strategy()``); ``torch_dist`` is written only when
-asked for by name.
+:func:`..serialization._save_torch_dist_request`: the core plans the save from the same tensor
+and object descriptors as ``tessera._native.save`` plus the ``common.pt`` bytes, megatron's
+``FileSystemWriterAsync.write_preloaded_data`` writes each of a rank's ``thread_count`` files
+(``strategies.filesystem_async``), and the core commits. ``save`` without a strategy writes
+tessera's native format; ``torch_dist`` is written when asked for (by name, or by Megatron's
+``get_default_save_sharded_strategy()``, whose default it is).
 
 The DCP planner classes are megatron's names, kept so that code importing them runs; tessera
 does not plan through torch.distributed.checkpoint.
@@ -67,7 +69,7 @@ class MCoreLoadPlanner(DefaultLoadPlanner):  # type: ignore[misc,valid-type]
 
 
 class TorchDistSaveShardedStrategy(NativeSaveShardedStrategy):
-    """Writes a ``torch_dist`` checkpoint with the core's writer (``serialization._save_torch_dist``).
+    """Writes a ``torch_dist`` checkpoint with the core's writer (``serialization._save_torch_dist_request``).
 
     ``thread_count`` and ``separation_hint`` shape megatron's file layout and are kept as
     attributes; ``cached_metadata`` / ``use_cached_ckpt_structure`` reuse the global plan as
