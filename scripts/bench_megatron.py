@@ -15,9 +15,8 @@ dict with a small tensor, a data-loader position) and common state (iteration, a
 param groups). Every method saves the SAME sharded state dict:
 
   (a) tessera native: ``tessera.dist_checkpointing.save`` (default backend);
-  (b) tessera writing torch_dist: the same call with ``sharded_strategy=('torch_dist', 1)``;
-      "n/a (writer not built)" when ``tessera._native`` has no ``save_torch_dist`` or the call
-      says the strategy is unavailable;
+  (b) tessera writing torch_dist: the same call with ``sharded_strategy=('torch_dist', 1)``
+      (the core plans, megatron's writer workers write each file, the core commits);
   (c) megatron-core: ``megatron.core.dist_checkpointing.save(..., sharded_strategy=('torch_dist',
       1))`` (its default ``TorchDistSaveShardedStrategy``: 2 writer processes per rank, fsync).
 
@@ -397,24 +396,15 @@ class Rank:
             raise ValueError(method)
 
     def tessera_td_status(self) -> str:
-        """'ok', 'n/a (writer not built...)' or 'failed: ...' for (b), agreed by all ranks; probes
-        with a small save (also the warm-up)."""
-        from tessera import _native
-
+        """'ok' or 'failed: ...' for (b), agreed by all ranks; probes with a small save (also
+        the warm-up)."""
         status = "ok"
-        if not hasattr(_native, "save_torch_dist"):
-            status = "n/a (writer not built: tessera._native has no save_torch_dist)"
-        statuses = self.gather(status)
-        if any(s != "ok" for s in statuses):
-            return next(s for s in statuses if s != "ok")
         path = os.path.join(self.root, "warmup-tessera_td")
         self.fresh_dir(path)
         try:
             self.save("tessera_td", path, self.spec[:4])
         except Exception as e:  # noqa: BLE001 - reported, not hidden
-            msg = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-            unavailable = any(w in msg.lower() for w in ("unavailable", "not built", "no save strategy", "not available"))
-            status = f"n/a (writer not built: {msg})" if unavailable else f"failed: {msg}"
+            status = "failed: " + f"{type(e).__name__}: {e}".splitlines()[0][:200]
         statuses = self.gather(status)
         return next((s for s in statuses if s != "ok"), "ok")
 

@@ -9,7 +9,8 @@
 # usage: scripts/megatron-suite.sh [SUITE ...]   default: the suites CI runs
 #   (test_mapping.py test_serialization.py test_strict.py); "all" runs every suite of run.sh.
 # Fails unless every case run passed or was skipped, except those megatron-core itself fails
-# here (tests/megatron/peer_failures.tsv). Results: target/megatron-tests/tessera-strict/.
+# here (tests/megatron/peer_failures.tsv) and tessera's known deviations, reported apart
+# (tests/megatron/deviations.tsv). Results: target/megatron-tests/tessera-strict/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -31,17 +32,24 @@ rm -rf "$out/tessera-strict"
 start=$(date +%s)
 TESSERA_WHEEL=$wheel OUT=$out bash "$peer/run.sh" tessera-strict "${suites[@]}"
 echo "megatron-suite: $(($(date +%s) - start)) s"
-"$root/.venv-megatron/bin/python" - "$out/tessera-strict/summary.json" tests/megatron/peer_failures.tsv <<'PY'
+"$root/.venv-megatron/bin/python" - "$out/tessera-strict/summary.json" tests/megatron/peer_failures.tsv \
+  tests/megatron/deviations.tsv <<'PY'
 import json, sys
 summary = json.load(open(sys.argv[1]))
-allowed = {l.split("\t")[0] for l in open(sys.argv[2]) if l.strip() and not l.startswith("#")}
+def listed(path):
+    return {l.split("\t")[0] for l in open(path) if l.strip() and not l.startswith("#")}
+allowed, deviations = listed(sys.argv[2]), listed(sys.argv[3])
 prefix = "tests/unit_tests/dist_checkpointing/"
-counts, bad = {}, []
+counts, bad, known = {}, [], []
 for node, r in sorted(summary.items()):
     counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    if r["outcome"] not in ("passed", "skipped") and node.removeprefix(prefix) not in allowed:
-        bad.append(f"  {node}: {r['outcome']}: {r.get('msg', '')[:300]}")
+    name = node.removeprefix(prefix)
+    if r["outcome"] in ("passed", "skipped") or name in allowed:
+        continue
+    (known if name in deviations else bad).append(f"  {node}: {r['outcome']}: {r.get('msg', '')[:300]}")
 print("megatron-suite (tessera-strict):", ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+if known:
+    print(f"{len(known)} known deviation(s) (tests/megatron/deviations.tsv):\n" + "\n".join(known))
 if not summary:
     print("no test case ran: see target/megatron-tests/tessera-strict/*/torchrun.out and logs/")
     sys.exit(1)
