@@ -19,7 +19,7 @@ and ``int`` (list indices). Values at list indices are stored in lists; a list i
 by the paths given to :func:`save` is stored as ``None``.
 """
 
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union, final
 
 PlainValue = Union[None, bool, int, float, str, bytes, List["PlainValue"], Dict[str, "PlainValue"]]
 Path = List[Union[str, int]]
@@ -84,6 +84,7 @@ def save(
     Returns ``{"file", "bytes_written", "total_tensor_bytes", "files", "chunks", "index_bytes"}``.
     """
 
+@final
 class PlanCache:
     """This rank's last global save plan, reused by a save whose structure is unchanged on every
     rank (one small all-gather instead of the plan exchange and validation). One per rank, kept
@@ -95,6 +96,7 @@ class PlanCache:
     @property
     def misses(self) -> int: ...
 
+@final
 class AsyncSave:
     """One async save in flight."""
 
@@ -103,13 +105,16 @@ class AsyncSave:
     def finalize(self) -> Dict[str, Union[int, Optional[str]]]:
         """Waits; returns the report of :func:`save` or raises the save's error (same on every rank)."""
 
+@final
 class AsyncSaver:
     """Async saves through ``budget`` bytes of pre-faulted staging buffers, reused by every save.
 
     ``commit_comm`` runs the background commit and must be used by nothing else meanwhile.
     """
 
-    def __init__(self, budget: int, commit_comm: Optional[Communicator] = None, buffer_size: Optional[int] = None) -> None: ...
+    def __new__(
+        cls, budget: int, commit_comm: Optional[Communicator] = None, buffer_size: Optional[int] = None
+    ) -> "AsyncSaver": ...
     def save(
         self,
         tensors: Sequence[SaveTensor],
@@ -139,6 +144,7 @@ def validate_sharding(
 ) -> None:
     """Checks collectively, writing nothing, that the shards of all ranks form a valid state."""
 
+@final
 class TorchDistFile:
     """One data file of a planned ``torch_dist`` save."""
 
@@ -148,6 +154,7 @@ class TorchDistFile:
     def write(self) -> int:
         """Writes the file whole (any thread, GIL released); returns its size in bytes."""
 
+@final
 class TorchDistSave:
     """A planned ``torch_dist`` save: write every file of :meth:`files`, then :meth:`commit`."""
 
@@ -175,6 +182,9 @@ def plan_torch_dist(
     """Plans a :func:`save_torch_dist` (collective; every check runs here), writing nothing.
     ``owners`` owns the tensors' memory and is held by the plan; that memory must stay
     unmodified until the save is committed or dropped."""
+
+def cli(argv: List[str]) -> int:
+    """Runs the ``tessera`` command line ``argv`` (program name first); returns its exit status."""
 
 def save_torch_dist(
     tensors: Sequence[SaveTensor],

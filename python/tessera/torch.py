@@ -3,23 +3,57 @@
 Sharding is derived from each DTensor's mesh and placements (``Shard`` and ``Replicate``, uneven
 shards included); replicated copies are written once. Loading is in place, into whatever
 layout the given state dict has: another mesh, another world size, or one process.
+
+It follows ``torch.distributed.checkpoint`` (DCP): a top-level value with ``state_dict()`` and
+``load_state_dict()`` (DCP's ``Stateful``: a model, an optimizer, torchtitan's wrappers and train
+state) is saved as its ``state_dict()`` and, on load, loaded in place into its ``state_dict()``
+and handed back through ``load_state_dict()``; ``checkpoint_id`` / ``storage_writer`` /
+``storage_reader``, ``process_group`` and :func:`async_save` (a future) are DCP's; torch's
+``get_model_state_dict`` / ``get_optimizer_state_dict`` / ``set_model_state_dict`` /
+``set_optimizer_state_dict`` / ``StateDictOptions`` are re-exported. Plain values (numbers,
+strings, bools, None, lists, tuples as lists, dicts of them) are stored as plain values that
+every tool reads; anything else as a typed ``torch.save`` blob, only ever loaded here.
 The model/optimizer helpers follow OLMo-core's `save_model_and_optim_state` /
 `load_model_and_optim_state`, and work for FSDP2 (``fully_shard``) and plain modules.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import Future
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 from . import _native
 from ._comm import default_comm
+from .errors import KeyMismatchError
 from .dist_checkpointing.mapping import tessera_dtype_to_torch, torch_dtype_to_tessera
-from .dist_checkpointing.serialization import _cpu_contiguous, _from_native_path, _from_plain, _leaves, _set_path, _to_native_path, _to_plain
+from .dist_checkpointing.serialization import (
+    _cpu_contiguous,
+    _from_native_path,
+    _from_plain,
+    _is_stateful,
+    _leaves,
+    _like_request,
+    _set_path,
+    _to_native_path,
+    _to_plain,
+)
 
 __all__ = [
     "save",
+    "async_save",
     "load",
     "get_metadata",
     "unshard",
@@ -27,7 +61,36 @@ __all__ = [
     "load_model_and_optim_state",
     "unshard_model_state",
     "unshard_optim_state",
+    "StateDictOptions",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
 ]
+
+
+def _flatten_stateful(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """``state_dict`` with every top-level ``Stateful`` value replaced by its ``state_dict()``
+    (as DCP does; nested values are data)."""
+    return {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_dict.items()}
+
+
+def _location(checkpoint_id: Any, storage: Any, what: str) -> str:
+    """The location from DCP's two ways of giving it: ``checkpoint_id`` (a path or URL), or a
+    storage writer/reader object carrying it (torch's ``FileSystemWriter`` / ``Reader``:
+    ``.path``; others: ``.checkpoint_id``)."""
+    if storage is not None:
+        from_storage = getattr(storage, "checkpoint_id", None) or getattr(storage, "path", None)
+        if from_storage is None:
+            raise TypeError(f"{what} {type(storage).__name__} carries no location (.path or .checkpoint_id)")
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != os.fspath(from_storage):
+            raise ValueError(f"checkpoint_id {checkpoint_id!s} and {what} location {from_storage!s} differ")
+        checkpoint_id = from_storage
+    if checkpoint_id is None:
+        raise ValueError(f"where to? give checkpoint_id (a directory or URL) or {what}")
+    return os.fspath(checkpoint_id)
 
 
 def _key(path: Tuple[Any, ...]) -> str:
@@ -69,41 +132,110 @@ def _split(state_dict: Dict[str, Any]) -> Tuple[List[Tuple[Tuple[Any, ...], torc
     return tensors, values
 
 
-def save(
-    state_dict: Dict[str, Any],
-    dir: Any,
-    *,
-    process_group: Any = None,
-    overwrite: bool = False,
-    content_metadata: Optional[dict] = None,
-) -> dict:
-    """Saves a (nested) state dict; under torch.distributed every rank calls it. Tensor keys are
-    the dotted paths; other values are saved once, from rank 0."""
-    comm = default_comm(process_group)
-    rank = comm.rank() if comm is not None else 0
-    tensors, values = _split(state_dict)
-    keep_alive = []
+def _save_request(state_dict: Dict[str, Any], rank: int, pinned: Any = None) -> Tuple[list, list, List[Any]]:
+    """The core's tensor descriptors and common values of a state dict (and what keeps the
+    tensors' memory alive)."""
+    tensors, values = _split(_flatten_stateful(state_dict))
+    keep_alive: List[Any] = []
     native = []
     for path, t in tensors:
         local, shape, offset, replica = _layout(t, rank)
-        data = _cpu_contiguous(local)
+        if pinned is not None and local.device.type == "cuda":
+            data = pinned.take(local.numel(), local.dtype).view(local.shape)
+            data.copy_(local.detach(), non_blocking=True)
+        else:
+            data = _cpu_contiguous(local)
         keep_alive.append(data)
         native.append(
             (_key(path), torch_dtype_to_tessera(t.dtype), tuple(data.shape), shape, offset, 0, replica, None, None,
              data.data_ptr(), data.numel() * data.element_size())
         )
-    common = [(_to_native_path(p), _to_plain(v)) for p, v in values] if rank == 0 else []
+    common = [(_to_native_path(p), _to_plain(v, tuples=True)) for p, v in values] if rank == 0 else []
+    return native, common, keep_alive
+
+
+def save(
+    state_dict: Dict[str, Any],
+    checkpoint_id: Any = None,
+    *,
+    storage_writer: Any = None,
+    process_group: Any = None,
+    overwrite: bool = False,
+    content_metadata: Optional[dict] = None,
+) -> dict:
+    """Saves a (nested) state dict to ``checkpoint_id`` (a directory or an object-store URL;
+    or where ``storage_writer`` points); under torch.distributed every rank of
+    ``process_group`` calls it. Tensor keys are the dotted paths; other values are saved once,
+    from rank 0. A checkpoint already there is kept unless ``overwrite``. Returns the report."""
+    location = _location(checkpoint_id, storage_writer, "storage_writer")
+    comm = default_comm(process_group)
+    rank = comm.rank() if comm is not None else 0
+    native, common, keep_alive = _save_request(state_dict, rank)
     meta = _to_plain(content_metadata) if content_metadata is not None else None
-    report = _native.save(native, [], common, str(dir), comm, overwrite=overwrite, content_metadata=meta)
+    report = _native.save(native, [], common, location, comm, overwrite=overwrite, content_metadata=meta)
     del keep_alive
     return report
 
 
-def load(state_dict: Dict[str, Any], dir: Any, *, process_group: Any = None, strict: bool = True) -> None:
+def async_save(
+    state_dict: Dict[str, Any],
+    checkpoint_id: Any = None,
+    *,
+    storage_writer: Any = None,
+    process_group: Any = None,
+    overwrite: bool = False,
+    content_metadata: Optional[dict] = None,
+) -> "Future[dict]":
+    """:func:`save` in the background, as DCP's ``async_save``: returns once this rank's bytes
+    are staged (the state may change from then on) with a ``concurrent.futures.Future`` whose
+    ``result()`` is the report, or raises the save's error (the same on every rank; nothing was
+    committed). The commit needs no call from the training loop."""
+    from .dist_checkpointing.strategies.async_utils import default_saver
+
+    location = _location(checkpoint_id, storage_writer, "storage_writer")
+    comm = default_comm(process_group)
+    rank = comm.rank() if comm is not None else 0
+    held = sum(t.numel() * t.element_size() for _, t in _split(_flatten_stateful(state_dict))[0])
+    saver = default_saver(process_group, held)
+    native, common, keep_alive = _save_request(state_dict, rank, saver.pinned)
+    if any(t.device.type == "cuda" for t in keep_alive):
+        torch.cuda.synchronize()
+    meta = _to_plain(content_metadata) if content_metadata is not None else None
+    try:
+        handle = saver.start(native, [], common, location, comm, overwrite=overwrite, content_metadata=meta)
+    finally:
+        # Staged: the pinned buffers and host copies are free for the next save.
+        del keep_alive
+        saver.pinned.give_back_all()
+    future: "Future[dict]" = Future()
+
+    def wait() -> None:
+        try:
+            future.set_result(handle.finalize())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=wait, name="tessera-async-save", daemon=True).start()
+    return future
+
+
+def load(
+    state_dict: Dict[str, Any],
+    checkpoint_id: Any = None,
+    *,
+    storage_reader: Any = None,
+    process_group: Any = None,
+    strict: bool = True,
+) -> None:
     """Loads in place: every tensor (or DTensor shard) of ``state_dict`` is filled from the
-    checkpoint, whatever layout it was saved in; other values are replaced by the saved ones.
-    With ``strict``, a tensor missing from the checkpoint raises KeyMismatchError."""
-    tensors, values = _split(state_dict)
+    checkpoint, whatever layout it was saved in; other values are replaced by the saved ones
+    (a tuple stays a tuple); a ``Stateful`` value is loaded into its ``state_dict()`` and
+    given it back through ``load_state_dict()``. With ``strict``, a tensor the checkpoint
+    lacks raises ``KeyMismatchError``. ``process_group`` is accepted for DCP's signature: each
+    rank reads what it needs, no communication."""
+    location = _location(checkpoint_id, storage_reader, "storage_reader")
+    flat = _flatten_stateful(state_dict)
+    tensors, _ = _split(flat)
     targets = []
     native = []
     for path, t in tensors:
@@ -117,15 +249,22 @@ def load(state_dict: Dict[str, Any], dir: Any, *, process_group: Any = None, str
              buf.data_ptr(), buf.numel() * buf.element_size())
         )
     strict_mode = "raise_unexpected" if strict else "return_unexpected"
-    result = _native.load(native, [], str(dir), None, strict=strict_mode)
+    try:
+        result = _native.load(native, [], location, None, strict=strict_mode)
+    except KeyMismatchError as e:
+        raise _torch_key_error(location, e) from None
     with torch.no_grad():
         for (local, buf), loaded in zip(targets, result["loaded"]):
             if loaded and buf is not local:
                 local.copy_(buf)
     saved = {_from_native_path(p): _from_plain(v) for p, v in result["common"]}
-    for path, _ in values:
-        if path in saved:
-            _set_path(state_dict, path, saved[path])
+    for key in flat:  # the request's keys are what is loaded
+        flat[key] = _replace_values(flat[key], (("k", key),), saved)
+    for key, value in state_dict.items():
+        if _is_stateful(value):
+            value.load_state_dict(flat[key])
+        else:
+            state_dict[key] = flat[key]
 
 
 def get_metadata(dir: Any) -> Dict[str, Dict[str, Any]]:
@@ -180,41 +319,97 @@ _MODEL, _OPTIM = "model", "optim"
 
 
 def _state_dict_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def _holds_tensor(node: Any) -> bool:
+    if isinstance(node, torch.Tensor):
+        return True
+    if isinstance(node, dict):
+        return any(_holds_tensor(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_holds_tensor(v) for v in node)
+    return False
+
+
+def _replace_values(node: Any, path: Tuple[Any, ...], saved: Dict[Tuple[Any, ...], Any]) -> Any:
+    """Gives every part of the request ``node`` (at ``path``) that holds no tensor the value
+    saved there (rebuilt whole from the saved leaves under ``path``: a list or dict may have
+    another length than the request's; a tuple the request holds stays a tuple); a part the
+    checkpoint has nothing for is kept. Returns the node to put at ``path``."""
+    if _holds_tensor(node):
+        if isinstance(node, dict):
+            for k in list(node):
+                node[k] = _replace_values(node[k], path + (("k", k),), saved)
+        elif isinstance(node, list):
+            for i in range(len(node)):
+                node[i] = _replace_values(node[i], path + (("i", i),), saved)
+        return node
+    if path in saved:
+        return _like_request(saved[path], node)
+    under = [(p, v) for p, v in saved.items() if len(p) > len(path) and p[: len(path)] == path]
+    if not under:
+        return node
+    root: Dict[str, Any] = {}
+    for p, v in under:
+        _set_path(root, (("k", "value"),) + p[len(path) :], v)
+    return _like_request(root["value"], node)
+
+
+def _torch_key_error(location: str, e: Any) -> Exception:
+    """The core's key mismatch in ``Module.load_state_dict``'s words: "missing" are keys the
+    caller asked for that the checkpoint lacks (the core's Megatron-named ``unexpected``)."""
+    missing, unexpected = list(e.unexpected), list(e.missing)
+    parts = []
+    if missing:
+        parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+    if unexpected:
+        parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+    err = KeyMismatchError(f"Error(s) in loading state_dict from {location}:\n\t" + "\n\t".join(parts))
+    err.missing, err.unexpected = e.missing, e.unexpected
+    err.missing_keys, err.unexpected_keys = missing, unexpected
+    return err
+
+
 def save_model_and_optim_state(
-    dir: Any, model: torch.nn.Module, optim: Optional[torch.optim.Optimizer], save_overwrite: bool = False
+    dir: Any,
+    model: torch.nn.Module,
+    optim: Optional[torch.optim.Optimizer] = None,
+    *,
+    overwrite: bool = False,
+    process_group: Any = None,
+    save_overwrite: Optional[bool] = None,
 ) -> dict:
     """Saves model and optimizer state (FSDP2 DTensors or plain tensors), optimizer state keyed
-    by parameter name so that it reshards with the parameters."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
+    by parameter name so that it reshards with the parameters. ``save_overwrite`` is
+    OLMo-core's name of ``overwrite``."""
     sd: Dict[str, Any] = {_MODEL: get_model_state_dict(model, options=_state_dict_options())}
     if optim is not None:
         sd[_OPTIM] = get_optimizer_state_dict(model, optim, options=_state_dict_options())
-    return save(sd, dir, overwrite=save_overwrite)
+    overwrite = overwrite if save_overwrite is None else save_overwrite
+    return save(sd, dir, overwrite=overwrite, process_group=process_group)
 
 
-def load_model_and_optim_state(dir: Any, model: torch.nn.Module, optim: Optional[torch.optim.Optimizer] = None) -> None:
+def load_model_and_optim_state(
+    dir: Any,
+    model: torch.nn.Module,
+    optim: Optional[torch.optim.Optimizer] = None,
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+) -> None:
     """Loads, in place, what `save_model_and_optim_state` saved, into any layout of the same
-    model. The optimizer's state is created for every parameter the checkpoint has state for."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
+    model. The optimizer's state is created for every parameter the checkpoint has state for.
+    With ``strict``, a model or optimizer tensor the checkpoint lacks raises
+    ``KeyMismatchError`` (as ``Module.load_state_dict(strict=True)``); without, it keeps its
+    value."""
     msd = get_model_state_dict(model, options=_state_dict_options())
     sd: Dict[str, Any] = {_MODEL: msd}
     if optim is not None:
         osd = get_optimizer_state_dict(model, optim, options=_state_dict_options())
         _add_missing_optim_state(osd, msd, get_metadata(dir))
         sd[_OPTIM] = osd
-    load(sd, dir)
+    load(sd, dir, strict=strict, process_group=process_group)
     set_model_state_dict(model, sd[_MODEL], options=_state_dict_options())
     if optim is not None:
         set_optimizer_state_dict(model, optim, sd[_OPTIM], options=_state_dict_options())

@@ -183,3 +183,121 @@ def test_plain_module_save_load_without_process_group(tmp_path: Any) -> None:
     train(fresh, fresh_optim, batches(4)[2:])
     for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------------------------------
+# torchtitan-style state: Stateful wrappers, DCP's call habits
+
+
+class ModelWrapper:
+    """torchtitan's ModelWrapper: the model's state through torch's state-dict helpers."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> Dict[str, Any]:
+        return tt.get_model_state_dict(self.model)
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        tt.set_model_state_dict(self.model, sd)
+
+
+class OptimizersContainer:
+    """torchtitan's OptimizersContainer: flattened optimizer state keyed by parameter name."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+        self.opts = tt.StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return tt.get_optimizer_state_dict(self.model, self.optim, options=self.opts)
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        tt.set_optimizer_state_dict(self.model, self.optim, sd, options=self.opts)
+
+
+class TrainState:
+    """torchtitan's TrainState: plain values, one of them a tuple."""
+
+    def __init__(self) -> None:
+        self.step, self.losses, self.window = 0, [], (0, 0)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"step": self.step, "losses": list(self.losses), "window": self.window}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.step, self.losses, self.window = sd["step"], sd["losses"], tuple(sd["window"])
+
+
+def titan_state(model: torch.nn.Module, optim: torch.optim.Optimizer, train_state: TrainState) -> Dict[str, Any]:
+    return {"model": ModelWrapper(model), "optimizer": OptimizersContainer(model, optim), "train_state": train_state}
+
+
+def _titan_save(rank: int, world: int, ckpt: str, truth_path: str, use_async: bool) -> None:
+    model = shard(make_model())
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
+    train(model, optim, batches(2))
+    ts = TrainState()
+    ts.step, ts.losses, ts.window = 2, [0.5, 0.25], (3, 4)
+    state = titan_state(model, optim, ts)
+    if use_async:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        future = tt.async_save(state, storage_writer=FileSystemWriter(ckpt), process_group=dist.group.WORLD)
+        train(model, optim, batches(3)[2:])  # the state may change once async_save returned
+        assert future.result()["files"] == world
+    else:
+        tt.save(state, checkpoint_id=ckpt)
+    if rank == 0 and not use_async:
+        torch.save(full_state(model, optim), truth_path)
+    elif not use_async:
+        full_state(model, optim)
+
+
+def _titan_load(rank: int, world: int, ckpt: str, truth_path: str) -> None:
+    model = shard(make_model())
+    optim = torch.optim.AdamW(model.parameters(), lr=0.5, betas=(0.1, 0.2))
+    ts = TrainState()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    tt.load(titan_state(model, optim, ts), storage_reader=FileSystemReader(ckpt))
+    assert (ts.step, ts.losses, ts.window) == (2, [0.5, 0.25], (3, 4))
+    group = optim.param_groups[0]
+    assert group["lr"] == pytest.approx(0.01) and tuple(group["betas"]) == (0.8, 0.95)
+    loaded = full_state(model, optim)
+    truth = torch.load(truth_path)
+    assert set(loaded) == set(truth)
+    for k, v in truth.items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_torchtitan_stateful_state_round_trips_across_world_sizes(tmp_path: Any) -> None:
+    ckpt, truth = str(tmp_path / "titan"), str(tmp_path / "truth.pt")
+    run_ranks(2, _titan_save, ckpt, truth, False)
+    run_ranks(1, _titan_load, ckpt, truth)
+    run_ranks(2, _titan_load, ckpt, truth)
+    # Optimizer hyper-parameters and the train state are plain values every tool reads.
+    from tessera import _native
+
+    common = {tuple(p): v for p, v in _native.load_common(ckpt)}
+    assert common[("train_state", "window")] == [3, 4]
+    assert common[("optimizer", "param_groups.0.weight.betas")] == [0.8, 0.95]
+    assert not [p for p, v in common.items() if isinstance(v, dict) and "__tessera_torch_save__" in v]
+    # async_save, given a torch storage writer, writes the same checkpoint.
+    run_ranks(2, _titan_save, str(tmp_path / "titan-async"), truth, True)
+    assert sorted(tt.get_metadata(str(tmp_path / "titan-async"))) == sorted(tt.get_metadata(ckpt))
+
+
+def test_key_mismatch_reads_like_pytorch_and_strict_false_keeps_values(tmp_path: Any) -> None:
+    from tessera.errors import KeyMismatchError
+
+    ckpt = str(tmp_path / "k")
+    tt.save({"a": torch.ones(2), "b": torch.ones(3), "t": (1, 2)}, ckpt)
+    sd = {"a": torch.zeros(2), "c": torch.full((3,), 7.0), "t": (0, 0)}
+    with pytest.raises(KeyMismatchError, match=r'Missing key\(s\) in state_dict: "c"\.') as e:
+        tt.load(sd, ckpt)
+    assert e.value.missing_keys == ["c"] and "Unexpected" not in str(e.value) and ckpt in str(e.value)
+    tt.load(sd, ckpt, strict=False)
+    assert sd["a"].tolist() == [1.0, 1.0] and sd["c"].tolist() == [7.0] * 3 and sd["t"] == (1, 2)
+    with pytest.raises(ValueError, match="checkpoint_id"):
+        tt.save({"a": torch.ones(1)})

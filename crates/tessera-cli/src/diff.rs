@@ -1,30 +1,65 @@
 //! `tessera diff A B`: what differs between two checkpoints (any readable formats). Exit 0 when
 //! equal, 1 when different (each differing key printed with why); errors exit 2 (in `main`).
 
-use std::process::ExitCode;
-
 use anyhow::{Context, Result};
+use serde_json::json;
 use tessera::DiffOptions;
 
 use crate::location::Location;
+use crate::progress::Progress;
 use crate::sizes::fmt_bytes;
 
 /// Runs `tessera diff`.
-pub fn run(a: &Location, b: &Location, atol: f64, keys: Option<&str>) -> Result<ExitCode> {
+pub fn run(a: &Location, b: &Location, atol: f64, keys: Option<&str>, json: bool) -> Result<u8> {
     let (sa, sb) = (a.open()?, b.open()?);
+    let ia = tessera::open_index(sa.as_ref()).with_context(|| format!("opening {a}"))?;
+    let ib = tessera::open_index(sb.as_ref()).with_context(|| format!("opening {b}"))?;
     let keys = match keys {
         None => None,
         Some(pattern) => {
-            let ia = tessera::open_index(sa.as_ref()).with_context(|| format!("opening {a}"))?;
-            let ib = tessera::open_index(sb.as_ref()).with_context(|| format!("opening {b}"))?;
             let all = [&ia, &ib]
                 .into_iter()
                 .flat_map(|i| i.tensors.iter().map(|t| t.key.as_str()).chain(i.objects.iter().map(|o| o.key.as_str())));
             Some(crate::keys::select(pattern, all, "either checkpoint")?)
         }
     };
+    // What diff reads at most, for its progress: both checkpoints' tensor bytes.
+    let bytes = |i: &tessera::CheckpointIndex| -> u64 {
+        i.tensors.iter().map(|t| t.global_shape.iter().product::<u64>() * t.dtype.size() as u64).sum()
+    };
     let opts = DiffOptions { atol, keys, ..Default::default() };
-    let r = tessera::diff(sa.as_ref(), sb.as_ref(), &opts).with_context(|| format!("comparing {a} and {b}"))?;
+    let bar = Progress::reads("diff", bytes(&ia) + bytes(&ib));
+    let r = tessera::diff(sa.as_ref(), sb.as_ref(), &opts).with_context(|| format!("comparing {a} and {b}"));
+    bar.finish();
+    let r = r?;
+    if json {
+        let tensors: Vec<_> = r
+            .tensors
+            .iter()
+            .map(|t| json!({ "key": t.key, "differences": t.differences.iter().map(ToString::to_string).collect::<Vec<_>>() }))
+            .collect();
+        let objects: Vec<_> =
+            r.objects.iter().map(|o| json!({ "key": o.key, "difference": o.difference.to_string() })).collect();
+        let common: Vec<String> = r.common.iter().map(ToString::to_string).collect();
+        let metadata = r.content_metadata.as_ref().map(|(x, y)| json!([x.to_json(), y.to_json()]));
+        println!(
+            "{}",
+            json!({
+                "a": a.to_string(),
+                "b": b.to_string(),
+                "equal": r.is_equal(),
+                "tensors": tensors,
+                "objects": objects,
+                "common": common,
+                "content_metadata": metadata,
+                "tensors_compared": r.tensors_compared,
+                "objects_compared": r.objects_compared,
+                "bytes_compared": r.bytes_compared,
+                "atol": atol,
+            })
+        );
+        return Ok(if r.is_equal() { 0 } else { 1 });
+    }
     println!("A: {a}");
     println!("B: {b}");
     for t in &r.tensors {
@@ -49,10 +84,10 @@ pub fn run(a: &Location, b: &Location, atol: f64, keys: Option<&str>) -> Result<
     );
     if r.is_equal() {
         println!("equal: {compared}");
-        Ok(ExitCode::SUCCESS)
+        Ok(0)
     } else {
         let n = r.tensors.len() + r.objects.len() + r.common.len() + r.content_metadata.is_some() as usize;
         println!("DIFFERENT: {n} difference(s); {compared}");
-        Ok(ExitCode::from(1))
+        Ok(1)
     }
 }

@@ -1,5 +1,7 @@
-//! `tessera`: demo, inspect, verify, bench and gc for tessera checkpoints; unshard, convert and
-//! diff for any readable checkpoint.
+//! The `tessera` command: demo, inspect, verify, bench and gc for tessera checkpoints; unshard,
+//! convert and diff for any readable checkpoint. One implementation, [`run`], behind the
+//! `tessera` binary (`src/main.rs`) and the `tessera` console script `pip install` gives
+//! (`tessera._native.cli`).
 
 mod bench;
 mod bench_async;
@@ -24,7 +26,6 @@ mod unshard;
 mod verify;
 
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
@@ -41,6 +42,11 @@ use crate::location::Location;
                   endpoints), AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN), AWS_REGION."
 )]
 struct Cli {
+    /// Progress of long work on stderr: by default a bar on a terminal and otherwise a plain
+    /// line every 30 s; with SECONDS, a plain line every SECONDS (terminal or not) and one when
+    /// the work starts and ends; 0: none.
+    #[arg(long, global = true, value_name = "SECONDS")]
+    progress: Option<f64>,
     #[command(subcommand)]
     command: Command,
 }
@@ -70,10 +76,15 @@ enum Command {
         #[arg(long)]
         index_json: bool,
     },
-    /// Check the index, coverage and every checksum; exit 1 if anything is wrong.
+    /// Check the index, coverage and every checksum; exit 1 if anything is wrong. Files of
+    /// failed or replaced saves beside the checkpoint are listed (`tessera gc` removes them).
     Verify {
         /// Checkpoint location: a directory or s3://bucket/prefix.
         dir: String,
+        /// Print one JSON object (location, sound, files, chunks, bytes_checked, checksummed,
+        /// problems, leftovers, error).
+        #[arg(long)]
+        json: bool,
     },
     /// Benchmarks: save and resharded load against raw IO; an object store against a local
     /// directory (--s3); async save (--async); fully-parallel save (--fully-parallel); metadata
@@ -210,10 +221,27 @@ enum Command {
         /// common state is then not compared).
         #[arg(long, value_name = "REGEX")]
         keys: Option<String>,
+        /// Print one JSON object (a, b, equal, tensors, objects, common, content_metadata and
+        /// what was compared).
+        #[arg(long)]
+        json: bool,
     },
 }
 
-fn dispatch(command: Command) -> Result<ExitCode> {
+impl Command {
+    /// The checkpoint locations the command reads (as given), for its error messages.
+    fn locations(&self) -> Vec<String> {
+        match self {
+            Command::Inspect { dir, .. } | Command::Verify { dir, .. } | Command::Gc { dir } => vec![dir.clone()],
+            Command::Unshard { src, .. } => vec![src.clone()],
+            Command::Convert { src, .. } => vec![src.clone()],
+            Command::Diff { a, b, .. } => vec![a.clone(), b.clone()],
+            Command::Demo { .. } | Command::Bench { .. } => Vec::new(),
+        }
+    }
+}
+
+fn dispatch(command: Command) -> Result<u8> {
     match command {
         Command::Demo { dir, size } => {
             demo::run(demo::DemoArgs { dir: dir.as_deref().map(Location::parse), size: sizes::parse_size(&size)? })
@@ -225,9 +253,9 @@ fn dispatch(command: Command) -> Result<ExitCode> {
                 (false, false) => inspect::Format::Text,
             };
             inspect::run(&Location::parse(&dir), format)?;
-            Ok(ExitCode::SUCCESS)
+            Ok(0)
         }
-        Command::Verify { dir } => verify::run(&Location::parse(&dir)),
+        Command::Verify { dir, json } => verify::run(&Location::parse(&dir), json),
         Command::Bench {
             dir,
             s3,
@@ -246,7 +274,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
         } => {
             if plan_only {
                 plansim::run(plansim::PlanArgs { ranks: ranks.unwrap_or(10_000), tensors, json })?;
-                return Ok(ExitCode::SUCCESS);
+                return Ok(0);
             }
             let Some(dir) = dir else { bail!("--dir is required (or use --plan-only)") };
             let dir = Location::parse(&dir);
@@ -279,7 +307,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
         }
         Command::Gc { dir } => {
             gc::run(&Location::parse(&dir))?;
-            Ok(ExitCode::SUCCESS)
+            Ok(0)
         }
         Command::Unshard { src, out, max_shard_size, keys, dtype, memory } => {
             unshard::run(unshard::UnshardArgs {
@@ -290,28 +318,49 @@ fn dispatch(command: Command) -> Result<ExitCode> {
                 dtype: dtype.as_deref().map(tessera::DType::parse).transpose()?,
                 memory: sizes::parse_size(&memory)?,
             })?;
-            Ok(ExitCode::SUCCESS)
+            Ok(0)
         }
         Command::Convert { src, dst, to, overwrite, memory } => {
             let to = if to == "native" { convert::Target::Native } else { convert::Target::Dcp };
             convert::run(&Location::parse(&src), &Location::parse(&dst), to, overwrite, sizes::parse_size(&memory)?)?;
-            Ok(ExitCode::SUCCESS)
+            Ok(0)
         }
-        Command::Diff { a, b, atol, keys } => {
-            diff::run(&Location::parse(&a), &Location::parse(&b), atol, keys.as_deref())
+        Command::Diff { a, b, atol, keys, json } => {
+            diff::run(&Location::parse(&a), &Location::parse(&b), atol, keys.as_deref(), json)
         }
     }
 }
 
-fn main() -> ExitCode {
+/// Runs the command line `args` (the program name first, as `std::env::args_os` gives it) and
+/// returns the process's exit status: 0 on success, 1 on failure (for `verify`: something is
+/// wrong; for `diff`: the checkpoints differ), 2 on usage errors and `diff`'s errors. Help and
+/// usage errors are printed as clap prints them.
+pub fn run<I, T>(args: I) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
     system::default_sigpipe();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    if let Some(seconds) = cli.progress {
+        progress::set_interval(seconds);
+    }
+    let locations = cli.command.locations();
     // `diff` exits 1 when the checkpoints differ, so its errors exit 2 (as usage errors do).
-    let error_code = if matches!(cli.command, Command::Diff { .. }) { ExitCode::from(2) } else { ExitCode::FAILURE };
+    let error_code = if matches!(cli.command, Command::Diff { .. }) { 2 } else { 1 };
     match dispatch(cli.command) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("tessera: error: {e:#}");
+            match location::explain_missing(&e, &locations) {
+                Some(message) => eprintln!("tessera: error: {message}"),
+                None => eprintln!("tessera: error: {e:#}"),
+            }
             error_code
         }
     }

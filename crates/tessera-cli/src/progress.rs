@@ -1,17 +1,47 @@
-//! A tiny progress bar on stderr, drawn only when stderr is a terminal.
+//! Progress of long work on stderr: a bar redrawn every 100 ms when stderr is a terminal;
+//! otherwise (a script, a pipeline, a log) a plain line every 30 s. `--progress SECONDS`
+//! ([`set_interval`]) prints plain lines every SECONDS instead, terminal or not, plus one when
+//! the work starts and one when it ends; `--progress 0` prints nothing.
 //!
-//! A background thread redraws the bar every 100 ms from a counter that workers bump with
-//! [`Progress::add`], or — for library calls we cannot instrument (save, load) — from this
-//! process's read or write byte counters in `/proc/self/io`.
+//! A background thread reads a counter that workers bump with [`Progress::add`], or — for
+//! library calls we cannot instrument (save, load, verify, diff) — this process's read or write
+//! byte counters in `/proc/self/io`.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::sizes::fmt_bytes;
 use crate::system;
+
+/// How progress is shown, from `--progress`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    /// A bar on a terminal, else a line every [`QUIET_INTERVAL`].
+    Auto,
+    /// Plain lines at this interval, with a first and a last line.
+    Lines(Duration),
+    /// Nothing.
+    Off,
+}
+
+/// Lines' interval when stderr is not a terminal and `--progress` was not given.
+const QUIET_INTERVAL: Duration = Duration::from_secs(30);
+
+static MODE: OnceLock<Mode> = OnceLock::new();
+
+/// `--progress SECONDS`: plain lines every SECONDS (0: no progress at all). Call once, before
+/// any progress is shown.
+pub fn set_interval(seconds: f64) {
+    let mode = if seconds <= 0.0 { Mode::Off } else { Mode::Lines(Duration::from_secs_f64(seconds)) };
+    let _ = MODE.set(mode);
+}
+
+fn mode() -> Mode {
+    *MODE.get_or_init(|| Mode::Auto)
+}
 
 #[derive(Clone, Copy)]
 enum Source {
@@ -40,6 +70,19 @@ impl Shared {
         n.min(self.total)
     }
 
+    fn line(&self) {
+        let done = self.current();
+        let frac = if self.total == 0 { 1.0 } else { done as f64 / self.total as f64 };
+        eprintln!(
+            "tessera: {}: {:.0}% ({} / {}), {:.1} s",
+            self.label,
+            frac * 100.0,
+            fmt_bytes(done),
+            fmt_bytes(self.total),
+            self.start.elapsed().as_secs_f64()
+        );
+    }
+
     fn draw(&self) {
         const WIDTH: usize = 30;
         let done = self.current();
@@ -60,10 +103,14 @@ impl Shared {
     }
 }
 
-/// A progress bar for one long step; cleared when finished or dropped.
+/// The progress of one long step; a bar is cleared when finished or dropped.
 pub struct Progress {
     shared: Arc<Shared>,
     ticker: Mutex<Option<JoinHandle<()>>>,
+    /// How it is shown: a bar (true) or lines.
+    bar: bool,
+    /// Lines at the start and the end (`--progress SECONDS`).
+    ends: bool,
 }
 
 impl Progress {
@@ -93,16 +140,29 @@ impl Progress {
             source,
             start: Instant::now(),
         });
-        let ticker = system::stderr_is_tty().then(|| {
-            let s = shared.clone();
-            std::thread::spawn(move || {
-                while !s.stop.load(Ordering::Relaxed) {
+        let (bar, every, ends) = match mode() {
+            Mode::Off => return Progress { shared, ticker: Mutex::new(None), bar: false, ends: false },
+            Mode::Auto if system::stderr_is_tty() => (true, Duration::from_millis(100), false),
+            Mode::Auto => (false, QUIET_INTERVAL, false),
+            Mode::Lines(every) => (false, every, true),
+        };
+        if ends {
+            shared.line();
+        }
+        let s = shared.clone();
+        let ticker = std::thread::spawn(move || {
+            let mut last = Instant::now();
+            while !s.stop.load(Ordering::Relaxed) {
+                std::thread::sleep(if bar { every } else { every.min(Duration::from_millis(100)) });
+                if bar {
                     s.draw();
-                    std::thread::sleep(Duration::from_millis(100));
+                } else if last.elapsed() >= every {
+                    s.line();
+                    last = Instant::now();
                 }
-            })
+            }
         });
-        Progress { shared, ticker: Mutex::new(ticker) }
+        Progress { shared, ticker: Mutex::new(Some(ticker)), bar, ends }
     }
 
     /// Counts `n` more bytes done.
@@ -116,9 +176,13 @@ impl Progress {
         let ticker = self.ticker.lock().map(|mut t| t.take()).unwrap_or(None);
         if let Some(t) = ticker {
             let _ = t.join();
-            let mut err = std::io::stderr().lock();
-            let _ = write!(err, "\r\x1b[2K");
-            let _ = err.flush();
+            if self.bar {
+                let mut err = std::io::stderr().lock();
+                let _ = write!(err, "\r\x1b[2K");
+                let _ = err.flush();
+            } else if self.ends {
+                self.shared.line();
+            }
         }
     }
 }

@@ -1,51 +1,80 @@
 //! `tessera verify LOCATION`: index, coverage and every checksum.
 
-use std::process::ExitCode;
-
 use anyhow::Result;
+use serde_json::json;
 
 use crate::location::Location;
+use crate::progress::Progress;
 use crate::sizes::fmt_bytes;
 
 /// Runs `tessera verify`: exit 0 if the checkpoint is sound, 1 if anything is wrong or it
-/// cannot be opened (not committed, corrupt index, unsupported version).
-pub fn run(dir: &Location) -> Result<ExitCode> {
+/// cannot be opened (not committed, corrupt index, unsupported version). Leftover files of
+/// other saves are listed but are not a defect.
+pub fn run(dir: &Location, json: bool) -> Result<u8> {
+    let fail = |e: anyhow::Error| {
+        let message = crate::location::explain_missing(&e, &[dir.to_string()]).unwrap_or_else(|| format!("{e:#}"));
+        if json {
+            println!("{}", json!({ "location": dir.to_string(), "sound": false, "error": message }));
+        } else {
+            eprintln!("tessera verify: {message}");
+        }
+        Ok(1)
+    };
     let storage = match dir.open() {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("tessera verify: {e:#}");
-            return Ok(ExitCode::FAILURE);
-        }
+        Err(e) => return fail(e),
     };
+    // What verify reads, for its progress: every chunk's bytes (an index that does not open
+    // is verify's to report).
+    let total = tessera::open_index(storage.as_ref())
+        .map(|i| {
+            i.tensors.iter().map(|t| t.chunks().iter().map(|c| c.numel()).sum::<u64>() * t.dtype.size() as u64).sum()
+        })
+        .unwrap_or(0);
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8);
-    let report = match tessera::verify(storage.as_ref(), threads) {
+    let bar = Progress::reads("verify", total);
+    let report = tessera::verify(storage.as_ref(), threads);
+    bar.finish();
+    let report = match report {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("tessera verify: {dir}: {e}");
-            return Ok(ExitCode::FAILURE);
-        }
+        Err(e) => return fail(anyhow::Error::new(e).context(dir.to_string())),
     };
-    if report.problems.is_empty() {
+    let sound = report.problems.is_empty();
+    let how = if report.checksummed { "checksummed" } else { "read and decoded (no checksums in this format)" };
+    if json {
         println!(
-            "{dir}: sound ({} files, {} chunks, {} {})",
-            report.files,
-            report.chunks,
-            fmt_bytes(report.bytes_checked),
-            if report.checksummed { "checksummed" } else { "read and decoded (no checksums in this format)" }
+            "{}",
+            json!({
+                "location": dir.to_string(),
+                "sound": sound,
+                "files": report.files,
+                "chunks": report.chunks,
+                "bytes_checked": report.bytes_checked,
+                "checksummed": report.checksummed,
+                "problems": report.problems,
+                "leftovers": report.leftovers,
+            })
         );
-        Ok(ExitCode::SUCCESS)
     } else {
-        println!(
-            "{dir}: CORRUPT: {} problem(s) in {} files, {} chunks ({} {})",
-            report.problems.len(),
-            report.files,
-            report.chunks,
-            fmt_bytes(report.bytes_checked),
-            if report.checksummed { "checksummed" } else { "read and decoded (no checksums in this format)" }
-        );
-        for p in &report.problems {
-            println!("  {p}");
+        let (files, chunks, bytes) = (report.files, report.chunks, fmt_bytes(report.bytes_checked));
+        if sound {
+            println!("{dir}: sound ({files} files, {chunks} chunks, {bytes} {how})");
+        } else {
+            let n = report.problems.len();
+            println!("{dir}: CORRUPT: {n} problem(s) in {files} files, {chunks} chunks ({bytes} {how})");
+            for p in &report.problems {
+                println!("  {p}");
+            }
         }
-        Ok(ExitCode::FAILURE)
+        if !report.leftovers.is_empty() {
+            println!(
+                "{} leftover file(s) of failed or replaced saves, not used by the checkpoint (run `tessera gc {dir}`):",
+                report.leftovers.len()
+            );
+            for name in &report.leftovers {
+                println!("  {name}");
+            }
+        }
     }
+    Ok(if sound { 0 } else { 1 })
 }

@@ -341,6 +341,10 @@ pub fn value_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Value> {
         Value::Bytes(b.as_bytes().to_vec())
     } else if let Ok(list) = obj.cast_exact::<PyList>() {
         Value::List(list.iter().map(|item| value_from_py(&item)).collect::<PyResult<_>>()?)
+    } else if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
+        // Stored as a list: plain values keep no tuple type (the Python layer gives a tuple
+        // back where the load's request holds one).
+        Value::List(tuple.iter().map(|item| value_from_py(&item)).collect::<PyResult<_>>()?)
     } else if let Ok(dict) = obj.cast_exact::<PyDict>() {
         let mut entries = Vec::with_capacity(dict.len());
         for (k, v) in dict.iter() {
@@ -355,7 +359,7 @@ pub fn value_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Value> {
         Value::Map(entries)
     } else {
         return Err(PyTypeError::new_err(format!(
-            "{} is not a plain value (None, bool, int, float, str, bytes, list, dict[str, ...])",
+            "{} is not a plain value (None, bool, int, float, str, bytes, list, tuple, dict[str, ...])",
             type_name(obj)
         )));
     })

@@ -517,9 +517,17 @@ fn decode_value<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyAny>
     value_to_py(py, &lib(py, py.detach(|| tessera::Value::from_bytes(data)))?)
 }
 
+/// Runs the `tessera` command line `argv` (program name first) as the `tessera` binary does;
+/// returns its exit status. The `tessera` console script of the Python package calls it.
+#[pyfunction]
+fn cli(py: Python<'_>, argv: Vec<String>) -> u8 {
+    py.detach(|| tessera_cli::run(argv))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(cli, m)?)?;
     m.add_function(wrap_pyfunction!(save_olmo, m)?)?;
     m.add_function(wrap_pyfunction!(save_torch_dist, m)?)?;
     m.add_function(wrap_pyfunction!(torch_dist::plan_torch_dist, m)?)?;

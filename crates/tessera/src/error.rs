@@ -64,7 +64,10 @@ pub enum Error {
         reason: String,
     },
     /// Keys the strict-handling mode refuses (unexpected: requested but absent; missing: stored but not requested).
-    #[error("strict load failed: unexpected keys {unexpected:?}, missing keys {missing:?}")]
+    #[error(
+        "strict load failed: requested but not in the checkpoint (unexpected) {unexpected:?}; in the checkpoint \
+         but not requested (missing) {missing:?}"
+    )]
     KeyMismatch {
         /// Requested keys that the checkpoint does not hold.
         unexpected: Vec<String>,

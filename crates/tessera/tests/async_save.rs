@@ -240,7 +240,9 @@ fn a_background_failure_surfaces_at_finalize_on_every_rank_and_nothing_is_commit
             other => panic!("rank {r}: {other:?}"),
         }
     }
-    assert!(matches!(open_index(&LocalStorage::new(dir.path())), Err(Error::NotCommitted { .. })));
+    // Nothing committed, and the failed save removed what it wrote.
+    assert!(matches!(open_index(&LocalStorage::new(dir.path())), Err(Error::NotFound { .. })));
+    assert_eq!(LocalStorage::new(dir.path()).list().unwrap(), Vec::<String>::new());
 }
 
 #[test]
@@ -273,7 +275,9 @@ fn a_cancelled_async_save_is_not_committed() {
     });
     assert!(matches!(out[0], Err(Error::Cancelled)), "{:?}", out[0]);
     assert!(matches!(out[1], Err(Error::PeerFailed { rank: 0, .. })), "{:?}", out[1]);
-    assert!(matches!(open_index(&LocalStorage::new(dir.path())), Err(Error::NotCommitted { .. })));
+    // Nothing committed, and the failed save removed what it wrote.
+    assert!(matches!(open_index(&LocalStorage::new(dir.path())), Err(Error::NotFound { .. })));
+    assert_eq!(LocalStorage::new(dir.path()).list().unwrap(), Vec::<String>::new());
 }
 
 #[test]

@@ -882,7 +882,8 @@ fn an_empty_object_round_trips() {
 // ---------------------------------------------------------------------------------------------
 // Garbage collection and interrupted saves.
 
-/// A storage whose index commit always fails: a save that crashes before committing.
+/// A storage whose index commit always fails and whose data files cannot be removed: a save
+/// that crashes before committing (no chance to clean up).
 #[derive(Debug)]
 struct NoCommit(LocalStorage);
 
@@ -909,6 +910,9 @@ impl Storage for NoCommit {
         self.0.list()
     }
     fn delete(&self, name: &str) -> Result<()> {
+        if name.ends_with(".safetensors") {
+            return Err(Error::Io { path: name.into(), source: std::io::Error::other("injected crash") });
+        }
         self.0.delete(name)
     }
 }
@@ -925,7 +929,8 @@ fn gc_removes_the_leftovers_of_a_save_that_never_committed() {
     let crashing = NoCommit(LocalStorage::new(dir.path()));
     let out = run_ranks(2, |c| save(rows_tree(2, c.rank(), 0.0), &crashing, c, &small_blocks(16)));
     for (r, x) in out.into_iter().enumerate() {
-        assert!(x.is_err(), "rank {r} must learn that the commit failed");
+        let e = x.expect_err("every rank must learn that the commit failed");
+        assert!(e.to_string().contains("run `tessera gc"), "rank {r}: {e}");
     }
     let storage = LocalStorage::new(dir.path());
     let leftovers = data_files(&storage);

@@ -514,7 +514,8 @@ fn save_small(s: &Small) -> MemoryStorage {
     for (path, v) in &s.common {
         tree.insert(*path, StateTree::Value(v.clone()));
     }
-    let opts = SaveOptions { content_metadata: s.metadata.clone(), ..Default::default() };
+    // Small checksum blocks: the tiny-budget cases may then cut the data into single elements.
+    let opts = SaveOptions { content_metadata: s.metadata.clone(), ..small_blocks(8) };
     save(tree, &storage, &SoloComm, &opts).unwrap();
     storage
 }
@@ -663,4 +664,24 @@ fn failures_on_a_corrupt_source_leave_nothing_behind() {
     assert_eq!(dir_names(&out), ["ok.safetensors"], "no temporary file left");
     let r = diff(&src, &src, &DiffOptions::default());
     assert!(matches!(r, Err(Error::Corrupt { .. })), "{r:?}");
+}
+
+/// A memory budget below one checksum block (here 16 bytes) is refused before anything is
+/// read or written, naming the minimum; the same for every tool.
+#[test]
+fn a_budget_below_one_block_is_refused_at_once_naming_the_minimum() {
+    let src = memory_checkpoint();
+    let dir = TempDir::created("tiny-budget");
+    let out = dir.join("x.safetensors");
+    let err =
+        export_safetensors(&src, &out, &ExportOptions { memory_budget: 0, ..Default::default() }, &mut no_progress())
+            .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }) && err.to_string().contains("minimum of 16 bytes"), "{err}");
+    assert!(!out.exists() && std::fs::read_dir(dir.path()).unwrap().next().is_none(), "nothing written");
+    let dst = MemoryStorage::new();
+    let r = convert(&src, &dst, &ConvertOptions { memory_budget: 15, ..Default::default() }, &mut no_progress());
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    let r = diff(&src, &src, &DiffOptions { memory_budget: 1, ..Default::default() });
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    assert!(diff(&src, &src, &DiffOptions { memory_budget: 16, ..Default::default() }).unwrap().is_equal());
 }

@@ -303,8 +303,9 @@ fn a_native_checkpoint_with_flat_ranges_objects_and_common_state_converts_exactl
         if r == 0 {
             tree.insert("iteration", StateTree::Value(Value::Int(9)));
         }
-        let opts =
-            SaveOptions { content_metadata: Value::Map(vec![("format".into(), Value::Int(2))]), ..Default::default() };
+        // Small checksum blocks, so that the small budget below may cut chunks finely.
+        let content_metadata = Value::Map(vec![("format".into(), Value::Int(2))]);
+        let opts = SaveOptions { content_metadata, block_size: 64, ..Default::default() };
         tessera::save(tree, &LocalStorage::new(src.path()), comm, &opts).unwrap();
     });
     let dst = TempDir::new("to-dcp-dst");

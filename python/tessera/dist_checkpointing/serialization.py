@@ -83,18 +83,21 @@ _TORCH_LIST_OBJECT = b"TPL1"
 # Plain values and their torch.save fallback
 
 
-def _is_plain(value: Any) -> bool:
+def _is_plain(value: Any, tuples: bool = False) -> bool:
     """Exact types only: a subclass (OrderedDict, IntEnum, numpy scalars) would come back as
-    its base type, so it takes the torch.save path and keeps its type."""
+    its base type, so it takes the torch.save path and keeps its type. With ``tuples``, a
+    tuple counts as plain and is stored as a list (``tessera.torch``, where a load gives it
+    back as a tuple where the request holds one: ``_like_request``); Megatron's common state
+    keeps exact types, tuples included."""
     kind = type(value)
     if value is None or kind in (bool, str, bytes, float):
         return True
     if kind is int:
         return -(2**63) <= value < 2**63
-    if kind is list:
-        return all(_is_plain(v) for v in value)
+    if kind is list or (tuples and kind is tuple):
+        return all(_is_plain(v, tuples) for v in value)
     if kind is dict:
-        return all(type(k) is str and _is_plain(v) for k, v in value.items())
+        return all(type(k) is str and _is_plain(v, tuples) for k, v in value.items())
     return False
 
 
@@ -121,11 +124,53 @@ def _torch_load_bytes(data: bytes) -> Any:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
 
-def _to_plain(value: Any) -> Any:
-    """A plain value, or the torch.save wrapper for anything else."""
-    if _is_plain(value) and not (isinstance(value, dict) and set(value) == {_TORCH_SAVE_KEY}):
+def _to_plain(value: Any, tuples: bool = False) -> Any:
+    """A plain value, or the torch.save wrapper for anything else (``tuples``: see
+    :func:`_is_plain`)."""
+    if _is_plain(value, tuples) and not (isinstance(value, dict) and set(value) == {_TORCH_SAVE_KEY}):
         return value
     return {_TORCH_SAVE_KEY: _torch_save_bytes(value)}
+
+
+def _like_request(saved: Any, requested: Any) -> Any:
+    """``saved`` with the tuples the request held where the checkpoint stores lists (plain
+    values keep no tuple type), e.g. Adam's ``betas``."""
+    if isinstance(requested, (tuple, list)) and isinstance(saved, list) and len(saved) == len(requested):
+        items = [_like_request(s, r) for s, r in zip(saved, requested)]
+        return tuple(items) if isinstance(requested, tuple) else items
+    if isinstance(requested, dict) and isinstance(saved, dict):
+        return {k: _like_request(v, requested.get(k)) for k, v in saved.items()}
+    return saved
+
+
+def _is_stateful(value: Any) -> bool:
+    """torch DCP's ``Stateful``: a value with ``state_dict()`` and ``load_state_dict()``, saved
+    as its ``state_dict()`` and handed what was loaded through ``load_state_dict()``."""
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _match_request(state: Dict[str, Any], request: Dict[str, Any]) -> None:
+    """Gives the loaded ``state`` the request's types where the checkpoint cannot keep them: a
+    tuple leaf of ``request`` stored as a list becomes a tuple again (:func:`_like_request`),
+    and a ``Stateful`` leaf gets its loaded state through ``load_state_dict`` and takes its
+    place in ``state``."""
+    for path, leaf in _leaves(request):
+        if not path or not (isinstance(leaf, tuple) or _is_stateful(leaf)):
+            continue
+        node: Any = state
+        for kind, seg in path[:-1]:
+            ok = isinstance(node, list) and kind == "i" and seg < len(node) or isinstance(node, dict) and seg in node
+            if not ok:
+                break
+            node = node[seg]
+        else:
+            kind, seg = path[-1]
+            if isinstance(node, list) and kind == "i" and seg < len(node) or isinstance(node, dict) and seg in node:
+                if isinstance(leaf, tuple):
+                    node[seg] = _like_request(node[seg], leaf)
+                else:
+                    leaf.load_state_dict(node[seg])
+                    node[seg] = leaf
 
 
 def _from_plain(value: Any) -> Any:
@@ -305,7 +350,7 @@ def _split(sharded_state_dict: Dict[str, Any]) -> Tuple[list, list, list]:
         elif isinstance(leaf, ShardedTensorFactory):
             raise TesseraError(f"factory {leaf.key!r} was not applied")
         else:
-            common.append((path, leaf))
+            common.append((path, leaf.state_dict() if _is_stateful(leaf) else leaf))
     return tensors, objects, common
 
 
@@ -717,6 +762,7 @@ def load(
         if data is not None:
             _set_path(state, path, _decode_object(data))
     apply_factory_merges(state, factories)
+    _match_request(state, sharded_state_dict)
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return state, set(result["missing_keys"]), set(result["unexpected_keys"])
     return state

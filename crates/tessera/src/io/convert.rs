@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, DEFAULT_BLOCK_SIZE};
 use crate::io::load::{read_object, LoadOptions};
-use crate::io::pipeline::{batches, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
+use crate::io::pipeline::{
+    batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
+};
 use crate::io::save::{commit_index, finish_file, new_save_id, remove_save_files};
 use crate::io::strategy::{detect_format, open_checkpoint};
 use crate::io::write::{write_sources, Source};
@@ -128,6 +130,7 @@ pub fn convert(
         refuse_committed(dst)?;
     }
     let ckpt = open_checkpoint(src)?;
+    check_memory_budget(opts.memory_budget, &ckpt.index, &src.location())?;
     let src = ckpt.storage();
     let mut index = ckpt.index.clone();
     if index.block_size == 0 {

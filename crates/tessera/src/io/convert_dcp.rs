@@ -23,7 +23,7 @@ use crate::formats::torch_dist::{
 };
 use crate::io::convert::{ConvertOptions, ConvertReport};
 use crate::io::load::{read_object, LoadOptions};
-use crate::io::pipeline::{batches, job_bytes, load_parts, pipeline, TensorPart};
+use crate::io::pipeline::{batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart};
 use crate::io::save::new_save_id;
 use crate::io::strategy::open_checkpoint;
 use crate::io::write::{write_sources, Source};
@@ -62,6 +62,7 @@ pub fn convert_to_dcp(
         return Err(Error::AlreadyExists { path: dst.location().into() });
     }
     let ckpt = open_checkpoint(src)?;
+    check_memory_budget(opts.memory_budget, &ckpt.index, &src.location())?;
     let src = ckpt.storage();
     let index = &ckpt.index;
     // File numbers from 0 in a directory without data files, else this save's own (the source

@@ -7,7 +7,9 @@ use std::fmt;
 use crate::dtype::elements_to_f64;
 use crate::format::{CheckpointIndex, ObjectEntry, TensorEntry};
 use crate::io::load::{read_object, LoadOptions};
-use crate::io::pipeline::{batched, batches, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
+use crate::io::pipeline::{
+    batched, batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
+};
 use crate::io::strategy::open_checkpoint;
 use crate::plan::geometry::split_box_lazy;
 use crate::state::{path_string, StatePath, Value};
@@ -290,6 +292,8 @@ pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<Diff
         return Err(Error::invalid(format!("the tolerance must be a non-negative number, got {}", opts.atol)));
     }
     let (ca, cb) = (open_checkpoint(a)?, open_checkpoint(b)?);
+    check_memory_budget(opts.memory_budget, &ca.index, &a.location())?;
+    check_memory_budget(opts.memory_budget, &cb.index, &b.location())?;
     let (ia, ib) = (&ca.index, &cb.index);
     let (a, b) = (ca.storage(), cb.storage());
     let wanted: Option<BTreeSet<&str>> = opts.keys.as_ref().map(|ks| ks.iter().map(String::as_str).collect());

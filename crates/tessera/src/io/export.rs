@@ -15,7 +15,9 @@ use serde_json::{json, Map, Value as J};
 use crate::format::{build_header, SafetensorsEntry, TensorEntry};
 use crate::io::load::LoadOptions;
 use crate::io::outfile;
-use crate::io::pipeline::{batched, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET};
+use crate::io::pipeline::{
+    batched, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
+};
 use crate::io::strategy::open_checkpoint;
 use crate::plan::geometry::split_box_lazy;
 use crate::storage::Storage;
@@ -107,6 +109,7 @@ pub fn export_safetensors(
 ) -> Result<ExportReport> {
     outfile::check_outside(out, &src.location())?;
     let ckpt = open_checkpoint(src)?;
+    check_memory_budget(opts.memory_budget, &ckpt.index, &src.location())?;
     let (index, src) = (&ckpt.index, ckpt.storage());
     if let Some(d) = opts.dtype {
         if !d.is_castable() {

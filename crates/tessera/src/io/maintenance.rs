@@ -26,16 +26,25 @@ pub fn gc(storage: &dyn Storage) -> Result<Vec<String>> {
         Err(Error::NotCommitted { .. }) | Err(Error::NotFound { .. }) => Vec::new(),
         Err(e) => return Err(e),
     };
-    let mut removed = Vec::new();
-    for name in storage.list()? {
-        let ours = is_data_file_name(&name) || name.starts_with(&format!(".{INDEX_FILE}.tmp-"));
-        if ours && !referenced.contains(&name) {
-            storage.delete(&name)?;
-            removed.push(name);
-        }
+    let removed = leftovers(storage, &referenced)?;
+    for name in &removed {
+        storage.delete(name)?;
     }
-    removed.sort();
     Ok(removed)
+}
+
+/// The files of tessera's own saves in `storage` that the committed index (whose files are
+/// `referenced`) does not use: data files and temporary index files of saves that never
+/// committed, or of checkpoints since replaced. Sorted.
+pub(crate) fn leftovers(storage: &dyn Storage, referenced: &[String]) -> Result<Vec<String>> {
+    let mut out: Vec<String> = storage
+        .list()?
+        .into_iter()
+        .filter(|name| is_data_file_name(name) || name.starts_with(&format!(".{INDEX_FILE}.tmp-")))
+        .filter(|name| !referenced.contains(name))
+        .collect();
+    out.sort();
+    Ok(out)
 }
 
 /// Removes every tensor whose key starts with `key_prefix` from a committed checkpoint

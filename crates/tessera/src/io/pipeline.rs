@@ -16,6 +16,28 @@ use crate::{Error, Result, SoloComm};
 /// Default memory budget of the tools: bytes of tensor data held at once.
 pub const DEFAULT_MEMORY_BUDGET: u64 = 512 << 20;
 
+/// The smallest memory budget a tool takes over `index`: what reading one piece needs, one
+/// checksum block (a piece is verified whole-block) and at least one element of its widest
+/// dtype. Below it the work would be cut into pieces that never end; it is refused at once,
+/// naming this minimum.
+pub(crate) fn min_memory_budget(index: &CheckpointIndex) -> u64 {
+    let widest = index.tensors.iter().map(|t| t.dtype.size() as u64).max().unwrap_or(1);
+    index.block_size.max(widest)
+}
+
+/// Refuses `budget` below [`min_memory_budget`] for the checkpoint `index` at `location`.
+pub(crate) fn check_memory_budget(budget: u64, index: &CheckpointIndex, location: &str) -> Result<()> {
+    let min = min_memory_budget(index);
+    if budget < min {
+        return Err(Error::invalid(format!(
+            "memory budget of {budget} bytes is below the minimum of {min} bytes for {location} (one {} of its \
+             data must fit)",
+            if index.block_size >= min { "checksum block" } else { "element" }
+        )));
+    }
+    Ok(())
+}
+
 /// The most bytes one job of a pipeline should cost, so that about four are in flight at once
 /// (one being read, one being written, two queued) within `budget`.
 pub(crate) fn job_bytes(budget: u64) -> u64 {

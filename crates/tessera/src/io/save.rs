@@ -384,7 +384,11 @@ pub(crate) fn prepare<'t>(
         if !opts.overwrite {
             match storage.size(INDEX_FILE) {
                 Ok(_) => c.plan.refuse_overwrite = true,
-                Err(Error::NotFound { .. }) => {}
+                Err(Error::NotFound { .. }) => {
+                    if let Err(e) = refuse_foreign_files(storage) {
+                        c.local_error.get_or_insert(e);
+                    }
+                }
                 Err(e) => {
                     c.local_error.get_or_insert(e);
                 }
@@ -410,6 +414,35 @@ pub(crate) fn prepare<'t>(
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Prepared { rank, plans, save_id, layout, tensor_data, object_data: c.object_data, common: c.common })
+}
+
+/// A save without `overwrite` into a location that holds no tessera checkpoint writes there
+/// only if nothing else is there: tessera's own leftovers (files of saves that never
+/// committed) and the companions Megatron writes first (`common.pt`, `metadata.json`) are
+/// fine; anything else (another format's checkpoint, unrelated files) is refused, naming it.
+fn refuse_foreign_files(storage: &dyn Storage) -> Result<()> {
+    let names = storage.list()?;
+    let foreign: Vec<&String> = names
+        .iter()
+        .filter(|n| {
+            // The index itself: a save that committed meanwhile (the commit decides).
+            !(is_data_file_name(n)
+                || n.as_str() == INDEX_FILE
+                || n.starts_with(&format!(".{INDEX_FILE}.tmp-"))
+                || matches!(n.as_str(), "common.pt" | "metadata.json"))
+        })
+        .collect();
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    let shown: Vec<&str> = foreign.iter().take(5).map(|n| n.as_str()).collect();
+    let more = if foreign.len() > shown.len() { format!(", … ({} in all)", foreign.len()) } else { String::new() };
+    Err(Error::invalid(format!(
+        "{} is not empty and holds no tessera checkpoint ({}{more}): save into an empty or new location, or pass \
+         overwrite to write there anyway (the files there are left as they are)",
+        storage.location(),
+        shown.join(", ")
+    )))
 }
 
 /// The full exchange: every rank's plan, validated, writers assigned.
@@ -549,10 +582,11 @@ pub(crate) fn commit(
         })
         .collect::<Result<_>>()?;
     if let Some((r, msg)) = written_all.iter().enumerate().find_map(|(r, w)| w.error.as_ref().map(|m| (r, m))) {
-        return Err(match own_write_error {
+        let err = match own_write_error {
             Some(e) if r == rank => e,
             _ => decode_peer_error(r, msg),
-        });
+        };
+        return Err(clean_up_failed(p, storage, err));
     }
 
     // Rank 0 commits; everyone learns the verdict.
@@ -592,10 +626,11 @@ pub(crate) fn commit(
         Some(&VERDICT_OK) => {}
         Some(&VERDICT_TAKEN) => return Err(Error::AlreadyExists { path: storage.location().into() }),
         _ => {
-            return Err(own_commit_error.unwrap_or_else(|| Error::PeerFailed {
+            let err = own_commit_error.unwrap_or_else(|| Error::PeerFailed {
                 rank: 0,
                 message: String::from_utf8_lossy(verdict.get(1..).unwrap_or(&[])).into_owned(),
-            }))
+            });
+            return Err(clean_up_failed(p, storage, err));
         }
     }
     let mut d = crate::format::codec::Decoder::new(&verdict[1..]);
@@ -612,6 +647,23 @@ pub(crate) fn commit(
         chunks,
         index_bytes,
     })
+}
+
+/// A save that failed (`err`) removes the data file this rank wrote, if any: nothing of it is
+/// referenced, and its name is this save's own. Where that fails too, the error says so and
+/// how to clean up (`tessera gc`), keeping the original error's text.
+fn clean_up_failed(p: &Prepared<'_>, storage: &dyn Storage, err: Error) -> Error {
+    let name = p.file_name();
+    match storage.delete(&name) {
+        Ok(()) | Err(Error::NotFound { .. }) => err,
+        Err(cleanup) => Error::Io {
+            path: storage.location().into(),
+            source: std::io::Error::other(format!(
+                "{err}; this save's data file {name} could not be removed ({cleanup}): run `tessera gc {}`",
+                storage.location()
+            )),
+        },
+    }
 }
 
 /// The commit of save `save_id` once every data file is written (`written`, in the order of

@@ -23,6 +23,10 @@ pub struct VerifyReport {
     pub checksummed: bool,
     /// Everything found wrong, each naming the file or key.
     pub problems: Vec<String>,
+    /// Files of tessera's own saves beside a committed tessera checkpoint that it does not use
+    /// (left by saves that failed or were replaced): not a defect of the checkpoint; `gc`
+    /// removes them.
+    pub leftovers: Vec<String>,
 }
 
 /// Reads the index and every data file: every defect of the index (the validation gate's
@@ -35,6 +39,10 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     let ckpt = open_unvalidated(storage)?;
     let (index, storage) = (&ckpt.index, ckpt.storage());
     let mut report = VerifyReport { files: index.files.len(), chunks: index.chunk_count(), ..Default::default() };
+    if index.backend == crate::format::NATIVE_BACKEND {
+        let referenced: Vec<String> = index.files.iter().map(|f| f.name.clone()).collect();
+        report.leftovers = crate::io::maintenance::leftovers(storage, &referenced)?;
+    }
     let defects = index_defects(index);
     let invalid = defects.iter().any(|d| !d.uncovered);
     report.problems.extend(defects.iter().map(|d| d.to_string()));

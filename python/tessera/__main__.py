@@ -1,0 +1,5 @@
+"""``python -m tessera ...``: the ``tessera`` command."""
+
+from ._cli import entry
+
+entry()
