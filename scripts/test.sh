@@ -33,6 +33,9 @@ cargo test --workspace --all-targets
 # FUZZ_KEEP_GOING=1 scripts/fuzz.sh SECS all.
 bash scripts/fuzz.sh ci
 .venv/bin/python -m pytest tests/python -q
+# Types for users: _native.pyi against the built extension, and the package (pyproject's [tool.mypy]).
+.venv/bin/python -m mypy.stubtest tessera._native --allowlist tests/stubtest-allowlist.txt
+.venv/bin/python -m mypy
 # Multi-process Rust over MPI (installs OpenMPI if missing): save under 4 ranks, load under 3 and 1.
 bash scripts/mpi-example.sh
 # OLMo-core: round trips with ai2-olmo-core 0.1.0 itself, both ways (its own venv, torch 2.7.1).

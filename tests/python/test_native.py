@@ -363,7 +363,7 @@ def test_argument_errors(ckpt):
 
 
 @pytest.mark.parametrize(
-    "value", [(1, 2), {1, 2}, np.float64(1.0), {1: "int key"}, [object()], type("IntSub", (int,), {})(1), 2**64]
+    "value", [{1, 2}, np.float64(1.0), {1: "int key"}, [object()], type("IntSub", (int,), {})(1), 2**64, (1, object())]
 )
 def test_non_plain_common_values_are_type_errors(value):
     with pytest.raises(TypeError, match=r"common\[0\]"):
@@ -372,6 +372,10 @@ def test_non_plain_common_values_are_type_errors(value):
         N.save([], [], [], "mem://never", content_metadata=value)
     with pytest.raises(TypeError):
         N.encode_value(value)
+
+
+def test_a_tuple_is_stored_as_a_list():
+    assert N.decode_value(N.encode_value((1, (2.5, "x")))) == [1, [2.5, "x"]]
 
 
 def test_common_paths_are_checked():

@@ -181,7 +181,16 @@ enum Command {
         /// Cast floating-point tensors to this type (integer, bool and fp8 tensors are kept).
         #[arg(long, value_parser = ["bf16", "f16", "f32", "f64"])]
         dtype: Option<String>,
-        /// About the most tensor bytes held in memory at once.
+        /// Rename keys that start with FROM to start with TO instead (repeatable; the first
+        /// matching rule applies), e.g. --rename model.=  or  --rename decoder.=model.
+        #[arg(long, value_name = "FROM=TO")]
+        rename: Vec<String>,
+        /// Remove this prefix from the keys that start with it (repeatable; --rename PREFIX=,
+        /// applied after the --rename rules), e.g. --strip-prefix model. for a Hugging Face layout.
+        #[arg(long, value_name = "PREFIX")]
+        strip_prefix: Vec<String>,
+        /// About the most tensor bytes held in memory at once (at least one checksum block of the
+        /// source).
         #[arg(long, value_name = "SIZE", default_value = "512MiB")]
         memory: String,
     },
@@ -309,8 +318,18 @@ fn dispatch(command: Command) -> Result<u8> {
             gc::run(&Location::parse(&dir))?;
             Ok(0)
         }
-        Command::Unshard { src, out, max_shard_size, keys, dtype, memory } => {
+        Command::Unshard { src, out, max_shard_size, keys, dtype, rename, strip_prefix, memory } => {
+            let mut rules = Vec::new();
+            for r in &rename {
+                let Some((from, to)) = r.split_once('=') else { bail!("--rename {r:?}: give FROM=TO") };
+                if from.is_empty() {
+                    bail!("--rename {r:?}: FROM is empty");
+                }
+                rules.push((from.to_string(), to.to_string()));
+            }
+            rules.extend(strip_prefix.into_iter().map(|p| (p, String::new())));
             unshard::run(unshard::UnshardArgs {
+                rename: rules,
                 src: Location::parse(&src),
                 out,
                 max_shard_size: max_shard_size.as_deref().map(sizes::parse_size).transpose()?,

@@ -17,6 +17,8 @@ pub struct UnshardArgs {
     pub max_shard_size: Option<u64>,
     pub keys: Option<String>,
     pub dtype: Option<DType>,
+    /// Key prefix renames, `(from, to)` ([`ExportOptions::rename`]).
+    pub rename: Vec<(String, String)>,
     pub memory: u64,
 }
 
@@ -36,6 +38,7 @@ pub fn run(args: UnshardArgs) -> Result<()> {
         dtype: args.dtype,
         max_shard_size: args.max_shard_size,
         memory_budget: args.memory,
+        rename: args.rename,
         ..Default::default()
     };
     let mut bar: Option<Progress> = None;

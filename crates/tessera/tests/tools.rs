@@ -685,3 +685,43 @@ fn a_budget_below_one_block_is_refused_at_once_naming_the_minimum() {
     assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
     assert!(diff(&src, &src, &DiffOptions { memory_budget: 16, ..Default::default() }).unwrap().is_equal());
 }
+
+/// `rename` rewrites key prefixes (first matching rule; an empty replacement strips) in the
+/// files and the sharded index, in sorted order of the new names; two keys that would share a
+/// name are refused before anything is written.
+#[test]
+fn export_renames_key_prefixes_and_refuses_collisions() {
+    let src = memory_checkpoint();
+    let dir = TempDir::created("export-rename");
+    let rename = vec![("opt.".to_string(), "optimizer.".to_string()), ("s".to_string(), String::new())];
+    let opts = ExportOptions { rename, ..Default::default() };
+    let out = dir.join("renamed.safetensors");
+    export_safetensors(&src, &out, &opts, &mut no_progress()).unwrap();
+    let (_, renamed) = read_safetensors(&out);
+    let plain = dir.join("plain.safetensors");
+    export_safetensors(&src, &plain, &ExportOptions::default(), &mut no_progress()).unwrap();
+    let (_, original) = read_safetensors(&plain);
+    let expect: BTreeMap<String, _> = original
+        .into_iter()
+        .map(|(k, v)| {
+            let k = if let Some(rest) = k.strip_prefix("opt.") {
+                format!("optimizer.{rest}")
+            } else if let Some(rest) = k.strip_prefix('s') {
+                rest.to_string()
+            } else {
+                k
+            };
+            (k, v)
+        })
+        .collect();
+    assert_eq!(renamed, expect);
+    assert!(
+        renamed.contains_key("teps") && renamed.keys().any(|k| k.starts_with("optimizer.")),
+        "{:?}",
+        renamed.keys()
+    );
+    let clash = ExportOptions { rename: vec![("steps".into(), "scale".into())], ..Default::default() };
+    let err = export_safetensors(&src, &dir.join("clash.safetensors"), &clash, &mut no_progress()).unwrap_err();
+    assert!(err.to_string().contains("the same name \"scale\""), "{err}");
+    assert!(!dir.join("clash.safetensors").exists());
+}

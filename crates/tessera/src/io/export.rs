@@ -43,6 +43,11 @@ pub struct ExportOptions {
     pub memory_budget: u64,
     /// IO threads of the reads.
     pub threads: usize,
+    /// Key prefixes to rename, `(from, to)`: a key starting with `from` is written as `to`
+    /// followed by the rest of the key (an empty `to` strips the prefix), by the first rule
+    /// that matches, e.g. to produce a Hugging Face layout. Two keys that end up with one name
+    /// are refused, naming both.
+    pub rename: Vec<(String, String)>,
 }
 
 impl Default for ExportOptions {
@@ -53,8 +58,19 @@ impl Default for ExportOptions {
             max_shard_size: None,
             memory_budget: DEFAULT_MEMORY_BUDGET,
             threads: crate::io::save::default_threads(),
+            rename: Vec::new(),
         }
     }
+}
+
+/// `key` as [`ExportOptions::rename`] names it in the output.
+fn renamed(key: &str, rules: &[(String, String)]) -> String {
+    for (from, to) in rules {
+        if let Some(rest) = key.strip_prefix(from.as_str()) {
+            return format!("{to}{rest}");
+        }
+    }
+    key.to_string()
 }
 
 /// What an export wrote.
@@ -73,6 +89,8 @@ pub struct ExportReport {
 /// One tensor of the export.
 struct Out<'i> {
     entry: &'i TensorEntry,
+    /// Its name in the output.
+    name: String,
     dtype: DType,
     file: usize,
 }
@@ -138,15 +156,32 @@ pub fn export_safetensors(
         return Err(Error::invalid("the maximum shard size must be positive"));
     }
 
+    // Output names, in the sorted order safetensors files list them.
+    let mut named: Vec<(String, &TensorEntry)> =
+        selected.into_iter().map(|e| (renamed(&e.key, &opts.rename), e)).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some(w) = named.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(Error::invalid(format!(
+            "renaming gives tensors {:?} and {:?} of {} the same name {:?}",
+            w[0].1.key,
+            w[1].1.key,
+            src.location(),
+            w[0].0
+        )));
+    }
+    if let Some((name, e)) = named.iter().find(|(n, _)| n.is_empty()) {
+        return Err(Error::invalid(format!("renaming leaves tensor {:?} without a name {name:?}", e.key)));
+    }
+
     // Tensors, packed into files.
-    let mut tensors: Vec<Out<'_>> = Vec::with_capacity(selected.len());
+    let mut tensors: Vec<Out<'_>> = Vec::with_capacity(named.len());
     let mut file_bytes: Vec<u64> = Vec::new();
-    for entry in selected {
+    for (name, entry) in named {
         let dtype = match opts.dtype {
             Some(d) if entry.dtype.is_castable() => d,
             _ => entry.dtype,
         };
-        let mut t = Out { entry, dtype, file: 0 };
+        let mut t = Out { entry, name, dtype, file: 0 };
         let n = t.nbytes();
         let start_new = match (opts.max_shard_size, file_bytes.last()) {
             (_, None) => true,
@@ -207,7 +242,7 @@ pub fn export_safetensors(
         for t in tensors.iter().filter(|t| t.file == f) {
             let len = t.nbytes();
             entries.push(SafetensorsEntry {
-                name: t.entry.key.clone(),
+                name: t.name.clone(),
                 dtype: t.dtype,
                 shape: t.entry.global_shape.clone(),
                 start,
@@ -233,7 +268,7 @@ pub fn export_safetensors(
         let Some(dest) = index_dest else { return Ok(None) };
         let mut weight_map = Map::new();
         for t in &tensors {
-            weight_map.insert(t.entry.key.clone(), J::String(names[t.file].clone()));
+            weight_map.insert(t.name.clone(), J::String(names[t.file].clone()));
         }
         let json = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         let text = serde_json::to_vec_pretty(&json).expect("JSON of plain values");
