@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -50,6 +50,10 @@ from .dist_checkpointing.serialization import (
     _to_native_path,
     _to_plain,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeGuard
 
 __all__ = [
     "save",
@@ -97,7 +101,7 @@ def _key(path: Tuple[Any, ...]) -> str:
     return ".".join(str(seg) for _, seg in path)
 
 
-def _is_dtensor(t: Any) -> bool:
+def _is_dtensor(t: Any) -> "TypeGuard[DTensor]":
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
@@ -120,13 +124,14 @@ def _layout(t: torch.Tensor, rank: int) -> Tuple[torch.Tensor, Tuple[int, ...], 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(local.shape) != tuple(shape):
         raise ValueError(f"DTensor local shape {tuple(local.shape)} differs from its placement's {tuple(shape)}")
-    coord = t.device_mesh.get_coordinate() or []
+    coord: Sequence[int] = t.device_mesh.get_coordinate() or []
     replica = tuple(int(coord[i]) for i, p in enumerate(t.placements) if p.is_replicate()) or (0,)
     return local, tuple(t.shape), tuple(int(x) for x in offset), replica
 
 
 def _split(state_dict: Dict[str, Any]) -> Tuple[List[Tuple[Tuple[Any, ...], torch.Tensor]], List[Tuple[Tuple[Any, ...], Any]]]:
-    tensors, values = [], []
+    tensors: List[Tuple[Tuple[Any, ...], torch.Tensor]] = []
+    values: List[Tuple[Tuple[Any, ...], Any]] = []
     for path, leaf in _leaves(state_dict):
         (tensors if isinstance(leaf, torch.Tensor) else values).append((path, leaf))
     return tensors, values
@@ -250,7 +255,8 @@ def load(
         )
     strict_mode = "raise_unexpected" if strict else "return_unexpected"
     try:
-        result = _native.load(native, [], location, None, strict=strict_mode)
+        # entries of different types (listed in _native.load's docstring)
+        result = cast(Dict[str, Any], _native.load(native, [], location, None, strict=strict_mode))
     except KeyMismatchError as e:
         raise _torch_key_error(location, e) from None
     with torch.no_grad():
@@ -367,7 +373,8 @@ def _torch_key_error(location: str, e: Any) -> Exception:
         parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
     err = KeyMismatchError(f"Error(s) in loading state_dict from {location}:\n\t" + "\n\t".join(parts))
     err.missing, err.unexpected = e.missing, e.unexpected
-    err.missing_keys, err.unexpected_keys = missing, unexpected
+    # torch's names too, set on this instance only (the extension's class declares missing/unexpected)
+    err.missing_keys, err.unexpected_keys = missing, unexpected  # type: ignore[attr-defined]
     return err
 
 

@@ -7,7 +7,7 @@ is an atomic leaf.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Literal, Tuple, Union, overload
 
 from .core import CheckpointingValueError
 
@@ -30,6 +30,25 @@ Nested = Union[dict, list]
 
 def _is_container(x: Any) -> bool:
     return isinstance(x, (dict, list))
+
+
+# A dict (or a list with ``return_lists_as_dicts``) splits into two dicts; a list into two lists.
+@overload
+def extract_matching_values(
+    x: dict, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = ...
+) -> Tuple[dict, dict]: ...
+@overload
+def extract_matching_values(
+    x: list, predicate: Callable[[Any], bool], return_lists_as_dicts: Literal[True]
+) -> Tuple[dict, dict]: ...
+@overload
+def extract_matching_values(
+    x: list, predicate: Callable[[Any], bool], return_lists_as_dicts: Literal[False] = ...
+) -> Tuple[list, list]: ...
+@overload
+def extract_matching_values(
+    x: Nested, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = ...
+) -> Tuple[Nested, Nested]: ...
 
 
 def extract_matching_values(

@@ -83,6 +83,7 @@ def _get_empty_tensor_for_exchange(
                 tensor = torch.empty_like(tensor, device="cuda")
         return tensor, None
     needed.init_data("cuda")
+    assert needed.data is not None  # init_data allocated it
     orig_device = needed.data.device
     tensor = needed.data
     if tensor.device.type == "cpu":
@@ -218,7 +219,7 @@ def exchange_loaded_objects_gather_object(loaded_objects: Dict[_ShardId, Any]) -
     dist = _torch().distributed
     gathered: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, loaded_objects, group=None)
-    merged = reduce(lambda x, y: {**x, **y}, gathered, {})
+    merged: Dict[_ShardId, Any] = reduce(lambda x, y: {**x, **y}, gathered, {})
     if len(merged) != sum(len(x) for x in gathered):
         raise CheckpointingException("Duplicate shard ids loaded by different ranks")
     return merged

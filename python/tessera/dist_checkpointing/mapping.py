@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union, cast
 
 from .base import (
     LocalNonpersistentObject,
@@ -227,7 +227,8 @@ class ShardedTensor(ShardedBase):
                 f"{self.key!r}: narrow needs a regular grid on axis {dim}: global shape {self.global_shape} "
                 f"and offset {self.global_offset} must be multiples of the local size {local}"
             )
-        data = self.data.narrow(dim, start, length)
+        # narrow needs the data (a ShardedTensor without data fails here, as in megatron-core)
+        data = cast(Any, self.data).narrow(dim, start, length)
         global_shape = self.global_shape[:axis] + (glob * length // local,) + self.global_shape[axis + 1 :]
         global_offset = self.global_offset[:axis] + (off * length // local,) + self.global_offset[axis + 1 :]
         return [

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union, cast
 
 from .. import _native
 from .._comm import default_comm
@@ -236,7 +236,7 @@ def _to_native_path(path: Tuple[Seg, ...]) -> List[Union[str, int]]:
 
 
 def _from_native_path(path: Iterable[Union[str, int]]) -> Tuple[Seg, ...]:
-    out = []
+    out: List[Seg] = []
     for seg in path:
         if isinstance(seg, int):
             out.append(("i", seg))
@@ -413,7 +413,7 @@ def save(
     if validate_access_integrity:
         from .validation import _validate_common_state_dict
 
-        common_state = {}
+        common_state: Dict[str, Any] = {}
         for path, value in common:
             _set_path(common_state, path, value)
         if preprocess_common_before_consistancy_check is not None:
@@ -449,7 +449,7 @@ def save(
     ]
     native_common = [(_to_native_path(p), _to_plain(v)) for p, v in common] if rank == 0 else []
     args = (native_tensors, native_objects, native_common, str(checkpoint_dir), comm)
-    kwargs = dict(
+    kwargs: Dict[str, Any] = dict(
         overwrite=overwrite,
         validate=validate_access_integrity,
         content_metadata=_to_plain(content_metadata) if content_metadata is not None else None,
@@ -719,16 +719,20 @@ def load(
     # as Megatron does, so the core is asked to return them instead of printing them.
     native_strict = _RETURNED_INSTEAD_OF_LOGGED.get(strict, strict)
     try:
-        result = _native.load(
-            native_tensors,
-            native_objects,
-            str(checkpoint_dir),
-            comm,
-            strict=native_strict.value,
-            verify=verify_checksums,
-            exchange_reads=exchange_reads and comm is not None,
-            # Megatron-Core loads a tensor stored in another dtype converted, as `copy_` does.
-            cast_dtypes=True,
+        # entries of different types (listed in _native.load's docstring)
+        result = cast(
+            Dict[str, Any],
+            _native.load(
+                native_tensors,
+                native_objects,
+                str(checkpoint_dir),
+                comm,
+                strict=native_strict.value,
+                verify=verify_checksums,
+                exchange_reads=exchange_reads and comm is not None,
+                # Megatron-Core loads a tensor stored in another dtype converted, as `copy_` does.
+                cast_dtypes=True,
+            ),
         )
     except NotCoveredError as e:
         if getattr(sharded_strategy, "backend", None) == "torch_dist":

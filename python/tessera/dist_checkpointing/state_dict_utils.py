@@ -7,13 +7,15 @@ loads: the strategy gets what megatron would give it. Sharding validation is the
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values
 from .mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory, StateDict, apply_factories
 from .utils import _clean_metadata_for_serialization, extract_nonpersistent, extract_sharded_base
 
 __all__ = ["save_preprocess", "load_preprocess", "filter_out_empty_flatten_tensor"]
+
+_Nested = TypeVar("_Nested", dict, list)
 
 
 def save_preprocess(
@@ -59,7 +61,7 @@ def load_preprocess(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateD
     return sharded_state_dict, nonpersistent, factories
 
 
-def filter_out_empty_flatten_tensor(sharded_state_dict: Union[dict, list]) -> Union[dict, list]:
+def filter_out_empty_flatten_tensor(sharded_state_dict: _Nested) -> _Nested:
     """Drops ShardedTensors whose flattened range is empty (nothing to save or load)."""
 
     def keep(x: Any) -> bool:

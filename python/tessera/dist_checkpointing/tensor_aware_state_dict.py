@@ -92,6 +92,10 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):  # type: ignore[misc,vali
         """True while the tensors are taken out (between ``pop_tensors`` and ``insert_tensors``)."""
         return self._is_hollow
 
+    # ``orig_device`` is a dynamic attribute of the ShardedTensors whose tensor was taken out or
+    # moved to CPU (megatron-core's convention: its presence is tested with hasattr), hence the
+    # ``type: ignore[attr-defined]`` where it is used without such a test.
+
     @property
     def _sharded_tensors(self) -> Iterator[ShardedTensor]:
         for sh in nested_values(self.sharded_state_dict):
@@ -119,8 +123,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):  # type: ignore[misc,vali
         self._check(False)
         out = []
         for sh in list(self._sharded_tensors):
+            assert sh.data is not None  # not hollow: _sharded_tensors yields those with data
             out.append(sh.data)
-            sh.orig_device = sh.data.device.type
+            sh.orig_device = sh.data.device.type  # type: ignore[attr-defined]
             sh.data = None
         self._is_hollow = True
         return out
@@ -138,26 +143,28 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):  # type: ignore[misc,vali
         """Allocates empty tensors of the original shapes, dtypes and devices."""
         self._check(True)
         for sh in list(self._sharded_tensors):
-            sh.init_data(sh.orig_device)
-            del sh.orig_device
+            sh.init_data(sh.orig_device)  # type: ignore[attr-defined]
+            del sh.orig_device  # type: ignore[attr-defined]
         self._is_hollow = False
 
     def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
         """Replaces the tensors by CPU copies (devices remembered for :meth:`restore_tensor_device`)."""
         self._check(False)
         for sh in self._sharded_tensors:
+            assert sh.data is not None  # not hollow: _sharded_tensors yields those with data
             if sh.data.device.type == "cpu":
                 if not hasattr(sh, "orig_device"):
                     sh.data = sh.data.clone()
             else:
                 if not hasattr(sh, "orig_device"):
-                    sh.orig_device = sh.data.device.type
+                    sh.orig_device = sh.data.device.type  # type: ignore[attr-defined]
                 sh.data = sh.data.detach().to("cpu", non_blocking=non_blocking)
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         """Moves the tensors back to the devices they had before :meth:`copy_tensors_to_cpu`."""
         self._check(False)
         for sh in self._sharded_tensors:
+            assert sh.data is not None  # not hollow: _sharded_tensors yields those with data
             if hasattr(sh, "orig_device"):
                 sh.data = sh.data.to(sh.orig_device, non_blocking=non_blocking)
                 del sh.orig_device

@@ -105,9 +105,9 @@ def _model_state(model: nn.Module) -> Dict[str, Any]:
         state = dict(model.state_dict())
         # OLMo-core's own FSDP: the parameter knows its flat ranges, the state-dict entry does not.
         for name, p in model.named_parameters():
-            flat = _olmo_flat(p) if name in state else None
-            if flat is not None:
-                state[name] = flat
+            shard = _olmo_flat(p) if name in state else None
+            if shard is not None:
+                state[name] = shard
         return state
     from torch.distributed.fsdp._runtime_utils import _lazy_init
 

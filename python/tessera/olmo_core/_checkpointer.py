@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -61,6 +61,7 @@ def _olmo_flat(t: Any) -> Optional[FlatShard]:
     offsets = getattr(spec, "unsharded_flattened_offsets", None)
     if offsets is None or not getattr(t, "metadata_set", True):
         return None
+    assert spec is not None  # the offsets came from it
     group = getattr(t, "process_group", None)
     rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
     return FlatShard(t.sharded_data, tuple(spec.unsharded_shape), tuple(tuple(r) for r in offsets[rank]))
@@ -169,7 +170,8 @@ class Checkpointer:
         native, keep_alive = save_tensors(state_dict, comm.rank() if comm is not None else 0)
         report = _native.save_olmo([(native, d)], comm, overwrite=save_overwrite)[0]
         del keep_alive
-        return StorageMetadata.from_json(report["metadata"]), files_created(d, report)
+        # report["metadata"] is the text of metadata.json (see _native.save_olmo)
+        return StorageMetadata.from_json(cast(str, report["metadata"])), files_created(d, report)
 
     def load(
         self,

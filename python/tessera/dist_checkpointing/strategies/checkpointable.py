@@ -11,7 +11,7 @@ is for code that drives DCP directly.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -37,8 +37,10 @@ def _box(sh_ten: ShardedTensor) -> ChunkStorageMetadata:
 class _NoOps(torch.Tensor):
     """A metadata-only tensor subclass: DCP reads its protocol methods, nothing computes on it."""
 
+    # torch's stubs type Tensor.__torch_dispatch__ as a plain function (the disabled default);
+    # subclasses define it as a classmethod, as torch documents.
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         raise TypeError(f"{cls.__name__} holds checkpoint metadata; tensor operations ({func}) are not defined on it")
 
 
@@ -48,10 +50,10 @@ class CheckpointableShardedTensor(_NoOps):
     _sh_ten: ShardedTensor
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, sh_ten: ShardedTensor) -> "CheckpointableShardedTensor":
+    def __new__(cls, data: Optional[torch.Tensor], sh_ten: ShardedTensor) -> "CheckpointableShardedTensor":
         return torch.Tensor._make_wrapper_subclass(cls, torch.Size(sh_ten.global_shape), dtype=sh_ten.dtype)
 
-    def __init__(self, data: torch.Tensor, sh_ten: ShardedTensor) -> None:
+    def __init__(self, data: Optional[torch.Tensor], sh_ten: ShardedTensor) -> None:
         self._data = data
         self._sh_ten = sh_ten
 
@@ -67,6 +69,7 @@ class CheckpointableShardedTensor(_NoOps):
     ) -> List[WriteItem]:
         """DCP's write item of this piece: one shard at the ShardedTensor's box."""
         chunk = _box(sh_ten._sh_ten)
+        assert sh_ten._sh_ten.data is not None  # _box raised otherwise
         return [
             WriteItem(
                 index=MetadataIndex(fqn, chunk.offsets, index),
@@ -85,7 +88,9 @@ class CheckpointableShardedTensor(_NoOps):
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         """The memory of this piece (saved from, loaded into)."""
-        return self._sh_ten.data
+        # DCP asks for it after __create_write_items__ / __create_chunk_list__, whose _box
+        # required the data.
+        return cast(torch.Tensor, self._sh_ten.data)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"{type(self).__name__}({self._sh_ten})"
@@ -106,7 +111,8 @@ class LocalShardsContainer(_NoOps):
         for shard in local_shards:
             if not isinstance(shard, CheckpointableShardedTensor):
                 raise TypeError(f"LocalShardsContainer holds CheckpointableShardedTensors, got {type(shard).__name__}")
-        self._local_shards = list(local_shards)
+        # every shard was just checked to be a CheckpointableShardedTensor
+        self._local_shards = cast(List[CheckpointableShardedTensor], list(local_shards))
 
     def __create_write_items__(self, fqn: str, container: "LocalShardsContainer") -> List[WriteItem]:
         """The write items of every piece, numbered so DCP tells them apart."""
@@ -122,15 +128,16 @@ class LocalShardsContainer(_NoOps):
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         """The piece at ``index.offset`` (the hint ``index.index`` is tried first)."""
+        # (as for one piece: DCP asks after __create_*__, whose _box required the data)
         want = tuple(index.offset) if index.offset is not None else None
         hinted = index.index
         if hinted is not None and 0 <= hinted < len(self._local_shards):
             shard = self._local_shards[hinted]
             if want is None or tuple(shard._sh_ten.global_offset) == want:
-                return shard._sh_ten.data
+                return cast(torch.Tensor, shard._sh_ten.data)
         for shard in self._local_shards:
             if tuple(shard._sh_ten.global_offset) == want:
-                return shard._sh_ten.data
+                return cast(torch.Tensor, shard._sh_ten.data)
         raise ValueError(f"no local shard at offset {want} of {index.fqn!r}")
 
     def __repr__(self) -> str:  # type: ignore[override]

@@ -17,7 +17,7 @@ import inspect
 import os
 import queue
 import threading
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -88,9 +88,12 @@ class FileSystemWriterAsync(FileSystemWriter):
     @staticmethod
     def _write_torch_items(transform_list: List[Any], write_bucket: WriteBucket, use_fsync: bool) -> list:
         """A megatron bucket of torch write items, written with torch's item writer."""
-        from torch.distributed.checkpoint.filesystem import _write_item
+        from torch.distributed.checkpoint.filesystem import _write_item as _torch_write_item
 
-        extra = {}
+        # torch's private item writer: its parameters differ across torch versions (the
+        # transforms, serialization_format), so it is called with what this version takes.
+        _write_item: Callable[..., Any] = _torch_write_item
+        extra: Dict[str, Any] = {}
         if "serialization_format" in inspect.signature(_write_item).parameters:
             from torch.distributed.checkpoint.filesystem import SerializationFormat
 
@@ -136,19 +139,20 @@ class FileSystemWriterAsync(FileSystemWriter):
         for w in workers:
             w.start()
         count_queue.join()
-        results_or_exc: Union[Dict[int, Any], Exception] = {}
+        collected: Dict[int, Any] = {}
+        results_or_exc: Union[Dict[int, Any], Exception] = collected
         for _ in write_buckets:
             try:
                 idx, result = local_results.get_nowait()
             except queue.Empty:
                 results_or_exc = RuntimeError(
-                    f"Unexpected empty `local_results_queue` (got only {len(results_or_exc)}/{len(write_buckets)} items)"
+                    f"Unexpected empty `local_results_queue` (got only {len(collected)}/{len(write_buckets)} items)"
                 )
                 break
             if isinstance(result, Exception):
                 results_or_exc = result
                 break
-            results_or_exc[idx] = result
+            collected[idx] = result
         for w in workers:
             w.join()
         global_results_queue.put(results_or_exc)
@@ -198,7 +202,9 @@ class TorchDistWrites:
         self.writer = FileSystemWriterAsync(location)
         self.writer.write_buckets = save.files()
         self.writer.results_queue = queue.Queue()
-        args = ([], False, rank, self.writer.write_buckets, self.writer.results_queue)
+        args: Tuple[List[Any], bool, int, Any, Any] = (
+            [], False, rank, self.writer.write_buckets, self.writer.results_queue
+        )
         self._thread: Optional[threading.Thread] = None
         if background:
             self._thread = threading.Thread(

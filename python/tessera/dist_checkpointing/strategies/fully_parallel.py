@@ -15,7 +15,7 @@ strategy for this rank's share and exchanges the rest by broadcasts (``exchange_
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Optional, Tuple, Type, TypeVar, cast
 
 try:
     import torch
@@ -105,6 +105,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
         """Marks the shards this rank writes with ``replica_id`` 0 and the others with 1."""
+        distribution: Optional[ShardDistribution]
         if self.do_cache_distribution and self.cached_distribution is not None:
             distribution = self.cached_distribution
         else:
@@ -170,14 +171,23 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         if _group_size(self.parallelization_group) <= 1:
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         distribution = self.apply_loading_parallelization(sharded_state_dict)
+        # a group of several ranks: distribute_main_replicas_with_precomputed_distribution
+        # raised on a missing distribution
+        assert distribution is not None
         tensors, rest, to_load_tensors, unloaded_tensors = _defer_loading_sharded_items(
             sharded_state_dict, ShardedTensor, _sharded_tensor_shard_id
         )
         objects, rest, to_load_objects, unloaded_objects = _defer_loading_sharded_items(
             rest, ShardedObject, _sharded_object_id
         )
-        loaded_objects = self.base_strategy.load(to_load_objects, checkpoint_dir)
-        loaded_tensors = self.base_strategy.load(to_load_tensors, checkpoint_dir)
+        # As megatron-core does, the base strategy loads flat dicts keyed by shard id (a state
+        # dict's keys are only carried through), so what it returns is keyed by shard id too.
+        loaded_objects = cast(
+            Dict[_ShardId, Any], self.base_strategy.load(cast(ShardedStateDict, to_load_objects), checkpoint_dir)
+        )
+        loaded_tensors = cast(
+            Dict[_ShardId, Any], self.base_strategy.load(cast(ShardedStateDict, to_load_tensors), checkpoint_dir)
+        )
         all_tensors = exchange_by_distribution(
             loaded_tensors, unloaded_tensors, distribution, self.parallelization_group, self.exchange_algo
         )
@@ -197,6 +207,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
     def apply_loading_parallelization(self, sharded_state_dict: ShardedStateDict) -> Optional[ShardDistribution]:
         """Computes (or reuses) the load distribution and marks this rank's shards as main replicas."""
+        distribution: Optional[ShardDistribution]
         if self.do_cache_distribution and self.cached_distribution is not None:
             distribution = self.cached_distribution
         else:
@@ -231,7 +242,7 @@ def distribute_main_replicas_with_precomputed_distribution(
 
 
 def _defer_loading_sharded_items(
-    sharded_state_dict: ShardedStateDict, item_type: type, shard_id_func: Callable[[Any], _ShardId]
+    sharded_state_dict: ShardedStateDict, item_type: Type[T], shard_id_func: Callable[[T], _ShardId]
 ) -> Tuple[ShardedStateDict, ShardedStateDict, Dict[_ShardId, Any], Dict[_ShardId, Any]]:
     """(items of ``item_type``, the rest, id -> items this rank loads, id -> items others load)."""
     to_load: Dict[_ShardId, Any] = {}

@@ -9,7 +9,7 @@ the same entry points. Format version 2 is written; versions 1 and 2 are read.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
@@ -101,8 +101,9 @@ class TesseraSaveShardedStrategy(NativeSaveShardedStrategy):
 class _TesseraReader:
     """What both tessera load strategies share: the backend they read and its checks."""
 
-    backend = TESSERA_BACKEND
-    version = TESSERA_BACKEND_VERSION
+    # typed as LoadStrategyBase declares them (the strategies below derive from both)
+    backend: Optional[str] = TESSERA_BACKEND
+    version: Optional[int] = TESSERA_BACKEND_VERSION
     #: serialization runs the native reader for this strategy.
     native_reader = True
 
