@@ -1,7 +1,9 @@
 //! Fuzzes the safetensors header reader (`parse_header`): the input as a whole data file, as a
 //! file whose storage claims more bytes than it holds, and — in place of a data file of the
-//! golden v2 checkpoint, in a `MemoryStorage` — through `verify` and a load. Any input must
-//! give a header or an error — no panic, no allocation beyond the bytes the file holds.
+//! golden v2 checkpoint, in a `MemoryStorage` — through `verify` and a load; and alone, as a
+//! plain safetensors checkpoint (`model.safetensors`, read by the `safetensors` strategy: its
+//! tensor entries, shapes and offsets), through `verify` and a load. Any input must give a
+//! header or an error — no panic, no allocation beyond the bytes the file holds.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -46,4 +48,9 @@ fuzz_target!(|data: &[u8]| {
     }
     let _ = verify(&storage, 1);
     let _ = load_plain_tensors(&storage, None);
+
+    let plain = MemoryStorage::new();
+    plain.put_atomic("model.safetensors", data).expect("memory storage");
+    let _ = verify(&plain, 1);
+    let _ = load_plain_tensors(&plain, None);
 });

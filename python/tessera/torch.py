@@ -137,6 +137,13 @@ def _split(state_dict: Dict[str, Any]) -> Tuple[List[Tuple[Tuple[Any, ...], torc
     return tensors, values
 
 
+def _where(checkpoint_id: Any, storage_writer: Any, process_group: Any) -> Tuple[str, Any, int]:
+    """A save's location, communicator and rank."""
+    location = _location(checkpoint_id, storage_writer, "storage_writer")
+    comm = default_comm(process_group)
+    return location, comm, comm.rank() if comm is not None else 0
+
+
 def _save_request(state_dict: Dict[str, Any], rank: int, pinned: Any = None) -> Tuple[list, list, List[Any]]:
     """The core's tensor descriptors and common values of a state dict (and what keeps the
     tensors' memory alive)."""
@@ -172,9 +179,7 @@ def save(
     or where ``storage_writer`` points); under torch.distributed every rank of
     ``process_group`` calls it. Tensor keys are the dotted paths; other values are saved once,
     from rank 0. A checkpoint already there is kept unless ``overwrite``. Returns the report."""
-    location = _location(checkpoint_id, storage_writer, "storage_writer")
-    comm = default_comm(process_group)
-    rank = comm.rank() if comm is not None else 0
+    location, comm, rank = _where(checkpoint_id, storage_writer, process_group)
     native, common, keep_alive = _save_request(state_dict, rank)
     meta = _to_plain(content_metadata) if content_metadata is not None else None
     report = _native.save(native, [], common, location, comm, overwrite=overwrite, content_metadata=meta)
@@ -197,9 +202,7 @@ def async_save(
     committed). The commit needs no call from the training loop."""
     from .dist_checkpointing.strategies.async_utils import default_saver
 
-    location = _location(checkpoint_id, storage_writer, "storage_writer")
-    comm = default_comm(process_group)
-    rank = comm.rank() if comm is not None else 0
+    location, comm, rank = _where(checkpoint_id, storage_writer, process_group)
     held = sum(t.numel() * t.element_size() for _, t in _split(_flatten_stateful(state_dict))[0])
     saver = default_saver(process_group, held)
     native, common, keep_alive = _save_request(state_dict, rank, saver.pinned)

@@ -725,3 +725,68 @@ fn export_renames_key_prefixes_and_refuses_collisions() {
     assert!(err.to_string().contains("the same name \"scale\""), "{err}");
     assert!(!dir.join("clash.safetensors").exists());
 }
+
+/// Plain safetensors are checkpoints too: `export_safetensors`' own output (one file, opened by
+/// its path, or a Hugging Face sharded directory) loads, verifies and converts like any other,
+/// with the exporter's exact bytes; tessera's data files of a save that never committed are
+/// not taken for one; a damaged index or header is an error naming the file and key.
+#[test]
+fn plain_safetensors_files_and_sharded_directories_read_as_checkpoints() {
+    let src = memory_checkpoint();
+    let want = load_plain_tensors(&src, None).unwrap();
+    let dir = TempDir::created("plain-st");
+    let one = dir.join("one.safetensors");
+    export_safetensors(&src, &one, &ExportOptions::default(), &mut no_progress()).unwrap();
+    let sharded = dir.join("hf");
+    let opts = ExportOptions { max_shard_size: Some(300), ..Default::default() };
+    export_safetensors(&src, &sharded, &opts, &mut no_progress()).unwrap();
+    for location in [one.to_str().unwrap(), sharded.to_str().unwrap()] {
+        let storage = open_location(location).unwrap();
+        assert_eq!(detect_format(storage.as_ref()).unwrap().0.backend, "safetensors", "{location}");
+        let got = load_plain_tensors(storage.as_ref(), None).unwrap();
+        assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{location}");
+        for (k, t) in &want {
+            assert!(got[k].data == t.data && got[k].shape == t.shape && got[k].dtype == t.dtype, "{location}: {k}");
+        }
+        let report = verify(storage.as_ref(), 2).unwrap();
+        assert!(report.problems.is_empty() && !report.checksummed, "{location}: {report:?}");
+        let native = MemoryStorage::new();
+        convert(storage.as_ref(), &native, &ConvertOptions::default(), &mut no_progress()).unwrap();
+        assert!(diff(storage.as_ref(), &native, &DiffOptions::default()).unwrap().is_equal(), "{location}");
+    }
+    // A file opened by its path is read-only.
+    let file = open_location(one.to_str().unwrap()).unwrap();
+    assert!(matches!(file.put_atomic("x", b"y"), Err(Error::InvalidArgument { .. })));
+
+    // The index places a tensor in a file that lacks it.
+    let index_path = sharded.join(SAFETENSORS_INDEX_FILE);
+    let text = std::fs::read_to_string(&index_path).unwrap();
+    let mut index: J = serde_json::from_str(&text).unwrap();
+    let files: Vec<String> = std::fs::read_dir(&sharded)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    let (key, file) = {
+        let map = index["weight_map"].as_object().unwrap();
+        let (k, f) = map.iter().next().unwrap();
+        (k.clone(), files.iter().find(|n| *n != f.as_str().unwrap()).unwrap().clone())
+    };
+    index["weight_map"][&key] = json!(file);
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    let err = open_index(open_location(sharded.to_str().unwrap()).unwrap().as_ref()).unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }) && err.to_string().contains(&key), "{err}");
+    std::fs::write(&index_path, text).unwrap();
+    // A header whose offsets run past the file.
+    let bytes = std::fs::read(&one).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    std::fs::write(&one, &bytes[..8 + n + 4]).unwrap();
+    let err = open_index(open_location(one.to_str().unwrap()).unwrap().as_ref()).unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }) && err.to_string().contains("one.safetensors"), "{err}");
+
+    // tessera's own data files without an index: an unfinished save, not plain safetensors.
+    let half = TempDir::created("plain-st-half");
+    std::fs::write(half.join("0123456789abcdef-r00000.safetensors"), &bytes).unwrap();
+    let err = open_index(&LocalStorage::new(half.path())).unwrap_err();
+    assert!(matches!(err, Error::NotCommitted { .. }), "{err}");
+}

@@ -9,6 +9,7 @@ use crate::comm::Communicator;
 use crate::format::{CheckpointIndex, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
 use crate::io::foreign::dcp::{DcpFlavor, DcpStrategy};
 use crate::io::foreign::olmo::OlmoStrategy;
+use crate::io::foreign::safetensors::SafetensorsStrategy;
 use crate::io::foreign::zarr::ZarrStrategy;
 use crate::io::index_read::open_native_keys;
 use crate::io::save::{save, SaveOptions, SaveReport};
@@ -162,6 +163,8 @@ impl Default for StrategyRegistry {
                 Arc::new(DcpStrategy(DcpFlavor::Torch)),
                 Arc::new(DcpStrategy(DcpFlavor::Olmo)),
                 Arc::new(ZarrStrategy),
+                // Last: tessera's own data files are safetensors too.
+                Arc::new(SafetensorsStrategy),
             ],
         }
     }

@@ -118,7 +118,64 @@ pub fn open_location(location: &str) -> Result<Arc<dyn Storage>> {
         }
     }
     let path = location.strip_prefix("file://").unwrap_or(location);
+    let p = std::path::Path::new(path);
+    // A plain safetensors file is a checkpoint too: its directory, showing only that file.
+    if path.ends_with(".safetensors") && std::fs::metadata(p).is_ok_and(|m| m.is_file()) {
+        if let (Some(dir), Some(name)) = (p.parent(), p.file_name().and_then(|n| n.to_str())) {
+            let dir = if dir.as_os_str().is_empty() { std::path::Path::new(".") } else { dir };
+            return Ok(Arc::new(OneFile { dir: LocalStorage::new(dir), name: name.to_string(), shown: path.into() }));
+        }
+    }
     Ok(Arc::new(LocalStorage::new(path)))
+}
+
+/// One file of a local directory as a read-only location (a plain safetensors file opened as a
+/// checkpoint): it lists that file only, and reads nothing else.
+#[derive(Debug)]
+struct OneFile {
+    dir: LocalStorage,
+    name: String,
+    /// The path as given, for messages.
+    shown: String,
+}
+
+impl OneFile {
+    fn only(&self, name: &str) -> Result<()> {
+        if name == self.name {
+            Ok(())
+        } else {
+            Err(Error::NotFound { path: format!("{}: {name}", self.shown).into() })
+        }
+    }
+    fn read_only(&self) -> Error {
+        Error::invalid(format!("{} is a file, opened read-only as a checkpoint: write into a directory", self.shown))
+    }
+}
+
+impl Storage for OneFile {
+    fn location(&self) -> String {
+        self.shown.clone()
+    }
+    fn size(&self, name: &str) -> Result<u64> {
+        self.only(name)?;
+        self.dir.size(name)
+    }
+    fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.only(name)?;
+        self.dir.read_at(name, offset, buf)
+    }
+    fn create(&self, _: &str, _: u64) -> Result<Box<dyn ObjectWriter>> {
+        Err(self.read_only())
+    }
+    fn put_atomic(&self, _: &str, _: &[u8]) -> Result<()> {
+        Err(self.read_only())
+    }
+    fn list(&self) -> Result<Vec<String>> {
+        Ok(vec![self.name.clone()])
+    }
+    fn delete(&self, _: &str) -> Result<()> {
+        Err(self.read_only())
+    }
 }
 
 /// The size of `name`, or `None` if it does not exist (any other failure is an error).

@@ -12,6 +12,7 @@
 
 pub(crate) mod dcp;
 pub(crate) mod olmo;
+pub(crate) mod safetensors;
 pub(crate) mod zarr;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};

@@ -1,0 +1,219 @@
+//! Plain safetensors as a checkpoint, read-only: a Hugging Face sharded directory
+//! (`model.safetensors.index.json` naming the file of every tensor), or a directory of
+//! `*.safetensors` files (one `model.safetensors`, or `tessera unshard`'s output), every tensor
+//! whole in one file. Detected last, so that every other format (tessera's own data files are
+//! safetensors too) wins; tessera's data files of an unfinished save are never taken for one.
+//! No checksums: `verify` reads and decodes every byte.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use serde_json::Value as J;
+
+use super::ForeignView;
+use crate::format::{parse_header, CheckpointIndex, FileEntry, StoredChunk, TensorEntry};
+use crate::io::parallel_for;
+use crate::io::save::is_data_file_name;
+use crate::io::strategy::{FormatRecord, LoadStrategy};
+use crate::storage::{size_if_present, Storage};
+use crate::{DType, Error, Result, Value};
+
+/// Backend name of plain safetensors checkpoints.
+pub const BACKEND: &str = "safetensors";
+/// Hugging Face's index of a sharded checkpoint.
+const HF_INDEX: &str = "model.safetensors.index.json";
+/// Largest index file read (Hugging Face's are a few hundred KiB).
+const MAX_INDEX_BYTES: u64 = 64 << 20;
+/// Headers read at once (each a round trip on an object store).
+const HEADER_THREADS: usize = 16;
+
+/// Reads plain safetensors files (backend [`BACKEND`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SafetensorsStrategy;
+
+impl LoadStrategy for SafetensorsStrategy {
+    fn backend(&self) -> &str {
+        BACKEND
+    }
+    fn supports_version(&self, version: u32) -> bool {
+        version == 1
+    }
+    fn supported_versions(&self) -> String {
+        format!("{BACKEND} v1")
+    }
+    fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
+        Ok(files(storage)?.map(|_| FormatRecord { backend: BACKEND.into(), version: 1 }))
+    }
+    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
+        Ok(open_safetensors(storage)?.0)
+    }
+    fn open_checkpoint<'s>(
+        &self,
+        storage: &'s dyn Storage,
+    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+        let (index, view) = open_safetensors(storage)?;
+        Ok((index, Some(Box::new(view))))
+    }
+}
+
+/// The files of the checkpoint, and for a sharded one the file its index names for each tensor;
+/// `None` if `storage` holds no plain safetensors checkpoint.
+type Layout = (Vec<String>, Option<BTreeMap<String, String>>);
+
+fn files(storage: &dyn Storage) -> Result<Option<Layout>> {
+    if let Some(size) = size_if_present(storage, HF_INDEX)? {
+        let shown = format!("{}/{HF_INDEX}", storage.location());
+        if size > MAX_INDEX_BYTES {
+            return Err(Error::corrupt(&shown, format!("{size} bytes: more than an index of tensor names needs")));
+        }
+        let json: J = serde_json::from_slice(&storage.read(HF_INDEX)?)
+            .map_err(|e| Error::corrupt(&shown, format!("not JSON: {e}")))?;
+        let map = json
+            .get("weight_map")
+            .and_then(J::as_object)
+            .ok_or_else(|| Error::corrupt(&shown, "no \"weight_map\" object"))?;
+        let mut weight_map = BTreeMap::new();
+        for (key, file) in map {
+            let file = file.as_str().ok_or_else(|| Error::corrupt(&shown, format!("{key:?}: file is not a string")))?;
+            if file.contains('/') || file.contains('\\') || file.starts_with('.') || !file.ends_with(".safetensors") {
+                return Err(Error::corrupt(
+                    &shown,
+                    format!("{key:?}: {file:?} is not a safetensors file beside the index"),
+                ));
+            }
+            weight_map.insert(key.clone(), file.to_string());
+        }
+        let mut names: Vec<String> = weight_map.values().cloned().collect();
+        names.sort();
+        names.dedup();
+        return Ok(Some((names, Some(weight_map))));
+    }
+    let mut names: Vec<String> = storage
+        .list()?
+        .into_iter()
+        .filter(|n| n.ends_with(".safetensors") && !n.contains('/') && !n.starts_with('.'))
+        .collect();
+    // tessera's own data files: a native checkpoint (detected before) or an unfinished save.
+    if names.is_empty() || names.iter().any(|n| is_data_file_name(n)) {
+        return Ok(None);
+    }
+    names.sort();
+    Ok(Some((names, None)))
+}
+
+/// One tensor of a file's header.
+struct Entry {
+    key: String,
+    dtype: DType,
+    shape: Vec<u64>,
+    /// Byte offset of its data in the file.
+    offset: u64,
+}
+
+/// What a file's header says: its size, the header's length and crc32c (which readers check
+/// the header against before reading by it), and its tensors.
+type Header = (u64, u64, u32, Vec<Entry>);
+
+/// The tensors of the safetensors file `name`, checked against its real size.
+fn read_entries(storage: &dyn Storage, name: &str) -> Result<Header> {
+    let shown = format!("{}/{name}", storage.location());
+    let size = storage.size(name)?;
+    let mut crc = 0u32;
+    let mut read = |off: u64, buf: &mut [u8]| {
+        storage.read_at(name, off, buf)?;
+        crc = crc32c::crc32c_append(crc, buf);
+        Ok(())
+    };
+    let (json, header_len) = parse_header(&mut read, size).map_err(|e| Error::corrupt(&shown, e))?;
+    let root = json.as_object().ok_or_else(|| Error::corrupt(&shown, "safetensors header is not an object"))?;
+    let data_len = size - header_len;
+    let mut out = Vec::with_capacity(root.len());
+    for (key, v) in root {
+        if key == "__metadata__" {
+            continue;
+        }
+        let entry = (|| -> std::result::Result<Entry, String> {
+            let dtype_name = v.get("dtype").and_then(J::as_str).ok_or("no dtype")?;
+            let dtype = crate::ALL_DTYPES
+                .into_iter()
+                .find(|d| d.safetensors_name() == dtype_name)
+                .ok_or(format!("unknown dtype {dtype_name:?}"))?;
+            let dims = |v: Option<&J>, what: &str| -> std::result::Result<Vec<u64>, String> {
+                let a = v.and_then(J::as_array).ok_or(format!("no {what} list"))?;
+                a.iter().map(|x| x.as_u64().ok_or(format!("{what} holds a non-integer"))).collect()
+            };
+            let shape = dims(v.get("shape"), "shape")?;
+            let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or("shape overflows")?;
+            let [start, end] = dims(v.get("data_offsets"), "data_offsets")?[..] else {
+                return Err("data_offsets is not [start, end]".into());
+            };
+            let want = numel.checked_mul(dtype.size() as u64).ok_or("byte size overflows")?;
+            if start > end || end > data_len || end - start != want {
+                return Err(format!(
+                    "data_offsets [{start}, {end}] do not hold {numel} {dtype_name} elements inside the {data_len}-byte \
+                     data section"
+                ));
+            }
+            Ok(Entry { key: key.clone(), dtype, shape, offset: header_len + start })
+        })()
+        .map_err(|e| Error::corrupt(&shown, format!("tensor {key:?}: {e}")))?;
+        out.push(entry);
+    }
+    Ok((size, header_len, crc, out))
+}
+
+pub(crate) fn open_safetensors(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)> {
+    let (names, weight_map) = files(storage)?.ok_or_else(|| Error::NotCommitted { path: storage.location().into() })?;
+    let read: Vec<Mutex<Option<Result<Header>>>> = names.iter().map(|_| Mutex::new(None)).collect();
+    parallel_for(names.len(), HEADER_THREADS, |i| {
+        *read[i].lock().unwrap() = Some(read_entries(storage, &names[i]));
+    });
+    let mut files = Vec::with_capacity(names.len());
+    let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
+    for (id, (name, r)) in names.iter().zip(read).enumerate() {
+        let (size, header_len, header_crc, entries) = r.into_inner().unwrap().expect("every header was read")?;
+        files.push(FileEntry { name: name.clone(), size, header_len, header_crc });
+        for e in entries {
+            let shown = format!("{}/{name}", storage.location());
+            if let Some(map) = &weight_map {
+                if map.get(&e.key) != Some(name) {
+                    // A tensor the index places elsewhere (or not at all) is not read from here.
+                    continue;
+                }
+            }
+            if tensors.contains_key(&e.key) {
+                return Err(Error::corrupt(shown, format!("tensor {:?} is stored in more than one file", e.key)));
+            }
+            let chunk = StoredChunk {
+                file: id as u32,
+                byte_offset: e.offset,
+                offset: vec![0; e.shape.len()].into(),
+                shape: e.shape.clone().into(),
+                flat: None,
+                crcs: Vec::new(),
+            };
+            tensors.insert(e.key.clone(), TensorEntry::new(e.key, e.dtype, e.shape, vec![chunk]));
+        }
+    }
+    if let Some(map) = &weight_map {
+        if let Some((key, file)) = map.iter().find(|(k, _)| !tensors.contains_key(*k)) {
+            return Err(Error::corrupt(
+                format!("{}/{HF_INDEX}", storage.location()),
+                format!("tensor {key:?} is not in {file}, where the index places it"),
+            ));
+        }
+    }
+    let mut index = CheckpointIndex {
+        backend: BACKEND.into(),
+        version: 1,
+        block_size: 0,
+        content_metadata: Value::Null,
+        common: Vec::new(),
+        files,
+        tensors: tensors.into_values().collect(),
+        objects: Vec::new(),
+        omitted_tensors: Vec::new(),
+    };
+    index.sort_entries();
+    Ok((index, ForeignView::new(storage, "")))
+}
