@@ -467,3 +467,28 @@ fn a_load_exchanging_reads_between_ranks_works_without_checksum_blocks() {
         assert!(got.unwrap().as_deref() == Some(all.as_slice()), "rank {r}");
     }
 }
+
+/// A location holding other files and no checkpoint is refused (on every rank, naming the
+/// file) unless overwriting, which leaves those files alone.
+#[test]
+fn a_location_holding_other_files_is_refused_unless_overwriting() {
+    let dir = TempDir::new("torch-dist-busy");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    std::fs::write(dir.join("notes.txt"), b"mine").unwrap();
+    for (r, out) in save_world(dir.path(), 2, &SaveOptions::default()).into_iter().enumerate() {
+        // Rank 0 looks; the other ranks learn its verdict.
+        let e = out.unwrap_err();
+        let kind_ok = if r == 0 {
+            matches!(e, Error::InvalidArgument { .. })
+        } else {
+            matches!(e, Error::PeerFailed { rank: 0, .. })
+        };
+        assert!(kind_ok && e.to_string().contains("notes.txt"), "rank {r}: {e}");
+    }
+    assert!(!dir.join(".metadata").exists());
+    for r in save_world(dir.path(), 2, &SaveOptions { overwrite: true, ..Default::default() }) {
+        r.unwrap();
+    }
+    assert_eq!(std::fs::read(dir.join("notes.txt")).unwrap(), b"mine");
+    check_written(dir.path(), 2);
+}

@@ -385,7 +385,14 @@ pub(crate) fn prepare<'t>(
             match storage.size(INDEX_FILE) {
                 Ok(_) => c.plan.refuse_overwrite = true,
                 Err(Error::NotFound { .. }) => {
-                    if let Err(e) = refuse_foreign_files(storage) {
+                    // The index itself: a save that committed meanwhile (the commit decides).
+                    let ours = |n: &str| {
+                        is_data_file_name(n)
+                            || n == INDEX_FILE
+                            || n.starts_with(&format!(".{INDEX_FILE}.tmp-"))
+                            || MEGATRON_COMPANIONS.contains(&n)
+                    };
+                    if let Err(e) = refuse_foreign_files(storage, ours, "tessera") {
                         c.local_error.get_or_insert(e);
                     }
                 }
@@ -416,29 +423,24 @@ pub(crate) fn prepare<'t>(
     Ok(Prepared { rank, plans, save_id, layout, tensor_data, object_data: c.object_data, common: c.common })
 }
 
-/// A save without `overwrite` into a location that holds no tessera checkpoint writes there
-/// only if nothing else is there: tessera's own leftovers (files of saves that never
-/// committed) and the companions Megatron writes first (`common.pt`, `metadata.json`) are
-/// fine; anything else (another format's checkpoint, unrelated files) is refused, naming it.
-fn refuse_foreign_files(storage: &dyn Storage) -> Result<()> {
+/// The files Megatron's `serialization.save` writes before the sharded part (its common
+/// strategy and its config): a save may find them in the location it writes.
+pub(crate) const MEGATRON_COMPANIONS: [&str; 2] = ["common.pt", "metadata.json"];
+
+/// A save without `overwrite` into a location that holds no checkpoint of its format (`what`)
+/// writes there only if nothing else is there: its own kind of files (`ours`: leftovers of
+/// saves that never committed, Megatron's companions) are fine; anything else (another
+/// format's checkpoint, unrelated files) is refused, naming it.
+pub(crate) fn refuse_foreign_files(storage: &dyn Storage, ours: impl Fn(&str) -> bool, what: &str) -> Result<()> {
     let names = storage.list()?;
-    let foreign: Vec<&String> = names
-        .iter()
-        .filter(|n| {
-            // The index itself: a save that committed meanwhile (the commit decides).
-            !(is_data_file_name(n)
-                || n.as_str() == INDEX_FILE
-                || n.starts_with(&format!(".{INDEX_FILE}.tmp-"))
-                || matches!(n.as_str(), "common.pt" | "metadata.json"))
-        })
-        .collect();
+    let foreign: Vec<&String> = names.iter().filter(|n| !ours(n)).collect();
     if foreign.is_empty() {
         return Ok(());
     }
     let shown: Vec<&str> = foreign.iter().take(5).map(|n| n.as_str()).collect();
     let more = if foreign.len() > shown.len() { format!(", … ({} in all)", foreign.len()) } else { String::new() };
     Err(Error::invalid(format!(
-        "{} is not empty and holds no tessera checkpoint ({}{more}): save into an empty or new location, or pass \
+        "{} is not empty and holds no {what} checkpoint ({}{more}): save into an empty or new location, or pass \
          overwrite to write there anyway (the files there are left as they are)",
         storage.location(),
         shown.join(", ")

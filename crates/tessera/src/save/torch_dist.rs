@@ -30,7 +30,9 @@ use crate::formats::torch_dist::{
     TensorItems, DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA, MEGATRON_METADATA_JSON,
 };
 use crate::io::factories::apply_factories_collective;
-use crate::io::save::{collect, new_save_id, plan_globally, Collected, SaveOptions, SaveReport};
+use crate::io::save::{
+    collect, new_save_id, plan_globally, refuse_foreign_files, Collected, SaveOptions, SaveReport, MEGATRON_COMPANIONS,
+};
 use crate::io::strategy::detect_format;
 use crate::io::write::{write_sources, Source};
 use crate::plan::save::RankPlan;
@@ -144,6 +146,12 @@ impl<'a> TorchDistSave<'a> {
                 match existing(storage, opts.overwrite) {
                     Ok(refuse) => c.plan.refuse_overwrite = refuse,
                     Err(e) => c.local_error = Some(e),
+                }
+            }
+            if c.local_error.is_none() && !c.plan.refuse_overwrite && !opts.overwrite {
+                let ours = |n: &str| is_data_file_name(n) || n == DCP_METADATA || MEGATRON_COMPANIONS.contains(&n);
+                if let Err(e) = refuse_foreign_files(storage, ours, "torch_dist") {
+                    c.local_error = Some(e);
                 }
             }
         }
