@@ -154,23 +154,26 @@ def _match_request(state: Dict[str, Any], request: Dict[str, Any]) -> None:
     tuple leaf of ``request`` stored as a list becomes a tuple again (:func:`_like_request`),
     and a ``Stateful`` leaf gets its loaded state through ``load_state_dict`` and takes its
     place in ``state``."""
+    def holds(node: Any, kind: str, seg: Any) -> bool:
+        return isinstance(node, list) and kind == "i" and seg < len(node) or isinstance(node, dict) and seg in node
+
     for path, leaf in _leaves(request):
         if not path or not (isinstance(leaf, tuple) or _is_stateful(leaf)):
             continue
         node: Any = state
         for kind, seg in path[:-1]:
-            ok = isinstance(node, list) and kind == "i" and seg < len(node) or isinstance(node, dict) and seg in node
-            if not ok:
+            if not holds(node, kind, seg):
                 break
             node = node[seg]
         else:
             kind, seg = path[-1]
-            if isinstance(node, list) and kind == "i" and seg < len(node) or isinstance(node, dict) and seg in node:
-                if isinstance(leaf, tuple):
-                    node[seg] = _like_request(node[seg], leaf)
-                else:
-                    leaf.load_state_dict(node[seg])
-                    node[seg] = leaf
+            if not holds(node, kind, seg):
+                continue
+            if isinstance(leaf, tuple):
+                node[seg] = _like_request(node[seg], leaf)
+            else:
+                leaf.load_state_dict(node[seg])
+                node[seg] = leaf
 
 
 def _from_plain(value: Any) -> Any:

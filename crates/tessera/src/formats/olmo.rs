@@ -308,6 +308,8 @@ pub struct HeaderTensor {
     pub dtype: DType,
     /// Elements stored.
     pub numel: u64,
+    /// Shape the header gives (its product is `numel`).
+    pub shape: Vec<u64>,
     /// Byte offset of the data in the file.
     pub offset: u64,
 }
@@ -354,7 +356,7 @@ pub fn parse_file_header(json: &J, header_len: u64, size: u64, shown: &str) -> R
                      {data_len}-byte data section"
                 ));
             }
-            Ok(HeaderTensor { dtype, numel, offset: header_len + start })
+            Ok(HeaderTensor { dtype, numel, shape, offset: header_len + start })
         })()
         .map_err(|e| bad(format!("tensor {key:?}: {e}")))?;
         out.tensors.insert(key.clone(), entry);

@@ -652,20 +652,31 @@ pub(crate) fn commit(
 }
 
 /// A save that failed (`err`) removes the data file this rank wrote, if any: nothing of it is
-/// referenced, and its name is this save's own. Where that fails too, the error says so and
-/// how to clean up (`tessera gc`), keeping the original error's text.
+/// referenced, and its name is this save's own.
 fn clean_up_failed(p: &Prepared<'_>, storage: &dyn Storage, err: Error) -> Error {
-    let name = p.file_name();
-    match storage.delete(&name) {
-        Ok(()) | Err(Error::NotFound { .. }) => err,
-        Err(cleanup) => Error::Io {
-            path: storage.location().into(),
-            source: std::io::Error::other(format!(
-                "{err}; this save's data file {name} could not be removed ({cleanup}): run `tessera gc {}`",
-                storage.location()
-            )),
-        },
+    remove_failed_save_files(storage, &[p.file_name()], err)
+}
+
+/// Removes `names`, the files this rank wrote for a save that failed with `err` (names of that
+/// save's own, which no committed checkpoint uses), and returns the error to report: `err`, or,
+/// where a file could not be removed, `err`'s text saying so and how to clean up (`tessera
+/// gc`). Shared by every writer.
+pub(crate) fn remove_failed_save_files(storage: &dyn Storage, names: &[String], err: Error) -> Error {
+    for name in names {
+        match storage.delete(name) {
+            Ok(()) | Err(Error::NotFound { .. }) => {}
+            Err(cleanup) => {
+                return Error::Io {
+                    path: storage.location().into(),
+                    source: std::io::Error::other(format!(
+                        "{err}; this save's data file {name} could not be removed ({cleanup}): run `tessera gc {}`",
+                        storage.location()
+                    )),
+                }
+            }
+        }
     }
+    err
 }
 
 /// The commit of save `save_id` once every data file is written (`written`, in the order of

@@ -31,7 +31,8 @@ use crate::formats::torch_dist::{
 };
 use crate::io::factories::apply_factories_collective;
 use crate::io::save::{
-    collect, new_save_id, plan_globally, refuse_foreign_files, Collected, SaveOptions, SaveReport, MEGATRON_COMPANIONS,
+    collect, new_save_id, plan_globally, refuse_foreign_files, remove_failed_save_files, Collected, SaveOptions,
+    SaveReport, MEGATRON_COMPANIONS,
 };
 use crate::io::strategy::detect_format;
 use crate::io::write::{write_sources, Source};
@@ -288,16 +289,8 @@ impl<'a> TorchDistSave<'a> {
         comm: &dyn Communicator,
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
-        let bytes_written = match agree(comm, written) {
-            Ok(n) => n,
-            Err(e) => {
-                // This save's files carry its own numbers: none belongs to a committed checkpoint.
-                for name in &self.names {
-                    let _ = storage.delete(name);
-                }
-                return Err(e);
-            }
-        };
+        // This save's files carry its own numbers: none belongs to a committed checkpoint.
+        let bytes_written = agree(comm, written).map_err(|e| remove_failed_save_files(storage, &self.names, e))?;
         let mut index_bytes = 0;
         let committed = if self.rank == 0 {
             let files_per_rank = self.names.len();
@@ -314,7 +307,7 @@ impl<'a> TorchDistSave<'a> {
         } else {
             Ok(())
         };
-        agree(comm, committed)?;
+        agree(comm, committed).map_err(|e| remove_failed_save_files(storage, &self.names, e))?;
         let mains = self.plans.iter().flat_map(|p| p.tensors.iter().filter(|t| t.main));
         let (chunks, total_tensor_bytes) = mains.fold((0, 0), |(n, b), t| (n + 1, b + t.nbytes()));
         Ok(SaveReport {

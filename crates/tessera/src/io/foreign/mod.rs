@@ -13,6 +13,25 @@
 pub(crate) mod dcp;
 pub(crate) mod olmo;
 pub(crate) mod safetensors;
+
+/// A safetensors data file's header and its crc32c; `None` if the file does not exist.
+pub(crate) type HeaderRead = Option<(crate::formats::olmo::FileHeader, u32)>;
+
+/// Reads the safetensors header of `name` (every entry checked against the file's real size:
+/// `formats::olmo::parse_file_header`) and its crc32c, which readers check the header against
+/// before reading by it. Shared by the OLMo-core and the plain safetensors strategies.
+pub(crate) fn read_safetensors_header(storage: &dyn Storage, name: &str) -> Result<HeaderRead> {
+    let shown = format!("{}/{name}", storage.location());
+    let Some(size) = crate::storage::size_if_present(storage, name)? else { return Ok(None) };
+    let mut crc = 0u32;
+    let mut read = |off: u64, buf: &mut [u8]| {
+        storage.read_at(name, off, buf)?;
+        crc = crc32c::crc32c_append(crc, buf);
+        Ok(())
+    };
+    let (json, header_len) = crate::format::parse_header(&mut read, size).map_err(|e| Error::corrupt(&shown, e))?;
+    Ok(Some((crate::formats::olmo::parse_file_header(&json, header_len, size, &shown)?, crc)))
+}
 pub(crate) mod zarr;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};

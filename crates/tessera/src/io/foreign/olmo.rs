@@ -8,11 +8,11 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
-use super::ForeignView;
-use crate::format::{parse_header, CheckpointIndex, FileEntry, TensorEntry};
+use super::{read_safetensors_header, ForeignView, HeaderRead};
+use crate::format::{CheckpointIndex, FileEntry, TensorEntry};
 use crate::formats::olmo::{
-    build_tensors, decode_pickled, is_olmo_metadata, parse_file_header, parse_metadata, FileHeader, IndexedFile,
-    BACKEND, MAX_PICKLED_FIELD, METADATA_FILE, PARTS,
+    build_tensors, decode_pickled, is_olmo_metadata, parse_metadata, FileHeader, IndexedFile, BACKEND,
+    MAX_PICKLED_FIELD, METADATA_FILE, PARTS,
 };
 use crate::io::parallel_for;
 use crate::io::strategy::{FormatRecord, LoadStrategy};
@@ -78,23 +78,6 @@ pub(crate) fn olmo_parts(storage: &dyn Storage) -> Result<Option<Vec<String>>> {
     Ok((!parts.is_empty()).then_some(parts))
 }
 
-/// A rank file's header and its crc32c; `None` if the file does not exist.
-type HeaderRead = Option<(FileHeader, u32)>;
-
-/// Reads the header of `name` and its checksum.
-fn read_header(storage: &dyn Storage, name: &str) -> Result<HeaderRead> {
-    let shown = format!("{}/{name}", storage.location());
-    let Some(size) = size_if_present(storage, name)? else { return Ok(None) };
-    let mut crc = 0u32;
-    let mut read = |off: u64, buf: &mut [u8]| {
-        storage.read_at(name, off, buf)?;
-        crc = crc32c::crc32c_append(crc, buf);
-        Ok(())
-    };
-    let (json, header_len) = parse_header(&mut read, size).map_err(|e| Error::corrupt(&shown, e))?;
-    Ok(Some((parse_file_header(&json, header_len, size, &shown)?, crc)))
-}
-
 pub(crate) fn open_olmo(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)> {
     let parts = olmo_parts(storage)?.ok_or_else(|| Error::NotCommitted { path: storage.location().into() })?;
     let mut files: Vec<FileEntry> = Vec::new();
@@ -115,7 +98,7 @@ pub(crate) fn open_olmo(storage: &dyn Storage) -> Result<(CheckpointIndex, Forei
             .collect();
         let headers: Vec<Mutex<Option<Result<HeaderRead>>>> = names.iter().map(|_| Mutex::new(None)).collect();
         parallel_for(names.len(), HEADER_THREADS, |i| {
-            *headers[i].lock().unwrap() = Some(read_header(storage, &format!("{prefix}{}", names[i])));
+            *headers[i].lock().unwrap() = Some(read_safetensors_header(storage, &format!("{prefix}{}", names[i])));
         });
         let mut by_name: HashMap<&str, (u32, FileHeader)> = HashMap::with_capacity(names.len());
         for (name, h) in names.iter().zip(headers) {

@@ -10,13 +10,13 @@ use std::sync::Mutex;
 
 use serde_json::Value as J;
 
-use super::ForeignView;
-use crate::format::{parse_header, CheckpointIndex, FileEntry, StoredChunk, TensorEntry};
+use super::{read_safetensors_header, ForeignView, HeaderRead};
+use crate::format::{CheckpointIndex, FileEntry, StoredChunk, TensorEntry};
 use crate::io::parallel_for;
 use crate::io::save::is_data_file_name;
 use crate::io::strategy::{FormatRecord, LoadStrategy};
 use crate::storage::{size_if_present, Storage};
-use crate::{DType, Error, Result, Value};
+use crate::{Error, Result, Value};
 
 /// Backend name of plain safetensors checkpoints.
 pub const BACKEND: &str = "safetensors";
@@ -101,88 +101,31 @@ fn files(storage: &dyn Storage) -> Result<Option<Layout>> {
     Ok(Some((names, None)))
 }
 
-/// One tensor of a file's header.
-struct Entry {
-    key: String,
-    dtype: DType,
-    shape: Vec<u64>,
-    /// Byte offset of its data in the file.
-    offset: u64,
-}
-
-/// What a file's header says: its size, the header's length and crc32c (which readers check
-/// the header against before reading by it), and its tensors.
-type Header = (u64, u64, u32, Vec<Entry>);
-
-/// The tensors of the safetensors file `name`, checked against its real size.
-fn read_entries(storage: &dyn Storage, name: &str) -> Result<Header> {
-    let shown = format!("{}/{name}", storage.location());
-    let size = storage.size(name)?;
-    let mut crc = 0u32;
-    let mut read = |off: u64, buf: &mut [u8]| {
-        storage.read_at(name, off, buf)?;
-        crc = crc32c::crc32c_append(crc, buf);
-        Ok(())
-    };
-    let (json, header_len) = parse_header(&mut read, size).map_err(|e| Error::corrupt(&shown, e))?;
-    let root = json.as_object().ok_or_else(|| Error::corrupt(&shown, "safetensors header is not an object"))?;
-    let data_len = size - header_len;
-    let mut out = Vec::with_capacity(root.len());
-    for (key, v) in root {
-        if key == "__metadata__" {
-            continue;
-        }
-        let entry = (|| -> std::result::Result<Entry, String> {
-            let dtype_name = v.get("dtype").and_then(J::as_str).ok_or("no dtype")?;
-            let dtype = crate::ALL_DTYPES
-                .into_iter()
-                .find(|d| d.safetensors_name() == dtype_name)
-                .ok_or(format!("unknown dtype {dtype_name:?}"))?;
-            let dims = |v: Option<&J>, what: &str| -> std::result::Result<Vec<u64>, String> {
-                let a = v.and_then(J::as_array).ok_or(format!("no {what} list"))?;
-                a.iter().map(|x| x.as_u64().ok_or(format!("{what} holds a non-integer"))).collect()
-            };
-            let shape = dims(v.get("shape"), "shape")?;
-            let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or("shape overflows")?;
-            let [start, end] = dims(v.get("data_offsets"), "data_offsets")?[..] else {
-                return Err("data_offsets is not [start, end]".into());
-            };
-            let want = numel.checked_mul(dtype.size() as u64).ok_or("byte size overflows")?;
-            if start > end || end > data_len || end - start != want {
-                return Err(format!(
-                    "data_offsets [{start}, {end}] do not hold {numel} {dtype_name} elements inside the {data_len}-byte \
-                     data section"
-                ));
-            }
-            Ok(Entry { key: key.clone(), dtype, shape, offset: header_len + start })
-        })()
-        .map_err(|e| Error::corrupt(&shown, format!("tensor {key:?}: {e}")))?;
-        out.push(entry);
-    }
-    Ok((size, header_len, crc, out))
-}
-
 pub(crate) fn open_safetensors(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)> {
     let (names, weight_map) = files(storage)?.ok_or_else(|| Error::NotCommitted { path: storage.location().into() })?;
-    let read: Vec<Mutex<Option<Result<Header>>>> = names.iter().map(|_| Mutex::new(None)).collect();
+    let read: Vec<Mutex<Option<Result<HeaderRead>>>> = names.iter().map(|_| Mutex::new(None)).collect();
     parallel_for(names.len(), HEADER_THREADS, |i| {
-        *read[i].lock().unwrap() = Some(read_entries(storage, &names[i]));
+        *read[i].lock().unwrap() = Some(read_safetensors_header(storage, &names[i]));
     });
     let mut files = Vec::with_capacity(names.len());
     let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
     for (id, (name, r)) in names.iter().zip(read).enumerate() {
-        let (size, header_len, header_crc, entries) = r.into_inner().unwrap().expect("every header was read")?;
-        files.push(FileEntry { name: name.clone(), size, header_len, header_crc });
-        for e in entries {
-            let shown = format!("{}/{name}", storage.location());
+        let shown = format!("{}/{name}", storage.location());
+        let (header, header_crc) = r
+            .into_inner()
+            .unwrap()
+            .expect("every header was read")?
+            .ok_or_else(|| Error::NotFound { path: shown.clone().into() })?;
+        files.push(FileEntry { name: name.clone(), size: header.size, header_len: header.header_len, header_crc });
+        for (key, e) in header.tensors {
             if let Some(map) = &weight_map {
-                if map.get(&e.key) != Some(name) {
+                if map.get(&key) != Some(name) {
                     // A tensor the index places elsewhere (or not at all) is not read from here.
                     continue;
                 }
             }
-            if tensors.contains_key(&e.key) {
-                return Err(Error::corrupt(shown, format!("tensor {:?} is stored in more than one file", e.key)));
+            if tensors.contains_key(&key) {
+                return Err(Error::corrupt(shown, format!("tensor {key:?} is stored in more than one file")));
             }
             let chunk = StoredChunk {
                 file: id as u32,
@@ -192,7 +135,7 @@ pub(crate) fn open_safetensors(storage: &dyn Storage) -> Result<(CheckpointIndex
                 flat: None,
                 crcs: Vec::new(),
             };
-            tensors.insert(e.key.clone(), TensorEntry::new(e.key, e.dtype, e.shape, vec![chunk]));
+            tensors.insert(key.clone(), TensorEntry::new(key, e.dtype, e.shape, vec![chunk]));
         }
     }
     if let Some(map) = &weight_map {
