@@ -16,72 +16,75 @@
 #![deny(missing_docs)]
 
 mod comm;
-mod dtype;
 mod error;
 mod format;
 mod formats;
-mod io;
+mod load;
+mod model;
 pub mod plan;
 mod save;
-mod state;
 mod storage;
 #[cfg(test)]
 mod test_rng;
+mod tools;
 
 #[cfg(feature = "mpi")]
 pub use comm::MpiComm;
 pub use comm::{default_all_to_all, Communicator, InProcessComm, SoloComm};
-pub use dtype::{cast_bytes, cast_into, element_to_f64, DType, ALL_DTYPES};
 pub use error::{Error, Result};
 pub use format::{
     build_header, crc_hex, parse_header, unpickle, CheckpointIndex, FileEntry, ObjectEntry, PickleObject, PickleValue,
     SafetensorsEntry, StoredChunk, StoredObject, TensorEntry, UnpickleLimits, DEFAULT_BLOCK_SIZE, FORMAT_VERSION,
     INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
 };
-pub use io::async_save::{AsyncSave, AsyncSaver};
-pub use io::convert::{convert, ConvertOptions, ConvertReport};
-pub use io::convert_dcp::convert_to_dcp;
-pub use io::diff::{
-    diff, CommonDiff, DiffOptions, DiffReport, ObjectDiff, ObjectDifference, TensorDiff, TensorDifference, ValueDiff,
-};
-pub use io::export::{export_safetensors, ExportOptions, ExportReport, SAFETENSORS_INDEX_FILE};
-pub use io::foreign::dcp::{DcpFlavor, DcpStrategy};
-pub use io::foreign::olmo::{read_olmo_metadata, OlmoStrategy};
-pub use io::foreign::zarr::ZarrStrategy;
-pub use io::foreign::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
-pub use io::load::{
+pub use formats::dcp::{DcpFlavor, DcpStrategy};
+pub use formats::olmo::{read_olmo_metadata, OlmoStrategy};
+pub use formats::zarr::ZarrStrategy;
+pub use formats::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
+pub use load::engine::{
     load, load_checkpoint, load_common_state, load_content_metadata, load_from_index, load_plain_tensors,
     load_sharded_objects, load_tensors_metadata, open_for_load, LoadOptions, LoadResult, LoadStats, PlainTensor,
     StrictHandling, TensorMeta,
 };
-pub use io::maintenance::{gc, remove_sharded_tensors};
-pub use io::pipeline::DEFAULT_MEMORY_BUDGET;
-pub use io::save::{save, validate_sharding_integrity, PlanCache, SaveOptions, SaveReport};
-pub use io::staging::{StagingPool, DEFAULT_STAGING_BUFFER};
-pub use io::strategy::{
+pub use load::open::{
     detect_format, get_save_strategy, open_checkpoint, open_checkpoint_keys, open_index, register_load_strategy,
     register_save_strategy, FormatRecord, LoadStrategy, NativeStrategy, OpenCheckpoint, SaveStrategy, StrategyAction,
 };
-pub use io::verify::{verify, VerifyReport};
-/// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).
-#[cfg(feature = "mpi")]
-pub use mpi;
-pub use save::olmo::{save_olmo, save_olmo_dirs, OlmoSaveReport};
-pub use save::torch_dist::{save_torch_dist, TorchDistSave};
-pub use state::{
+pub use model::dtype::{cast_bytes, cast_into, element_to_f64, DType, ALL_DTYPES};
+pub use model::{
     path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,
     StatePath, StateTree, TensorData, TensorFactory, Value,
 };
+/// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).
+#[cfg(feature = "mpi")]
+pub use mpi;
+pub use save::async_save::{AsyncSave, AsyncSaver};
+pub use save::native::{save, validate_sharding_integrity, PlanCache, SaveOptions, SaveReport};
+pub use save::olmo::{save_olmo, save_olmo_dirs, OlmoSaveReport};
+pub use save::staging::{StagingPool, DEFAULT_STAGING_BUFFER};
+pub use save::torch_dist::{save_torch_dist, TorchDistSave};
 pub use storage::{open_location, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage};
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
 pub use storage::{ObjectStorage, ObjectStoreOptions, RequestCounts};
+pub use tools::convert::{convert, ConvertOptions, ConvertReport};
+pub use tools::convert_dcp::convert_to_dcp;
+pub use tools::diff::{
+    diff, CommonDiff, DiffOptions, DiffReport, ObjectDiff, ObjectDifference, TensorDiff, TensorDifference, ValueDiff,
+};
+pub use tools::export::{export_safetensors, ExportOptions, ExportReport, SAFETENSORS_INDEX_FILE};
+pub use tools::maintenance::{gc, remove_sharded_tensors};
+pub use tools::pipeline::DEFAULT_MEMORY_BUDGET;
+pub use tools::verify::{verify, VerifyReport};
 
 /// Entry points into crate-private parsers for the fuzz targets in `fuzz/` (feature
 /// `fuzzing`). Not API: thin wrappers returning plain data, no stability promise.
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod __fuzz {
-    use crate::format::{dcp, pickle, torch_save, zarr};
+    use crate::format::pickle;
+    use crate::formats::dcp::metadata as dcp;
+    use crate::formats::torch_save;
+    use crate::formats::zarr::zarray as zarr;
 
     /// A `.zarray` as [`zarray`] returns it: shape, chunks, chunk grid, name of the last chunk.
     pub type Zarray = (Vec<u64>, Vec<u64>, Vec<u64>, String);

@@ -10,7 +10,7 @@ mod mpi;
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiComm;
 
-use crate::format::codec::{Decoder, Encoder};
+use crate::model::codec::{Decoder, Encoder};
 use crate::{Error, Result};
 
 /// Collectives over byte messages between the ranks of one job.

@@ -4,10 +4,10 @@
 //! sections`, the head holding a directory of tensors and each section one tensor's chunk records
 //! (version 2); version 1 has the chunk records inline in one checksummed body.
 
-use super::codec::{prealloc, Decoder, Encoder};
-use crate::plan::dims::Dims;
+use crate::model::codec::{prealloc, Decoder, Encoder};
+use crate::model::dims::Dims;
+use crate::model::{PathSeg, StatePath};
 use crate::plan::geometry::numel;
-use crate::state::{PathSeg, StatePath};
 use crate::{DType, Value};
 
 /// Name of the index file inside a checkpoint directory.

@@ -1,15 +1,10 @@
 //! On-disk formats: the binary index (commit marker), safetensors data files, and the compact
 //! codec both use. Pure data in, data out: nothing here touches storage.
 
-pub(crate) mod codec;
-pub(crate) mod dcp;
 pub(crate) mod index;
 pub(crate) mod pickle;
 pub(crate) mod pickle_write;
 pub(crate) mod safetensors;
-pub(crate) mod torch_save;
-pub(crate) mod torch_save_write;
-pub(crate) mod zarr;
 
 pub(crate) use index::check_file_name;
 pub use index::{

@@ -8,7 +8,7 @@
 //! forms. No memo is written: every value is spelled out where it occurs, which keeps the
 //! encoder stateless (and the reader's sharing rules irrelevant).
 
-use crate::state::Value;
+use crate::model::Value;
 
 /// A value to pickle. Only the shapes DCP and `torch.save` use: plain data, references to
 /// globals, calls (`REDUCE`), class instances (`NEWOBJ` + `BUILD`) and persistent ids.

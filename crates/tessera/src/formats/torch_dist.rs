@@ -17,9 +17,9 @@
 //!
 //! Pure: descriptions in, bytes out.
 
-use super::super::format::pickle_write::{pickle, Pk};
-use super::super::format::torch_save_write::{torch_dtype_name, value_archive, wrap_archive_in_list};
-use crate::state::{path_string, PathSeg, StatePath, Value};
+use crate::format::pickle_write::{pickle, Pk};
+use crate::formats::torch_save::write::{torch_dtype_name, value_archive, wrap_archive_in_list};
+use crate::model::{path_string, PathSeg, StatePath, Value};
 use crate::{DType, Error, Result};
 
 /// DCP's metadata file (the commit marker).
@@ -211,7 +211,7 @@ pub fn object_item(key: &str, payload: &[u8], serialization_id: &str) -> Result<
         let v = Value::from_bytes(body).map_err(|e| bad(e.to_string()))?;
         value_archive(&Pk::List(vec![Pk::from(&v)]), serialization_id)
     } else if tag == OBJECT_TAG_TORCH_LIST {
-        match crate::format::torch_save::decode_archive(body, key) {
+        match crate::formats::torch_save::decode_archive(body, key) {
             Ok(crate::format::PickleValue::List(xs)) if xs.len() == 1 => Ok(body.to_vec()),
             Ok(_) => Err(bad("the torch.save payload tagged TPL1 is not a one-element list".into())),
             Err(e) => Err(bad(format!("the torch.save payload tagged TPL1 does not read: {e}"))),
@@ -316,9 +316,9 @@ pub fn common_pt(common: &[(StatePath, Value)], serialization_id: &str) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::dcp::parse_metadata;
     use crate::format::pickle::{unpickle, PickleValue, UnpickleLimits};
-    use crate::format::torch_save::decode_archive;
+    use crate::formats::dcp::metadata::parse_metadata;
+    use crate::formats::torch_save::decode_archive;
 
     #[test]
     fn metadata_reads_back() {

@@ -26,8 +26,8 @@ use std::collections::BTreeSet;
 use std::ops::Range;
 
 use super::load::CopySeg;
-use crate::format::codec::{Decoder, Encoder};
 use crate::format::CheckpointIndex;
+use crate::model::codec::{Decoder, Encoder};
 
 /// Pieces of a range needed by several ranks are at most this long by default.
 pub const DEFAULT_MAX_PIECE: u64 = 4 << 20;

@@ -10,7 +10,7 @@ pub fn numel(shape: &[u64]) -> u64 {
     shape.iter().product()
 }
 
-pub use super::dims::Dims;
+pub use crate::model::dims::Dims;
 
 /// A box in global coordinates.
 #[derive(Debug, Clone, PartialEq, Eq)]

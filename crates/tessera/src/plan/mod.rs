@@ -3,8 +3,8 @@
 //! grouping, the fully-parallel load exchange. Nothing here does IO, so all of it is unit- and
 //! property-testable and can be run for 10,000 simulated ranks.
 
-pub mod dims;
 pub mod exchange;
+pub use crate::model::dims;
 pub(crate) mod fasthash;
 pub mod geometry;
 pub mod load;

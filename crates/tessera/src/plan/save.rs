@@ -5,15 +5,15 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value as J};
 
-use super::dims::Dims;
 use super::fasthash::FastMap;
 use super::geometry::{check_tiling, decompose_flat, numel, Piece};
-use crate::format::codec::{Decoder, Encoder};
 use crate::format::{
     crc_hex, CheckpointIndex, FileEntry, ObjectEntry, SafetensorsEntry, StoredChunk, StoredObject, TensorEntry,
     FORMAT_VERSION, NATIVE_BACKEND,
 };
-use crate::state::{StatePath, Value};
+use crate::model::codec::{Decoder, Encoder};
+use crate::model::dims::Dims;
+use crate::model::{StatePath, Value};
 use crate::{DType, Error, Result};
 
 /// What a rank says about one of its tensor shards before anything is written.

@@ -14,15 +14,15 @@
 use std::collections::BTreeSet;
 
 use crate::comm::Communicator;
-use crate::formats::olmo::{
+use crate::formats::olmo::metadata::{
     choose_main_replicas, metadata_from_plans, metadata_json, rank_file_name, RankFileLayout, BACKEND, METADATA_FILE,
 };
-use crate::io::factories::apply_factories_collective;
-use crate::io::save::{collect, encode_local_error, first_failure, plan_globally, SaveOptions};
-use crate::io::strategy::detect_format;
-use crate::io::write::{write_sources, Source};
+use crate::load::open::detect_format;
+use crate::model::factories::apply_factories_collective;
+use crate::model::{path_string, StateTree};
 use crate::plan::save::RankPlan;
-use crate::state::{path_string, StateTree};
+use crate::save::native::{collect, encode_local_error, first_failure, plan_globally, SaveOptions};
+use crate::save::write::{write_sources, Source};
 use crate::storage::Storage;
 use crate::{Error, Result};
 
@@ -140,7 +140,7 @@ pub fn save_olmo_dirs<'t>(
 
 /// What the format cannot hold (objects, common values) or a bad option: found locally, it
 /// travels in the exchange so that every rank fails alike.
-fn unsupported(c: &crate::io::save::Collected<'_>, opts: &SaveOptions) -> Option<Error> {
+fn unsupported(c: &crate::save::native::Collected<'_>, opts: &SaveOptions) -> Option<Error> {
     if let Some(o) = c.plan.objects.first() {
         return Some(Error::invalid(format!(
             "object {:?}: OLMo-core checkpoints hold tensors only (save it in the native format)",

@@ -24,21 +24,21 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::comm::Communicator;
-use crate::format::torch_save_write::{crc32, tensor_archive};
 use crate::formats::torch_dist::{
     common_pt, data_file_name, is_data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace,
     TensorItems, DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA, MEGATRON_METADATA_JSON,
 };
-use crate::io::factories::apply_factories_collective;
-use crate::io::save::{
+use crate::formats::torch_save::write::{crc32, tensor_archive};
+use crate::load::open::detect_format;
+use crate::model::factories::apply_factories_collective;
+use crate::model::{path_string, StatePath, StateTree};
+use crate::plan::save::RankPlan;
+use crate::save::native::{
     collect, new_save_id, plan_globally, refuse_foreign_files, remove_failed_save_files, Collected, SaveOptions,
     SaveReport, MEGATRON_COMPANIONS,
 };
-use crate::io::strategy::detect_format;
-use crate::io::write::{write_sources, Source};
-use crate::plan::save::RankPlan;
 use crate::save::olmo::agree;
-use crate::state::{path_string, StatePath, StateTree};
+use crate::save::write::{write_sources, Source};
 use crate::storage::Storage;
 use crate::{Error, Result, Value};
 

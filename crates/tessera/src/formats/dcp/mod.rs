@@ -1,13 +1,15 @@
 //! PyTorch Distributed Checkpoint directories, read-only: plain DCP (`torch_dcp`), Megatron
 //! `torch_dist` (DCP + `metadata.json` + `common.pt`) and OLMo-core (`model_and_optim/`).
 
-use super::{common_entries, foreign_index, ForeignView, ObjectShards, Source};
-use crate::format::dcp::{parse_metadata, DcpMetadata};
+pub(crate) mod metadata;
+
 use crate::format::pickle::PickleValue;
-use crate::format::torch_save::limits;
 use crate::format::{unpickle, CheckpointIndex, StoredChunk, TensorEntry};
-use crate::io::strategy::{FormatRecord, LoadStrategy};
-use crate::state::{PathSeg, StatePath};
+use crate::formats::dcp::metadata::{parse_metadata, DcpMetadata};
+use crate::formats::torch_save::limits;
+use crate::formats::{common_entries, foreign_index, ForeignView, ObjectShards, Source};
+use crate::load::open::{FormatRecord, LoadStrategy};
+use crate::model::{PathSeg, StatePath};
 use crate::storage::{size_if_present, Storage};
 use crate::{Error, Result, Value};
 
@@ -63,7 +65,7 @@ pub(crate) fn megatron_backend(storage: &dyn Storage) -> Result<Option<(String, 
     let shown = format!("{}/{MEGATRON_METADATA}", storage.location());
     let json: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| Error::corrupt(&shown, format!("not JSON: {e}")))?;
-    if json.get("sharded_backend").is_none() && crate::formats::olmo::is_olmo_metadata(&bytes, true) {
+    if json.get("sharded_backend").is_none() && crate::formats::olmo::metadata::is_olmo_metadata(&bytes, true) {
         return Ok(None); // OLMo-core's metadata.json, not Megatron's
     }
     let backend = json

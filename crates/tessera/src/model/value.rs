@@ -34,14 +34,14 @@ impl Value {
 
     /// Serializes with the safe tagged encoding of FORMAT.md ("value"): no code, only data.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut e = crate::format::codec::Encoder::default();
+        let mut e = crate::model::codec::Encoder::default();
         e.value(self);
         e.buf
     }
 
     /// Parses what [`Value::to_bytes`] wrote; malformed or trailing bytes are an error.
     pub fn from_bytes(bytes: &[u8]) -> crate::Result<Value> {
-        let mut d = crate::format::codec::Decoder::new(bytes);
+        let mut d = crate::model::codec::Decoder::new(bytes);
         let v = d.value().map_err(|e| crate::Error::invalid(format!("malformed value encoding: {e}")))?;
         if !d.is_done() {
             return Err(crate::Error::invalid("malformed value encoding: trailing bytes"));

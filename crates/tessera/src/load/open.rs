@@ -7,14 +7,14 @@ use std::sync::{Arc, OnceLock, RwLock};
 
 use crate::comm::Communicator;
 use crate::format::{CheckpointIndex, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
-use crate::io::foreign::dcp::{DcpFlavor, DcpStrategy};
-use crate::io::foreign::olmo::OlmoStrategy;
-use crate::io::foreign::safetensors::SafetensorsStrategy;
-use crate::io::foreign::zarr::ZarrStrategy;
-use crate::io::index_read::open_native_keys;
-use crate::io::save::{save, SaveOptions, SaveReport};
+use crate::formats::dcp::{DcpFlavor, DcpStrategy};
+use crate::formats::olmo::OlmoStrategy;
+use crate::formats::safetensors::SafetensorsStrategy;
+use crate::formats::zarr::ZarrStrategy;
+use crate::load::index_read::open_native_keys;
+use crate::model::StateTree;
 use crate::plan::validate::validate_index;
-use crate::state::StateTree;
+use crate::save::native::{save, SaveOptions, SaveReport};
 use crate::storage::{size_if_present, Storage};
 use crate::{Error, Result};
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::state::{PathSeg, StatePath, StateTree, TensorFactory};
+use crate::model::{PathSeg, StatePath, StateTree, TensorFactory};
 use crate::{Error, Result};
 
 /// A factory applied at `path`, to be merged back after load.

@@ -7,9 +7,9 @@ use std::sync::mpsc;
 use std::sync::{Condvar, Mutex};
 
 use crate::format::{CheckpointIndex, TensorEntry};
-use crate::io::load::{load_opened, LoadOptions};
+use crate::load::engine::{load_opened, LoadOptions};
+use crate::model::{ReplicaId, ShardedTensor, StateTree, TensorData};
 use crate::plan::geometry::BoxPart;
-use crate::state::{ReplicaId, ShardedTensor, StateTree, TensorData};
 use crate::storage::Storage;
 use crate::{Error, Result, SoloComm};
 

@@ -17,20 +17,20 @@
 
 use std::collections::BTreeSet;
 
-use crate::format::torch_save_write::{crc32, tensor_archive};
 use crate::formats::torch_dist::{
     common_pt, is_data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace, TensorItems,
 };
-use crate::io::convert::{ConvertOptions, ConvertReport};
-use crate::io::load::{read_object, LoadOptions};
-use crate::io::pipeline::{batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart};
-use crate::io::save::new_save_id;
-use crate::io::strategy::open_checkpoint;
-use crate::io::write::{write_sources, Source};
+use crate::formats::torch_save::write::{crc32, tensor_archive};
+use crate::load::engine::{read_object, LoadOptions};
+use crate::load::open::open_checkpoint;
+use crate::model::{PathSeg, Value};
 use crate::plan::geometry::{decompose_flat, split_box_lazy, BoxPart};
+use crate::save::native::new_save_id;
 use crate::save::torch_dist::{existing, file_names, publish, serialization_id, with_first_file_number};
-use crate::state::{PathSeg, Value};
+use crate::save::write::{write_sources, Source};
 use crate::storage::{ObjectWriter, Storage};
+use crate::tools::convert::{ConvertOptions, ConvertReport};
+use crate::tools::pipeline::{batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart};
 use crate::{Error, Result};
 
 /// Most DCP chunks a conversion makes (each is an entry of `.metadata`, held in memory while it

@@ -12,18 +12,18 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, DEFAULT_BLOCK_SIZE};
-use crate::io::load::{read_object, LoadOptions};
-use crate::io::pipeline::{
-    batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
-};
-use crate::io::save::{commit_index, finish_file, new_save_id, remove_save_files};
-use crate::io::strategy::{detect_format, open_checkpoint};
-use crate::io::write::{write_sources, Source};
+use crate::load::engine::{read_object, LoadOptions};
+use crate::load::open::{detect_format, open_checkpoint};
 use crate::plan::geometry::split_box_lazy;
 use crate::plan::save::{
     data_file_name, layout_file, validate_global, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
 };
+use crate::save::native::{commit_index, finish_file, new_save_id, remove_save_files};
+use crate::save::write::{write_sources, Source};
 use crate::storage::{ObjectWriter, Storage};
+use crate::tools::pipeline::{
+    batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
+};
 use crate::{Error, Result};
 
 /// How to convert.
@@ -48,7 +48,7 @@ impl Default for ConvertOptions {
         ConvertOptions {
             overwrite: false,
             memory_budget: DEFAULT_MEMORY_BUDGET,
-            threads: crate::io::save::default_threads(),
+            threads: crate::save::native::default_threads(),
             block_size: DEFAULT_BLOCK_SIZE,
             max_file_size: 4 << 30,
         }

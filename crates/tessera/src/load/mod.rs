@@ -1,26 +1,12 @@
-//! Everything that moves bytes: save and load orchestration, parallel reads and writes,
-//! the strategy registry, verification, and the whole-checkpoint tools (export to plain
-//! safetensors, conversion to the native format, diff). Plans come from `plan/`; bytes go
-//! through `storage/`.
+//! Loading: one opener (location → detected format → index → validation → checkpoint), the
+//! load engine (plans from `plan/`, reads through `storage/`, decoding and casts into the
+//! caller's memory), ranged reads of the native index, and the exchange of reads shared
+//! between ranks. Reading threads start here.
 
-pub(crate) mod async_save;
-pub(crate) mod convert;
-pub(crate) mod convert_dcp;
-pub(crate) mod diff;
-pub(crate) mod export;
-pub(crate) mod factories;
-pub(crate) mod foreign;
+pub(crate) mod engine;
 pub(crate) mod index_read;
-pub(crate) mod load;
-pub(crate) mod maintenance;
-pub(crate) mod outfile;
-pub(crate) mod pipeline;
+pub(crate) mod open;
 pub(crate) mod read;
-pub(crate) mod save;
-pub(crate) mod staging;
-pub(crate) mod strategy;
-pub(crate) mod verify;
-pub(crate) mod write;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 

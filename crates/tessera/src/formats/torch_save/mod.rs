@@ -3,7 +3,9 @@
 //! `data/<key>` (raw little-endian storage bytes, 64-byte aligned), and small version entries.
 //! Pure byte parsing: the caller reads the bytes.
 
-use super::pickle::{unpickle, PickleValue, UnpickleLimits};
+pub(crate) mod write;
+
+use crate::format::pickle::{unpickle, PickleValue, UnpickleLimits};
 use crate::DType;
 
 /// One entry of a zip archive.

@@ -6,7 +6,7 @@
 //!
 //! torch checks the entries' CRC-32 when it reads them, so the data's checksum is an input.
 
-use super::pickle_write::{pickle, Pk};
+use crate::format::pickle_write::{pickle, Pk};
 use crate::DType;
 
 /// Entry order and contents as `torch.save` (format version 1, serialization version 3) writes.
@@ -403,9 +403,10 @@ pub(crate) fn archive_of_pickle(pkl: &[u8], storages: &[(&str, &[u8])], serializ
 /// must be protocol ≤ 3 (what `torch.save` writes): later protocols frame their opcodes, and
 /// a frame cannot be spliced into another pickle.
 pub(crate) fn wrap_archive_in_list(archive: &[u8], serialization_id: &str) -> Result<Vec<u8>, String> {
-    use super::torch_save::{find_entry, zip_entries};
+    use crate::formats::torch_save::{find_entry, zip_entries};
     let entries = zip_entries(archive)?;
-    let slice = |e: &super::torch_save::ZipEntry| &archive[e.data_offset as usize..(e.data_offset + e.size) as usize];
+    let slice =
+        |e: &crate::formats::torch_save::ZipEntry| &archive[e.data_offset as usize..(e.data_offset + e.size) as usize];
     let pkl = slice(find_entry(&entries, "data.pkl").ok_or("no data.pkl in the torch.save archive")?);
     let body = match pkl {
         [0x80, p, body @ .., b'.'] if *p <= 3 => body,
@@ -431,7 +432,7 @@ pub(crate) fn wrap_archive_in_list(archive: &[u8], serialization_id: &str) -> Re
 mod tests {
     use super::*;
     use crate::format::pickle::PickleValue;
-    use crate::format::torch_save::{decode_archive, find_entry, gather, tensor_record, zip_entries};
+    use crate::formats::torch_save::{decode_archive, find_entry, gather, tensor_record, zip_entries};
 
     #[test]
     fn crc32_check_values() {

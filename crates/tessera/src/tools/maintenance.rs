@@ -1,8 +1,8 @@
 //! Maintenance of committed checkpoints: garbage collection and key removal.
 
 use crate::format::INDEX_FILE;
-use crate::io::save::is_data_file_name;
-use crate::io::strategy::open_index;
+use crate::load::open::open_index;
+use crate::save::native::is_data_file_name;
 use crate::storage::Storage;
 use crate::{Error, Result};
 
@@ -11,7 +11,7 @@ use crate::{Error, Result};
 /// leftover. Returns the names removed. Must not run while a save into the same location is in
 /// progress.
 pub fn gc(storage: &dyn Storage) -> Result<Vec<String>> {
-    match crate::io::strategy::detect_format(storage) {
+    match crate::load::open::detect_format(storage) {
         Ok((record, _)) if record.backend != crate::format::NATIVE_BACKEND => {
             return Err(Error::invalid(format!(
                 "{}: gc only cleans tessera checkpoints; this is a {} checkpoint",

@@ -10,11 +10,11 @@ use std::sync::Mutex;
 
 use serde_json::Value as J;
 
-use super::{read_safetensors_header, ForeignView, HeaderRead};
 use crate::format::{CheckpointIndex, FileEntry, StoredChunk, TensorEntry};
-use crate::io::parallel_for;
-use crate::io::save::is_data_file_name;
-use crate::io::strategy::{FormatRecord, LoadStrategy};
+use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
+use crate::load::open::{FormatRecord, LoadStrategy};
+use crate::load::parallel_for;
+use crate::save::native::is_data_file_name;
 use crate::storage::{size_if_present, Storage};
 use crate::{Error, Result, Value};
 

@@ -4,9 +4,9 @@
 
 use std::collections::HashMap;
 
-use super::pickle::PickleValue;
-use super::torch_save::{as_dims, as_u64, describe, torch_dtype};
-use crate::state::PathSeg;
+use crate::format::pickle::PickleValue;
+use crate::formats::torch_save::{as_dims, as_u64, describe, torch_dtype};
+use crate::model::PathSeg;
 use crate::DType;
 
 /// Where one item (a tensor chunk or a byte value) is stored.
@@ -94,7 +94,7 @@ fn location(v: &PickleValue, fqn: &str) -> Result<ItemLocation, String> {
     let f = fields(v).ok_or_else(|| format!("{what} is {}, expected a _StorageInfo", describe(v)))?;
     let relative_path = string(need(f, "relative_path", &what)?, &what)?;
     // The same rule as every name a Storage reads (plain components: no `..`, `\\`, NUL).
-    if super::index::check_relative_name(&relative_path).is_err() {
+    if crate::format::index::check_relative_name(&relative_path).is_err() {
         return Err(format!("{what}: data file {relative_path:?} is not a plain relative name"));
     }
     let offset = as_u64(need(f, "offset", &what)?).ok_or_else(|| format!("{what}: offset is not an int"))?;

@@ -13,14 +13,14 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Map, Value as J};
 
 use crate::format::{build_header, SafetensorsEntry, TensorEntry};
-use crate::io::load::LoadOptions;
-use crate::io::outfile;
-use crate::io::pipeline::{
-    batched, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
-};
-use crate::io::strategy::open_checkpoint;
+use crate::load::engine::LoadOptions;
+use crate::load::open::open_checkpoint;
 use crate::plan::geometry::split_box_lazy;
 use crate::storage::Storage;
+use crate::tools::outfile;
+use crate::tools::pipeline::{
+    batched, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
+};
 use crate::{cast_into, DType, Error, Result};
 
 /// Name of the index of a sharded export (as Hugging Face `transformers` names it).
@@ -57,7 +57,7 @@ impl Default for ExportOptions {
             dtype: None,
             max_shard_size: None,
             memory_budget: DEFAULT_MEMORY_BUDGET,
-            threads: crate::io::save::default_threads(),
+            threads: crate::save::native::default_threads(),
             rename: Vec::new(),
         }
     }

@@ -8,11 +8,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crate::comm::Communicator;
-use crate::io::factories::apply_factories_collective;
-use crate::io::save::{commit, prepare, Prepared, SaveOptions, SaveReport};
-use crate::io::staging::{PoolBuffer, StagingPool};
+use crate::model::factories::apply_factories_collective;
+use crate::model::StateTree;
 use crate::plan::save::WrittenFile;
-use crate::state::StateTree;
+use crate::save::native::{commit, prepare, Prepared, SaveOptions, SaveReport};
+use crate::save::staging::{PoolBuffer, StagingPool};
 use crate::storage::{ObjectWriter, Storage};
 use crate::{Error, Result};
 

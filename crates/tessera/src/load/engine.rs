@@ -12,16 +12,16 @@ use std::sync::Arc;
 
 use crate::comm::Communicator;
 use crate::format::CheckpointIndex;
-use crate::io::factories::{apply_factories, apply_merges, remove_paths, AppliedFactory};
-use crate::io::read::{destination_order, execute, verify_headers};
-use crate::io::strategy::{open_checkpoint, open_checkpoint_key_set, open_checkpoint_keys, OpenCheckpoint};
+use crate::load::open::{open_checkpoint, open_checkpoint_key_set, open_checkpoint_keys, OpenCheckpoint};
+use crate::load::read::{destination_order, execute, verify_headers};
+use crate::model::factories::{apply_factories, apply_merges, remove_paths, AppliedFactory};
+use crate::model::{StatePath, StateTree, TensorData, Value};
 use crate::plan::exchange::{
     decode_needs, encode_needs, needed_ranges, plan_exchange, split_segs, ByteRange, ExchangePlan, ExchangeTuning,
     FileChunks, DEFAULT_MAX_PIECE, DEFAULT_ROUND_BYTES,
 };
 use crate::plan::load::{plan_reads, plan_request, CopySeg, ReadTuning, Request};
 use crate::plan::validate::validate_index;
-use crate::state::{StatePath, StateTree, TensorData, Value};
 use crate::storage::Storage;
 use crate::{DType, Error, Result};
 
@@ -97,7 +97,7 @@ pub struct LoadOptions {
     /// about twice this per rank plus what it receives. Default 256 MiB.
     pub exchange_round_bytes: u64,
     /// Load a tensor stored in another dtype by converting it (as `tensor.to(dtype)`, see
-    /// [`crate::dtype::cast_numeric`]) instead of failing with [`Error::Mismatch`]. Off by
+    /// [`crate::model::dtype::cast_numeric`]) instead of failing with [`Error::Mismatch`]. Off by
     /// default: a dtype change is usually a mistake; Megatron-Core's load casts, and so does
     /// its mirror. Each cast tensor is staged once in its stored dtype.
     pub cast_dtypes: bool,
@@ -108,7 +108,7 @@ impl Default for LoadOptions {
         LoadOptions {
             verify_checksums: true,
             strict: StrictHandling::default(),
-            threads: crate::io::save::default_threads(),
+            threads: crate::save::native::default_threads(),
             tuning: ReadTuning::default(),
             cancel: None,
             exchange_reads: false,
@@ -300,7 +300,7 @@ fn load_with<'a>(
         let staged = datas.pop().unwrap_or_default();
         debug_assert_eq!(datas.len(), c.staging);
         let dst = datas[c.target].bytes_mut().unwrap_or_default();
-        crate::dtype::cast_numeric(staged.bytes().unwrap_or_default(), c.stored, c.wanted, dst)
+        crate::model::dtype::cast_numeric(staged.bytes().unwrap_or_default(), c.stored, c.wanted, dst)
             .map_err(|e| Error::Mismatch { key: c.key.clone(), reason: format!("stored as {}: {e}", c.stored) })?;
     }
     // The loaded buffers go back into their leaves (the same walk that took them out).
@@ -494,7 +494,7 @@ fn prepare<'a>(
                 .ok_or_else(|| Error::invalid(format!("{:?}: staging size overflows", r.key)))?;
             // Refused before any read if no cast exists; staged like a buffer the caller did not
             // give: allocated once the plan shows the checkpoint stores it.
-            crate::dtype::cast_numeric(&[], stored, r.dtype, &mut [])
+            crate::model::dtype::cast_numeric(&[], stored, r.dtype, &mut [])
                 .map_err(|e| Error::Mismatch { key: r.key.clone(), reason: format!("stored as {stored}: {e}") })?;
             datas.push(TensorData::None);
             deferred.push((datas.len() - 1, nbytes, r.key.clone()));
@@ -515,7 +515,7 @@ fn prepare<'a>(
         segs.extend(p.segs);
     }
     for (target, nbytes, key) in &deferred {
-        let buf = crate::io::staging::zeroed(*nbytes)
+        let buf = crate::save::staging::zeroed(*nbytes)
             .ok_or_else(|| Error::invalid(format!("{key:?}: cannot allocate {nbytes} bytes for the tensor")))?;
         datas[*target] = TensorData::Owned(buf);
     }
@@ -796,7 +796,7 @@ pub struct TensorMeta {
 
 /// Key → dtype and global shape of every stored tensor, without reading tensor data.
 pub fn load_tensors_metadata(storage: &dyn Storage) -> Result<BTreeMap<String, TensorMeta>> {
-    let index = crate::io::strategy::open_index(storage)?;
+    let index = crate::load::open::open_index(storage)?;
     Ok(index
         .tensors
         .iter()
@@ -855,7 +855,7 @@ pub fn load_plain_tensors(storage: &dyn Storage, keys: Option<&[&str]>) -> Resul
 
 /// The common (non-sharded) state as a tree of plain values.
 pub fn load_common_state(storage: &dyn Storage) -> Result<StateTree<'static>> {
-    let index = crate::io::strategy::open_index(storage)?;
+    let index = crate::load::open::open_index(storage)?;
     let mut tree = StateTree::map();
     for (path, v) in &index.common {
         tree.set_path(path, StateTree::Value(v.clone()));
@@ -865,7 +865,7 @@ pub fn load_common_state(storage: &dyn Storage) -> Result<StateTree<'static>> {
 
 /// The user metadata given at save (`Value::Null` if none).
 pub fn load_content_metadata(storage: &dyn Storage) -> Result<Value> {
-    Ok(crate::io::strategy::open_index(storage)?.content_metadata)
+    Ok(crate::load::open::open_index(storage)?.content_metadata)
 }
 
 /// Fills the data of every [`crate::ShardedObject`] in `tree` from the checkpoint; other leaves

@@ -4,8 +4,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::format::parse_header;
-use crate::io::parallel_for;
-use crate::io::strategy::open_unvalidated;
+use crate::load::open::open_unvalidated;
+use crate::load::parallel_for;
 use crate::plan::validate::index_defects;
 use crate::storage::Storage;
 use crate::Result;
@@ -41,7 +41,7 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     let mut report = VerifyReport { files: index.files.len(), chunks: index.chunk_count(), ..Default::default() };
     if index.backend == crate::format::NATIVE_BACKEND {
         let referenced: Vec<String> = index.files.iter().map(|f| f.name.clone()).collect();
-        report.leftovers = crate::io::maintenance::leftovers(storage, &referenced)?;
+        report.leftovers = crate::tools::maintenance::leftovers(storage, &referenced)?;
     }
     let defects = index_defects(index);
     let invalid = defects.iter().any(|d| !d.uncovered);
@@ -109,7 +109,7 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
                 .push(format!("{path}: safetensors header is {len} bytes, the index says {}", f.header_len)),
             Ok(_) => {}
         }
-        if let Err(e) = crate::io::read::verify_headers(storage, index, &[fi as u32]) {
+        if let Err(e) = crate::load::read::verify_headers(storage, index, &[fi as u32]) {
             problems.lock().unwrap().push(e.to_string());
         }
         checked.fetch_add(f.header_len as usize, Ordering::Relaxed);

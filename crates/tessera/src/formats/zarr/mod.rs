@@ -2,11 +2,13 @@
 //! Zarr v2 array folder per tensor key (uncompressed chunk files), sharded objects as
 //! `KEY/shard_OFFSETS_SHAPE.pt`, and `common.pt`.
 
-use super::dcp::{megatron_backend, parse_object_fqn};
-use super::{foreign_index, ForeignView, ObjectShards, Source};
-use crate::format::zarr::parse_zarray;
+pub(crate) mod zarray;
+
 use crate::format::{CheckpointIndex, StoredChunk, TensorEntry};
-use crate::io::strategy::{FormatRecord, LoadStrategy};
+use crate::formats::dcp::{megatron_backend, parse_object_fqn};
+use crate::formats::zarr::zarray::parse_zarray;
+use crate::formats::{foreign_index, ForeignView, ObjectShards, Source};
+use crate::load::open::{FormatRecord, LoadStrategy};
 use crate::storage::Storage;
 use crate::{Error, Result};
 

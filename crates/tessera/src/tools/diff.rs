@@ -4,16 +4,16 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use crate::dtype::elements_to_f64;
 use crate::format::{CheckpointIndex, ObjectEntry, TensorEntry};
-use crate::io::load::{read_object, LoadOptions};
-use crate::io::pipeline::{
+use crate::load::engine::{read_object, LoadOptions};
+use crate::load::open::open_checkpoint;
+use crate::model::dtype::elements_to_f64;
+use crate::model::{path_string, StatePath, Value};
+use crate::plan::geometry::split_box_lazy;
+use crate::storage::Storage;
+use crate::tools::pipeline::{
     batched, batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
 };
-use crate::io::strategy::open_checkpoint;
-use crate::plan::geometry::split_box_lazy;
-use crate::state::{path_string, StatePath, Value};
-use crate::storage::Storage;
 use crate::{element_to_f64, DType, Error, Result};
 
 /// How to compare.
@@ -38,7 +38,7 @@ impl Default for DiffOptions {
             atol: 0.0,
             keys: None,
             memory_budget: DEFAULT_MEMORY_BUDGET,
-            threads: crate::io::save::default_threads(),
+            threads: crate::save::native::default_threads(),
         }
     }
 }

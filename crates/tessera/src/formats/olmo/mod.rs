@@ -5,18 +5,20 @@
 //! files and every read is a ranged read of the bytes it needs; the read-only view only keeps
 //! writers out.
 
+pub(crate) mod metadata;
+
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
-use super::{read_safetensors_header, ForeignView, HeaderRead};
 use crate::format::{CheckpointIndex, FileEntry, TensorEntry};
-use crate::formats::olmo::{
+use crate::formats::olmo::metadata::{
     build_tensors, decode_pickled, is_olmo_metadata, parse_metadata, FileHeader, IndexedFile, BACKEND,
     MAX_PICKLED_FIELD, METADATA_FILE, PARTS,
 };
-use crate::io::parallel_for;
-use crate::io::strategy::{FormatRecord, LoadStrategy};
-use crate::state::{PathSeg, StatePath};
+use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
+use crate::load::open::{FormatRecord, LoadStrategy};
+use crate::load::parallel_for;
+use crate::model::{PathSeg, StatePath};
 use crate::storage::{size_if_present, Storage};
 use crate::{DType, Error, Result, Value};
 

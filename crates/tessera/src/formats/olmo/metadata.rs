@@ -24,7 +24,7 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value as J};
 
 use crate::format::{build_header, SafetensorsEntry, StoredChunk, TensorEntry};
-use crate::plan::dims::Dims;
+use crate::model::dims::Dims;
 use crate::plan::save::RankPlan;
 use crate::{DType, Error, Result, Value};
 
@@ -409,7 +409,7 @@ pub const MAX_PICKLED_FIELD: u64 = 64 << 20;
 /// `pickle.dumps` bytes stored as a uint8 tensor), decoded by the restricted unpickler, which
 /// never executes anything: plain when it is (tuples become lists), else its lossy rendering.
 pub fn decode_pickled(bytes: &[u8], shown: &str) -> Result<Value> {
-    let v = crate::format::unpickle(bytes, shown, &crate::format::torch_save::limits())?;
+    let v = crate::format::unpickle(bytes, shown, &crate::formats::torch_save::limits())?;
     Ok(v.to_plain().unwrap_or_else(|| v.to_value_lossy()))
 }
 

@@ -8,14 +8,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::comm::Communicator;
 use crate::format::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
-use crate::io::factories::apply_factories_collective;
-use crate::io::write::{write_sources, Source};
+use crate::model::factories::apply_factories_collective;
+use crate::model::{StatePath, StateTree, Value};
 use crate::plan::fasthash::mix64;
 use crate::plan::save::{
     assign_writers, build_index, cache_hit, data_file_name, file_header, layout_file, plan_digest, plan_options,
     validate_global, CacheCheck, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
 };
-use crate::state::{StatePath, StateTree, Value};
+use crate::save::write::{write_sources, Source};
 use crate::storage::Storage;
 use crate::{Error, Result};
 
@@ -607,7 +607,7 @@ pub(crate) fn commit(
         );
         match r {
             Ok((index, index_bytes)) => {
-                let mut e = crate::format::codec::Encoder::default();
+                let mut e = crate::model::codec::Encoder::default();
                 e.u8(VERDICT_OK);
                 e.var(index_bytes);
                 e.var(index.tensor_bytes());
@@ -635,7 +635,7 @@ pub(crate) fn commit(
             return Err(clean_up_failed(p, storage, err));
         }
     }
-    let mut d = crate::format::codec::Decoder::new(&verdict[1..]);
+    let mut d = crate::model::codec::Decoder::new(&verdict[1..]);
     let mut next = || d.var().map_err(|e| Error::Comm { reason: e });
     let index_bytes = next()?;
     let total = next()?;

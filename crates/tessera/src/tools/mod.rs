@@ -1,0 +1,12 @@
+//! Whole-checkpoint tools, built on `load/` and `save/`: verify, diff, convert (native or
+//! torch_dist / DCP), export to plain safetensors, garbage collection and maintenance. All
+//! stream under a memory budget (`pipeline`).
+
+pub(crate) mod convert;
+pub(crate) mod convert_dcp;
+pub(crate) mod diff;
+pub(crate) mod export;
+pub(crate) mod maintenance;
+pub(crate) mod outfile;
+pub(crate) mod pipeline;
+pub(crate) mod verify;
