@@ -10,8 +10,8 @@ mod mpi;
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiComm;
 
+use crate::error::{Error, Result};
 use crate::model::codec::{Decoder, Encoder};
-use crate::{Error, Result};
 
 /// Collectives over byte messages between the ranks of one job.
 pub trait Communicator: Send + Sync {

@@ -17,7 +17,7 @@ use mpi::traits::*;
 use mpi::Threading;
 
 use super::Communicator;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The ranks of an MPI communicator. Calls are serialized per communicator; give a background
 /// commit (async save) its own with [`MpiComm::duplicate`].

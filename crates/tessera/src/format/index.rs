@@ -6,9 +6,10 @@
 
 use crate::model::codec::{prealloc, Decoder, Encoder};
 use crate::model::dims::Dims;
+use crate::model::dtype::DType;
+use crate::model::Value;
 use crate::model::{PathSeg, StatePath};
 use crate::plan::geometry::numel;
-use crate::{DType, Value};
 
 /// Name of the index file inside a checkpoint directory.
 pub const INDEX_FILE: &str = "tessera.index";
@@ -339,7 +340,7 @@ impl CheckpointIndex {
 
     /// Parses index bytes (as read from `path`, used in errors), checking magic, version,
     /// checksum, bounds and names.
-    pub fn from_bytes(bytes: &[u8], path: &str) -> crate::Result<CheckpointIndex> {
+    pub fn from_bytes(bytes: &[u8], path: &str) -> crate::error::Result<CheckpointIndex> {
         Self::decode(bytes).map_err(|e| e.into_error(path))
     }
 
@@ -424,13 +425,13 @@ pub(crate) enum IndexError {
 }
 
 impl IndexError {
-    pub(crate) fn into_error(self, path: &str) -> crate::Error {
+    pub(crate) fn into_error(self, path: &str) -> crate::error::Error {
         match self {
-            IndexError::Version(v) => crate::Error::IncompatibleVersion {
+            IndexError::Version(v) => crate::error::Error::IncompatibleVersion {
                 found: format!("{NATIVE_BACKEND} v{v}"),
                 supported: format!("{NATIVE_BACKEND} v1, v{FORMAT_VERSION}"),
             },
-            IndexError::Corrupt(reason) => crate::Error::corrupt(path, reason),
+            IndexError::Corrupt(reason) => crate::error::Error::corrupt(path, reason),
         }
     }
 }

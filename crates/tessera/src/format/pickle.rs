@@ -38,7 +38,8 @@ use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash, Hasher};
 
-use crate::{Error, Result, Value};
+use crate::error::{Error, Result};
+use crate::model::Value;
 
 /// A value decoded from a pickle. Known classes become typed values (`collections.OrderedDict`
 /// is a [`PickleValue::Dict`], `torch.Size` a [`PickleValue::Tuple`], protocol-2 bytes built by

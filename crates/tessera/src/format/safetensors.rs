@@ -4,7 +4,7 @@
 
 use serde_json::{json, Map, Value as J};
 
-use crate::DType;
+use crate::model::dtype::DType;
 
 /// One tensor entry of a data file.
 #[derive(Debug, Clone)]
@@ -54,7 +54,7 @@ pub fn build_header(entries: &[SafetensorsEntry], metadata: &Map<String, J>) -> 
 /// Parses the header of a data file from its first bytes. Returns the JSON and the size of
 /// the header (where the data section starts).
 pub fn parse_header(
-    read: &mut dyn FnMut(u64, &mut [u8]) -> crate::Result<()>,
+    read: &mut dyn FnMut(u64, &mut [u8]) -> crate::error::Result<()>,
     file_size: u64,
 ) -> Result<(J, u64), String> {
     if file_size < 8 {

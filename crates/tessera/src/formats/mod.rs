@@ -41,6 +41,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::error::{Error, Result};
 use crate::format::pickle::PickleValue;
 use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, TensorEntry};
 use crate::formats::dcp::metadata::ItemLocation;
@@ -48,10 +49,11 @@ use crate::formats::torch_save::{
     decode_archive, find_central_directory, find_entry, gather, inner_name, local_header_len, parse_central_directory,
     tensor_record, zip_entries, CentralEntry, TensorRecord, ZipEntry,
 };
+use crate::model::dtype::DType;
+use crate::model::Value;
 use crate::model::{PathSeg, StatePath};
 use crate::plan::geometry::{copy_runs, Layout, Piece};
 use crate::storage::{check_claimed, read_claimed, ObjectWriter, Storage};
-use crate::{DType, Error, Result, Value};
 
 // The payload tags are the torch_dist writer's too: one definition, beside it.
 pub use crate::formats::torch_dist::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
@@ -156,10 +158,15 @@ impl<'s> ForeignView<'s> {
     }
 
     /// Names and sizes of the virtual files, in index order.
-    pub(crate) fn file_entries(&self) -> Vec<crate::FileEntry> {
+    pub(crate) fn file_entries(&self) -> Vec<crate::format::FileEntry> {
         self.files
             .iter()
-            .map(|f| crate::FileEntry { name: f.name.clone(), size: f.size.unwrap_or(0), header_len: 0, header_crc: 0 })
+            .map(|f| crate::format::FileEntry {
+                name: f.name.clone(),
+                size: f.size.unwrap_or(0),
+                header_len: 0,
+                header_crc: 0,
+            })
             .collect()
     }
 

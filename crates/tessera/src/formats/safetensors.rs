@@ -10,13 +10,14 @@ use std::sync::Mutex;
 
 use serde_json::Value as J;
 
+use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, FileEntry, StoredChunk, TensorEntry};
 use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
 use crate::load::open::{FormatRecord, LoadStrategy};
 use crate::load::parallel_for;
+use crate::model::Value;
 use crate::save::native::is_data_file_name;
 use crate::storage::{size_if_present, Storage};
-use crate::{Error, Result, Value};
 
 /// Backend name of plain safetensors checkpoints.
 pub const BACKEND: &str = "safetensors";

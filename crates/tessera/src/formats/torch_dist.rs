@@ -17,10 +17,11 @@
 //!
 //! Pure: descriptions in, bytes out.
 
+use crate::error::{Error, Result};
 use crate::format::pickle_write::{pickle, Pk};
 use crate::formats::torch_save::write::{torch_dtype_name, value_archive, wrap_archive_in_list};
+use crate::model::dtype::DType;
 use crate::model::{path_string, PathSeg, StatePath, Value};
-use crate::{DType, Error, Result};
 
 /// DCP's metadata file (the commit marker).
 pub const DCP_METADATA: &str = ".metadata";

@@ -11,9 +11,11 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use crate::comm::Communicator;
+use crate::error::{Error, Result};
 use crate::format::CheckpointIndex;
 use crate::load::open::{open_checkpoint, open_checkpoint_key_set, open_checkpoint_keys, OpenCheckpoint};
 use crate::load::read::{destination_order, execute, verify_headers};
+use crate::model::dtype::DType;
 use crate::model::factories::{apply_factories, apply_merges, remove_paths, AppliedFactory};
 use crate::model::{StatePath, StateTree, TensorData, Value};
 use crate::plan::exchange::{
@@ -23,7 +25,6 @@ use crate::plan::exchange::{
 use crate::plan::load::{plan_reads, plan_request, CopySeg, ReadTuning, Request};
 use crate::plan::validate::validate_index;
 use crate::storage::Storage;
-use crate::{DType, Error, Result};
 
 /// What to do about keys that do not match between the request and the checkpoint
 /// (Megatron's `StrictHandling`). "Unexpected" keys are requested but absent from the
@@ -202,7 +203,7 @@ pub fn open_for_load<'s, K: AsRef<str>>(
 }
 
 /// [`load`] from a checkpoint already opened (reuse across loads) by [`open_for_load`],
-/// [`crate::open_checkpoint`], or [`crate::open_checkpoint_keys`] with at least the keys
+/// [`crate::load::open::open_checkpoint`], or [`crate::load::open::open_checkpoint_keys`] with at least the keys
 /// requested (`exchange_reads` needs the whole index).
 pub fn load_checkpoint<'a>(
     ckpt: &OpenCheckpoint<'_>,
@@ -214,7 +215,7 @@ pub fn load_checkpoint<'a>(
 }
 
 /// [`load`] with an index already opened (reuse across loads): `index` and `storage` as
-/// [`crate::open_checkpoint`] gives them (for the native format, `storage` is the checkpoint's
+/// [`crate::load::open::open_checkpoint`] gives them (for the native format, `storage` is the checkpoint's
 /// own).
 pub fn load_from_index<'a>(
     index: &CheckpointIndex,
@@ -829,7 +830,7 @@ pub fn load_plain_tensors(storage: &dyn Storage, keys: Option<&[&str]>) -> Resul
         }
         tree.insert(
             t.key.clone(),
-            StateTree::Tensor(crate::ShardedTensor::full(&t.key, t.dtype, &t.global_shape, TensorData::None)),
+            StateTree::Tensor(crate::model::ShardedTensor::full(&t.key, t.dtype, &t.global_shape, TensorData::None)),
         );
     }
     if let Some(ks) = keys {
@@ -837,7 +838,7 @@ pub fn load_plain_tensors(storage: &dyn Storage, keys: Option<&[&str]>) -> Resul
             return Err(Error::NotFound { path: format!("{}: tensor {k:?}", storage.location()).into() });
         }
     }
-    let loaded = load_opened(index, tree, storage, &crate::SoloComm, &LoadOptions::default())?;
+    let loaded = load_opened(index, tree, storage, &crate::comm::SoloComm, &LoadOptions::default())?;
     let mut out = BTreeMap::new();
     if let StateTree::Map(m) = loaded.state {
         for (k, v) in m {
@@ -868,7 +869,7 @@ pub fn load_content_metadata(storage: &dyn Storage) -> Result<Value> {
     Ok(crate::load::open::open_index(storage)?.content_metadata)
 }
 
-/// Fills the data of every [`crate::ShardedObject`] in `tree` from the checkpoint; other leaves
+/// Fills the data of every [`crate::model::ShardedObject`] in `tree` from the checkpoint; other leaves
 /// are left as they are.
 pub fn load_sharded_objects<'a>(tree: StateTree<'a>, storage: &dyn Storage) -> Result<StateTree<'a>> {
     let ckpt = open_checkpoint(storage)?;
@@ -884,9 +885,11 @@ pub fn load_sharded_objects<'a>(tree: StateTree<'a>, storage: &dyn Storage) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::SoloComm;
     use crate::format::{FileEntry, StoredChunk, TensorEntry};
+    use crate::model::dtype::DType;
+    use crate::model::ShardedTensor;
     use crate::storage::MemoryStorage;
-    use crate::{DType, ShardedTensor, SoloComm};
 
     /// A hostile index: `x` (4 × u8) stored as chunk [0, 3) and chunk [2, 3), overlapping at
     /// element 2 (and so leaving element 3 out, while the elements add up to 4: the planner's
@@ -944,14 +947,14 @@ mod tests {
             .with("b", StateTree::Tensor(ShardedTensor::full("x", DType::U8, &[4], TensorData::None)));
         let opts = LoadOptions { verify_checksums: false, threads: 2, ..LoadOptions::default() };
         let res = load_with(&index, apply_factories(tree), &storage, &SoloComm, &opts).unwrap();
-        let data = |k: &str| match res.state.get(&[crate::PathSeg::Key(k.into())]) {
+        let data = |k: &str| match res.state.get(&[crate::model::PathSeg::Key(k.into())]) {
             Some(StateTree::Tensor(t)) => t.data.bytes().map(<[u8]>::to_vec),
             _ => None,
         };
         assert_eq!(data("a").unwrap(), [1, 2, 5, 6]);
         assert_eq!(data("b").unwrap(), [1, 2, 5, 6]);
         assert!(
-            matches!(res.state.get(&[crate::PathSeg::Key("a".into())]), Some(StateTree::Tensor(t)) if matches!(t.data, TensorData::Mut(_)))
+            matches!(res.state.get(&[crate::model::PathSeg::Key("a".into())]), Some(StateTree::Tensor(t)) if matches!(t.data, TensorData::Mut(_)))
         );
         drop(res);
         assert_eq!(buf, [1, 2, 5, 6]);

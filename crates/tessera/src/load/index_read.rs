@@ -4,10 +4,10 @@
 
 use std::collections::BTreeSet;
 
+use crate::error::{Error, Result};
 use crate::format::index::IndexHead;
 use crate::format::{CheckpointIndex, TensorEntry, FORMAT_VERSION, INDEX_FILE};
 use crate::storage::Storage;
-use crate::{Error, Result};
 
 /// The first read of an index: most heads (every key, file and object) fit in it.
 const FIRST_READ: u64 = 256 << 10;

@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, OnceLock, RwLock};
 
 use crate::comm::Communicator;
+use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
 use crate::formats::dcp::{DcpFlavor, DcpStrategy};
 use crate::formats::olmo::OlmoStrategy;
@@ -16,7 +17,6 @@ use crate::model::StateTree;
 use crate::plan::validate::validate_index;
 use crate::save::native::{save, SaveOptions, SaveReport};
 use crate::storage::{size_if_present, Storage};
-use crate::{Error, Result};
 
 /// Which kind of work a strategy does (Megatron's `StrategyAction`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -263,7 +263,7 @@ impl std::fmt::Debug for OpenCheckpoint<'_> {
 }
 
 impl OpenCheckpoint<'_> {
-    /// The storage to pass to [`crate::load_from_index`] with [`OpenCheckpoint::index`]: the
+    /// The storage to pass to [`crate::load::engine::load_from_index`] with [`OpenCheckpoint::index`]: the
     /// checkpoint's own storage for the native format, a read-only view for foreign ones.
     pub fn storage(&self) -> &dyn Storage {
         self.view.as_deref().unwrap_or(self.base)

@@ -9,10 +9,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
+use crate::error::{Error, Result};
 use crate::format::CheckpointIndex;
 use crate::plan::load::{CopySeg, ReadPlan};
 use crate::storage::Storage;
-use crate::{Error, Result};
 
 /// Checks that the destinations of `segs` lie inside their targets (`target_lens[s.target]`
 /// bytes each) and that no two of them overlap within a target. Returns the segment indices
@@ -233,9 +233,9 @@ pub(crate) fn verify_headers(storage: &dyn Storage, index: &CheckpointIndex, fil
 mod tests {
     use super::*;
     use crate::format::{FileEntry, TensorEntry};
+    use crate::model::dtype::DType;
     use crate::plan::load::{plan_reads, ReadTuning, Span};
     use crate::storage::MemoryStorage;
-    use crate::DType;
 
     /// One 16-byte file `d` holding bytes 0..16, and one tensor `x` for the errors to name.
     fn setup() -> (CheckpointIndex, MemoryStorage) {

@@ -1,7 +1,7 @@
 //! Compact binary encoding shared by the index and the metadata exchange: LEB128 varints,
 //! length-prefixed strings, and a tagged encoding of [`Value`].
 
-use crate::Value;
+use crate::model::Value;
 
 /// Appends binary data.
 #[derive(Debug, Default)]

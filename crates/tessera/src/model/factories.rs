@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
+use crate::error::{Error, Result};
 use crate::model::{PathSeg, StatePath, StateTree, TensorFactory};
-use crate::{Error, Result};
 
 /// A factory applied at `path`, to be merged back after load.
 pub(crate) struct AppliedFactory {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::tensor::{ReplicaId, ShardedTensor, TensorData};
 use super::value::Value;
-use crate::Result;
+use crate::error::Result;
 
 /// An opaque object split over ranks: shard `global_offset` of a `global_shape` grid of shards.
 /// Unlike tensors, objects cannot be resharded: a load asks for exactly the shards saved.
@@ -329,7 +329,7 @@ pub struct PartSpec {
     /// Global key of the part.
     pub key: String,
     /// Element type.
-    pub dtype: crate::DType,
+    pub dtype: crate::model::dtype::DType,
     /// Local shape of the part.
     pub local_shape: Vec<u64>,
     /// Global shape.
@@ -349,16 +349,17 @@ impl TensorFactory for SplitFactory {
             .parts
             .iter()
             .map(|(_, p)| {
-                super::tensor::checked_nbytes(&p.local_shape, p.dtype.size())
-                    .ok_or_else(|| crate::Error::sharding(&p.key, format!("local shape {:?} overflows", p.local_shape)))
+                super::tensor::checked_nbytes(&p.local_shape, p.dtype.size()).ok_or_else(|| {
+                    crate::error::Error::sharding(&p.key, format!("local shape {:?} overflows", p.local_shape))
+                })
             })
             .collect::<Result<Vec<u64>>>()?;
         let total = sizes
             .iter()
             .try_fold(0u64, |t, &n| t.checked_add(n))
-            .ok_or_else(|| crate::Error::sharding(key, "the sizes of the parts overflow"))?;
+            .ok_or_else(|| crate::error::Error::sharding(key, "the sizes of the parts overflow"))?;
         if !matches!(rest, TensorData::None) && rest.len() as u64 != total {
-            return Err(crate::Error::invalid(format!(
+            return Err(crate::error::Error::invalid(format!(
                 "factory {key:?}: tensor holds {} bytes, its parts need {total}",
                 rest.len()
             )));
@@ -389,18 +390,18 @@ impl TensorFactory for SplitFactory {
 
     fn merge<'a>(&self, key: &str, loaded: StateTree<'a>) -> Result<StateTree<'a>> {
         let StateTree::Map(parts) = loaded else {
-            return Err(crate::Error::invalid(format!("factory {key:?}: loaded sub-state is not a map")));
+            return Err(crate::error::Error::invalid(format!("factory {key:?}: loaded sub-state is not a map")));
         };
         let mut datas = Vec::new();
         let mut first: Option<ShardedTensor<'a>> = None;
         for (_, node) in parts {
             let StateTree::Tensor(mut t) = node else {
-                return Err(crate::Error::invalid(format!("factory {key:?}: loaded part is not a tensor")));
+                return Err(crate::error::Error::invalid(format!("factory {key:?}: loaded part is not a tensor")));
             };
             datas.push(std::mem::take(&mut t.data));
             first.get_or_insert(t);
         }
-        let mut t = first.ok_or_else(|| crate::Error::invalid(format!("factory {key:?} has no parts")))?;
+        let mut t = first.ok_or_else(|| crate::error::Error::invalid(format!("factory {key:?} has no parts")))?;
         t.key = key.to_string();
         t.data = TensorData::join(datas);
         t.local_shape = self.local_shape.clone();
@@ -414,7 +415,8 @@ impl TensorFactory for SplitFactory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{DType, Error};
+    use crate::error::Error;
+    use crate::model::dtype::DType;
 
     fn part(key: &str, rows: u64) -> PartSpec {
         PartSpec {

@@ -5,7 +5,8 @@
 
 use std::ops::Range;
 
-use crate::{DType, Error, Result};
+use crate::error::{Error, Result};
+use crate::model::dtype::DType;
 
 /// Which replica of a shard this is. All zeros means the main replica, the one that is written.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]

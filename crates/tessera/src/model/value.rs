@@ -40,11 +40,11 @@ impl Value {
     }
 
     /// Parses what [`Value::to_bytes`] wrote; malformed or trailing bytes are an error.
-    pub fn from_bytes(bytes: &[u8]) -> crate::Result<Value> {
+    pub fn from_bytes(bytes: &[u8]) -> crate::error::Result<Value> {
         let mut d = crate::model::codec::Decoder::new(bytes);
-        let v = d.value().map_err(|e| crate::Error::invalid(format!("malformed value encoding: {e}")))?;
+        let v = d.value().map_err(|e| crate::error::Error::invalid(format!("malformed value encoding: {e}")))?;
         if !d.is_done() {
-            return Err(crate::Error::invalid("malformed value encoding: trailing bytes"));
+            return Err(crate::error::Error::invalid("malformed value encoding: trailing bytes"));
         }
         Ok(v)
     }

@@ -2,10 +2,11 @@
 //! bytes into few large ranged reads. Pure: the plan is executed by `io::read`.
 
 use super::geometry::{copy_runs, decompose_flat, numel, Layout, Piece};
+use crate::error::{Error, Result};
 use crate::format::CheckpointIndex;
-use crate::{DType, Error, Result};
+use crate::model::dtype::DType;
 
-/// A tensor region a rank wants, described like a [`crate::ShardedTensor`].
+/// A tensor region a rank wants, described like a [`crate::model::ShardedTensor`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Request {
     /// Global key.

@@ -7,14 +7,15 @@ use serde_json::{json, Map, Value as J};
 
 use super::fasthash::FastMap;
 use super::geometry::{check_tiling, decompose_flat, numel, Piece};
+use crate::error::{Error, Result};
 use crate::format::{
     crc_hex, CheckpointIndex, FileEntry, ObjectEntry, SafetensorsEntry, StoredChunk, StoredObject, TensorEntry,
     FORMAT_VERSION, NATIVE_BACKEND,
 };
 use crate::model::codec::{Decoder, Encoder};
 use crate::model::dims::Dims;
+use crate::model::dtype::DType;
 use crate::model::{StatePath, Value};
-use crate::{DType, Error, Result};
 
 /// What a rank says about one of its tensor shards before anything is written.
 #[derive(Debug, Clone, PartialEq)]

@@ -14,10 +14,10 @@
 
 use std::fmt;
 
+use crate::error::{Error, Result};
 use crate::format::index::check_relative_name;
 use crate::format::{CheckpointIndex, FileEntry, ObjectEntry, TensorEntry};
 use crate::plan::geometry::{decompose_flat, tiling_faults, Piece};
-use crate::{Error, Result};
 
 /// Something wrong with an index, naming the tensor, object or file it concerns.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -301,7 +301,8 @@ fn first_missing_cell(grid: &[u64], sorted: &[&[u64]]) -> Vec<u64> {
 mod tests {
     use super::*;
     use crate::format::StoredChunk;
-    use crate::{DType, Value};
+    use crate::model::dtype::DType;
+    use crate::model::Value;
 
     fn file(size: u64) -> FileEntry {
         FileEntry { name: "data_0.safetensors".into(), size, header_len: 8, header_crc: 0 }

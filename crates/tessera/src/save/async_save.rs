@@ -8,13 +8,13 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crate::comm::Communicator;
+use crate::error::{Error, Result};
 use crate::model::factories::apply_factories_collective;
 use crate::model::StateTree;
 use crate::plan::save::WrittenFile;
 use crate::save::native::{commit, prepare, Prepared, SaveOptions, SaveReport};
 use crate::save::staging::{PoolBuffer, StagingPool};
 use crate::storage::{ObjectWriter, Storage};
-use crate::{Error, Result};
 
 /// Runs async saves one after another with one staging pool.
 ///
@@ -135,7 +135,7 @@ impl AsyncSaver {
     }
 
     /// Starts saving this rank's part of the state. Every rank must call it (collective on
-    /// `comm`, like [`crate::save`]); errors found before writing (invalid sharding, an existing
+    /// `comm`, like [`crate::save::native::save`]); errors found before writing (invalid sharding, an existing
     /// checkpoint) are returned here, on every rank. Returns once every byte is copied into the
     /// staging pool (for a state larger than the pool, once the last wave is staged); the
     /// caller may then modify its tensors. A save still in flight is waited for first.

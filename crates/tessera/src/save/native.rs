@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::comm::Communicator;
+use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
 use crate::model::factories::apply_factories_collective;
 use crate::model::{StatePath, StateTree, Value};
@@ -17,7 +18,6 @@ use crate::plan::save::{
 };
 use crate::save::write::{write_sources, Source};
 use crate::storage::Storage;
-use crate::{Error, Result};
 
 /// How to save.
 #[derive(Debug, Clone)]

@@ -14,6 +14,7 @@
 use std::collections::BTreeSet;
 
 use crate::comm::Communicator;
+use crate::error::{Error, Result};
 use crate::formats::olmo::metadata::{
     choose_main_replicas, metadata_from_plans, metadata_json, rank_file_name, RankFileLayout, BACKEND, METADATA_FILE,
 };
@@ -24,7 +25,6 @@ use crate::plan::save::RankPlan;
 use crate::save::native::{collect, encode_local_error, first_failure, plan_globally, SaveOptions};
 use crate::save::write::{write_sources, Source};
 use crate::storage::Storage;
-use crate::{Error, Result};
 
 /// What an OLMo-core save did to one directory, as seen from one rank.
 #[derive(Debug, Clone, Default)]

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Default size of one staging buffer.
 pub const DEFAULT_STAGING_BUFFER: usize = 8 << 20;

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::comm::Communicator;
+use crate::error::{Error, Result};
 use crate::formats::torch_dist::{
     common_pt, data_file_name, is_data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace,
     TensorItems, DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA, MEGATRON_METADATA_JSON,
@@ -31,6 +32,7 @@ use crate::formats::torch_dist::{
 use crate::formats::torch_save::write::{crc32, tensor_archive};
 use crate::load::open::detect_format;
 use crate::model::factories::apply_factories_collective;
+use crate::model::Value;
 use crate::model::{path_string, StatePath, StateTree};
 use crate::plan::save::RankPlan;
 use crate::save::native::{
@@ -40,7 +42,6 @@ use crate::save::native::{
 use crate::save::olmo::agree;
 use crate::save::write::{write_sources, Source};
 use crate::storage::Storage;
-use crate::{Error, Result, Value};
 
 /// Backends a `torch_dist` save may replace with `overwrite` (a DCP directory either way).
 const REPLACEABLE: [&str; 2] = ["torch_dist", "torch_dcp"];
@@ -511,8 +512,9 @@ fn commit(
         None => {
             // Megatron keeps the content metadata in the common dict, under this key.
             let mut values = common_values.to_vec();
-            if opts.content_metadata != crate::Value::Null {
-                values.push((vec![crate::PathSeg::Key("content_metadata".into())], opts.content_metadata.clone()));
+            if opts.content_metadata != crate::model::Value::Null {
+                values
+                    .push((vec![crate::model::PathSeg::Key("content_metadata".into())], opts.content_metadata.clone()));
             }
             common_pt(&values, &serialization_id(save_id, u64::MAX))?
         }

@@ -3,8 +3,8 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
+use crate::error::Result;
 use crate::storage::ObjectWriter;
-use crate::Result;
 
 /// Bytes to place at `file_off`, checksummed in blocks of `block` bytes.
 pub(crate) struct Source<'a> {
@@ -65,7 +65,7 @@ pub(crate) fn write_sources(
     let crcs: Vec<Mutex<Vec<u32>>> =
         sources.iter().map(|s| Mutex::new(vec![0u32; (s.data.len() as u64).div_ceil(s.block) as usize])).collect();
     let next = AtomicUsize::new(0);
-    let first_error: Mutex<Option<crate::Error>> = Mutex::new(None);
+    let first_error: Mutex<Option<crate::error::Error>> = Mutex::new(None);
     let workers = threads.clamp(1, units.len().max(1));
     std::thread::scope(|scope| {
         for _ in 0..workers {
@@ -77,7 +77,7 @@ pub(crate) fn write_sources(
                         return;
                     }
                     if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
-                        first_error.lock().unwrap().get_or_insert(crate::Error::Cancelled);
+                        first_error.lock().unwrap().get_or_insert(crate::error::Error::Cancelled);
                         return;
                     }
                     let r = match &units[u] {

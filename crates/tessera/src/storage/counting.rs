@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{ObjectWriter, Storage};
-use crate::Result;
+use crate::error::Result;
 
 /// Wraps a [`Storage`], forwarding every call unchanged and counting the ranged reads
 /// ([`Storage::read_at`], which whole reads also go through) and the bytes they return.

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use super::{check_name, ObjectWriter, Storage};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A checkpoint in a local directory. Reads use positioned reads on cached handles; writes use
 /// positioned writes; commits use write-temp, fsync, rename, fsync-directory.

@@ -2,7 +2,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use super::{check_name, ObjectWriter, Storage};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 type Objects = Arc<Mutex<HashMap<String, Arc<RwLock<Vec<u8>>>>>>;
 

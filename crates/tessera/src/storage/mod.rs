@@ -17,7 +17,7 @@ pub use object::{ObjectStorage, ObjectStoreOptions, RequestCounts};
 use std::fmt;
 use std::sync::Arc;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A namespace of objects holding one checkpoint.
 ///

@@ -14,7 +14,7 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
 use super::{check_name, ObjectWriter, Storage};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// How an [`ObjectStorage`] talks to its store.
 #[derive(Debug, Clone)]

@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, DEFAULT_BLOCK_SIZE};
 use crate::load::engine::{read_object, LoadOptions};
 use crate::load::open::{detect_format, open_checkpoint};
@@ -24,7 +25,6 @@ use crate::storage::{ObjectWriter, Storage};
 use crate::tools::pipeline::{
     batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
 };
-use crate::{Error, Result};
 
 /// How to convert.
 #[derive(Debug, Clone)]
@@ -109,7 +109,7 @@ fn refuse_committed(dst: &dyn Storage) -> Result<()> {
 /// index holds, and only a claimed shape far larger than its bytes splits into more.
 const MAX_EXTRA_PARTS: u64 = 1 << 20;
 
-/// Copies the checkpoint in `src` (any format [`crate::open_checkpoint`] recognises) into `dst` as a
+/// Copies the checkpoint in `src` (any format [`crate::load::open::open_checkpoint`] recognises) into `dst` as a
 /// native checkpoint: the same tensors with the same chunks (large ones split), the sharded
 /// objects' bytes, the common state and the content metadata. Refused with
 /// [`Error::AlreadyExists`] if `dst` holds a committed checkpoint of any format (native or

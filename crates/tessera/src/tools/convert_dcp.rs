@@ -17,6 +17,7 @@
 
 use std::collections::BTreeSet;
 
+use crate::error::{Error, Result};
 use crate::formats::torch_dist::{
     common_pt, is_data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace, TensorItems,
 };
@@ -31,7 +32,6 @@ use crate::save::write::{write_sources, Source};
 use crate::storage::{ObjectWriter, Storage};
 use crate::tools::convert::{ConvertOptions, ConvertReport};
 use crate::tools::pipeline::{batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart};
-use crate::{Error, Result};
 
 /// Most DCP chunks a conversion makes (each is an entry of `.metadata`, held in memory while it
 /// is built): far more than any real checkpoint, few enough that a source claiming absurd
@@ -46,7 +46,7 @@ struct Place {
     len: u64,
 }
 
-/// Copies the checkpoint in `src` (any format [`crate::open_checkpoint`] recognises) into
+/// Copies the checkpoint in `src` (any format [`crate::load::open::open_checkpoint`] recognises) into
 /// `dst` as a Megatron `torch_dist` checkpoint. Refused with [`Error::AlreadyExists`] if `dst`
 /// holds a committed checkpoint, unless `opts.overwrite` (which replaces only a DCP or
 /// `torch_dist` one; its `.metadata` is removed before any file is rewritten). `opts.block_size`
@@ -204,7 +204,7 @@ pub fn convert_to_dcp(
 fn write_files(
     src: &dyn Storage,
     dst: &dyn Storage,
-    index: &crate::CheckpointIndex,
+    index: &crate::format::CheckpointIndex,
     parts: &[TensorPart<'_>],
     part_places: &[Place],
     objects: &[(String, Vec<u8>)],

@@ -4,17 +4,18 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
+use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, ObjectEntry, TensorEntry};
 use crate::load::engine::{read_object, LoadOptions};
 use crate::load::open::open_checkpoint;
 use crate::model::dtype::elements_to_f64;
+use crate::model::dtype::{element_to_f64, DType};
 use crate::model::{path_string, StatePath, Value};
 use crate::plan::geometry::split_box_lazy;
 use crate::storage::Storage;
 use crate::tools::pipeline::{
     batched, batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
 };
-use crate::{element_to_f64, DType, Error, Result};
 
 /// How to compare.
 #[derive(Debug, Clone)]
@@ -281,7 +282,7 @@ fn unravel(mut flat: u64, shape: &[u64]) -> Vec<u64> {
 /// part on each side).
 type DiffPart<'i> = (usize, u64, TensorPart<'i>, TensorPart<'i>);
 
-/// Compares the checkpoints in `a` and `b` (any formats [`crate::open_checkpoint`] recognises): which
+/// Compares the checkpoints in `a` and `b` (any formats [`crate::load::open::open_checkpoint`] recognises): which
 /// tensors and sharded objects are on one side only, dtype and shape differences, element
 /// values (see [`DiffOptions::atol`]) with the largest difference and the first differing
 /// element per tensor, object payloads shard by shard, the common state path by path, and the

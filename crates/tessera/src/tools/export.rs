@@ -12,16 +12,17 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value as J};
 
+use crate::error::{Error, Result};
 use crate::format::{build_header, SafetensorsEntry, TensorEntry};
 use crate::load::engine::LoadOptions;
 use crate::load::open::open_checkpoint;
+use crate::model::dtype::{cast_into, DType};
 use crate::plan::geometry::split_box_lazy;
 use crate::storage::Storage;
 use crate::tools::outfile;
 use crate::tools::pipeline::{
     batched, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
 };
-use crate::{cast_into, DType, Error, Result};
 
 /// Name of the index of a sharded export (as Hugging Face `transformers` names it).
 pub const SAFETENSORS_INDEX_FILE: &str = "model.safetensors.index.json";
@@ -302,7 +303,7 @@ type Job<'i> = Vec<(usize, TensorPart<'i>)>;
 /// Streams every tensor into the temporary files, in order.
 fn write_files(
     src: &dyn Storage,
-    index: &crate::CheckpointIndex,
+    index: &crate::format::CheckpointIndex,
     tensors: &[Out<'_>],
     pending: &[Pending],
     headers: &[Vec<u8>],

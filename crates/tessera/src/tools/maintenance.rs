@@ -1,10 +1,10 @@
 //! Maintenance of committed checkpoints: garbage collection and key removal.
 
+use crate::error::{Error, Result};
 use crate::format::INDEX_FILE;
 use crate::load::open::open_index;
 use crate::save::native::is_data_file_name;
 use crate::storage::Storage;
-use crate::{Error, Result};
 
 /// Removes leftovers of saves that never committed (data files and temporary index files not
 /// referenced by the committed index). With no committed index, every tessera data file is a

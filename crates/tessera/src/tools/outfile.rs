@@ -13,7 +13,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::io::Write;
 use std::path::{Component, Path, PathBuf};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A temporary name for `dest` in `dir`: `.NAME.tmp-PID-NONCE`, the nonce 64 random bits (so a
 /// name cannot be guessed and planted in advance).
@@ -126,7 +126,7 @@ pub(crate) fn resolve(path: &Path) -> Result<PathBuf> {
     }
 }
 
-/// The local directory of a storage location (its [`crate::Storage::location`]): a plain path
+/// The local directory of a storage location (its [`crate::storage::Storage::location`]): a plain path
 /// or `file://` URL; `None` for other URLs (object stores, `mem://`), which hold no local file.
 pub(crate) fn local_root(location: &str) -> Option<PathBuf> {
     if let Some(p) = location.strip_prefix("file://") {

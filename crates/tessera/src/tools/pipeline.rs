@@ -6,12 +6,13 @@ use std::ops::Range;
 use std::sync::mpsc;
 use std::sync::{Condvar, Mutex};
 
+use crate::comm::SoloComm;
+use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, TensorEntry};
 use crate::load::engine::{load_opened, LoadOptions};
 use crate::model::{ReplicaId, ShardedTensor, StateTree, TensorData};
 use crate::plan::geometry::BoxPart;
 use crate::storage::Storage;
-use crate::{Error, Result, SoloComm};
 
 /// Default memory budget of the tools: bytes of tensor data held at once.
 pub const DEFAULT_MEMORY_BUDGET: u64 = 512 << 20;

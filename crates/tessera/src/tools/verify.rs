@@ -3,12 +3,12 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
+use crate::error::Result;
 use crate::format::parse_header;
 use crate::load::open::open_unvalidated;
 use crate::load::parallel_for;
 use crate::plan::validate::index_defects;
 use crate::storage::Storage;
-use crate::Result;
 
 /// Outcome of [`verify`]: sound when `problems` is empty.
 #[derive(Debug, Clone, Default)]
@@ -136,7 +136,12 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
 
 /// Reads every virtual file of a foreign checkpoint whole, in pieces of at most 8 MiB (a
 /// virtual file's size is what the metadata claims: the buffer must not follow it).
-fn verify_readable(storage: &dyn Storage, index: &crate::CheckpointIndex, threads: usize, report: &mut VerifyReport) {
+fn verify_readable(
+    storage: &dyn Storage,
+    index: &crate::format::CheckpointIndex,
+    threads: usize,
+    report: &mut VerifyReport,
+) {
     const PIECE: u64 = 8 << 20;
     let problems = Mutex::new(Vec::new());
     let checked = AtomicUsize::new(0);

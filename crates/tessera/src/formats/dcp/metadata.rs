@@ -6,8 +6,8 @@ use std::collections::HashMap;
 
 use crate::format::pickle::PickleValue;
 use crate::formats::torch_save::{as_dims, as_u64, describe, torch_dtype};
+use crate::model::dtype::DType;
 use crate::model::PathSeg;
-use crate::DType;
 
 /// Where one item (a tensor chunk or a byte value) is stored.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,15 +3,16 @@
 
 pub(crate) mod metadata;
 
+use crate::error::{Error, Result};
 use crate::format::pickle::PickleValue;
 use crate::format::{unpickle, CheckpointIndex, StoredChunk, TensorEntry};
 use crate::formats::dcp::metadata::{parse_metadata, DcpMetadata};
 use crate::formats::torch_save::limits;
 use crate::formats::{common_entries, foreign_index, ForeignView, ObjectShards, Source};
 use crate::load::open::{FormatRecord, LoadStrategy};
+use crate::model::Value;
 use crate::model::{PathSeg, StatePath};
 use crate::storage::{size_if_present, Storage};
-use crate::{Error, Result, Value};
 
 pub use crate::formats::torch_dist::{DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA};
 

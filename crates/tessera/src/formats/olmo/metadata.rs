@@ -23,10 +23,12 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value as J};
 
+use crate::error::{Error, Result};
 use crate::format::{build_header, SafetensorsEntry, StoredChunk, TensorEntry};
 use crate::model::dims::Dims;
+use crate::model::dtype::DType;
+use crate::model::Value;
 use crate::plan::save::RankPlan;
-use crate::{DType, Error, Result, Value};
 
 /// Name of the metadata file of an OLMo-core checkpoint directory.
 pub const METADATA_FILE: &str = "metadata.json";
@@ -161,7 +163,10 @@ fn spec_of(v: &J, shape: &[u64], numel: u64) -> std::result::Result<ShardSpec, S
 
 /// The dtype OLMo-core (and safetensors) spell `name`, exactly (`F32`, `BF16`, …).
 fn olmo_dtype(name: &str) -> std::result::Result<DType, String> {
-    crate::ALL_DTYPES.into_iter().find(|d| d.safetensors_name() == name).ok_or(format!("unknown dtype {name:?}"))
+    crate::model::dtype::ALL_DTYPES
+        .into_iter()
+        .find(|d| d.safetensors_name() == name)
+        .ok_or(format!("unknown dtype {name:?}"))
 }
 
 /// The ranges' element count, which must fit 64 bits (every later sum relies on it).

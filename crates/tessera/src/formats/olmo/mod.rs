@@ -10,6 +10,7 @@ pub(crate) mod metadata;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
+use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, FileEntry, TensorEntry};
 use crate::formats::olmo::metadata::{
     build_tensors, decode_pickled, is_olmo_metadata, parse_metadata, FileHeader, IndexedFile, BACKEND,
@@ -18,9 +19,10 @@ use crate::formats::olmo::metadata::{
 use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
 use crate::load::open::{FormatRecord, LoadStrategy};
 use crate::load::parallel_for;
+use crate::model::dtype::DType;
+use crate::model::Value;
 use crate::model::{PathSeg, StatePath};
 use crate::storage::{size_if_present, Storage};
-use crate::{DType, Error, Result, Value};
 
 /// Reads OLMo-core 0.1.x checkpoints (backend [`BACKEND`]).
 #[derive(Debug, Clone, Copy, Default)]
@@ -138,7 +140,8 @@ pub(crate) fn open_olmo(storage: &dyn Storage) -> Result<(CheckpointIndex, Forei
                 .into_iter()
                 .map(|t| {
                     let (key, dtype, shape) = (t.key.clone(), t.dtype, t.global_shape.clone());
-                    let chunks = t.into_chunks().into_iter().map(|c| crate::StoredChunk { crcs: Vec::new(), ..c });
+                    let chunks =
+                        t.into_chunks().into_iter().map(|c| crate::format::StoredChunk { crcs: Vec::new(), ..c });
                     TensorEntry::new(key, dtype, shape, chunks.collect())
                 })
                 .collect();

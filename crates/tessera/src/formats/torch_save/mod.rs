@@ -6,7 +6,7 @@
 pub(crate) mod write;
 
 use crate::format::pickle::{unpickle, PickleValue, UnpickleLimits};
-use crate::DType;
+use crate::model::dtype::DType;
 
 /// One entry of a zip archive.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,7 +7,7 @@
 //! torch checks the entries' CRC-32 when it reads them, so the data's checksum is an input.
 
 use crate::format::pickle_write::{pickle, Pk};
-use crate::DType;
+use crate::model::dtype::DType;
 
 /// Entry order and contents as `torch.save` (format version 1, serialization version 3) writes.
 const FORMAT_VERSION: &[u8] = b"1";
@@ -365,7 +365,7 @@ fn tensor_archive_with(
 /// The archive `torch.save(value)` writes for a value holding no tensors (`data.pkl` only).
 /// Refused when a string or bytes value would not fit protocol 2's 4-byte length (bytes go
 /// as latin-1 text there, up to twice as long), where Python's pickle refuses too.
-pub(crate) fn value_archive(value: &Pk, serialization_id: &str) -> crate::Result<Vec<u8>> {
+pub(crate) fn value_archive(value: &Pk, serialization_id: &str) -> crate::error::Result<Vec<u8>> {
     fn longest(v: &Pk) -> usize {
         match v {
             Pk::Str(s) => s.len(),
@@ -378,7 +378,7 @@ pub(crate) fn value_archive(value: &Pk, serialization_id: &str) -> crate::Result
     }
     let n = longest(value);
     if n > u32::MAX as usize {
-        return Err(crate::Error::invalid(format!(
+        return Err(crate::error::Error::invalid(format!(
             "a value of {n} bytes cannot be stored by torch.save's pickle (protocol 2: at most 4 GiB per string or bytes value)"
         )));
     }

@@ -4,13 +4,13 @@
 
 pub(crate) mod zarray;
 
+use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, StoredChunk, TensorEntry};
 use crate::formats::dcp::{megatron_backend, parse_object_fqn};
 use crate::formats::zarr::zarray::parse_zarray;
 use crate::formats::{foreign_index, ForeignView, ObjectShards, Source};
 use crate::load::open::{FormatRecord, LoadStrategy};
 use crate::storage::Storage;
-use crate::{Error, Result};
 
 /// Reads Megatron `zarr` checkpoints (backend `"zarr"`, version 1).
 #[derive(Debug, Clone, Copy, Default)]

@@ -2,7 +2,7 @@
 //! uncompressed C-order chunks, bf16 as a 2-byte void type whose name Megatron patched to
 //! `"bfloat16"`.
 
-use crate::DType;
+use crate::model::dtype::DType;
 
 /// What a `.zarray` says about an array.
 #[derive(Debug, Clone, PartialEq, Eq)]
