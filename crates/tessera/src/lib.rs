@@ -37,19 +37,15 @@ pub use format::{
     SafetensorsEntry, StoredChunk, StoredObject, TensorEntry, UnpickleLimits, DEFAULT_BLOCK_SIZE, FORMAT_VERSION,
     INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
 };
-pub use formats::dcp::{DcpFlavor, DcpStrategy};
-pub use formats::olmo::{read_olmo_metadata, OlmoStrategy};
-pub use formats::zarr::ZarrStrategy;
+pub use formats::olmo::read_olmo_metadata;
+pub use formats::FormatRecord;
 pub use formats::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
 pub use load::engine::{
     load, load_checkpoint, load_common_state, load_content_metadata, load_from_index, load_plain_tensors,
     load_sharded_objects, load_tensors_metadata, open_for_load, LoadOptions, LoadResult, LoadStats, PlainTensor,
     StrictHandling, TensorMeta,
 };
-pub use load::open::{
-    detect_format, get_save_strategy, open_checkpoint, open_checkpoint_keys, open_index, register_load_strategy,
-    register_save_strategy, FormatRecord, LoadStrategy, NativeStrategy, OpenCheckpoint, SaveStrategy, StrategyAction,
-};
+pub use load::open::{open_checkpoint, open_checkpoint_keys, open_index, OpenCheckpoint};
 pub use model::dtype::{cast_bytes, cast_into, element_to_f64, DType, ALL_DTYPES};
 pub use model::{
     path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,

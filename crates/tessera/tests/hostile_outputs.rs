@@ -206,7 +206,7 @@ fn convert_refuses_a_destination_holding_a_checkpoint_of_any_format_unless_overw
         let dst_dir = dir.join(&format!("dst{i}"));
         copy_dir(&fixture(rel), &dst_dir);
         let dst = LocalStorage::new(&dst_dir);
-        let (record, _) = detect_format(&dst).unwrap();
+        let record = open_checkpoint(&dst).unwrap().record;
         assert_ne!(record.backend, "tessera", "{rel}");
         let before = snapshot(&dst_dir);
         match convert(&src, &dst, &ConvertOptions::default(), &mut no_progress()) {
@@ -217,7 +217,7 @@ fn convert_refuses_a_destination_holding_a_checkpoint_of_any_format_unless_overw
         // With overwrite the native checkpoint is committed there (and is what loads).
         let opts = ConvertOptions { overwrite: true, ..Default::default() };
         convert(&src, &dst, &opts, &mut no_progress()).unwrap_or_else(|e| panic!("{rel}: {e}"));
-        assert_eq!(detect_format(&dst).unwrap().0.backend, "tessera", "{rel}");
+        assert_eq!(open_checkpoint(&dst).unwrap().record.backend, "tessera", "{rel}");
         assert_eq!(load_plain_tensors(&dst, None).unwrap(), load_plain_tensors(&src, None).unwrap(), "{rel}");
     }
     // An empty or absent destination, or one holding only unrelated files, is fine.

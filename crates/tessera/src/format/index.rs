@@ -5,11 +5,12 @@
 //! (version 2); version 1 has the chunk records inline in one checksummed body.
 
 use crate::model::codec::{prealloc, Decoder, Encoder};
+use crate::model::dims::numel;
 use crate::model::dims::Dims;
 use crate::model::dtype::DType;
 use crate::model::Value;
 use crate::model::{PathSeg, StatePath};
-use crate::plan::geometry::numel;
+use crate::storage::names::check_file_name;
 
 /// Name of the index file inside a checkpoint directory.
 pub const INDEX_FILE: &str = "tessera.index";
@@ -840,30 +841,6 @@ impl IndexHead {
         let mut index = self.prelude.into_index(FORMAT_VERSION, tensors, self.objects);
         index.omitted_tensors = omitted;
         index
-    }
-}
-
-/// File names in an index are plain names: no separators, no `..`, nothing hidden outside.
-pub(crate) fn check_file_name(name: &str) -> Result<(), String> {
-    if name.is_empty()
-        || name == "."
-        || name == ".."
-        || name.contains('/')
-        || name.contains('\\')
-        || name.contains('\0')
-    {
-        return Err(format!("file name {name:?} is not a plain name inside the checkpoint"));
-    }
-    Ok(())
-}
-
-/// A file name relative to the checkpoint: plain components (foreign formats keep files in
-/// sub-folders: zarr's `key/0.0`, OLMo-core's `model/rank_0.safetensors`) joined by `/`.
-pub(crate) fn check_relative_name(name: &str) -> Result<(), String> {
-    if name.split('/').all(|c| check_file_name(c).is_ok()) {
-        Ok(())
-    } else {
-        Err(format!("file name {name:?} is not a relative path of plain components inside the checkpoint"))
     }
 }
 

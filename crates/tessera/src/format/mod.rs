@@ -6,10 +6,19 @@ pub(crate) mod pickle;
 pub(crate) mod pickle_write;
 pub(crate) mod safetensors;
 
-pub(crate) use index::check_file_name;
 pub use index::{
     CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
     FORMAT_VERSION, INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
 };
 pub use pickle::{unpickle, PickleObject, PickleValue, UnpickleLimits};
 pub use safetensors::{build_header, crc_hex, parse_header, SafetensorsEntry};
+
+/// True for names tessera gives its data files (`<16 hex>-r<rank>.safetensors`).
+pub(crate) fn is_data_file_name(name: &str) -> bool {
+    let Some(stem) = name.strip_suffix(".safetensors") else { return false };
+    let Some((id, r)) = stem.split_once("-r") else { return false };
+    id.len() == 16
+        && id.bytes().all(|b| b.is_ascii_hexdigit())
+        && !r.is_empty()
+        && r.bytes().all(|b| b.is_ascii_digit())
+}

@@ -17,6 +17,57 @@ pub(crate) mod torch_dist;
 pub(crate) mod torch_save;
 pub(crate) mod zarr;
 
+/// Runs `work(i)` for each `i` in `0..n`, in any order and possibly from several threads: how a
+/// format's opener runs its independent per-file reads. The caller in `load/` chooses the
+/// threads; code in `formats/` starts none.
+pub(crate) type ForEach<'a> = &'a (dyn Fn(usize, &(dyn Fn(usize) + Sync)) + Sync);
+
+/// The backend and version a checkpoint says it was written with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FormatRecord {
+    /// Backend name (`"tessera"`, later `"torch_dist"`, `"zarr"`).
+    pub backend: String,
+    /// Backend version.
+    pub version: u32,
+}
+
+/// Reads checkpoints of one backend: recognises them and produces their index, which the
+/// generic loader then plans against.
+pub(crate) trait LoadStrategy: Send + Sync {
+    /// Backend read.
+    fn backend(&self) -> &str;
+    /// Whether `version` of the backend can be read.
+    fn supports_version(&self, version: u32) -> bool;
+    /// Human-readable list of supported versions.
+    fn supported_versions(&self) -> String;
+    /// The record of a checkpoint of this backend at `storage`, or `None` if it is not one.
+    fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>>;
+    /// Reads the checkpoint's metadata.
+    fn open(&self, storage: &dyn Storage, for_each: ForEach<'_>) -> Result<CheckpointIndex>;
+    /// Reads the checkpoint's metadata and, for formats whose index names virtual files (the
+    /// foreign formats), the read-only view of `storage` those names resolve in. The default
+    /// is [`LoadStrategy::open`] with the files read from `storage` itself.
+    fn open_checkpoint<'s>(
+        &self,
+        storage: &'s dyn Storage,
+        for_each: ForEach<'_>,
+    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+        Ok((self.open(storage, for_each)?, None))
+    }
+    /// [`LoadStrategy::open_checkpoint`] for a reader that needs the chunks of the tensors
+    /// `keys` only: the index MAY move every other tensor from [`CheckpointIndex::tensors`] to
+    /// [`CheckpointIndex::omitted_tensors`]. The default opens everything.
+    fn open_checkpoint_keys<'s>(
+        &self,
+        storage: &'s dyn Storage,
+        keys: &BTreeSet<String>,
+        for_each: ForEach<'_>,
+    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+        let _ = keys;
+        self.open_checkpoint(storage, for_each)
+    }
+}
+
 /// A safetensors data file's header and its crc32c; `None` if the file does not exist.
 pub(crate) type HeaderRead = Option<(crate::formats::olmo::metadata::FileHeader, u32)>;
 
@@ -36,7 +87,7 @@ pub(crate) fn read_safetensors_header(storage: &dyn Storage, name: &str) -> Resu
     Ok(Some((crate::formats::olmo::metadata::parse_file_header(&json, header_len, size, &shown)?, crc)))
 }
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -11,12 +11,11 @@ use std::sync::Mutex;
 use serde_json::Value as J;
 
 use crate::error::{Error, Result};
+use crate::format::is_data_file_name;
 use crate::format::{CheckpointIndex, FileEntry, StoredChunk, TensorEntry};
 use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
-use crate::load::open::{FormatRecord, LoadStrategy};
-use crate::load::parallel_for;
+use crate::formats::{ForEach, FormatRecord, LoadStrategy};
 use crate::model::Value;
-use crate::save::native::is_data_file_name;
 use crate::storage::{size_if_present, Storage};
 
 /// Backend name of plain safetensors checkpoints.
@@ -25,8 +24,6 @@ pub const BACKEND: &str = "safetensors";
 const HF_INDEX: &str = "model.safetensors.index.json";
 /// Largest index file read (Hugging Face's are a few hundred KiB).
 const MAX_INDEX_BYTES: u64 = 64 << 20;
-/// Headers read at once (each a round trip on an object store).
-const HEADER_THREADS: usize = 16;
 
 /// Reads plain safetensors files (backend [`BACKEND`]).
 #[derive(Debug, Clone, Copy, Default)]
@@ -45,14 +42,15 @@ impl LoadStrategy for SafetensorsStrategy {
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
         Ok(files(storage)?.map(|_| FormatRecord { backend: BACKEND.into(), version: 1 }))
     }
-    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
-        Ok(open_safetensors(storage)?.0)
+    fn open(&self, storage: &dyn Storage, for_each: ForEach<'_>) -> Result<CheckpointIndex> {
+        Ok(open_safetensors(storage, for_each)?.0)
     }
     fn open_checkpoint<'s>(
         &self,
         storage: &'s dyn Storage,
+        for_each: ForEach<'_>,
     ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
-        let (index, view) = open_safetensors(storage)?;
+        let (index, view) = open_safetensors(storage, for_each)?;
         Ok((index, Some(Box::new(view))))
     }
 }
@@ -102,10 +100,13 @@ fn files(storage: &dyn Storage) -> Result<Option<Layout>> {
     Ok(Some((names, None)))
 }
 
-pub(crate) fn open_safetensors(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)> {
+pub(crate) fn open_safetensors<'s>(
+    storage: &'s dyn Storage,
+    for_each: ForEach<'_>,
+) -> Result<(CheckpointIndex, ForeignView<'s>)> {
     let (names, weight_map) = files(storage)?.ok_or_else(|| Error::NotCommitted { path: storage.location().into() })?;
     let read: Vec<Mutex<Option<Result<HeaderRead>>>> = names.iter().map(|_| Mutex::new(None)).collect();
-    parallel_for(names.len(), HEADER_THREADS, |i| {
+    for_each(names.len(), &|i| {
         *read[i].lock().unwrap() = Some(read_safetensors_header(storage, &names[i]));
     });
     let mut files = Vec::with_capacity(names.len());

@@ -109,7 +109,7 @@ impl Default for LoadOptions {
         LoadOptions {
             verify_checksums: true,
             strict: StrictHandling::default(),
-            threads: crate::save::native::default_threads(),
+            threads: crate::load::default_threads(),
             tuning: ReadTuning::default(),
             cancel: None,
             exchange_reads: false,
@@ -516,7 +516,7 @@ fn prepare<'a>(
         segs.extend(p.segs);
     }
     for (target, nbytes, key) in &deferred {
-        let buf = crate::save::staging::zeroed(*nbytes)
+        let buf = crate::load::zeroed(*nbytes)
             .ok_or_else(|| Error::invalid(format!("{key:?}: cannot allocate {nbytes} bytes for the tensor")))?;
         datas[*target] = TensorData::Owned(buf);
     }

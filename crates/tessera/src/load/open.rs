@@ -3,111 +3,21 @@
 //! location and then picks one that supports the recorded version.
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, OnceLock, RwLock};
 
-use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
 use crate::formats::dcp::{DcpFlavor, DcpStrategy};
 use crate::formats::olmo::OlmoStrategy;
 use crate::formats::safetensors::SafetensorsStrategy;
 use crate::formats::zarr::ZarrStrategy;
+use crate::formats::{ForEach, FormatRecord, LoadStrategy};
 use crate::load::index_read::open_native_keys;
-use crate::model::StateTree;
 use crate::plan::validate::validate_index;
-use crate::save::native::{save, SaveOptions, SaveReport};
 use crate::storage::{size_if_present, Storage};
-
-/// Which kind of work a strategy does (Megatron's `StrategyAction`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum StrategyAction {
-    /// Save sharded tensors and objects.
-    SaveSharded,
-    /// Load sharded tensors and objects.
-    LoadSharded,
-}
-
-/// The backend and version a checkpoint says it was written with.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FormatRecord {
-    /// Backend name (`"tessera"`, later `"torch_dist"`, `"zarr"`).
-    pub backend: String,
-    /// Backend version.
-    pub version: u32,
-}
-
-/// Writes checkpoints in one backend/version.
-pub trait SaveStrategy: Send + Sync {
-    /// Backend written.
-    fn backend(&self) -> &str;
-    /// Version written.
-    fn version(&self) -> u32;
-    /// Saves this rank's state (collective over `comm`).
-    fn save(
-        &self,
-        tree: StateTree<'_>,
-        storage: &dyn Storage,
-        comm: &dyn Communicator,
-        opts: &SaveOptions,
-    ) -> Result<SaveReport>;
-}
-
-/// Reads checkpoints of one backend: recognises them and produces their index, which the
-/// generic loader then plans against.
-pub trait LoadStrategy: Send + Sync {
-    /// Backend read.
-    fn backend(&self) -> &str;
-    /// Whether `version` of the backend can be read.
-    fn supports_version(&self, version: u32) -> bool;
-    /// Human-readable list of supported versions.
-    fn supported_versions(&self) -> String;
-    /// The record of a checkpoint of this backend at `storage`, or `None` if it is not one.
-    fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>>;
-    /// Reads the checkpoint's metadata.
-    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex>;
-    /// Reads the checkpoint's metadata and, for formats whose index names virtual files (the
-    /// foreign formats), the read-only view of `storage` those names resolve in. The default
-    /// is [`LoadStrategy::open`] with the files read from `storage` itself.
-    fn open_checkpoint<'s>(
-        &self,
-        storage: &'s dyn Storage,
-    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
-        Ok((self.open(storage)?, None))
-    }
-    /// [`LoadStrategy::open_checkpoint`] for a reader that needs the chunks of the tensors
-    /// `keys` only: the index MAY move every other tensor from [`CheckpointIndex::tensors`] to
-    /// [`CheckpointIndex::omitted_tensors`]. The default opens everything.
-    fn open_checkpoint_keys<'s>(
-        &self,
-        storage: &'s dyn Storage,
-        keys: &BTreeSet<String>,
-    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
-        let _ = keys;
-        self.open_checkpoint(storage)
-    }
-}
 
 /// The native format (writes [`FORMAT_VERSION`], reads versions 1 and 2).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct NativeStrategy;
-
-impl SaveStrategy for NativeStrategy {
-    fn backend(&self) -> &str {
-        NATIVE_BACKEND
-    }
-    fn version(&self) -> u32 {
-        FORMAT_VERSION
-    }
-    fn save(
-        &self,
-        tree: StateTree<'_>,
-        storage: &dyn Storage,
-        comm: &dyn Communicator,
-        opts: &SaveOptions,
-    ) -> Result<SaveReport> {
-        save(tree, storage, comm, opts)
-    }
-}
 
 impl LoadStrategy for NativeStrategy {
     fn backend(&self) -> &str {
@@ -128,7 +38,7 @@ impl LoadStrategy for NativeStrategy {
             None => Err(Error::corrupt(index_path(storage), "not a tessera index (bad magic or truncated header)")),
         }
     }
-    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
+    fn open(&self, storage: &dyn Storage, _: ForEach<'_>) -> Result<CheckpointIndex> {
         let bytes = storage.read(INDEX_FILE)?;
         CheckpointIndex::from_bytes(&bytes, &index_path(storage).to_string_lossy())
     }
@@ -136,78 +46,48 @@ impl LoadStrategy for NativeStrategy {
         &self,
         storage: &'s dyn Storage,
         keys: &BTreeSet<String>,
+        _: ForEach<'_>,
     ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
         Ok((open_native_keys(storage, keys)?, None))
     }
+}
+
+/// Threads for a format's per-file reads when it opens (headers of many rank files): latency,
+/// not bandwidth, bounds them.
+const OPEN_THREADS: usize = 16;
+
+/// The [`ForEach`] formats open with: up to [`OPEN_THREADS`] threads.
+fn parallel_open(n: usize, work: &(dyn Fn(usize) + Sync)) {
+    crate::load::parallel_for(n, OPEN_THREADS, work);
 }
 
 fn index_path(storage: &dyn Storage) -> std::path::PathBuf {
     format!("{}/{INDEX_FILE}", storage.location()).into()
 }
 
-/// The strategies known to this process. Starts with the native format; users add theirs.
-#[derive(Clone)]
-pub struct StrategyRegistry {
-    save: Vec<Arc<dyn SaveStrategy>>,
-    load: Vec<Arc<dyn LoadStrategy>>,
-}
-
-impl Default for StrategyRegistry {
-    fn default() -> Self {
-        StrategyRegistry {
-            save: vec![Arc::new(NativeStrategy)],
-            load: vec![
-                Arc::new(NativeStrategy),
-                Arc::new(OlmoStrategy),
-                Arc::new(DcpStrategy(DcpFlavor::Megatron)),
-                Arc::new(DcpStrategy(DcpFlavor::Torch)),
-                Arc::new(DcpStrategy(DcpFlavor::Olmo)),
-                Arc::new(ZarrStrategy),
-                // Last: tessera's own data files are safetensors too.
-                Arc::new(SafetensorsStrategy),
-            ],
-        }
-    }
-}
-
-fn global() -> &'static RwLock<StrategyRegistry> {
-    static REG: OnceLock<RwLock<StrategyRegistry>> = OnceLock::new();
-    REG.get_or_init(|| RwLock::new(StrategyRegistry::default()))
-}
-
-/// Registers a save strategy as the default for its (backend, version), process-wide.
-pub fn register_save_strategy(strategy: Arc<dyn SaveStrategy>) {
-    let mut reg = global().write().unwrap();
-    reg.save.retain(|s| (s.backend(), s.version()) != (strategy.backend(), strategy.version()));
-    reg.save.insert(0, strategy);
-}
-
-/// Registers a load strategy, process-wide; later registrations are asked first.
-pub fn register_load_strategy(strategy: Arc<dyn LoadStrategy>) {
-    global().write().unwrap().load.insert(0, strategy);
-}
-
-/// The save strategy registered for (backend, version).
-pub fn get_save_strategy(backend: &str, version: u32) -> Result<Arc<dyn SaveStrategy>> {
-    global()
-        .read()
-        .unwrap()
-        .save
-        .iter()
-        .find(|s| s.backend() == backend && s.version() == version)
-        .cloned()
-        .ok_or_else(|| Error::UnknownStrategy { backend: backend.into(), version, action: "save".into() })
+/// Every format tessera reads, in the order detection asks them: the native format first, plain
+/// safetensors last (tessera's own data files are safetensors too).
+fn strategies() -> [&'static dyn LoadStrategy; 7] {
+    [
+        &NativeStrategy,
+        &OlmoStrategy,
+        &DcpStrategy(DcpFlavor::Megatron),
+        &DcpStrategy(DcpFlavor::Torch),
+        &DcpStrategy(DcpFlavor::Olmo),
+        &ZarrStrategy,
+        &SafetensorsStrategy,
+    ]
 }
 
 /// Recognises the checkpoint at `storage`: its format record and the strategy to load it.
-pub fn detect_format(storage: &dyn Storage) -> Result<(FormatRecord, Arc<dyn LoadStrategy>)> {
-    let loaders = global().read().unwrap().load.clone();
-    for l in &loaders {
+pub(crate) fn detect_format(storage: &dyn Storage) -> Result<(FormatRecord, &'static dyn LoadStrategy)> {
+    let loaders = strategies();
+    for l in loaders {
         if let Some(record) = l.detect(storage)? {
             if let Some(s) =
                 loaders.iter().find(|s| s.backend() == record.backend && s.supports_version(record.version))
             {
-                return Ok((record, s.clone()));
+                return Ok((record, *s));
             }
             let supported: Vec<String> =
                 loaders.iter().filter(|s| s.backend() == record.backend).map(|s| s.supported_versions()).collect();
@@ -228,7 +108,7 @@ pub fn detect_format(storage: &dyn Storage) -> Result<(FormatRecord, Arc<dyn Loa
 /// the index names virtual files: read its data through [`open_checkpoint`] instead.
 pub fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
     let (record, strategy) = detect_format(storage)?;
-    let index = strategy.open(storage)?;
+    let index = strategy.open(storage, &parallel_open)?;
     validate_index(&index, &metadata_path(storage, &record))?;
     Ok(index)
 }
@@ -281,7 +161,7 @@ pub fn open_checkpoint(storage: &dyn Storage) -> Result<OpenCheckpoint<'_>> {
 /// of the index instead of stopping at the first. Nothing may read by such an index.
 pub(crate) fn open_unvalidated(storage: &dyn Storage) -> Result<OpenCheckpoint<'_>> {
     let (record, strategy) = detect_format(storage)?;
-    let (index, view) = strategy.open_checkpoint(storage)?;
+    let (index, view) = strategy.open_checkpoint(storage, &parallel_open)?;
     Ok(OpenCheckpoint { record, index, base: storage, view })
 }
 
@@ -298,7 +178,7 @@ pub(crate) fn open_checkpoint_key_set<'s>(
     keys: &BTreeSet<String>,
 ) -> Result<OpenCheckpoint<'s>> {
     let (record, strategy) = detect_format(storage)?;
-    let (index, view) = strategy.open_checkpoint_keys(storage, keys)?;
+    let (index, view) = strategy.open_checkpoint_keys(storage, keys, &parallel_open)?;
     validate_index(&index, &metadata_path(storage, &record))?;
     Ok(OpenCheckpoint { record, index, base: storage, view })
 }

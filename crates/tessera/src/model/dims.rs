@@ -159,3 +159,8 @@ impl<'a> IntoIterator for &'a Dims {
         self.as_slice().iter()
     }
 }
+
+/// Number of elements of a shape (1 for a scalar).
+pub fn numel(shape: &[u64]) -> u64 {
+    shape.iter().product()
+}

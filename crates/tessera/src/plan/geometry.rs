@@ -5,10 +5,7 @@
 //! ([`decompose_flat`]), so all geometry reduces to boxes plus a mapping from global
 //! coordinates to positions in the chunk's data ([`Layout`]).
 
-/// Number of elements of a shape (1 for a scalar).
-pub fn numel(shape: &[u64]) -> u64 {
-    shape.iter().product()
-}
+pub use crate::model::dims::numel;
 
 pub use crate::model::dims::Dims;
 

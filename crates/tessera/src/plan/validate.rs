@@ -15,9 +15,9 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
-use crate::format::index::check_relative_name;
 use crate::format::{CheckpointIndex, FileEntry, ObjectEntry, TensorEntry};
 use crate::plan::geometry::{decompose_flat, tiling_faults, Piece};
+use crate::storage::names::check_relative_name;
 
 /// Something wrong with an index, naming the tensor, object or file it concerns.
 #[derive(Debug, Clone, PartialEq, Eq)]

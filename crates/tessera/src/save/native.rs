@@ -8,7 +8,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::format::is_data_file_name;
 use crate::format::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
+use crate::load::default_threads;
 use crate::model::factories::apply_factories_collective;
 use crate::model::{StatePath, StateTree, Value};
 use crate::plan::fasthash::mix64;
@@ -105,10 +107,6 @@ impl Default for SaveOptions {
             plan_cache: None,
         }
     }
-}
-
-pub(crate) fn default_threads() -> usize {
-    std::thread::available_parallelism().map_or(4, |n| (n.get() * 2).clamp(2, 8))
 }
 
 /// What a save did, as seen from one rank.
@@ -774,14 +772,4 @@ fn remove_unreferenced(storage: &dyn Storage, index: &CheckpointIndex, bytes: &[
         let _ = storage.delete(&name);
     }
     Ok(())
-}
-
-/// True for names tessera gives its data files (`<16 hex>-r<rank>.safetensors`).
-pub(crate) fn is_data_file_name(name: &str) -> bool {
-    let Some(stem) = name.strip_suffix(".safetensors") else { return false };
-    let Some((id, r)) = stem.split_once("-r") else { return false };
-    id.len() == 16
-        && id.bytes().all(|b| b.is_ascii_hexdigit())
-        && !r.is_empty()
-        && r.bytes().all(|b| b.is_ascii_digit())
 }

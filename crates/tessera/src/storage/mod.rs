@@ -5,6 +5,7 @@
 mod counting;
 mod local;
 mod memory;
+pub(crate) mod names;
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
 mod object;
 
@@ -215,10 +216,10 @@ pub(crate) fn read_claimed(storage: &dyn Storage, name: &str, offset: u64, len: 
 
 /// Names tessera writes (and deletes): one plain component.
 pub(crate) fn check_plain_name(name: &str) -> Result<()> {
-    crate::format::check_file_name(name).map_err(Error::invalid)
+    names::check_file_name(name).map_err(Error::invalid)
 }
 
 /// Names that may be read: plain components joined by `/`.
 pub(crate) fn check_name(name: &str) -> Result<()> {
-    crate::format::index::check_relative_name(name).map_err(Error::invalid)
+    names::check_relative_name(name).map_err(Error::invalid)
 }

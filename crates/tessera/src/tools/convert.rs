@@ -48,7 +48,7 @@ impl Default for ConvertOptions {
         ConvertOptions {
             overwrite: false,
             memory_budget: DEFAULT_MEMORY_BUDGET,
-            threads: crate::save::native::default_threads(),
+            threads: crate::load::default_threads(),
             block_size: DEFAULT_BLOCK_SIZE,
             max_file_size: 4 << 30,
         }

@@ -58,7 +58,7 @@ impl Default for ExportOptions {
             dtype: None,
             max_shard_size: None,
             memory_budget: DEFAULT_MEMORY_BUDGET,
-            threads: crate::save::native::default_threads(),
+            threads: crate::load::default_threads(),
             rename: Vec::new(),
         }
     }

@@ -1,9 +1,9 @@
 //! Maintenance of committed checkpoints: garbage collection and key removal.
 
 use crate::error::{Error, Result};
+use crate::format::is_data_file_name;
 use crate::format::INDEX_FILE;
 use crate::load::open::open_index;
-use crate::save::native::is_data_file_name;
 use crate::storage::Storage;
 
 /// Removes leftovers of saves that never committed (data files and temporary index files not

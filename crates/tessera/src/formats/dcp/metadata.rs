@@ -94,7 +94,7 @@ fn location(v: &PickleValue, fqn: &str) -> Result<ItemLocation, String> {
     let f = fields(v).ok_or_else(|| format!("{what} is {}, expected a _StorageInfo", describe(v)))?;
     let relative_path = string(need(f, "relative_path", &what)?, &what)?;
     // The same rule as every name a Storage reads (plain components: no `..`, `\\`, NUL).
-    if crate::format::index::check_relative_name(&relative_path).is_err() {
+    if crate::storage::names::check_relative_name(&relative_path).is_err() {
         return Err(format!("{what}: data file {relative_path:?} is not a plain relative name"));
     }
     let offset = as_u64(need(f, "offset", &what)?).ok_or_else(|| format!("{what}: offset is not an int"))?;

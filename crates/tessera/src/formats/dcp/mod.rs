@@ -9,7 +9,7 @@ use crate::format::{unpickle, CheckpointIndex, StoredChunk, TensorEntry};
 use crate::formats::dcp::metadata::{parse_metadata, DcpMetadata};
 use crate::formats::torch_save::limits;
 use crate::formats::{common_entries, foreign_index, ForeignView, ObjectShards, Source};
-use crate::load::open::{FormatRecord, LoadStrategy};
+use crate::formats::{ForEach, FormatRecord, LoadStrategy};
 use crate::model::Value;
 use crate::model::{PathSeg, StatePath};
 use crate::storage::{size_if_present, Storage};
@@ -111,12 +111,13 @@ impl LoadStrategy for DcpStrategy {
             }
         }
     }
-    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
-        Ok(self.open_checkpoint(storage)?.0)
+    fn open(&self, storage: &dyn Storage, for_each: ForEach<'_>) -> Result<CheckpointIndex> {
+        Ok(self.open_checkpoint(storage, for_each)?.0)
     }
     fn open_checkpoint<'s>(
         &self,
         storage: &'s dyn Storage,
+        _: ForEach<'_>,
     ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
         let (index, view) = open_dcp(storage, self.0)?;
         Ok((index, Some(Box::new(view))))

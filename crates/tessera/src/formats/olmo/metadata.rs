@@ -201,7 +201,7 @@ fn tensor_of(v: &J) -> std::result::Result<TensorMeta, String> {
         return Err("no shard_spec_per_file".into());
     }
     for (file, _) in &files {
-        crate::format::index::check_file_name(file)?;
+        crate::storage::names::check_file_name(file)?;
     }
     Ok(TensorMeta { shape, is_sharded, dtype, files })
 }

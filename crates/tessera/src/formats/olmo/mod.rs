@@ -17,8 +17,7 @@ use crate::formats::olmo::metadata::{
     MAX_PICKLED_FIELD, METADATA_FILE, PARTS,
 };
 use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
-use crate::load::open::{FormatRecord, LoadStrategy};
-use crate::load::parallel_for;
+use crate::formats::{ForEach, FormatRecord, LoadStrategy};
 use crate::model::dtype::DType;
 use crate::model::Value;
 use crate::model::{PathSeg, StatePath};
@@ -30,8 +29,6 @@ pub struct OlmoStrategy;
 
 /// Bytes of a `metadata.json` read to recognise it; larger files are recognised by their start.
 const SNIFF_BYTES: u64 = 64 << 10;
-/// Rank files whose headers are read at once (each a round trip on an object store).
-const HEADER_THREADS: usize = 16;
 
 impl LoadStrategy for OlmoStrategy {
     fn backend(&self) -> &str {
@@ -46,14 +43,15 @@ impl LoadStrategy for OlmoStrategy {
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
         Ok(olmo_parts(storage)?.map(|_| FormatRecord { backend: BACKEND.into(), version: 1 }))
     }
-    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
-        Ok(open_olmo(storage)?.0)
+    fn open(&self, storage: &dyn Storage, for_each: ForEach<'_>) -> Result<CheckpointIndex> {
+        Ok(open_olmo(storage, for_each)?.0)
     }
     fn open_checkpoint<'s>(
         &self,
         storage: &'s dyn Storage,
+        for_each: ForEach<'_>,
     ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
-        let (index, view) = open_olmo(storage)?;
+        let (index, view) = open_olmo(storage, for_each)?;
         Ok((index, Some(Box::new(view))))
     }
 }
@@ -82,7 +80,10 @@ pub(crate) fn olmo_parts(storage: &dyn Storage) -> Result<Option<Vec<String>>> {
     Ok((!parts.is_empty()).then_some(parts))
 }
 
-pub(crate) fn open_olmo(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)> {
+pub(crate) fn open_olmo<'s>(
+    storage: &'s dyn Storage,
+    for_each: ForEach<'_>,
+) -> Result<(CheckpointIndex, ForeignView<'s>)> {
     let parts = olmo_parts(storage)?.ok_or_else(|| Error::NotCommitted { path: storage.location().into() })?;
     let mut files: Vec<FileEntry> = Vec::new();
     let mut tensors: Vec<TensorEntry> = Vec::new();
@@ -101,7 +102,7 @@ pub(crate) fn open_olmo(storage: &dyn Storage) -> Result<(CheckpointIndex, Forei
             .into_iter()
             .collect();
         let headers: Vec<Mutex<Option<Result<HeaderRead>>>> = names.iter().map(|_| Mutex::new(None)).collect();
-        parallel_for(names.len(), HEADER_THREADS, |i| {
+        for_each(names.len(), &|i| {
             *headers[i].lock().unwrap() = Some(read_safetensors_header(storage, &format!("{prefix}{}", names[i])));
         });
         let mut by_name: HashMap<&str, (u32, FileHeader)> = HashMap::with_capacity(names.len());

@@ -9,7 +9,7 @@ use crate::format::{CheckpointIndex, StoredChunk, TensorEntry};
 use crate::formats::dcp::{megatron_backend, parse_object_fqn};
 use crate::formats::zarr::zarray::parse_zarray;
 use crate::formats::{foreign_index, ForeignView, ObjectShards, Source};
-use crate::load::open::{FormatRecord, LoadStrategy};
+use crate::formats::{ForEach, FormatRecord, LoadStrategy};
 use crate::storage::Storage;
 
 /// Reads Megatron `zarr` checkpoints (backend `"zarr"`, version 1).
@@ -34,12 +34,13 @@ impl LoadStrategy for ZarrStrategy {
             _ => None,
         })
     }
-    fn open(&self, storage: &dyn Storage) -> Result<CheckpointIndex> {
-        Ok(self.open_checkpoint(storage)?.0)
+    fn open(&self, storage: &dyn Storage, for_each: ForEach<'_>) -> Result<CheckpointIndex> {
+        Ok(self.open_checkpoint(storage, for_each)?.0)
     }
     fn open_checkpoint<'s>(
         &self,
         storage: &'s dyn Storage,
+        _: ForEach<'_>,
     ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
         let (index, view) = open_zarr(storage)?;
         Ok((index, Some(Box::new(view))))
