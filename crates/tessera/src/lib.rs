@@ -3,16 +3,41 @@
 //! Each rank of a job describes its piece of every tensor as a [`ShardedTensor`] in a
 //! [`StateTree`]; [`save`] writes the pieces as one checkpoint (safetensors data files plus a
 //! binary index written last, atomically: the commit marker), and [`load`] reads any other
-//! layout back — any parallelism, any world size — touching only the bytes each rank needs.
+//! layout back (any parallelism, any world size), touching only the bytes each rank needs.
+//! [`open`] opens a checkpoint of any format tessera reads (its own, PyTorch DCP, Megatron
+//! torch_dist and zarr, OLMo-core, plain safetensors) as a [`Checkpoint`] with every read
+//! operation.
+//!
+//! ```
+//! use tessera::{load, open, save, DType, LoadOptions, MemoryStorage, SaveOptions, ShardedTensor, SoloComm, StateTree, TensorData};
+//!
+//! // Two ranks' halves of a 4-element tensor (here saved from one process for brevity).
+//! let storage = MemoryStorage::new();
+//! let bytes = |xs: &[f32]| xs.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+//! let half = |off: u64, xs: &[f32]| {
+//!     ShardedTensor::new("w", DType::F32, &[4], &[off], &[2], TensorData::Owned(bytes(xs)))
+//! };
+//! let tree = StateTree::map()
+//!     .with("a", StateTree::Tensor(half(0, &[1.0, 2.0]).with_key("w")))
+//!     .with("b", StateTree::Tensor(half(2, &[3.0, 4.0])));
+//! save(tree, &storage, &SoloComm, &SaveOptions::default())?;
+//!
+//! // Load the whole tensor back, in another layout.
+//! let want = StateTree::map().with("w", StateTree::Tensor(ShardedTensor::full("w", DType::F32, &[4], TensorData::None)));
+//! let got = load(want, &storage, &SoloComm, &LoadOptions::default())?;
+//! assert_eq!(got.stats.bytes_needed, 16);
+//! assert_eq!(open(&storage)?.read_tensors(None)?["w"].data, bytes(&[1.0, 2.0, 3.0, 4.0]));
+//! # Ok::<(), tessera::Error>(())
+//! ```
 //!
 //! Whole-checkpoint tools work on every readable format through the same index and loader:
-//! [`export_safetensors`] (plain Hugging Face safetensors, optionally sharded and cast),
-//! [`convert`] (to the native format, keeping the chunk structure) and [`diff`]; all stream
-//! with bounded memory. Element casts: [`cast_bytes`], [`element_to_f64`].
+//! [`verify`], [`diff`], [`convert`] (native format), [`convert_to_dcp`] (torch_dist / DCP),
+//! [`export_safetensors`] (plain Hugging Face safetensors), [`gc`]; all stream with bounded
+//! memory.
 //!
-//! Layout of the crate: `state` (the data model), `plan` (pure planning: geometry, validation,
-//! read grouping), `format` (byte layouts), `storage` (where bytes live), `comm` (collectives),
-//! `io` (orchestration: the only code that moves bytes). See ARCHITECTURE.md and FORMAT.md.
+//! The crate's folders follow the flow (ARCHITECTURE.md): `model` (what users build), `plan`
+//! (pure planning and the one validation gate), `format` (the native bytes), `formats` (other
+//! programs' formats), `storage` and `comm` (leaves), `save` and `load` (the engines), `tools`.
 #![deny(missing_docs)]
 
 mod comm;
@@ -21,56 +46,70 @@ mod format;
 mod formats;
 mod load;
 mod model;
-pub mod plan;
+mod plan;
 mod save;
 mod storage;
 #[cfg(test)]
 mod test_rng;
 mod tools;
 
-#[cfg(feature = "mpi")]
-pub use comm::MpiComm;
-pub use comm::{default_all_to_all, Communicator, InProcessComm, SoloComm};
-pub use error::{Error, Result};
-pub use format::{
-    build_header, crc_hex, parse_header, unpickle, CheckpointIndex, FileEntry, ObjectEntry, PickleObject, PickleValue,
-    SafetensorsEntry, StoredChunk, StoredObject, TensorEntry, UnpickleLimits, DEFAULT_BLOCK_SIZE, FORMAT_VERSION,
-    INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
-};
-pub use formats::olmo::read_olmo_metadata;
-pub use formats::FormatRecord;
-pub use formats::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
-pub use load::engine::{
-    load, load_checkpoint, load_common_state, load_content_metadata, load_from_index, load_plain_tensors,
-    load_sharded_objects, load_tensors_metadata, open_for_load, LoadOptions, LoadResult, LoadStats, PlainTensor,
-    StrictHandling, TensorMeta,
-};
-pub use load::open::{open_checkpoint, open_checkpoint_keys, open_index, OpenCheckpoint};
-pub use model::dtype::{cast_bytes, cast_into, element_to_f64, DType, ALL_DTYPES};
+// The data model.
+pub use model::dtype::{cast_bytes, DType};
 pub use model::{
     path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,
     StatePath, StateTree, TensorData, TensorFactory, Value,
 };
+
+// Errors.
+pub use error::{Error, Result};
+
+// Where bytes live, and how ranks talk.
+#[cfg(feature = "mpi")]
+pub use comm::MpiComm;
+pub use comm::{default_all_to_all, Communicator, InProcessComm, SoloComm};
 /// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).
 #[cfg(feature = "mpi")]
 pub use mpi;
+pub use storage::{open_location, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage};
+#[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
+pub use storage::{ObjectStorage, ObjectStoreOptions, RequestCounts};
+
+// Opening and reading any checkpoint.
+pub use format::{
+    CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
+    FORMAT_VERSION, INDEX_FILE,
+};
+pub use formats::olmo::read_olmo_metadata;
+pub use formats::FormatRecord;
+pub use load::engine::{load, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling, TensorMeta};
+pub use load::open::{open, open_with, Checkpoint, OpenOptions};
+
+// Saving.
 pub use save::async_save::{AsyncSave, AsyncSaver};
 pub use save::native::{save, validate_sharding_integrity, PlanCache, SaveOptions, SaveReport};
 pub use save::olmo::{save_olmo, save_olmo_dirs, OlmoSaveReport};
 pub use save::staging::{StagingPool, DEFAULT_STAGING_BUFFER};
 pub use save::torch_dist::{save_torch_dist, TorchDistSave};
-pub use storage::{open_location, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage};
-#[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
-pub use storage::{ObjectStorage, ObjectStoreOptions, RequestCounts};
+
+// Whole-checkpoint tools.
 pub use tools::convert::{convert, ConvertOptions, ConvertReport};
 pub use tools::convert_dcp::convert_to_dcp;
 pub use tools::diff::{
     diff, CommonDiff, DiffOptions, DiffReport, ObjectDiff, ObjectDifference, TensorDiff, TensorDifference, ValueDiff,
 };
-pub use tools::export::{export_safetensors, ExportOptions, ExportReport, SAFETENSORS_INDEX_FILE};
+pub use tools::export::{export_safetensors, ExportOptions, ExportReport};
 pub use tools::maintenance::{gc, remove_sharded_tensors};
 pub use tools::pipeline::DEFAULT_MEMORY_BUDGET;
 pub use tools::verify::{verify, VerifyReport};
+
+/// The planner's pure functions for the plan simulator and benchmarks (`crates/tessera-bench`,
+/// feature `plan-internals`). Not API: no stability promise.
+#[cfg(feature = "plan-internals")]
+#[doc(hidden)]
+pub mod __plan {
+    pub use crate::model::dims;
+    pub use crate::plan::{exchange, geometry, load, save, validate};
+}
 
 /// Entry points into crate-private parsers for the fuzz targets in `fuzz/` (feature
 /// `fuzzing`). Not API: thin wrappers returning plain data, no stability promise.

@@ -1,17 +1,19 @@
-//! On-disk formats: the binary index (commit marker), safetensors data files, and the compact
-//! codec both use. Pure data in, data out: nothing here touches storage.
+//! The native bytes: the binary index (the commit marker; v1 and v2), the safetensors header of
+//! data files and its checksums, and the names of data files (FORMAT.md). Pure data in, data
+//! out: nothing here touches storage or starts a thread.
 
 pub(crate) mod index;
 pub(crate) mod pickle;
 pub(crate) mod pickle_write;
 pub(crate) mod safetensors;
 
+pub(crate) use index::NATIVE_BACKEND;
 pub use index::{
     CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
-    FORMAT_VERSION, INDEX_FILE, INDEX_MAGIC, NATIVE_BACKEND,
+    FORMAT_VERSION, INDEX_FILE,
 };
-pub use pickle::{unpickle, PickleObject, PickleValue, UnpickleLimits};
-pub use safetensors::{build_header, crc_hex, parse_header, SafetensorsEntry};
+pub(crate) use pickle::{unpickle, PickleValue};
+pub(crate) use safetensors::{build_header, crc_hex, parse_header, SafetensorsEntry};
 
 /// True for names tessera gives its data files (`<16 hex>-r<rank>.safetensors`).
 pub(crate) fn is_data_file_name(name: &str) -> bool {

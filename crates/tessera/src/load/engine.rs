@@ -13,17 +13,16 @@ use std::sync::Arc;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::format::CheckpointIndex;
-use crate::load::open::{open_checkpoint, open_checkpoint_key_set, open_checkpoint_keys, OpenCheckpoint};
+use crate::load::open::{open_checkpoint, open_checkpoint_key_set, Checkpoint};
 use crate::load::read::{destination_order, execute, verify_headers};
 use crate::model::dtype::DType;
 use crate::model::factories::{apply_factories, apply_merges, remove_paths, AppliedFactory};
-use crate::model::{StatePath, StateTree, TensorData, Value};
+use crate::model::{StatePath, StateTree, TensorData};
 use crate::plan::exchange::{
     decode_needs, encode_needs, needed_ranges, plan_exchange, split_segs, ByteRange, ExchangePlan, ExchangeTuning,
     FileChunks, DEFAULT_MAX_PIECE, DEFAULT_ROUND_BYTES,
 };
 use crate::plan::load::{plan_reads, plan_request, CopySeg, ReadTuning, Request};
-use crate::plan::validate::validate_index;
 use crate::storage::Storage;
 
 /// What to do about keys that do not match between the request and the checkpoint
@@ -178,12 +177,12 @@ pub fn load<'a>(
 /// is seen by the readers of its tensor): a rank that fails still makes the collectives its
 /// peers' load makes before reading (the strict-mode key exchange; with `exchange_reads`, the
 /// exchange of needs, carrying the failure), so no rank is left waiting.
-pub fn open_for_load<'s, K: AsRef<str>>(
+pub(crate) fn open_for_load<'s, K: AsRef<str>>(
     storage: &'s dyn Storage,
     keys: &[K],
     comm: &dyn Communicator,
     opts: &LoadOptions,
-) -> Result<OpenCheckpoint<'s>> {
+) -> Result<Checkpoint<'s>> {
     let opened = if opts.exchange_reads {
         open_checkpoint(storage)
     } else {
@@ -203,10 +202,10 @@ pub fn open_for_load<'s, K: AsRef<str>>(
 }
 
 /// [`load`] from a checkpoint already opened (reuse across loads) by [`open_for_load`],
-/// [`crate::load::open::open_checkpoint`], or [`crate::load::open::open_checkpoint_keys`] with at least the keys
+/// [`crate::open`], or [`crate::open_with`] with at least the keys
 /// requested (`exchange_reads` needs the whole index).
-pub fn load_checkpoint<'a>(
-    ckpt: &OpenCheckpoint<'_>,
+pub(crate) fn load_checkpoint<'a>(
+    ckpt: &Checkpoint<'_>,
     tree: StateTree<'a>,
     comm: &dyn Communicator,
     opts: &LoadOptions,
@@ -214,23 +213,7 @@ pub fn load_checkpoint<'a>(
     load_with(&ckpt.index, apply_factories(tree), ckpt.storage(), comm, opts)
 }
 
-/// [`load`] with an index already opened (reuse across loads): `index` and `storage` as
-/// [`crate::load::open::open_checkpoint`] gives them (for the native format, `storage` is the checkpoint's
-/// own).
-pub fn load_from_index<'a>(
-    index: &CheckpointIndex,
-    tree: StateTree<'a>,
-    storage: &dyn Storage,
-    comm: &dyn Communicator,
-    opts: &LoadOptions,
-) -> Result<LoadResult<'a>> {
-    // The caller's index passes the gate the openers apply; a failure is reported in step with
-    // the other ranks, like a tree whose factories fail.
-    let built = validate_index(index, &storage.location()).and_then(|()| apply_factories(tree));
-    load_with(index, built, storage, comm, opts)
-}
-
-/// [`load_from_index`] for an index an opener gave (and so validated): the tools' loads of box
+/// [`load`] from an index an opener gave (and so validated): the tools' loads of box
 /// parts, one call per batch, skip a second run of the gate over the whole index.
 pub(crate) fn load_opened<'a>(
     index: &CheckpointIndex,
@@ -795,14 +778,13 @@ pub struct TensorMeta {
     pub global_shape: Vec<u64>,
 }
 
-/// Key → dtype and global shape of every stored tensor, without reading tensor data.
-pub fn load_tensors_metadata(storage: &dyn Storage) -> Result<BTreeMap<String, TensorMeta>> {
-    let index = crate::load::open::open_index(storage)?;
-    Ok(index
+/// Key → dtype and global shape of every tensor of `index`.
+pub(crate) fn tensors_metadata(index: &CheckpointIndex) -> BTreeMap<String, TensorMeta> {
+    index
         .tensors
         .iter()
         .map(|t| (t.key.clone(), TensorMeta { dtype: t.dtype, global_shape: t.global_shape.clone() }))
-        .collect())
+        .collect()
 }
 
 /// A whole tensor in memory.
@@ -816,12 +798,11 @@ pub struct PlainTensor {
     pub data: Vec<u8>,
 }
 
-/// Loads whole tensors (all, or those whose key is in `keys`), unsharded.
-pub fn load_plain_tensors(storage: &dyn Storage, keys: Option<&[&str]>) -> Result<BTreeMap<String, PlainTensor>> {
-    let ckpt = match keys {
-        Some(ks) => open_checkpoint_keys(storage, ks)?,
-        None => open_checkpoint(storage)?,
-    };
+/// Whole tensors of an opened checkpoint (all, or those whose key is in `keys`), unsharded.
+pub(crate) fn read_plain_tensors(
+    ckpt: &Checkpoint<'_>,
+    keys: Option<&[&str]>,
+) -> Result<BTreeMap<String, PlainTensor>> {
     let (index, storage) = (&ckpt.index, ckpt.storage());
     let mut tree = StateTree::map();
     for t in &index.tensors {
@@ -854,25 +835,18 @@ pub fn load_plain_tensors(storage: &dyn Storage, keys: Option<&[&str]>) -> Resul
     Ok(out)
 }
 
-/// The common (non-sharded) state as a tree of plain values.
-pub fn load_common_state(storage: &dyn Storage) -> Result<StateTree<'static>> {
-    let index = crate::load::open::open_index(storage)?;
+/// The common (non-sharded) state of `index` as a tree of plain values.
+pub(crate) fn common_state(index: &CheckpointIndex) -> StateTree<'static> {
     let mut tree = StateTree::map();
     for (path, v) in &index.common {
         tree.set_path(path, StateTree::Value(v.clone()));
     }
-    Ok(tree)
+    tree
 }
 
-/// The user metadata given at save (`Value::Null` if none).
-pub fn load_content_metadata(storage: &dyn Storage) -> Result<Value> {
-    Ok(crate::load::open::open_index(storage)?.content_metadata)
-}
-
-/// Fills the data of every [`crate::model::ShardedObject`] in `tree` from the checkpoint; other leaves
-/// are left as they are.
-pub fn load_sharded_objects<'a>(tree: StateTree<'a>, storage: &dyn Storage) -> Result<StateTree<'a>> {
-    let ckpt = open_checkpoint(storage)?;
+/// Fills the data of every [`crate::model::ShardedObject`] in `tree` from the checkpoint; other
+/// leaves are left as they are.
+pub(crate) fn load_sharded_objects<'a>(ckpt: &Checkpoint<'_>, tree: StateTree<'a>) -> Result<StateTree<'a>> {
     tree.map_leaves(&mut |_, leaf| match leaf {
         StateTree::Object(mut o) => {
             o.data = Some(read_object(&ckpt.index, ckpt.storage(), &o.key, &o.global_offset, true)?);

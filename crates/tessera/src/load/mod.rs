@@ -3,6 +3,7 @@
 //! caller's memory), ranged reads of the native index, and the exchange of reads shared
 //! between ranks. Reading threads start here.
 
+pub(crate) mod checkpoint;
 pub(crate) mod engine;
 pub(crate) mod index_read;
 pub(crate) mod open;

@@ -106,7 +106,7 @@ pub(crate) fn detect_format(storage: &dyn Storage) -> Result<(FormatRecord, &'st
 
 /// Opens the index of any recognised checkpoint. For a foreign format (DCP, Megatron, OLMo-core)
 /// the index names virtual files: read its data through [`open_checkpoint`] instead.
-pub fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
+pub(crate) fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
     let (record, strategy) = detect_format(storage)?;
     let index = strategy.open(storage, &parallel_open)?;
     validate_index(&index, &metadata_path(storage, &record))?;
@@ -125,33 +125,99 @@ fn metadata_path(storage: &dyn Storage, record: &FormatRecord) -> String {
     format!("{}/{file}", storage.location())
 }
 
-/// A checkpoint opened for reading: its format, its index, and the storage the index's file
-/// names resolve in.
-pub struct OpenCheckpoint<'s> {
-    /// Backend and version detected.
-    pub record: FormatRecord,
-    /// The checkpoint's index (partial when opened by [`open_checkpoint_keys`]).
-    pub index: CheckpointIndex,
+/// A checkpoint opened for reading, in any format tessera reads: what it is ([`Checkpoint::format`]),
+/// its validated index ([`Checkpoint::index`]), and every read operation (`load`,
+/// `read_tensors`, `common_state`, `load_objects`, `tensors_metadata`, `content_metadata`).
+/// Opening once and reading many times reuses the decoded index.
+///
+/// ```
+/// use tessera::{open, save, MemoryStorage, SaveOptions, ShardedTensor, SoloComm, StateTree, TensorData, DType};
+///
+/// let storage = MemoryStorage::new();
+/// let w: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+/// let tree = StateTree::map().with("w", StateTree::Tensor(ShardedTensor::full("w", DType::F32, &[2], TensorData::Owned(w.clone()))));
+/// save(tree, &storage, &SoloComm, &SaveOptions::default())?;
+///
+/// let ckpt = open(&storage)?;
+/// assert_eq!(ckpt.format().backend, "tessera");
+/// assert_eq!(ckpt.read_tensors(None)?["w"].data, w);
+/// # Ok::<(), tessera::Error>(())
+/// ```
+pub struct Checkpoint<'s> {
+    pub(crate) record: FormatRecord,
+    pub(crate) index: CheckpointIndex,
     base: &'s dyn Storage,
     view: Option<Box<dyn Storage + 's>>,
 }
 
-impl std::fmt::Debug for OpenCheckpoint<'_> {
+impl std::fmt::Debug for Checkpoint<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OpenCheckpoint").field("record", &self.record).field("location", &self.base.location()).finish()
+        f.debug_struct("Checkpoint").field("record", &self.record).field("location", &self.base.location()).finish()
     }
 }
 
-impl OpenCheckpoint<'_> {
-    /// The storage to pass to [`crate::load::engine::load_from_index`] with [`OpenCheckpoint::index`]: the
-    /// checkpoint's own storage for the native format, a read-only view for foreign ones.
-    pub fn storage(&self) -> &dyn Storage {
+impl Checkpoint<'_> {
+    /// The format and version the checkpoint was written in.
+    pub fn format(&self) -> &FormatRecord {
+        &self.record
+    }
+
+    /// The checkpoint's index, validated: every tensor's chunks, objects, common state and files
+    /// (with [`OpenOptions::keys`], the chunks of those tensors only; the others are listed in
+    /// [`CheckpointIndex::omitted_tensors`]).
+    pub fn index(&self) -> &CheckpointIndex {
+        &self.index
+    }
+
+    /// Where the checkpoint is (its storage's location).
+    pub fn location(&self) -> String {
+        self.base.location()
+    }
+
+    /// The storage the index's file names resolve in: the checkpoint's own for the native
+    /// format, a read-only view for foreign ones.
+    pub(crate) fn storage(&self) -> &dyn Storage {
         self.view.as_deref().unwrap_or(self.base)
     }
 }
 
+/// How [`open_with`] opens a checkpoint.
+#[derive(Debug, Clone, Default)]
+pub struct OpenOptions {
+    /// Read and decode the index entries of these tensors only (native format; others formats
+    /// open whole). Objects, common state and files are always complete. `None`: everything.
+    pub keys: Option<Vec<String>>,
+}
+
+/// Opens the checkpoint at `storage` for reading: detects its format (native, PyTorch DCP,
+/// Megatron torch_dist or zarr, OLMo-core, plain safetensors), reads its index and passes it
+/// through the one validation gate every index passes before anything reads by it.
+///
+/// Errors: [`Error::NotFound`] (nothing there), [`Error::NotCommitted`] (files but no
+/// checkpoint), [`Error::IncompatibleVersion`], [`Error::Corrupt`] naming the file and key.
+pub fn open(storage: &dyn Storage) -> Result<Checkpoint<'_>> {
+    open_with(storage, &OpenOptions::default())
+}
+
+/// [`open`] with options: a reader of a few tensors of a large native checkpoint opens only
+/// their part of the index.
+///
+/// ```
+/// use tessera::{open_with, MemoryStorage, OpenOptions};
+///
+/// let empty = MemoryStorage::new();
+/// let opts = OpenOptions { keys: Some(vec!["w".into()]) };
+/// assert!(matches!(open_with(&empty, &opts), Err(tessera::Error::NotFound { .. })));
+/// ```
+pub fn open_with<'s>(storage: &'s dyn Storage, opts: &OpenOptions) -> Result<Checkpoint<'s>> {
+    match &opts.keys {
+        None => open_checkpoint(storage),
+        Some(keys) => open_checkpoint_key_set(storage, &keys.iter().cloned().collect()),
+    }
+}
+
 /// Detects the format of the checkpoint at `storage` and opens it for reading.
-pub fn open_checkpoint(storage: &dyn Storage) -> Result<OpenCheckpoint<'_>> {
+pub(crate) fn open_checkpoint(storage: &dyn Storage) -> Result<Checkpoint<'_>> {
     let ckpt = open_unvalidated(storage)?;
     validate_index(&ckpt.index, &metadata_path(storage, &ckpt.record))?;
     Ok(ckpt)
@@ -159,26 +225,18 @@ pub fn open_checkpoint(storage: &dyn Storage) -> Result<OpenCheckpoint<'_>> {
 
 /// [`open_checkpoint`] without the validation gate, for `verify`, which reports every defect
 /// of the index instead of stopping at the first. Nothing may read by such an index.
-pub(crate) fn open_unvalidated(storage: &dyn Storage) -> Result<OpenCheckpoint<'_>> {
+pub(crate) fn open_unvalidated(storage: &dyn Storage) -> Result<Checkpoint<'_>> {
     let (record, strategy) = detect_format(storage)?;
     let (index, view) = strategy.open_checkpoint(storage, &parallel_open)?;
-    Ok(OpenCheckpoint { record, index, base: storage, view })
+    Ok(Checkpoint { record, index, base: storage, view })
 }
 
 /// [`open_checkpoint`] for a reader of the tensors `keys` only: a native checkpoint's index is
 /// read and decoded for those tensors alone (the others are listed in the index's
 /// `omitted_tensors`). Objects, common state and files are always complete.
-pub fn open_checkpoint_keys<'s, K: AsRef<str>>(storage: &'s dyn Storage, keys: &[K]) -> Result<OpenCheckpoint<'s>> {
-    let keys: BTreeSet<String> = keys.iter().map(|k| k.as_ref().to_string()).collect();
-    open_checkpoint_key_set(storage, &keys)
-}
-
-pub(crate) fn open_checkpoint_key_set<'s>(
-    storage: &'s dyn Storage,
-    keys: &BTreeSet<String>,
-) -> Result<OpenCheckpoint<'s>> {
+pub(crate) fn open_checkpoint_key_set<'s>(storage: &'s dyn Storage, keys: &BTreeSet<String>) -> Result<Checkpoint<'s>> {
     let (record, strategy) = detect_format(storage)?;
     let (index, view) = strategy.open_checkpoint_keys(storage, keys, &parallel_open)?;
     validate_index(&index, &metadata_path(storage, &record))?;
-    Ok(OpenCheckpoint { record, index, base: storage, view })
+    Ok(Checkpoint { record, index, base: storage, view })
 }

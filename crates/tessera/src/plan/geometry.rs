@@ -146,6 +146,7 @@ impl BoxPart {
 /// is cut into sub-boxes along the first axis whose one-index slices fit: groups of rows along
 /// axis 0 when a row fits; otherwise the axes before the cut axis are taken one index at a
 /// time. An empty box, a scalar, or a box that fits, comes back whole.
+#[cfg(test)]
 pub fn split_box(off: &[u64], shape: &[u64], flat: Option<(u64, u64)>, max_numel: u64) -> Vec<BoxPart> {
     split_box_lazy(off, shape, flat, max_numel).collect()
 }

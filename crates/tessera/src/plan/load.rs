@@ -29,6 +29,7 @@ pub struct Request {
 
 impl Request {
     /// Elements in the target buffer.
+    #[cfg_attr(not(feature = "plan-internals"), allow(dead_code))] // the benchmarks'
     pub fn numel(&self) -> u64 {
         self.flat.map_or_else(|| numel(&self.shape), |(s, e)| e - s)
     }

@@ -4,7 +4,6 @@
 //! property-testable and can be run for 10,000 simulated ranks.
 
 pub mod exchange;
-pub use crate::model::dims;
 pub(crate) mod fasthash;
 pub mod geometry;
 pub mod load;

@@ -146,6 +146,7 @@ impl RankPlan {
     }
 
     /// Inverse of [`RankPlan::encode`].
+    #[cfg(test)]
     pub fn decode(bytes: &[u8]) -> Result<RankPlan, String> {
         Self::decode_interned(bytes, &mut FastMap::default())
     }

@@ -1,7 +1,7 @@
 //! The gate every index passes before anything reads by it, whatever format it came from
 //! (native v1/v2, DCP, Megatron torch_dist and zarr, OLMo-core): the openers run
-//! [`validate_index`] on what a strategy produced, `load_from_index` runs it on a caller's
-//! index, and `verify` reports every [`IndexDefect`] it finds.
+//! [`validate_index`] on what a strategy produced (the tools' loads reuse an opener's validated
+//! index), and `verify` reports every [`IndexDefect`] it finds.
 //!
 //! After the gate, readers may rely on: every shape's element and byte counts fit in `u64`;
 //! every chunk box lies inside its tensor and every flat range inside its box; every chunk and
