@@ -1,6 +1,7 @@
-//! The model of `tessera demo` and `tessera bench`: a GPT-like transformer with Adam state,
-//! described for any of the parallel layouts they use, with contents that are a pure function
-//! of (key, global element index) so that any loaded layout can be checked byte by byte.
+//! The model of `tessera demo` and of the benchmarks (`tessera-bench`): a GPT-like transformer
+//! with Adam state, described for any of the parallel layouts they use, with contents that are
+//! a pure function of (key, global element index) so that any loaded layout can be checked byte
+//! by byte.
 //!
 //! Global tensors (L layers, hidden H, SwiGLU width F, vocab V; parameters bf16):
 //!
