@@ -1,8 +1,8 @@
 //! The `tessera-bench` command: tessera's benchmarks. Save and resharded load against raw IO
-//! ([`bench`]), an object store against a local directory ([`bench_s3`]), the async save
-//! ([`bench_async`]), the fully-parallel save ([`bench_parallel`]) and the metadata planning of
-//! many simulated ranks ([`plansim`]). One implementation, [`run`], behind the `tessera-bench`
-//! binary (`src/main.rs`).
+//! (`bench.rs`), an object store against a local directory (`bench_s3.rs`), the async save
+//! (`bench_async.rs`), the fully-parallel save (`bench_parallel.rs`) and the metadata planning of
+//! many simulated ranks (`plansim.rs`, `--plan-only`). One implementation, [`run`], behind the
+//! `tessera-bench` binary (`src/main.rs`).
 //!
 //! The benchmarks save and load the synthetic model of the `tessera` command's demo
 //! ([`tessera_cli::model`], over in-process ranks with [`tessera_cli::jobs`]) and use that

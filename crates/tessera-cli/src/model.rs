@@ -13,7 +13,7 @@
 //! | `decoder.layers.mlp.fc1_w`, `…fc1_v` (fused)       | [L, F, H]  | axis 1   |
 //! | `decoder.layers.mlp.linear_fc2.weight`            | [L, H, F]  | axis 2   |
 //! | `decoder.layers.{input,pre_mlp}_layernorm.weight` | [L, H]     | replicated |
-//! | `decoder.final_layernorm.weight`                  | [H]        | replicated |
+//! | `decoder.final_layernorm.weight`                  | \[H\]      | replicated |
 //!
 //! plus `optimizer.exp_avg.<key>` and `optimizer.exp_avg_sq.<key>` in f32 for every parameter,
 //! an `rng_state` object with one shard per training rank, and common values.
