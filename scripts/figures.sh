@@ -8,9 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Release build of the CLI (2 jobs: small machine).
-cargo build --release -j2 -p tessera-cli
+# Release build of the CLI and of the benchmarks (2 jobs: small machine).
+cargo build --release -j2 -p tessera-cli -p tessera-bench
 bin="${CARGO_TARGET_DIR:-target}/release/tessera"
+bench_bin="${CARGO_TARGET_DIR:-target}/release/tessera-bench"
 # The Python package (release build) in .venv, for the PyTorch comparison.
 bash scripts/python-env.sh
 out=target/figures.txt
@@ -27,29 +28,36 @@ run() {
   echo
 }
 
+# Runs the benchmarks' binary, echoing the command line first.
+bench() {
+  echo "\$ tessera-bench $*"
+  "$bench_bin" "$@"
+  echo
+}
+
 {
   run demo --size 1GiB
-  run bench --dir "$bench_dir" --size 1GiB --ranks 4 --rounds 5
+  bench --dir "$bench_dir" --size 1GiB --ranks 4 --rounds 5
   # Async save: blocking time over a memcpy, total over a sync save, peak RSS over the staging
   # budget; 64 MiB per rank (staged in waves) and a budget that holds each rank's share. ~1 min.
-  run bench --async --dir "$bench_dir" --size 1GiB --ranks 4 --budget 64MiB --rounds 5
+  bench --async --dir "$bench_dir" --size 1GiB --ranks 4 --budget 64MiB --rounds 5
   # The same with one rank per core (2 ranks), as a training process per GPU has its own cores.
-  run bench --async --dir "$bench_dir" --size 1GiB --ranks 2 --budget 1GiB --rounds 5
+  bench --async --dir "$bench_dir" --size 1GiB --ranks 2 --budget 1GiB --rounds 5
   # Fully-parallel save: bytes written per rank with and without distribute_replicas, 256 MiB of
   # parameters replicated over DP = 2, 4, 8, then TP=2 × DP=4. ~20 s.
-  run bench --fully-parallel --dir "$bench_dir" --size 256MiB --dp 2,4,8 --rounds 3
-  run bench --fully-parallel --dir "$bench_dir" --size 256MiB --tp 2 --dp 4 --rounds 3
+  bench --fully-parallel --dir "$bench_dir" --size 256MiB --dp 2,4,8 --rounds 3
+  bench --fully-parallel --dir "$bench_dir" --size 256MiB --tp 2 --dp 4 --rounds 3
   # Object store against the local directory: the same save (TP=4) and resharded load (TP=2) into
   # moto_server (S3 in the memory of one Python process, on this machine's cores; started on a
   # free port with a bucket by scripts/s3-server.sh, stopped afterwards) and into the directory;
   # GETs per chunk, bytes downloaded / needed, PUTs and parts. 256 MiB, ~2 min.
-  echo "\$ scripts/s3-server.sh --bucket tessera-bench -- tessera bench --dir $bench_dir --s3 s3://tessera-bench/figures --size 256MiB --ranks 4 --rounds 5"
+  echo "\$ scripts/s3-server.sh --bucket tessera-bench -- tessera-bench --dir $bench_dir --s3 s3://tessera-bench/figures --size 256MiB --ranks 4 --rounds 5"
   bash scripts/s3-server.sh --bucket tessera-bench -- \
-    "$bin" bench --dir "$bench_dir" --s3 s3://tessera-bench/figures --size 256MiB --ranks 4 --rounds 5
+    "$bench_bin" --dir "$bench_dir" --s3 s3://tessera-bench/figures --size 256MiB --ranks 4 --rounds 5
   echo
-  run bench --plan-only --ranks 10000 --tensors 1000
+  bench --plan-only --ranks 10000 --tensors 1000
   # About 1,000,000 stored chunks: the index-open figure for the 1M-chunk goal.
-  run bench --plan-only --ranks 2000 --tensors 1000
+  bench --plan-only --ranks 2000 --tensors 1000
   # PyTorch users' view: tessera.torch vs torch.distributed.checkpoint vs safetensors, 512MiB.
   echo "\$ .venv/bin/python scripts/bench_python.py"
   .venv/bin/python scripts/bench_python.py

@@ -1,5 +1,5 @@
 //! Saving and loading the model of [`crate::model`] over in-process ranks, timed between
-//! barriers (rank 0's view), shared by `demo` and `bench`.
+//! barriers (rank 0's view), shared by `demo` and the benchmarks (`tessera-bench`).
 
 use std::time::Instant;
 

@@ -1,31 +1,32 @@
-//! The `tessera` command: demo, inspect, verify, bench and gc for tessera checkpoints; unshard,
+//! The `tessera` command: demo, inspect, verify and gc for tessera checkpoints; unshard,
 //! convert and diff for any readable checkpoint. One implementation, [`run`], behind the
 //! `tessera` binary (`src/main.rs`) and the `tessera` console script `pip install` gives
 //! (`tessera._native.cli`).
+//!
+//! The public modules are what the demo runs on — the synthetic model ([`model`]), saving and
+//! loading it over in-process ranks ([`jobs`], [`ranks`]) — and the helpers every command
+//! uses ([`location`], [`progress`], [`sizes`], [`system`]); the benchmarks (the
+//! `tessera-bench` crate) build on them.
 
-mod bench;
-mod bench_async;
-mod bench_parallel;
-mod bench_s3;
+#![deny(missing_docs)]
+
 mod convert;
 mod demo;
 mod diff;
 mod gc;
 mod inspect;
-mod jobs;
+pub mod jobs;
 mod keys;
-mod location;
-mod model;
-mod peak;
-mod plansim;
-mod progress;
-mod ranks;
-mod sizes;
-mod system;
+pub mod location;
+pub mod model;
+pub mod progress;
+pub mod ranks;
+pub mod sizes;
+pub mod system;
 mod unshard;
 mod verify;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
@@ -36,17 +37,14 @@ use crate::location::Location;
 #[command(
     name = "tessera",
     version,
-    about = "Distributed checkpoints: demo, inspect, verify, bench, gc, unshard, convert, diff",
+    about = "Distributed checkpoints: demo, inspect, verify, gc, unshard, convert, diff",
     after_help = "Locations: a local directory, or an object-store URL (s3://bucket/prefix) configured from the \
                   environment: AWS_ENDPOINT_URL (S3-compatible servers), AWS_ALLOW_HTTP=true (plain-HTTP \
                   endpoints), AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN), AWS_REGION."
 )]
 struct Cli {
-    /// Progress of long work on stderr: by default a bar on a terminal and otherwise a plain
-    /// line every 30 s; with SECONDS, a plain line every SECONDS (terminal or not) and one when
-    /// the work starts and ends; 0: none.
-    #[arg(long, global = true, value_name = "SECONDS")]
-    progress: Option<f64>,
+    #[command(flatten)]
+    progress: progress::ProgressArg,
     #[command(subcommand)]
     command: Command,
 }
@@ -85,75 +83,6 @@ enum Command {
         /// problems, leftovers, error).
         #[arg(long)]
         json: bool,
-    },
-    /// Benchmarks: save and resharded load against raw IO; an object store against a local
-    /// directory (--s3); async save (--async); fully-parallel save (--fully-parallel); metadata
-    /// planning at scale (--plan-only).
-    ///
-    /// Default: tessera save and resharded load against raw sequential IO (a local directory).
-    /// --s3 URL: the same save and resharded load into --dir and into the object store, with the
-    /// store's requests (PUTs, parts, GETs per chunk, bytes downloaded / needed). --async: the
-    /// async save against a memcpy and against the sync save. --fully-parallel: the bytes each
-    /// rank writes with and without distribute_replicas. --plan-only: the metadata planning of a
-    /// save and a load for many simulated ranks, no IO. The IO modes report ratios to a reference
-    /// measured in the same rounds (every round, the median and min–max), not bare times.
-    Bench {
-        /// Directory to benchmark in (the checkpoint goes to DIR/ckpt, which must be absent or
-        /// empty: the benchmark deletes it afterwards). --async and
-        /// --fully-parallel also take s3://bucket/prefix; the default benchmark and --s3 need a
-        /// local directory (raw IO reference, page cache).
-        #[arg(long, required_unless_present = "plan_only")]
-        dir: Option<String>,
-        /// Object store against local directory: save and resharded load into --dir and into
-        /// URL/ckpt (s3://bucket/prefix), in the same rounds.
-        #[arg(long, value_name = "URL", conflicts_with_all = ["plan_only", "async_save", "fully_parallel"])]
-        s3: Option<String>,
-        /// Bytes to write (default 1GiB; 256MiB with --s3); with --fully-parallel, bytes of the
-        /// replicated parameters (default 256MiB).
-        #[arg(long)]
-        size: Option<String>,
-        /// Saving ranks (default 4; with --async, TP=N in-process ranks), or simulated ranks with
-        /// --plan-only (default 10000).
-        #[arg(long, conflicts_with = "fully_parallel")]
-        ranks: Option<usize>,
-        /// No IO: simulate the planning of a save and a load.
-        #[arg(long, conflicts_with_all = ["async_save", "fully_parallel"])]
-        plan_only: bool,
-        /// Async save (AsyncSaver): each round times a memcpy of every rank's state into a
-        /// pre-faulted buffer, an async save (blocking part and total, up to finalize) and a sync
-        /// save of the same state; reports blocking/memcpy, blocking/sync, total/sync and peak RSS
-        /// against the staging budget, with the budget of --budget (staged in waves when smaller
-        /// than a rank's share) and with one that holds a rank's whole share.
-        #[arg(long = "async", conflicts_with = "fully_parallel")]
-        async_save: bool,
-        /// Staging budget per rank with --async (default 64MiB).
-        #[arg(long, requires = "async_save")]
-        budget: Option<String>,
-        /// Fully-parallel save: the model's parameters replicated over DP (each degree of --dp,
-        /// TP=--tp), saved with and without distribute_replicas; reports the bytes written per
-        /// rank against the ideal share and the save-time ratio.
-        #[arg(long)]
-        fully_parallel: bool,
-        /// DP degrees with --fully-parallel, comma-separated (default 2,4,8).
-        #[arg(long, value_delimiter = ',', requires = "fully_parallel")]
-        dp: Vec<u64>,
-        /// TP degree with --fully-parallel (default 1).
-        #[arg(long, requires = "fully_parallel")]
-        tp: Option<u64>,
-        /// Rounds (of raw reference + save + load; with --async, of memcpy + async + sync save
-        /// per configuration; with --fully-parallel, of both saves per DP degree); each round's
-        /// ratios are reported, with their median and range.
-        #[arg(long, default_value_t = 3)]
-        rounds: usize,
-        /// Tensors per simulated rank (--plan-only).
-        #[arg(long, default_value_t = 1000)]
-        tensors: usize,
-        /// Print one JSON object.
-        #[arg(long)]
-        json: bool,
-        /// Keep the benchmark checkpoint in DIR/ckpt (and URL/ckpt with --s3).
-        #[arg(long, conflicts_with_all = ["async_save", "fully_parallel"])]
-        keep: bool,
     },
     /// Remove leftovers of saves that never committed.
     Gc {
@@ -245,7 +174,7 @@ impl Command {
             Command::Unshard { src, .. } => vec![src.clone()],
             Command::Convert { src, .. } => vec![src.clone()],
             Command::Diff { a, b, .. } => vec![a.clone(), b.clone()],
-            Command::Demo { .. } | Command::Bench { .. } => Vec::new(),
+            Command::Demo { .. } => Vec::new(),
         }
     }
 }
@@ -265,55 +194,6 @@ fn dispatch(command: Command) -> Result<u8> {
             Ok(0)
         }
         Command::Verify { dir, json } => verify::run(&Location::parse(&dir), json),
-        Command::Bench {
-            dir,
-            s3,
-            size,
-            ranks,
-            rounds,
-            plan_only,
-            async_save,
-            budget,
-            fully_parallel,
-            dp,
-            tp,
-            tensors,
-            json,
-            keep,
-        } => {
-            if plan_only {
-                plansim::run(plansim::PlanArgs { ranks: ranks.unwrap_or(10_000), tensors, json })?;
-                return Ok(0);
-            }
-            let Some(dir) = dir else { bail!("--dir is required (or use --plan-only)") };
-            let dir = Location::parse(&dir);
-            if let Some(url) = s3 {
-                let size = sizes::parse_size(size.as_deref().unwrap_or(bench_s3::DEFAULT_SIZE))?;
-                let url = Location::parse(&url);
-                let ranks = ranks.unwrap_or(4);
-                return bench_s3::run(bench_s3::S3Args { dir, url, size, ranks, rounds, json, keep });
-            }
-            if fully_parallel {
-                let size = sizes::parse_size(size.as_deref().unwrap_or(bench_parallel::DEFAULT_SIZE))?;
-                let dps = if dp.is_empty() { bench_parallel::DEFAULT_DPS.to_vec() } else { dp };
-                let tp = tp.unwrap_or(1);
-                return bench_parallel::run(bench_parallel::ParallelArgs { dir, size, tp, dps, rounds, json });
-            }
-            let size = sizes::parse_size(size.as_deref().unwrap_or("1GiB"))?;
-            let ranks = ranks.unwrap_or(4);
-            if async_save {
-                let budget = sizes::parse_size(budget.as_deref().unwrap_or(bench_async::DEFAULT_BUDGET))?;
-                return bench_async::run(bench_async::AsyncArgs { dir, size, ranks, budget, rounds, json });
-            }
-            let Some(dir) = dir.local().map(Path::to_path_buf) else {
-                bail!(
-                    "--dir {dir}: this benchmark compares with raw IO on a local disk (a write + fsync, a read \
-                     with the page cache dropped) and needs a local directory; for an object store, compare it \
-                     with a local directory: --dir LOCAL_DIR --s3 {dir}"
-                )
-            };
-            bench::run(bench::BenchArgs { dir, size, ranks, rounds, json, keep })
-        }
         Command::Gc { dir } => {
             gc::run(&Location::parse(&dir))?;
             Ok(0)
@@ -359,17 +239,11 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    system::default_sigpipe();
-    let cli = match Cli::try_parse_from(args) {
+    let cli: Cli = match parse_args(args) {
         Ok(cli) => cli,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() { 2 } else { 0 };
-        }
+        Err(code) => return code,
     };
-    if let Some(seconds) = cli.progress {
-        progress::set_interval(seconds);
-    }
+    cli.progress.apply();
     let locations = cli.command.locations();
     // `diff` exits 1 when the checkpoints differ, so its errors exit 2 (as usage errors do).
     let error_code = if matches!(cli.command, Command::Diff { .. }) { 2 } else { 1 };
@@ -383,4 +257,24 @@ where
             error_code
         }
     }
+}
+
+/// Parses the command line `args` (the program name first) as `C`, after restoring the default
+/// SIGPIPE action (so that output into a closed pipe ends the process quietly). `Err` holds the
+/// exit status when clap has printed help or the version (0) or a usage error (2) instead.
+pub fn parse_args<C, I, T>(args: I) -> std::result::Result<C, u8>
+where
+    C: Parser,
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    system::default_sigpipe();
+    C::try_parse_from(args).map_err(|e| {
+        let _ = e.print();
+        if e.use_stderr() {
+            2
+        } else {
+            0
+        }
+    })
 }

@@ -1,6 +1,7 @@
-//! The model of `tessera demo` and `tessera bench`: a GPT-like transformer with Adam state,
-//! described for any of the parallel layouts they use, with contents that are a pure function
-//! of (key, global element index) so that any loaded layout can be checked byte by byte.
+//! The model of `tessera demo` and of the benchmarks (`tessera-bench`): a GPT-like transformer
+//! with Adam state, described for any of the parallel layouts they use, with contents that are
+//! a pure function of (key, global element index) so that any loaded layout can be checked byte
+//! by byte.
 //!
 //! Global tensors (L layers, hidden H, SwiGLU width F, vocab V; parameters bf16):
 //!
@@ -12,7 +13,7 @@
 //! | `decoder.layers.mlp.fc1_w`, `…fc1_v` (fused)       | [L, F, H]  | axis 1   |
 //! | `decoder.layers.mlp.linear_fc2.weight`            | [L, H, F]  | axis 2   |
 //! | `decoder.layers.{input,pre_mlp}_layernorm.weight` | [L, H]     | replicated |
-//! | `decoder.final_layernorm.weight`                  | [H]        | replicated |
+//! | `decoder.final_layernorm.weight`                  | \[H\]      | replicated |
 //!
 //! plus `optimizer.exp_avg.<key>` and `optimizer.exp_avg_sq.<key>` in f32 for every parameter,
 //! an `rng_state` object with one shard per training rank, and common values.

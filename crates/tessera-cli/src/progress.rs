@@ -32,6 +32,25 @@ const QUIET_INTERVAL: Duration = Duration::from_secs(30);
 
 static MODE: OnceLock<Mode> = OnceLock::new();
 
+/// The `--progress SECONDS` option of the commands (flattened into their clap parsers).
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct ProgressArg {
+    /// Progress of long work on stderr: by default a bar on a terminal and otherwise a plain
+    /// line every 30 s; with SECONDS, a plain line every SECONDS (terminal or not) and one when
+    /// the work starts and ends; 0: none.
+    #[arg(long, global = true, value_name = "SECONDS")]
+    pub progress: Option<f64>,
+}
+
+impl ProgressArg {
+    /// Applies the option ([`set_interval`]) when it was given.
+    pub fn apply(&self) {
+        if let Some(seconds) = self.progress {
+            set_interval(seconds);
+        }
+    }
+}
+
 /// `--progress SECONDS`: plain lines every SECONDS (0: no progress at all). Call once, before
 /// any progress is shown.
 pub fn set_interval(seconds: f64) {

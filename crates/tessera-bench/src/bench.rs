@@ -1,4 +1,4 @@
-//! `tessera bench --dir D --size S [--ranks N] [--rounds R] [--json]`: tessera against the raw device.
+//! `tessera-bench --dir D --size S [--ranks N] [--rounds R] [--json]`: tessera against the raw device.
 //!
 //! Disk timings are noisy, so the benchmark runs in R rounds (default 3). Each round runs, back
 //! to back: (a) the write reference, a raw sequential write + fsync of S bytes into a file in D;
@@ -24,12 +24,12 @@ use anyhow::{Context, Result};
 use serde_json::json;
 use tessera::{LoadOptions, LocalStorage, SaveOptions};
 
-use crate::jobs;
-use crate::location::Location;
-use crate::model::{self, Layout, ModelConfig};
-use crate::progress::Progress;
-use crate::sizes::{fmt_bytes, fmt_secs, gbps};
-use crate::system;
+use tessera_cli::jobs;
+use tessera_cli::location::Location;
+use tessera_cli::model::{self, Layout, ModelConfig};
+use tessera_cli::progress::Progress;
+use tessera_cli::sizes::{fmt_bytes, fmt_secs, gbps};
+use tessera_cli::system;
 
 /// Arguments of the IO benchmark.
 pub struct BenchArgs {

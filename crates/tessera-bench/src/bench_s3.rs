@@ -1,10 +1,10 @@
-//! `tessera bench --dir D --s3 s3://bucket/prefix [--size S] [--ranks N] [--rounds R] [--json]`:
+//! `tessera-bench --dir D --s3 s3://bucket/prefix [--size S] [--ranks N] [--rounds R] [--json]`:
 //! the same save and resharded load into a local directory and into an object store, in one
 //! run.
 //!
-//! The state is the model of `tessera bench` (about S bytes, default 256 MiB), saved from N
+//! The state is the model of `tessera-bench` (about S bytes, default 256 MiB), saved from N
 //! in-process ranks (TP=N, default 4) and loaded under TP=N/2 (N/2 ranks; 1 rank whole when
-//! N = 1), as in `tessera bench`. Each round runs both sides back to back — the local directory
+//! N = 1), as in `tessera-bench`. Each round runs both sides back to back — the local directory
 //! D/ckpt and the prefix URL/ckpt of the object store, local first in odd rounds and second in
 //! even ones — and each side does: a save, a resharded load with checksum verification, and one
 //! without (the local page cache dropped before each load). Every loaded byte is checked.
@@ -31,11 +31,11 @@ use tessera::{
 };
 
 use crate::bench::{ratio, Spread};
-use crate::jobs;
-use crate::location::{self, Location};
-use crate::model::{self, Layout, ModelConfig};
-use crate::sizes::{fmt_bytes, fmt_secs};
-use crate::system;
+use tessera_cli::jobs;
+use tessera_cli::location::{self, Location};
+use tessera_cli::model::{self, Layout, ModelConfig};
+use tessera_cli::sizes::{fmt_bytes, fmt_secs};
+use tessera_cli::system;
 
 /// Default state size: moto, the test server, keeps every object in the memory of one Python
 /// process.

@@ -1,8 +1,8 @@
-//! `tessera bench --fully-parallel --dir D [--size S] [--dp 2,4,8] [--tp T] [--rounds R] [--json]`:
+//! `tessera-bench --fully-parallel --dir D [--size S] [--dp 2,4,8] [--tp T] [--rounds R] [--json]`:
 //! how the fully-parallel save (`SaveOptions::distribute_replicas`) spreads the writing of
 //! replicated tensors over their replicas.
 //!
-//! The state is the bf16 parameters of the model of `tessera bench` (about S bytes, default
+//! The state is the bf16 parameters of the model of `tessera-bench` (about S bytes, default
 //! 256 MiB: embedding, 8 layers, layer norms), split by TP (default 1) and replicated over DP as
 //! in data-parallel training, plus each rank's RNG object. The ranks are in-process, and the DP
 //! replicas of a TP rank share one copy of its bytes (a replica costs no memory here).
@@ -26,11 +26,11 @@ use serde_json::json;
 use tessera::{Communicator, InProcessComm, SaveOptions, SaveReport, TensorData};
 
 use crate::bench::{ratio, Spread};
-use crate::location::Location;
-use crate::model::{self, Layout, Leaf, ModelConfig};
-use crate::progress::Progress;
-use crate::ranks;
-use crate::sizes::{fmt_bytes, fmt_secs};
+use tessera_cli::location::Location;
+use tessera_cli::model::{self, Layout, Leaf, ModelConfig};
+use tessera_cli::progress::Progress;
+use tessera_cli::ranks;
+use tessera_cli::sizes::{fmt_bytes, fmt_secs};
 
 /// Arguments of the fully-parallel save benchmark.
 pub struct ParallelArgs {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::system;
+use tessera_cli::system;
 
 /// How the peak of a phase was measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

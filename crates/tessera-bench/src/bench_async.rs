@@ -1,7 +1,7 @@
-//! `tessera bench --async --dir D [--size S] [--ranks N] [--budget B] [--rounds R] [--json]`:
+//! `tessera-bench --async --dir D [--size S] [--ranks N] [--budget B] [--rounds R] [--json]`:
 //! the async save against a plain memcpy and against the sync save, in the same rounds.
 //!
-//! The state is the model of `tessera bench` (about S bytes, TP=N over N in-process ranks),
+//! The state is the model of `tessera-bench` (about S bytes, TP=N over N in-process ranks),
 //! generated once. It is saved in two configurations, each with its own staging pools (one per
 //! rank, created and pre-faulted before the rounds; their creation is timed once, apart): the
 //! budget B per rank (default 64 MiB, so that with S = 1 GiB and N = 4 each rank's 256 MiB is
@@ -21,7 +21,7 @@
 //! runs from the call until it returns, its total time until `finalize` returns. Both saves use
 //! the same options and storage (a local directory: data files fsynced, index committed by
 //! write-temp + fsync + rename; or the object store of an `s3://…` D), and the checkpoint is
-//! removed after each; there is no page cache to drop (`tessera bench` drops it before reads only; these are writes, all fsynced,
+//! removed after each; there is no page cache to drop (`tessera-bench` drops it before reads only; these are writes, all fsynced,
 //! into files deleted afterwards).
 //!
 //! Reported per configuration: each round's ratios blocking / memcpy, blocking / sync and
@@ -47,13 +47,13 @@ use tessera::{
 };
 
 use crate::bench::{ratio, Spread};
-use crate::location::Location;
-use crate::model::{self, Layout, Leaf, ModelConfig};
 use crate::peak::{self, PeakWatch};
-use crate::progress::Progress;
-use crate::ranks;
-use crate::sizes::{fmt_bytes, fmt_secs};
-use crate::system;
+use tessera_cli::location::Location;
+use tessera_cli::model::{self, Layout, Leaf, ModelConfig};
+use tessera_cli::progress::Progress;
+use tessera_cli::ranks;
+use tessera_cli::sizes::{fmt_bytes, fmt_secs};
+use tessera_cli::system;
 
 /// Arguments of the async-save benchmark.
 pub struct AsyncArgs {

@@ -1,4 +1,4 @@
-//! `tessera bench --plan-only --ranks N --tensors T`: the metadata side of a save and a load
+//! `tessera-bench --plan-only --ranks N --tensors T`: the metadata side of a save and a load
 //! at scale, with no IO. N simulated ranks in a TP×DP layout each hold a shard of each of T
 //! tensors: even tensors are parameters (split on axis 0 by TP, replicated over DP), odd ones
 //! optimizer state (each TP box flattened and cut across the DP ranks at arbitrary points).
@@ -25,9 +25,9 @@ use tessera::{
     DEFAULT_BLOCK_SIZE, INDEX_FILE,
 };
 
-use crate::model::{jittered_bounds, key_seed, split_range};
-use crate::sizes::{fmt_bytes, fmt_secs};
-use crate::system;
+use tessera_cli::model::{jittered_bounds, key_seed, split_range};
+use tessera_cli::sizes::{fmt_bytes, fmt_secs};
+use tessera_cli::system;
 
 /// Arguments of the planning benchmark.
 pub struct PlanArgs {
@@ -205,7 +205,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     drop(reports);
     // 4. Rank 0 assembles and encodes the index; a loader opens it.
     let common = vec![(vec![PathSeg::Key("iteration".into())], Value::Int(1000))];
-    let meta = Value::Map(vec![("producer".into(), "tessera bench --plan-only".into())]);
+    let meta = Value::Map(vec![("producer".into(), "tessera-bench --plan-only".into())]);
     let (index, t_build) = timed(|| build_index(&plans, &files, DEFAULT_BLOCK_SIZE, common, meta));
     let index = index.context("building the index")?;
     drop(plans);
