@@ -116,8 +116,8 @@ pub mod __plan {
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod __fuzz {
-    use crate::format::pickle;
     use crate::formats::dcp::metadata as dcp;
+    use crate::formats::pickle;
     use crate::formats::torch_save;
     use crate::formats::zarr::zarray as zarr;
 

@@ -3,8 +3,6 @@
 //! out: nothing here touches storage or starts a thread.
 
 pub(crate) mod index;
-pub(crate) mod pickle;
-pub(crate) mod pickle_write;
 pub(crate) mod safetensors;
 
 pub(crate) use index::NATIVE_BACKEND;
@@ -12,7 +10,6 @@ pub use index::{
     CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
     FORMAT_VERSION, INDEX_FILE,
 };
-pub(crate) use pickle::{unpickle, PickleValue};
 pub(crate) use safetensors::{build_header, crc_hex, parse_header, SafetensorsEntry};
 
 /// True for names tessera gives its data files (`<16 hex>-r<rank>.safetensors`).

@@ -12,6 +12,7 @@
 
 pub(crate) mod dcp;
 pub(crate) mod olmo;
+pub(crate) mod pickle;
 pub(crate) mod safetensors;
 pub(crate) mod torch_dist;
 pub(crate) mod torch_save;
@@ -93,9 +94,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
-use crate::format::pickle::PickleValue;
 use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, TensorEntry};
 use crate::formats::dcp::metadata::ItemLocation;
+use crate::formats::pickle::PickleValue;
 use crate::formats::torch_save::{
     decode_archive, find_central_directory, find_entry, gather, inner_name, local_header_len, parse_central_directory,
     tensor_record, zip_entries, CentralEntry, TensorRecord, ZipEntry,
@@ -366,7 +367,7 @@ impl<'s> ForeignView<'s> {
 
     fn record(&self, pkl: &[u8], item: &ItemLocation, key: &str) -> Result<TensorRecord> {
         let shown = self.shown(&item.relative_path);
-        let v = crate::format::unpickle(pkl, &shown.to_string_lossy(), &crate::formats::torch_save::limits())?;
+        let v = crate::formats::pickle::unpickle(pkl, &shown.to_string_lossy(), &crate::formats::torch_save::limits())?;
         tensor_record(&v).map_err(|e| self.item_error(item, key, e))
     }
 

@@ -18,7 +18,7 @@
 //! Pure: descriptions in, bytes out.
 
 use crate::error::{Error, Result};
-use crate::format::pickle_write::{pickle, Pk};
+use crate::formats::pickle::write::{pickle, Pk};
 use crate::formats::torch_save::write::{torch_dtype_name, value_archive, wrap_archive_in_list};
 use crate::model::dtype::DType;
 use crate::model::{path_string, PathSeg, StatePath, Value};
@@ -213,7 +213,7 @@ pub fn object_item(key: &str, payload: &[u8], serialization_id: &str) -> Result<
         value_archive(&Pk::List(vec![Pk::from(&v)]), serialization_id)
     } else if tag == OBJECT_TAG_TORCH_LIST {
         match crate::formats::torch_save::decode_archive(body, key) {
-            Ok(crate::format::PickleValue::List(xs)) if xs.len() == 1 => Ok(body.to_vec()),
+            Ok(crate::formats::pickle::PickleValue::List(xs)) if xs.len() == 1 => Ok(body.to_vec()),
             Ok(_) => Err(bad("the torch.save payload tagged TPL1 is not a one-element list".into())),
             Err(e) => Err(bad(format!("the torch.save payload tagged TPL1 does not read: {e}"))),
         }
@@ -317,8 +317,8 @@ pub fn common_pt(common: &[(StatePath, Value)], serialization_id: &str) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::pickle::{unpickle, PickleValue, UnpickleLimits};
     use crate::formats::dcp::metadata::parse_metadata;
+    use crate::formats::pickle::{unpickle, PickleValue, UnpickleLimits};
     use crate::formats::torch_save::decode_archive;
 
     #[test]

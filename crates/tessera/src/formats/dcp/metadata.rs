@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use crate::format::pickle::PickleValue;
+use crate::formats::pickle::PickleValue;
 use crate::formats::torch_save::{as_dims, as_u64, describe, torch_dtype};
 use crate::model::dtype::DType;
 use crate::model::PathSeg;

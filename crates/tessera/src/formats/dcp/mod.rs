@@ -4,9 +4,10 @@
 pub(crate) mod metadata;
 
 use crate::error::{Error, Result};
-use crate::format::pickle::PickleValue;
-use crate::format::{unpickle, CheckpointIndex, StoredChunk, TensorEntry};
+use crate::format::{CheckpointIndex, StoredChunk, TensorEntry};
 use crate::formats::dcp::metadata::{parse_metadata, DcpMetadata};
+use crate::formats::pickle::unpickle;
+use crate::formats::pickle::PickleValue;
 use crate::formats::torch_save::limits;
 use crate::formats::{common_entries, foreign_index, ForeignView, ObjectShards, Source};
 use crate::formats::{ForEach, FormatRecord, LoadStrategy};

@@ -414,7 +414,7 @@ pub const MAX_PICKLED_FIELD: u64 = 64 << 20;
 /// `pickle.dumps` bytes stored as a uint8 tensor), decoded by the restricted unpickler, which
 /// never executes anything: plain when it is (tuples become lists), else its lossy rendering.
 pub fn decode_pickled(bytes: &[u8], shown: &str) -> Result<Value> {
-    let v = crate::format::unpickle(bytes, shown, &crate::formats::torch_save::limits())?;
+    let v = crate::formats::pickle::unpickle(bytes, shown, &crate::formats::torch_save::limits())?;
     Ok(v.to_plain().unwrap_or_else(|| v.to_value_lossy()))
 }
 

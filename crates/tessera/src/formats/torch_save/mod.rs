@@ -5,7 +5,7 @@
 
 pub(crate) mod write;
 
-use crate::format::pickle::{unpickle, PickleValue, UnpickleLimits};
+use crate::formats::pickle::{unpickle, PickleValue, UnpickleLimits};
 use crate::model::dtype::DType;
 
 /// One entry of a zip archive.

@@ -6,7 +6,7 @@
 //!
 //! torch checks the entries' CRC-32 when it reads them, so the data's checksum is an input.
 
-use crate::format::pickle_write::{pickle, Pk};
+use crate::formats::pickle::write::{pickle, Pk};
 use crate::model::dtype::DType;
 
 /// Entry order and contents as `torch.save` (format version 1, serialization version 3) writes.
@@ -431,7 +431,7 @@ pub(crate) fn wrap_archive_in_list(archive: &[u8], serialization_id: &str) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::pickle::PickleValue;
+    use crate::formats::pickle::PickleValue;
     use crate::formats::torch_save::{decode_archive, find_entry, gather, tensor_record, zip_entries};
 
     #[test]

@@ -270,7 +270,7 @@ impl Writer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::pickle::{unpickle, PickleObject, PickleValue, UnpickleLimits};
+    use crate::formats::pickle::{unpickle, PickleObject, PickleValue, UnpickleLimits};
 
     fn back(v: &Pk, protocol: u8) -> PickleValue {
         unpickle(&pickle(v, protocol), "test", &UnpickleLimits::default()).unwrap()
