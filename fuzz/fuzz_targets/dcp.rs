@@ -9,7 +9,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::{load_common_state, load_plain_tensors, open_checkpoint, verify};
+use tessera::{open, verify};
 
 mod common;
 
@@ -42,11 +42,11 @@ fuzz_target!(|data: &[u8]| {
     let (folder, files) = FIXTURES[which as usize % FIXTURES.len()];
     let meta_name = format!("{folder}.metadata");
     let storage = common::Files::new(files.iter().copied().chain([(meta_name.as_str(), meta)]));
-    if open_checkpoint(&storage).is_err() {
+    if open(&storage).is_err() {
         return;
     }
     // Many chunks may name one item: no bound on the loaded bytes but the allocation cap.
-    let _ = load_plain_tensors(&storage, None);
-    let _ = load_common_state(&storage);
+    let _ = open(&storage).and_then(|c| c.read_tensors(None));
+    let _ = open(&storage).map(|c| c.common_state());
     let _ = verify(&storage, 1);
 });

@@ -12,9 +12,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::{
-    load_plain_tensors, open_checkpoint_keys, open_index, verify, CheckpointIndex, MemoryStorage, Storage, TensorEntry,
-};
+use tessera::{open, open_with, verify, Checkpoint, CheckpointIndex, MemoryStorage, OpenOptions, Storage, TensorEntry};
 
 const GOLDEN: [&[u8]; 2] = [
     include_bytes!("../../crates/tessera/tests/fixtures/golden_v1/tessera.index"),
@@ -66,11 +64,11 @@ fn check(bytes: &[u8]) {
     for (name, data) in DATA_FILES {
         storage.put_atomic(name, data).expect("memory storage");
     }
-    if let Ok(ckpt) = open_checkpoint_keys(&storage, &SOME_KEYS) {
-        let _ = load_plain_tensors(ckpt.storage(), Some(&SOME_KEYS));
+    if let Ok(ckpt) = open_with(&storage, &OpenOptions { keys: Some(&SOME_KEYS.iter().map(|k| k.to_string()).collect()) }) {
+        let _ = open(ckpt.storage()).and_then(|c| c.read_tensors(Some(&SOME_KEYS)));
     }
-    if open_index(&storage).is_ok() {
-        let _ = load_plain_tensors(&storage, None);
+    if open(&storage).map(Checkpoint::into_index).is_ok() {
+        let _ = open(&storage).and_then(|c| c.read_tensors(None));
         let _ = verify(&storage, 1);
     }
 }

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::{load_plain_tensors, verify, MemoryStorage, Storage};
+use tessera::{open, verify, MemoryStorage, Storage};
 
 fuzz_target!(|data: &[u8]| {
     // [len_a u16][len_b u16] metadata.json | rank_0.safetensors (len_a) | rank_1.safetensors (len_b)
@@ -21,7 +21,7 @@ fuzz_target!(|data: &[u8]| {
     for (name, bytes) in [("metadata.json", meta), ("rank_0.safetensors", rank0), ("rank_1.safetensors", rank1)] {
         storage.put_atomic(name, bytes).expect("memory storage");
     }
-    if let Ok(tensors) = load_plain_tensors(&storage, None) {
+    if let Ok(tensors) = open(&storage).and_then(|c| c.read_tensors(None)) {
         // Whatever loads was covered by real bytes: no tensor holds more than the files do.
         let total: usize = tensors.values().map(|t| t.data.len()).sum();
         assert!(total <= rank0.len() + rank1.len(), "{total} bytes loaded from {} bytes of files", files.len());

@@ -7,7 +7,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::{load_plain_tensors, parse_header, verify, MemoryStorage, Storage};
+use tessera::{open, verify, MemoryStorage, Storage};
 
 const INDEX: &[u8] = include_bytes!("../../crates/tessera/tests/fixtures/golden_v2/tessera.index");
 const FILE_0: &str = "a209342d75b9d537-r00000.safetensors";
@@ -47,10 +47,10 @@ fuzz_target!(|data: &[u8]| {
         storage.put_atomic(name, bytes).expect("memory storage");
     }
     let _ = verify(&storage, 1);
-    let _ = load_plain_tensors(&storage, None);
+    let _ = open(&storage).and_then(|c| c.read_tensors(None));
 
     let plain = MemoryStorage::new();
     plain.put_atomic("model.safetensors", data).expect("memory storage");
     let _ = verify(&plain, 1);
-    let _ = load_plain_tensors(&plain, None);
+    let _ = open(&plain).and_then(|c| c.read_tensors(None));
 });

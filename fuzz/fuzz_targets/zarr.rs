@@ -6,7 +6,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::{load_plain_tensors, open_checkpoint, verify};
+use tessera::{open, verify};
 
 mod common;
 
@@ -52,10 +52,10 @@ fuzz_target!(|data: &[u8]| {
 
     let replaced = ARRAYS[which as usize % ARRAYS.len()];
     let storage = common::Files::new(FILES.iter().map(|&(n, b)| (n, if n == replaced { zarray } else { b })));
-    if open_checkpoint(&storage).is_err() {
+    if open(&storage).is_err() {
         return;
     }
-    if let Ok(tensors) = load_plain_tensors(&storage, None) {
+    if let Ok(tensors) = open(&storage).and_then(|c| c.read_tensors(None)) {
         // Edge chunks are cut, never padded: a load holds at most the chunk files' bytes.
         let held: usize = FILES.iter().filter(|(n, _)| !n.ends_with(".zarray")).map(|(_, b)| b.len()).sum();
         let total: usize = tensors.values().map(|t| t.data.len()).sum();

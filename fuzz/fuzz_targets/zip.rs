@@ -8,7 +8,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use tessera::__fuzz;
-use tessera::{load_common_state, verify};
+use tessera::{open, verify};
 
 mod common;
 
@@ -32,7 +32,7 @@ fuzz_target!(|data: &[u8]| {
     let _ = __fuzz::zip_tail(tail, data.len() as u64 + (1 << 20));
 
     let common = common::Files::new([("metadata.json", ZARR_META), ("common.pt", data)]);
-    let _ = load_common_state(&common);
+    let _ = open(&common).map(|c| c.common_state());
 
     let object = common::Files::new([("metadata.json", ZARR_META), ("rng_state/shard_0_1.pt", data)]);
     let _ = verify(&object, 1);

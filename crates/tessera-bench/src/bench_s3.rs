@@ -24,10 +24,9 @@ use std::collections::BTreeSet;
 
 use anyhow::{Context, Result};
 use serde_json::{json, Value as J};
-use tessera::plan::load::{plan_request, Request};
+use tessera::__plan::load::{plan_request, Request};
 use tessera::{
-    open_index, CheckpointIndex, LoadOptions, LocalStorage, ObjectStorage, ObjectStoreOptions, RequestCounts,
-    SaveOptions,
+    CheckpointIndex, LoadOptions, LocalStorage, ObjectStorage, ObjectStoreOptions, RequestCounts, SaveOptions,
 };
 
 use crate::bench::{ratio, Spread};
@@ -356,7 +355,9 @@ pub fn run(args: S3Args) -> Result<u8> {
             (run_side(&setup, false)?, r)
         };
         if i == 0 {
-            let index = open_index(&setup.store).context("opening the object store's index")?;
+            let index = tessera::open(&setup.store)
+                .map(tessera::Checkpoint::into_index)
+                .context("opening the object store's index")?;
             chunks = chunks_per_rank(&setup, &index)?;
         }
         let round = Round { local, remote };

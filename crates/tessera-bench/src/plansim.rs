@@ -14,14 +14,14 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde_json::json;
-use tessera::plan::dims::Dims;
-use tessera::plan::load::{plan_reads, plan_request, ReadPlan, ReadTuning, Request};
-use tessera::plan::save::{
+use tessera::__plan::dims::Dims;
+use tessera::__plan::load::{plan_reads, plan_request, ReadPlan, ReadTuning, Request};
+use tessera::__plan::save::{
     build_index, cache_hit, data_file_name, layout_file, plan_digest, plan_options, validate_global, CacheCheck,
     ObjectMeta, RankPlan, ShardMeta, WrittenFile,
 };
 use tessera::{
-    open_checkpoint_keys, CheckpointIndex, CountingStorage, DType, MemoryStorage, PathSeg, Storage, Value,
+    open_with, CheckpointIndex, CountingStorage, DType, MemoryStorage, OpenOptions, PathSeg, Storage, Value,
     DEFAULT_BLOCK_SIZE, INDEX_FILE,
 };
 
@@ -221,11 +221,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let stored = MemoryStorage::named("plan-only");
     stored.put_atomic(INDEX_FILE, &encoded)?;
     let counted = CountingStorage::new(&stored);
-    let (few_open, t_few_open) = timed(|| open_checkpoint_keys(&counted, &few));
+    let (few_open, t_few_open) =
+        timed(|| open_with(&counted, &OpenOptions { keys: Some(few.iter().map(|k| k.to_string()).collect()) }));
     let few_open = few_open.context("opening the index for a few keys")?;
     let few_read = (counted.bytes_read(), counted.reads());
     let few_specs: Vec<&TensorSpec> = specs.iter().take(2).collect();
-    let (few_plan, t_few_plan) = timed(|| load_plan(&few_open.index, &few_specs, 2 * tp));
+    let (few_plan, t_few_plan) = timed(|| load_plan(few_open.index(), &few_specs, 2 * tp));
     let few_plan = few_plan?;
     drop(few_open);
     drop(stored);

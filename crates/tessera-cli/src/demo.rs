@@ -38,7 +38,7 @@ const PRODUCER: &str = "tessera demo";
 /// The demo saves with `overwrite`: refused over a committed checkpoint (of any format) that a
 /// demo did not write, which the demo's index would replace or shadow.
 fn check_replaceable(storage: &dyn Storage, dir: &Location) -> Result<()> {
-    let index = match tessera::open_index(storage) {
+    let index = match tessera::open(storage).map(tessera::Checkpoint::into_index) {
         Ok(index) => index,
         Err(tessera::Error::NotFound { .. } | tessera::Error::NotCommitted { .. }) => return Ok(()),
         Err(e) => {

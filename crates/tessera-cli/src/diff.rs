@@ -12,8 +12,8 @@ use crate::sizes::fmt_bytes;
 /// Runs `tessera diff`.
 pub fn run(a: &Location, b: &Location, atol: f64, keys: Option<&str>, json: bool) -> Result<u8> {
     let (sa, sb) = (a.open()?, b.open()?);
-    let ia = tessera::open_index(sa.as_ref()).with_context(|| format!("opening {a}"))?;
-    let ib = tessera::open_index(sb.as_ref()).with_context(|| format!("opening {b}"))?;
+    let ia = tessera::open(sa.as_ref()).map(tessera::Checkpoint::into_index).with_context(|| format!("opening {a}"))?;
+    let ib = tessera::open(sb.as_ref()).map(tessera::Checkpoint::into_index).with_context(|| format!("opening {b}"))?;
     let keys = match keys {
         None => None,
         Some(pattern) => {

@@ -20,7 +20,7 @@
 
 use anyhow::Result;
 use serde_json::{json, Map, Value as J};
-use tessera::{open_index, CheckpointIndex, PathSeg, TensorEntry};
+use tessera::{CheckpointIndex, PathSeg, TensorEntry};
 
 use crate::location::Location;
 use crate::sizes::fmt_bytes;
@@ -234,7 +234,7 @@ fn text(dir: &Location, index: &CheckpointIndex) {
 /// Runs `tessera inspect`.
 pub fn run(dir: &Location, format: Format) -> Result<()> {
     let storage = dir.open()?;
-    let index = open_index(storage.as_ref())?;
+    let index = tessera::open(storage.as_ref()).map(tessera::Checkpoint::into_index)?;
     match format {
         Format::Text => text(dir, &index),
         Format::Json => println!("{}", serde_json::to_string_pretty(&summary_json(dir, &index))?),

@@ -28,7 +28,9 @@ pub fn run(args: UnshardArgs) -> Result<()> {
     let keys = match &args.keys {
         None => None,
         Some(pattern) => {
-            let index = tessera::open_index(storage.as_ref()).with_context(|| format!("opening {}", args.src))?;
+            let index = tessera::open(storage.as_ref())
+                .map(tessera::Checkpoint::into_index)
+                .with_context(|| format!("opening {}", args.src))?;
             let what = format!("the tensors of {}", args.src);
             Some(crate::keys::select(pattern, index.tensors.iter().map(|t| t.key.as_str()), &what)?)
         }

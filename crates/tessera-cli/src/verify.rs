@@ -26,7 +26,8 @@ pub fn run(dir: &Location, json: bool) -> Result<u8> {
     };
     // What verify reads, for its progress: every chunk's bytes (an index that does not open
     // is verify's to report).
-    let total = tessera::open_index(storage.as_ref())
+    let total = tessera::open(storage.as_ref())
+        .map(tessera::Checkpoint::into_index)
         .map(|i| {
             i.tensors.iter().map(|t| t.chunks().iter().map(|c| c.numel()).sum::<u64>() * t.dtype.size() as u64).sum()
         })

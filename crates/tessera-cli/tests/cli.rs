@@ -218,11 +218,11 @@ fn demo_inspect_verify_gc_on_s3() {
 #[allow(clippy::type_complexity)]
 fn read_safetensors(path: &Path) -> (J, std::collections::BTreeMap<String, (String, Vec<u64>, Vec<u8>)>) {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let mut read = |off: u64, buf: &mut [u8]| {
-        buf.copy_from_slice(&bytes[off as usize..off as usize + buf.len()]);
-        Ok(())
-    };
-    let (header, start) = tessera::parse_header(&mut read, bytes.len() as u64).unwrap();
+    // The safetensors layout read on its own: an 8-byte little-endian header length, the JSON
+    // header, then the data.
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    let header: J = serde_json::from_slice(&bytes[8..8 + header_len as usize]).unwrap();
+    let start = 8 + header_len;
     let mut tensors = std::collections::BTreeMap::new();
     for (name, e) in header.as_object().unwrap().iter().filter(|(n, _)| *n != "__metadata__") {
         let offs: Vec<usize> =
@@ -235,7 +235,7 @@ fn read_safetensors(path: &Path) -> (J, std::collections::BTreeMap<String, (Stri
 }
 
 fn plain_tensors(dir: &Path) -> std::collections::BTreeMap<String, tessera::PlainTensor> {
-    tessera::load_plain_tensors(&tessera::LocalStorage::new(dir), None).unwrap()
+    tessera::open(&tessera::LocalStorage::new(dir)).and_then(|c| c.read_tensors(None)).unwrap()
 }
 
 #[test]
@@ -459,7 +459,7 @@ fn inspect_verify_unshard_convert_and_diff_a_megatron_checkpoint() {
     expect(&["unshard", &src, "--out", out.to_str().unwrap(), "--keys", "^layers\\."], 0);
     let (_, tensors) = read_safetensors(&out);
     assert_eq!(tensors.keys().collect::<Vec<_>>(), ["layers.norm.weight", "layers.proj.weight", "layers.qkv.weight"]);
-    let plain = tessera::load_plain_tensors(&tessera::LocalStorage::new(&src), None).unwrap();
+    let plain = tessera::open(&tessera::LocalStorage::new(&src)).and_then(|c| c.read_tensors(None)).unwrap();
     for (k, (_, shape, data)) in &tensors {
         assert_eq!((shape, data), (&plain[k].shape, &plain[k].data), "{k}");
     }

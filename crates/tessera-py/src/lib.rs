@@ -353,9 +353,9 @@ fn load<'py>(
     let (common, result) = lib(
         py,
         interruptible(py, &cancel, || {
-            let ckpt = tessera::open_for_load(&*storage, &keys, &*comm, &opts)?;
-            let result = tessera::load_checkpoint(&ckpt, tree, &*comm, &opts)?;
-            Ok((ckpt.index.common.clone(), result))
+            let ckpt = tessera::Checkpoint::open_for_load(&*storage, &keys, &*comm, &opts)?;
+            let result = ckpt.load(tree, &*comm, &opts)?;
+            Ok((ckpt.index().common.clone(), result))
         })?,
     )?;
 
@@ -392,7 +392,7 @@ fn load<'py>(
 #[pyfunction]
 fn load_tensors_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyDict>> {
     let storage = open(py, location)?;
-    let metas = lib(py, py.detach(|| tessera::load_tensors_metadata(&*storage)))?;
+    let metas = lib(py, py.detach(|| tessera::open(&*storage).map(|c| c.tensors_metadata())))?;
     let out = PyDict::new(py);
     for (key, meta) in metas {
         out.set_item(key, (meta.dtype.name(), PyTuple::new(py, meta.global_shape)?))?;
@@ -404,7 +404,7 @@ fn load_tensors_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound
 #[pyfunction]
 fn load_objects_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyDict>> {
     let storage = open(py, location)?;
-    let index = lib(py, py.detach(|| tessera::open_index(&*storage)))?;
+    let index = lib(py, py.detach(|| tessera::open(&*storage).map(tessera::Checkpoint::into_index)))?;
     let out = PyDict::new(py);
     for o in &index.objects {
         let offsets = o.shards.iter().map(|s| PyTuple::new(py, &s.offset)).collect::<PyResult<Vec<_>>>()?;
@@ -417,7 +417,7 @@ fn load_objects_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound
 #[pyfunction]
 fn load_common<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyList>> {
     let storage = open(py, location)?;
-    let index = lib(py, py.detach(|| tessera::open_index(&*storage)))?;
+    let index = lib(py, py.detach(|| tessera::open(&*storage).map(tessera::Checkpoint::into_index)))?;
     common_to_py(py, &index.common)
 }
 
@@ -425,7 +425,7 @@ fn load_common<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyLi
 #[pyfunction]
 fn load_content_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyAny>> {
     let storage = open(py, location)?;
-    let value = lib(py, py.detach(|| tessera::load_content_metadata(&*storage)))?;
+    let value = lib(py, py.detach(|| tessera::open(&*storage).map(|c| c.content_metadata().clone())))?;
     value_to_py(py, &value)
 }
 
@@ -440,7 +440,8 @@ fn load_objects<'py>(
     let n = objects.len();
     let storage = open(py, location)?;
     let tree = slots(Vec::new(), objects);
-    let StateTree::Map(mut root) = lib(py, py.detach(|| tessera::load_sharded_objects(tree, &*storage)))? else {
+    let StateTree::Map(mut root) = lib(py, py.detach(|| tessera::open(&*storage).and_then(|c| c.load_objects(tree))))?
+    else {
         unreachable!("load_sharded_objects keeps the tree's shape")
     };
     let Some(StateTree::Map(inner)) = root.remove(ROOT) else { unreachable!("the tree holds ROOT") };
@@ -497,8 +498,8 @@ fn read_file<'py>(py: Python<'py>, location: &str, name: &str) -> PyResult<Optio
 #[pyfunction]
 fn detect(py: Python<'_>, location: &str) -> PyResult<Option<(String, u32)>> {
     let storage = open(py, location)?;
-    match py.detach(|| tessera::detect_format(&*storage)) {
-        Ok((record, _)) => Ok(Some((record.backend, record.version))),
+    match py.detach(|| tessera::open(&*storage).map(|c| c.format().clone())) {
+        Ok(record) => Ok(Some((record.backend, record.version))),
         Err(tessera::Error::NotFound { .. } | tessera::Error::NotCommitted { .. }) => Ok(None),
         Err(e) => Err(to_pyerr(py, e)),
     }
@@ -552,7 +553,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<async_save::AsyncSave>()?;
     m.add_class::<plan_cache::PlanCache>()?;
     errors::register(m)?;
-    m.add("DTYPES", tessera::ALL_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>())?;
+    m.add("DTYPES", tessera::DType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
     m.add("FORMAT_VERSION", tessera::FORMAT_VERSION)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -116,10 +116,19 @@ pub mod __plan {
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod __fuzz {
+    pub use crate::format::safetensors::parse_header;
+    pub use crate::formats::pickle::{unpickle, PickleValue, UnpickleLimits};
+
     use crate::formats::dcp::metadata as dcp;
     use crate::formats::pickle;
     use crate::formats::torch_save;
     use crate::formats::zarr::zarray as zarr;
+
+    /// The storage a checkpoint's index names resolve in (a foreign format's virtual files),
+    /// for tests that read one directly.
+    pub fn checkpoint_storage<'a>(ckpt: &'a crate::Checkpoint<'_>) -> &'a dyn crate::Storage {
+        ckpt.storage()
+    }
 
     /// A `.zarray` as [`zarray`] returns it: shape, chunks, chunk grid, name of the last chunk.
     pub type Zarray = (Vec<u64>, Vec<u64>, Vec<u64>, String);

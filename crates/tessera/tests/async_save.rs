@@ -72,7 +72,7 @@ fn tp_tree<'a>(r: usize, world: usize, t: &'a [(String, Vec<u64>, Vec<u8>)], ste
 }
 
 fn load_full(storage: &dyn Storage) -> std::collections::BTreeMap<String, PlainTensor> {
-    load_plain_tensors(storage, None).unwrap()
+    open(storage).and_then(|c| c.read_tensors(None)).unwrap()
 }
 
 fn assert_holds(storage: &dyn Storage, t: &[(String, Vec<u64>, Vec<u8>)]) {
@@ -112,8 +112,8 @@ fn async_save_stages_in_waves_through_a_small_pool_and_commits_identically() {
         let opts = SaveOptions { block_size: 4096, threads: 2, ..Default::default() };
         save(tp_tree(c.rank(), 4, &t, 1), &storage, c, &opts).unwrap();
     });
-    let a = open_index(&LocalStorage::new(dir.path())).unwrap();
-    let b = open_index(&LocalStorage::new(sync_dir.path())).unwrap();
+    let a = open(&LocalStorage::new(dir.path())).map(Checkpoint::into_index).unwrap();
+    let b = open(&LocalStorage::new(sync_dir.path())).map(Checkpoint::into_index).unwrap();
     assert_eq!(a.tensors.len(), b.tensors.len());
     for (x, y) in a.tensors.iter().zip(&b.tensors) {
         let geom = |e: &TensorEntry| {
@@ -241,7 +241,7 @@ fn a_background_failure_surfaces_at_finalize_on_every_rank_and_nothing_is_commit
         }
     }
     // Nothing committed, and the failed save removed what it wrote.
-    assert!(matches!(open_index(&LocalStorage::new(dir.path())), Err(Error::NotFound { .. })));
+    assert!(matches!(open(&LocalStorage::new(dir.path())).map(Checkpoint::into_index), Err(Error::NotFound { .. })));
     assert_eq!(LocalStorage::new(dir.path()).list().unwrap(), Vec::<String>::new());
 }
 
@@ -276,7 +276,7 @@ fn a_cancelled_async_save_is_not_committed() {
     assert!(matches!(out[0], Err(Error::Cancelled)), "{:?}", out[0]);
     assert!(matches!(out[1], Err(Error::PeerFailed { rank: 0, .. })), "{:?}", out[1]);
     // Nothing committed, and the failed save removed what it wrote.
-    assert!(matches!(open_index(&LocalStorage::new(dir.path())), Err(Error::NotFound { .. })));
+    assert!(matches!(open(&LocalStorage::new(dir.path())).map(Checkpoint::into_index), Err(Error::NotFound { .. })));
     assert_eq!(LocalStorage::new(dir.path()).list().unwrap(), Vec::<String>::new());
 }
 
@@ -321,7 +321,7 @@ fn fully_parallel_save_spreads_replicated_bytes_over_the_replicas() {
                 let opts = SaveOptions { distribute_replicas: distribute, ..Default::default() };
                 save(tree(c.rank()), &storage, c, &opts).unwrap()
             });
-            let full = load_plain_tensors(&storage, None).unwrap();
+            let full = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
             for (key, data) in &tensors {
                 assert!(full[key].data == *data, "dp {dp}: {key}");
             }
@@ -353,7 +353,7 @@ fn replicas_without_data_leave_the_writing_to_the_main_replica() {
     });
     assert!(reports[0].bytes_written >= 4096);
     assert_eq!((reports[1].bytes_written, reports[2].bytes_written), (0, 0));
-    assert_eq!(load_plain_tensors(&storage, None).unwrap()["w"].data, data);
+    assert_eq!(open(&storage).and_then(|c| c.read_tensors(None)).unwrap()["w"].data, data);
 }
 
 #[test]

@@ -45,7 +45,7 @@ fn race(storage: Arc<dyn Storage>) {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     // Whatever the store, the location ends up holding one of the two states, whole.
-    let stored = load_plain_tensors(storage.as_ref(), None).unwrap().remove("w").unwrap().data;
+    let stored = open(storage.as_ref()).and_then(|c| c.read_tensors(None)).unwrap().remove("w").unwrap().data;
     assert!(stored == a || stored == b, "the committed checkpoint is neither save's state");
     verify(storage.as_ref(), 2).unwrap();
     // With an atomic conditional put, exactly one save commits and the other is refused.
@@ -58,10 +58,10 @@ fn race(storage: Arc<dyn Storage>) {
         }
     }
     let winner = if won[0] == 0 { &a } else { &b };
-    assert_eq!(&load_plain_tensors(storage.as_ref(), None).unwrap()["w"].data, winner);
+    assert_eq!(&open(storage.as_ref()).and_then(|c| c.read_tensors(None)).unwrap()["w"].data, winner);
     verify(storage.as_ref(), 2).unwrap();
     // The loser's data files are gone; only the winner's remain.
-    let index = open_index(storage.as_ref()).unwrap();
+    let index = open(storage.as_ref()).map(Checkpoint::into_index).unwrap();
     let data_files: Vec<String> = storage.list().unwrap().into_iter().filter(|n| n.ends_with(".safetensors")).collect();
     assert_eq!(data_files.len(), index.files.len(), "{data_files:?}");
 }
@@ -136,9 +136,9 @@ fn a_store_that_ignores_conditional_puts_never_ends_inconsistent() {
     std::thread::sleep(std::time::Duration::from_millis(2));
     let store = Ignoring { inner: inner.clone(), checks: Default::default() };
     save(solo_tree(&b), &store, &SoloComm, &SaveOptions::default()).unwrap();
-    assert_eq!(load_plain_tensors(&inner, None).unwrap()["w"].data, b);
+    assert_eq!(open(&inner).and_then(|c| c.read_tensors(None)).unwrap()["w"].data, b);
     verify(&inner, 1).unwrap();
-    let index = open_index(&inner).unwrap();
+    let index = open(&inner).map(Checkpoint::into_index).unwrap();
     let files: Vec<String> = inner.list().unwrap().into_iter().filter(|n| n.ends_with(".safetensors")).collect();
     assert_eq!(files.len(), index.files.len(), "the replaced save's files are removed: {files:?}");
 }

@@ -315,7 +315,7 @@ fn checkpoint_round_trip(storage: &dyn Storage) {
     for r in out {
         r.unwrap();
     }
-    assert_eq!(f32s(&load_plain_tensors(storage, None).unwrap()["w"].data), w);
+    assert_eq!(f32s(&open(storage).and_then(|c| c.read_tensors(None)).unwrap()["w"].data), w);
     assert!(verify(storage, 2).unwrap().problems.is_empty());
     clean(storage);
 }

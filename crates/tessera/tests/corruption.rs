@@ -25,7 +25,7 @@ impl Fixture {
         self.dir.join(name)
     }
     fn index(&self) -> CheckpointIndex {
-        open_index(&self.storage()).unwrap()
+        open(&self.storage()).map(Checkpoint::into_index).unwrap()
     }
 }
 
@@ -283,7 +283,7 @@ fn every_flipped_index_byte_is_detected() {
     for at in 0..original.len() as u64 {
         flip(&path, at);
         let storage = fx.storage();
-        let r = open_index(&storage);
+        let r = open(&storage).map(Checkpoint::into_index);
         if (8..12).contains(&at) {
             // The version field: a version this build does not read.
             assert!(matches!(r, Err(Error::IncompatibleVersion { .. })), "byte {at}: {r:?}");
@@ -297,9 +297,9 @@ fn every_flipped_index_byte_is_detected() {
     let storage = fx.storage();
     assert_corrupt(load_all(&storage, &fx, true), INDEX_FILE, "load");
     assert_corrupt(verify(&storage, 2), INDEX_FILE, "verify");
-    assert_corrupt(load_plain_tensors(&storage, None), INDEX_FILE, "load_plain_tensors");
-    assert_corrupt(load_common_state(&storage), INDEX_FILE, "load_common_state");
-    assert_corrupt(load_tensors_metadata(&storage), INDEX_FILE, "load_tensors_metadata");
+    assert_corrupt(open(&storage).and_then(|c| c.read_tensors(None)), INDEX_FILE, "load_plain_tensors");
+    assert_corrupt(open(&storage).map(|c| c.common_state()), INDEX_FILE, "load_common_state");
+    assert_corrupt(open(&storage).map(|c| c.tensors_metadata()), INDEX_FILE, "load_tensors_metadata");
 }
 
 #[test]
@@ -309,10 +309,10 @@ fn a_missing_index_is_not_committed() {
     let storage = fx.storage();
     assert!(matches!(load_all(&storage, &fx, true), Err(Error::NotCommitted { .. })));
     assert!(matches!(verify(&storage, 2), Err(Error::NotCommitted { .. })));
-    assert!(matches!(load_plain_tensors(&storage, None), Err(Error::NotCommitted { .. })));
-    assert!(matches!(load_common_state(&storage), Err(Error::NotCommitted { .. })));
-    assert!(matches!(load_content_metadata(&storage), Err(Error::NotCommitted { .. })));
-    match open_index(&storage) {
+    assert!(matches!(open(&storage).and_then(|c| c.read_tensors(None)), Err(Error::NotCommitted { .. })));
+    assert!(matches!(open(&storage).map(|c| c.common_state()), Err(Error::NotCommitted { .. })));
+    assert!(matches!(open(&storage).map(|c| c.content_metadata().clone()), Err(Error::NotCommitted { .. })));
+    match open(&storage).map(Checkpoint::into_index) {
         Err(Error::NotCommitted { path }) => assert_eq!(path, fx.dir.path()),
         other => panic!("{other:?}"),
     }
@@ -372,14 +372,14 @@ fn a_truncated_index_is_corrupt() {
     for len in [0, 1, 7, 8, 11, 12, 19, 20, 23, 24, n / 2, n - 5, n - 4, n - 1] {
         std::fs::write(&path, &original[..len]).unwrap();
         let storage = fx.storage();
-        assert_corrupt(open_index(&storage), INDEX_FILE, &format!("index truncated to {len}"));
+        assert_corrupt(open(&storage).map(Checkpoint::into_index), INDEX_FILE, &format!("index truncated to {len}"));
         assert_corrupt(load_all(&storage, &fx, true), INDEX_FILE, &format!("load, index truncated to {len}"));
     }
     // Extended is as bad as truncated.
     let mut longer = original.clone();
     longer.push(0);
     std::fs::write(&path, &longer).unwrap();
-    assert_corrupt(open_index(&fx.storage()), INDEX_FILE, "index with a trailing byte");
+    assert_corrupt(open(&fx.storage()).map(Checkpoint::into_index), INDEX_FILE, "index with a trailing byte");
 }
 
 #[test]
@@ -387,7 +387,7 @@ fn another_format_version_is_incompatible() {
     let fx = fixture();
     let path = fx.path(INDEX_FILE);
     let original = std::fs::read(&path).unwrap();
-    assert_eq!(&original[..8], INDEX_MAGIC);
+    assert_eq!(&original[..8], b"TESSERA\x00"); // the index magic (FORMAT.md)
     assert_eq!(u32::from_le_bytes(original[8..12].try_into().unwrap()), FORMAT_VERSION);
     for v in [FORMAT_VERSION + 1, 0, 1000, u32::MAX] {
         let mut b = original.clone();
@@ -395,10 +395,10 @@ fn another_format_version_is_incompatible() {
         std::fs::write(&path, &b).unwrap();
         let storage = fx.storage();
         for (what, r) in [
-            ("open_index", open_index(&storage).map(|_| ())),
+            ("open_index", open(&storage).map(Checkpoint::into_index).map(|_| ())),
             ("load", load_all(&storage, &fx, true).map(|_| ())),
             ("verify", verify(&storage, 2).map(|_| ())),
-            ("load_plain_tensors", load_plain_tensors(&storage, None).map(|_| ())),
+            ("load_plain_tensors", open(&storage).and_then(|c| c.read_tensors(None)).map(|_| ())),
         ] {
             match r {
                 Err(Error::IncompatibleVersion { found, supported }) => {
@@ -454,7 +454,7 @@ fn an_index_whose_chunks_point_past_their_file_is_refused() {
     // Decoding is not validation: the gate every opener and load applies refuses it.
     std::fs::write(fx.path(INDEX_FILE), index.encode()).unwrap();
     assert_corrupt(load_all(&fx.storage(), &fx, true), INDEX_FILE, "chunk past the end");
-    assert_corrupt(tessera::open_index(&fx.storage()), INDEX_FILE, "chunk past the end");
+    assert_corrupt(open(&fx.storage()).map(Checkpoint::into_index), INDEX_FILE, "chunk past the end");
 }
 
 #[test]
@@ -463,27 +463,30 @@ fn an_empty_or_absent_directory_is_not_found() {
     let absent = TempDir::new("absent");
     for dir in [&empty, &absent] {
         let storage = LocalStorage::new(dir.path());
-        assert!(matches!(open_index(&storage), Err(Error::NotFound { .. })), "{dir:?}");
+        assert!(matches!(open(&storage).map(Checkpoint::into_index), Err(Error::NotFound { .. })), "{dir:?}");
         assert!(matches!(verify(&storage, 2), Err(Error::NotFound { .. })));
-        assert!(matches!(load_plain_tensors(&storage, None), Err(Error::NotFound { .. })));
-        assert!(matches!(load_tensors_metadata(&storage), Err(Error::NotFound { .. })));
-        assert!(matches!(load_common_state(&storage), Err(Error::NotFound { .. })));
+        assert!(matches!(open(&storage).and_then(|c| c.read_tensors(None)), Err(Error::NotFound { .. })));
+        assert!(matches!(open(&storage).map(|c| c.tensors_metadata()), Err(Error::NotFound { .. })));
+        assert!(matches!(open(&storage).map(|c| c.common_state()), Err(Error::NotFound { .. })));
         let tree =
             StateTree::map().with("w", StateTree::Tensor(ShardedTensor::full("w", DType::F32, &[2], TensorData::None)));
         assert!(matches!(load(tree, &storage, &SoloComm, &load_opts()), Err(Error::NotFound { .. })));
     }
     assert!(!absent.path().exists(), "reading must not create the directory");
-    assert!(matches!(open_index(&MemoryStorage::new()), Err(Error::NotFound { .. })));
+    assert!(matches!(open(&MemoryStorage::new()).map(Checkpoint::into_index), Err(Error::NotFound { .. })));
 }
 
 #[test]
 fn a_directory_of_unrelated_files_is_not_committed() {
     let dir = TempDir::created("unrelated");
     std::fs::write(dir.join("notes.txt"), b"hello").unwrap();
-    assert!(matches!(open_index(&LocalStorage::new(dir.path())), Err(Error::NotCommitted { .. })));
+    assert!(matches!(
+        open(&LocalStorage::new(dir.path())).map(Checkpoint::into_index),
+        Err(Error::NotCommitted { .. })
+    ));
     // An index file that is not a tessera index at all.
     std::fs::write(dir.join(INDEX_FILE), b"{\"json\": true}").unwrap();
-    assert_corrupt(open_index(&LocalStorage::new(dir.path())), INDEX_FILE, "foreign index");
+    assert_corrupt(open(&LocalStorage::new(dir.path())).map(Checkpoint::into_index), INDEX_FILE, "foreign index");
 }
 
 #[test]
@@ -493,7 +496,7 @@ fn a_damaged_section_fails_only_its_readers_and_leaves_no_rank_waiting() {
     let path = fx.path(INDEX_FILE);
     flip(&path, std::fs::metadata(&path).unwrap().len() - 1);
     let storage = fx.storage();
-    assert_corrupt(open_index(&storage), INDEX_FILE, "a full open decodes every section");
+    assert_corrupt(open(&storage).map(Checkpoint::into_index), INDEX_FILE, "a full open decodes every section");
     let (_, _, norm) = &fx.tensors["norm"];
     for strict in [StrictHandling::AssumeOkUnexpected, StrictHandling::RaiseAll] {
         // Rank 0 loads w and fails; rank 1 loads norm. In the strict mode both take part in the
@@ -522,12 +525,12 @@ fn a_damaged_section_fails_only_its_readers_and_leaves_no_rank_waiting() {
 fn exchange_reads_refuse_a_partial_index() {
     let fx = fixture();
     let storage = fx.storage();
-    let ckpt = open_checkpoint_keys(&storage, &["norm"]).unwrap();
-    assert_eq!(ckpt.index.omitted_tensors, ["opt", "w"]);
+    let ckpt = open_with(&storage, &OpenOptions { keys: Some(vec!["norm".into()]) }).unwrap();
+    assert_eq!(ckpt.index().omitted_tensors, ["opt", "w"]);
     let tree = StateTree::map()
         .with("norm", StateTree::Tensor(ShardedTensor::full("norm", DType::F32, &[6], TensorData::None)));
     let opts = LoadOptions { exchange_reads: true, ..load_opts() };
-    match load_checkpoint(&ckpt, tree, &SoloComm, &opts) {
+    match (&ckpt).load(tree, &SoloComm, &opts) {
         Err(Error::InvalidArgument { reason }) => assert!(reason.contains("exchange_reads"), "{reason}"),
         other => panic!("{other:?}"),
     }

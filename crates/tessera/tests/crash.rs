@@ -519,7 +519,7 @@ fn load_and_check(storage: &LocalStorage, truths: &mut Truths) -> std::result::R
     if args.as_ref() != Some(&args_value(step)) {
         return Err(format!("loaded step {step}, but the common value \"args\" is {args:?}"));
     }
-    match load_content_metadata(storage) {
+    match open(storage).map(|c| c.content_metadata().clone()) {
         Ok(m) if m == content_metadata(step) => {}
         other => return Err(format!("loaded step {step}, but its content metadata is {other:?}")),
     }
@@ -565,8 +565,13 @@ fn check_dir(
                 Ok(rep) if rep.problems.is_empty() && rep.files > 0 => {}
                 other => return Err(format!("step {step} loads, but verify says {other:?}")),
             }
-            let referenced: BTreeSet<String> =
-                open_index(&storage).map_err(|e| e.to_string())?.files.into_iter().map(|f| f.name).collect();
+            let referenced: BTreeSet<String> = open(&storage)
+                .map(Checkpoint::into_index)
+                .map_err(|e| e.to_string())?
+                .files
+                .into_iter()
+                .map(|f| f.name)
+                .collect();
             let missing: Vec<&String> = referenced.difference(&tessera_files).collect();
             ensure!(missing.is_empty(), "the index references files that are not there: {missing:?}");
             let leftovers: Vec<String> = tessera_files.difference(&referenced).cloned().collect();

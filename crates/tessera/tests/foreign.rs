@@ -13,9 +13,8 @@ use common::files::copy_dir;
 use common::fixtures::{assert_loads, boxes, json_eq, to_json, Expected};
 
 use tessera::{
-    detect_format, load_common_state, load_plain_tensors, load_sharded_objects, open_checkpoint, verify,
-    CountingStorage, DType, Error, LoadOptions, LocalStorage, ShardedObject, ShardedTensor, SoloComm, StateTree,
-    Storage, TensorData, Value, OBJECT_TAG_VALUE,
+    open, verify, CountingStorage, DType, Error, LoadOptions, LocalStorage, ShardedObject, ShardedTensor, SoloComm,
+    StateTree, Storage, TensorData, Value,
 };
 
 fn fixtures() -> PathBuf {
@@ -58,14 +57,15 @@ fn flatten(prefix: &str, v: &serde_json::Value, out: &mut BTreeMap<String, serde
     }
 }
 
-fn open(name: &str) -> LocalStorage {
+fn fixture_storage(name: &str) -> LocalStorage {
     LocalStorage::new(fixtures().join(name))
 }
 
 #[test]
 fn formats_are_detected() {
     for (name, backend) in ALL {
-        let (record, _) = detect_format(&open(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let (record, _) =
+            open(&fixture_storage(name)).map(|c| (c.format().clone(), ())).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(record.backend, *backend, "{name}");
     }
 }
@@ -74,7 +74,8 @@ fn formats_are_detected() {
 fn every_fixture_loads_to_its_expected_tensors() {
     for (name, _) in ALL {
         let want = expected_tensors(name);
-        let got = load_plain_tensors(&open(name), None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let got =
+            open(&fixture_storage(name)).and_then(|c| c.read_tensors(None)).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{name}: keys");
         for (k, w) in &want {
             let g = &got[k];
@@ -86,7 +87,7 @@ fn every_fixture_loads_to_its_expected_tensors() {
 
 fn common_json(storage: &dyn Storage) -> serde_json::Value {
     let mut map = serde_json::Map::new();
-    if let StateTree::Map(m) = load_common_state(storage).unwrap() {
+    if let StateTree::Map(m) = open(storage).map(|c| c.common_state()).unwrap() {
         for (k, v) in m {
             map.insert(k, tree_json(&v));
         }
@@ -106,12 +107,12 @@ fn tree_json(t: &StateTree<'_>) -> serde_json::Value {
 #[test]
 fn non_tensor_values_match_the_expected_json() {
     for (name, backend) in ALL {
-        let storage = open(name);
+        let storage = fixture_storage(name);
         let want = expected_json(name);
         let common = common_json(&storage);
         if backend.starts_with("torch_dist") || *backend == "zarr" {
             assert!(json_eq(&common, &want["common"]), "{name}: common {common} vs {}", want["common"]);
-            let ckpt = open_checkpoint(&storage).unwrap();
+            let ckpt = open(&storage).unwrap();
             let objects = want["sharded_objects"].as_object().cloned().unwrap_or_default();
             let mut tree = StateTree::map();
             for fqn in objects.keys() {
@@ -126,12 +127,16 @@ fn non_tensor_values_match_the_expected_json() {
                     }),
                 );
             }
-            assert_eq!(ckpt.index.objects.iter().map(|o| o.shards.len()).sum::<usize>(), objects.len(), "{name}");
-            let StateTree::Map(loaded) = load_sharded_objects(tree, &storage).unwrap() else { panic!() };
+            assert_eq!(ckpt.index().objects.iter().map(|o| o.shards.len()).sum::<usize>(), objects.len(), "{name}");
+            let StateTree::Map(loaded) = open(&storage).and_then(|c| c.load_objects(tree)).unwrap() else { panic!() };
             for (fqn, node) in loaded {
                 let StateTree::Object(o) = node else { panic!("{fqn}") };
                 let data = o.data.unwrap();
-                assert_eq!(&data[..4], OBJECT_TAG_VALUE, "{name}: {fqn} is plain");
+                assert_eq!(
+                    &data[..4],
+                    b"TSV1", // the tag of a plain-value payload
+                    "{name}: {fqn} is plain"
+                );
                 let v = Value::from_bytes(&data[4..]).unwrap();
                 assert!(json_eq(&to_json(&v), &objects[&fqn]), "{name}: {fqn}: {:?}", to_json(&v));
             }
@@ -151,7 +156,7 @@ fn non_tensor_values_match_the_expected_json() {
 #[test]
 fn resharded_loads_return_the_right_slices() {
     for (name, _) in ALL {
-        let storage = open(name);
+        let storage = fixture_storage(name);
         let want = expected_tensors(name);
         for parts in [2u64, 3] {
             let mut tree = StateTree::map();
@@ -177,7 +182,7 @@ fn resharded_loads_return_the_right_slices() {
 #[test]
 fn verify_reads_every_item() {
     for (name, _) in ALL {
-        let report = verify(&open(name), 2).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let report = verify(&fixture_storage(name), 2).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(report.problems.is_empty(), "{name}: {:?}", report.problems);
         assert!(report.bytes_checked > 0, "{name}");
     }
@@ -186,10 +191,10 @@ fn verify_reads_every_item() {
 #[test]
 fn a_small_box_reads_only_its_bytes_after_locating_the_item() {
     // megatron_zarr chunks are plain files: a box inside one chunk reads exactly its rows.
-    let base = open("megatron_zarr");
+    let base = fixture_storage("megatron_zarr");
     let counting = CountingStorage::new(&base);
-    let ckpt = open_checkpoint(&counting).unwrap();
-    let t = ckpt.index.tensors.iter().find(|t| t.global_shape.len() == 2 && t.global_shape[0] >= 2).unwrap();
+    let ckpt = open(&counting).unwrap();
+    let t = ckpt.index().tensors.iter().find(|t| t.global_shape.len() == 2 && t.global_shape[0] >= 2).unwrap();
     let (key, dtype, shape) = (t.key.clone(), t.dtype, t.global_shape.clone());
     let before = counting.bytes_read();
     let mut st = ShardedTensor::full(key.clone(), dtype, &[1, shape[1]], TensorData::None);
@@ -197,7 +202,7 @@ fn a_small_box_reads_only_its_bytes_after_locating_the_item() {
     let mut tree = StateTree::map();
     tree.insert("x", StateTree::Tensor(st));
     let opts = LoadOptions::default();
-    tessera::load_from_index(&ckpt.index, tree, ckpt.storage(), &SoloComm, &opts).unwrap();
+    ckpt.load(tree, &SoloComm, &opts).unwrap();
     let row = shape[1] * dtype.size() as u64;
     assert_eq!(counting.bytes_read() - before, row, "{key}: one row read");
 }
@@ -206,9 +211,9 @@ fn a_small_box_reads_only_its_bytes_after_locating_the_item() {
 fn a_few_rows_of_a_dcp_item_are_read_in_place() {
     // dcp_large_item's "w" item holds 68 KiB of data: rows 100..102 cost the 4 KiB read at
     // each end of the item to locate the data, plus the rows, not the whole item.
-    let base = open("dcp_large_item");
+    let base = fixture_storage("dcp_large_item");
     let counting = CountingStorage::new(&base);
-    let ckpt = open_checkpoint(&counting).unwrap();
+    let ckpt = open(&counting).unwrap();
     let before = counting.bytes_read();
     let w = expected_tensors("dcp_large_item").remove("w").unwrap();
     let mut st = ShardedTensor::full("w", DType::F32, &[2, 128], TensorData::None);
@@ -216,7 +221,7 @@ fn a_few_rows_of_a_dcp_item_are_read_in_place() {
     st.global_offset = vec![100, 0];
     let mut tree = StateTree::map();
     tree.insert("x", StateTree::Tensor(st));
-    let out = tessera::load_from_index(&ckpt.index, tree, ckpt.storage(), &SoloComm, &LoadOptions::default()).unwrap();
+    let out = ckpt.load(tree, &SoloComm, &LoadOptions::default()).unwrap();
     let read = counting.bytes_read() - before;
     assert_eq!(read, 2 * (4 << 10) + 2 * 128 * 4, "both ends + two rows");
     let StateTree::Map(m) = out.state else { panic!() };
@@ -228,7 +233,7 @@ fn a_few_rows_of_a_dcp_item_are_read_in_place() {
     st.global_shape = vec![136, 128];
     let mut tree = StateTree::map();
     tree.insert("y", StateTree::Tensor(st));
-    tessera::load_from_index(&ckpt.index, tree, ckpt.storage(), &SoloComm, &LoadOptions::default()).unwrap();
+    ckpt.load(tree, &SoloComm, &LoadOptions::default()).unwrap();
     assert_eq!(counting.bytes_read() - before, 512);
 }
 
@@ -242,8 +247,8 @@ fn scratch(tag: &str) -> PathBuf {
 /// Opens and fully loads a checkpoint; any error is fine, a panic is not.
 fn try_everything(dir: &Path) -> Result<(), Error> {
     let s = LocalStorage::new(dir);
-    load_plain_tensors(&s, None)?;
-    load_common_state(&s)?;
+    open(&s).and_then(|c| c.read_tensors(None))?;
+    open(&s).map(|c| c.common_state())?;
     let report = verify(&s, 1)?;
     match report.problems.first() {
         Some(p) => Err(Error::Corrupt { path: dir.into(), reason: p.clone() }),
@@ -337,18 +342,21 @@ fn missing_data_file_is_not_found_and_bad_metadata_json_is_corrupt() {
     std::fs::remove_file(dir.join("__1_0.distcp")).unwrap();
     assert!(matches!(try_everything(&dir), Err(Error::NotFound { .. })));
     std::fs::write(dir.join("metadata.json"), b"{not json").unwrap();
-    assert!(matches!(detect_format(&LocalStorage::new(&dir)), Err(Error::Corrupt { .. })));
+    assert!(matches!(open(&LocalStorage::new(&dir)).map(|c| (c.format().clone(), ())), Err(Error::Corrupt { .. })));
     std::fs::write(dir.join("metadata.json"), br#"{"sharded_backend": "torch_dist", "sharded_backend_version": 9}"#)
         .unwrap();
-    assert!(matches!(detect_format(&LocalStorage::new(&dir)), Err(Error::IncompatibleVersion { .. })));
+    assert!(matches!(
+        open(&LocalStorage::new(&dir)).map(|c| (c.format().clone(), ())),
+        Err(Error::IncompatibleVersion { .. })
+    ));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn foreign_checkpoints_are_read_only() {
-    let s = open("dcp_single");
-    let ckpt = open_checkpoint(&s).unwrap();
-    assert!(ckpt.storage().put_atomic("x", b"y").is_err());
+    let s = fixture_storage("dcp_single");
+    let ckpt = open(&s).unwrap();
+    assert!(tessera::__fuzz::checkpoint_storage(&ckpt).put_atomic("x", b"y").is_err());
     assert!(tessera::gc(&s).is_err());
     assert!(tessera::remove_sharded_tensors(&s, "model").is_err());
 }
@@ -362,7 +370,8 @@ fn every_fixture_unshards_to_its_expected_safetensors() {
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("model.safetensors");
         let opts = tessera::ExportOptions::default();
-        tessera::export_safetensors(&open(name), &out, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
+        tessera::export_safetensors(&fixture_storage(name), &out, &opts, &mut |_, _| {})
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
         // Read the produced file with the same reader as the expected one.
         let got = {
             let bytes = std::fs::read(&out).unwrap();
@@ -394,17 +403,17 @@ fn every_fixture_unshards_to_its_expected_safetensors() {
 #[test]
 fn every_fixture_converts_to_an_equal_native_checkpoint() {
     for (name, _) in ALL {
-        let src = open(name);
+        let src = fixture_storage(name);
         let dst = tessera::MemoryStorage::named(&format!("foreign-convert-{name}-{}", std::process::id()));
         let opts = tessera::ConvertOptions::default();
         tessera::convert(&src, &dst, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(detect_format(&dst).unwrap().0.backend, "tessera", "{name}");
+        assert_eq!(open(&dst).map(|c| (c.format().clone(), ())).unwrap().0.backend, "tessera", "{name}");
         let report = verify(&dst, 2).unwrap();
         assert!(report.problems.is_empty(), "{name}: {:?}", report.problems);
         let d = tessera::diff(&src, &dst, &tessera::DiffOptions::default()).unwrap();
         assert!(d.is_equal(), "{name}: {d:?}");
         let want = expected_tensors(name);
-        let got = load_plain_tensors(&dst, None).unwrap();
+        let got = open(&dst).and_then(|c| c.read_tensors(None)).unwrap();
         for (k, w) in &want {
             assert!(got[k].data == w.data, "{name}: {k}");
         }
@@ -414,7 +423,7 @@ fn every_fixture_converts_to_an_equal_native_checkpoint() {
 #[test]
 fn diff_names_the_keys_that_differ_between_formats() {
     // dcp_single vs its native conversion with one tensor dropped is a difference naming it.
-    let src = open("dcp_single");
+    let src = fixture_storage("dcp_single");
     let dst = tessera::MemoryStorage::named(&format!("foreign-diff-{}", std::process::id()));
     tessera::convert(&src, &dst, &tessera::ConvertOptions::default(), &mut |_, _| {}).unwrap();
     tessera::remove_sharded_tensors(&dst, "model.w_f16").unwrap();
@@ -438,7 +447,7 @@ fn foreign_checkpoints_load_from_an_object_store() {
             assert_eq!(code, 200, "uploading {rel}");
         }
         let store = tessera::ObjectStorage::open(&url, common::s3::test_options()).unwrap();
-        let got = load_plain_tensors(&store, None).unwrap_or_else(|e| panic!("{name} on S3: {e}"));
+        let got = open(&store).and_then(|c| c.read_tensors(None)).unwrap_or_else(|e| panic!("{name} on S3: {e}"));
         let want = expected_tensors(name);
         assert_eq!(got.len(), want.len(), "{name}");
         for (k, w) in &want {

@@ -174,11 +174,14 @@ fn golden_v2_loads_forever() {
     golden_loads(GOLDEN_V2, 2);
     // Version 2's directory: a reader of one tensor decodes only that tensor's chunks.
     let storage = LocalStorage::new(GOLDEN_V2);
-    let ckpt = open_checkpoint_keys(&storage, &["final_norm"]).unwrap();
-    assert_eq!(ckpt.index.tensors.len(), 1);
-    assert_eq!(ckpt.index.omitted_tensors.len(), expected_tensors().len() - 1);
-    assert_eq!(ckpt.index.tensor_keys().count(), expected_tensors().len());
-    assert_eq!(ckpt.index.tensor("final_norm"), open_index(&storage).unwrap().tensor("final_norm"));
+    let ckpt = open_with(&storage, &OpenOptions { keys: Some(vec!["final_norm".into()]) }).unwrap();
+    assert_eq!(ckpt.index().tensors.len(), 1);
+    assert_eq!(ckpt.index().omitted_tensors.len(), expected_tensors().len() - 1);
+    assert_eq!(ckpt.index().tensor_keys().count(), expected_tensors().len());
+    assert_eq!(
+        ckpt.index().tensor("final_norm"),
+        open(&storage).map(Checkpoint::into_index).unwrap().tensor("final_norm")
+    );
 }
 
 fn golden_loads(dir: &str, version: u32) {
@@ -190,19 +193,22 @@ fn golden_loads(dir: &str, version: u32) {
     let total: u64 = files.iter().map(|f| storage.size(f).unwrap()).sum();
     assert!(total < 16 << 10, "the fixture must stay tiny ({total} bytes)");
 
-    let index = open_index(&storage).unwrap();
+    let index = open(&storage).map(Checkpoint::into_index).unwrap();
     assert_eq!((index.backend.as_str(), index.version, index.block_size), ("tessera", version, 16));
     assert_eq!(index.files.len(), 2);
-    assert_eq!(detect_format(&storage).unwrap().0, FormatRecord { backend: "tessera".into(), version });
+    assert_eq!(
+        open(&storage).map(|c| (c.format().clone(), ())).unwrap().0,
+        FormatRecord { backend: "tessera".into(), version }
+    );
 
     // Metadata and whole tensors, bit-exact.
     let expected = expected_tensors();
-    let meta = load_tensors_metadata(&storage).unwrap();
+    let meta = open(&storage).map(|c| c.tensors_metadata()).unwrap();
     assert_eq!(meta.len(), expected.len());
     for (k, (dtype, shape, _)) in &expected {
         assert_eq!(meta[*k], TensorMeta { dtype: *dtype, global_shape: shape.clone() }, "{k}");
     }
-    let plain = load_plain_tensors(&storage, None).unwrap();
+    let plain = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
     for (k, (dtype, shape, bytes)) in &expected {
         let p = &plain[*k];
         assert_eq!((p.dtype, &p.shape, &p.data), (*dtype, shape, bytes), "{k}");
@@ -253,8 +259,8 @@ fn golden_loads(dir: &str, version: u32) {
     assert_eq!(out.len(), 3);
 
     // Common state, content metadata, objects.
-    assert_eq!(tree_value(&load_common_state(&storage).unwrap()).unwrap(), common_state());
-    assert_eq!(load_content_metadata(&storage).unwrap(), content_metadata());
+    assert_eq!(tree_value(&open(&storage).map(|c| c.common_state()).unwrap()).unwrap(), common_state());
+    assert_eq!(open(&storage).map(|c| c.content_metadata().clone()).unwrap(), content_metadata());
     let objs = StateTree::List(
         (0..2u64)
             .map(|r| {
@@ -262,7 +268,7 @@ fn golden_loads(dir: &str, version: u32) {
             })
             .collect(),
     );
-    let objs = load_sharded_objects(objs, &storage).unwrap();
+    let objs = open(&storage).and_then(|c| c.load_objects(objs)).unwrap();
     for r in 0..2u64 {
         let o = objs.get_dotted(&r.to_string()).and_then(StateTree::as_object).unwrap();
         assert_eq!(o.data.as_deref(), Some(&rng_state(r)[..]));

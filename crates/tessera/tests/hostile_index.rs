@@ -89,13 +89,12 @@ fn overlapping_chunks_with_correct_checksums_are_refused_not_loaded() {
     let tree = StateTree::map().with("w", StateTree::Tensor(t));
     assert_corrupt_index(load(tree, &storage, &SoloComm, &load_opts()), "tessera.index", &["\"w\"", "overlap"]);
     assert!(target.iter().all(|&b| b == 0), "nothing was written into the target");
-    assert_corrupt_index(open_index(&storage), "tessera.index", &["overlap"]);
+    assert_corrupt_index(open(&storage).map(Checkpoint::into_index), "tessera.index", &["overlap"]);
     assert_verify_reports(&storage, &["\"w\"", "overlap"]);
-    // The same index handed to load_from_index by a caller is refused too, on every rank.
-    let index = CheckpointIndex::from_bytes(&storage.read("tessera.index").unwrap(), "x").unwrap();
-    let out = run_ranks(2, |c| load_from_index(&index, request(0..2), &storage, c, &load_opts()).map(|_| ()));
+    // Every rank of a collective load is refused, none left waiting.
+    let out = run_ranks(2, |c| load(request(0..2), &storage, c, &load_opts()).map(|_| ()));
     for r in out {
-        assert_corrupt_index(r, "", &["overlap"]);
+        assert_corrupt_index(r, "tessera.index", &["overlap"]);
     }
 }
 
@@ -109,7 +108,7 @@ fn element_counts_that_wrap_are_refused_and_never_called_sound() {
             chunks.truncate(1);
         })
     });
-    assert_corrupt_index(open_index(&storage), "tessera.index", &["\"w\"", "2^64"]);
+    assert_corrupt_index(open(&storage).map(Checkpoint::into_index), "tessera.index", &["\"w\"", "2^64"]);
     assert_verify_reports(&storage, &["\"w\"", "2^64"]);
     assert!(!verify(&storage, 2).unwrap().problems.is_empty());
     let out = std::env::temp_dir().join(format!("tessera-wrap-{}.safetensors", std::process::id()));
@@ -169,7 +168,7 @@ fn a_foreign_index_passes_the_same_gate() {
         assert_eq!(spec["flattened_offsets"], serde_json::json!([[1856, 2048]]));
         spec["flattened_offsets"] = serde_json::json!([[1800, 1992]]);
     });
-    let r = open_checkpoint(&storage).map(|c| c.index.tensors.len());
+    let r = open(&storage).map(|c| c.index().tensors.len());
     assert_corrupt_index(r, "metadata.json", &["\"embed.weight\"", "overlap"]);
     assert_verify_reports(&storage, &["\"embed.weight\"", "overlap"]);
     std::fs::remove_dir_all(dir).unwrap();

@@ -11,6 +11,7 @@ use std::path::Path;
 use common::files::copy_dir;
 use common::{shard, TempDir};
 use hostile::*;
+use tessera::__fuzz::{parse_header, unpickle, PickleValue, UnpickleLimits};
 use tessera::*;
 
 /// The `Corrupt` error of `r`, or a panic describing what came instead.
@@ -24,18 +25,18 @@ fn corrupt<T: std::fmt::Debug>(r: Result<T>) -> (String, String) {
 /// Reads the first bytes of the virtual file of `fqn`'s only chunk.
 fn read_chunk(dir: &Path, fqn: &str) -> Result<()> {
     let st = LocalStorage::new(dir);
-    let ckpt = open_checkpoint(&st)?;
-    let t = ckpt.index.tensor(fqn).expect("tensor");
-    let name = &ckpt.index.files[t.chunks()[0].file as usize].name;
+    let ckpt = open(&st)?;
+    let t = ckpt.index().tensor(fqn).expect("tensor");
+    let name = &ckpt.index().files[t.chunks()[0].file as usize].name;
     let mut buf = [0u8; 16];
-    ckpt.storage().read_at(name, 0, &mut buf)
+    tessera::__fuzz::checkpoint_storage(&ckpt).read_at(name, 0, &mut buf)
 }
 
 #[test]
 fn dcp_byte_item_claiming_2_40_bytes_is_refused_at_open() {
     let dir = TempDir::new("hostile-bytes");
     write_dcp(dir.path(), &[Item::Bytes { fqn: "extra_state", data: b"tiny".to_vec(), length: Some(1 << 40) }]);
-    let (path, reason) = corrupt(open_checkpoint(&LocalStorage::new(dir.path())).map(|_| ()));
+    let (path, reason) = corrupt(open(&LocalStorage::new(dir.path())).map(|_| ()));
     assert!(path.ends_with("__0_0.distcp"), "{path}");
     assert!(reason.contains("\"extra_state\"") && reason.contains("1099511627776"), "{reason}");
     assert!(reason.contains("the file has 4"), "{reason}");
@@ -56,7 +57,7 @@ fn zstd_bomb_stops_at_the_declared_size() {
     assert!(reason.contains(&format!("past {} bytes", 16 + (1 << 20))), "{reason}");
     assert!(start.elapsed() < std::time::Duration::from_secs(20), "decoding was not cut short");
     // The whole load path gives the same error.
-    let (_, reason) = corrupt(load_plain_tensors(&LocalStorage::new(dir.path()), None));
+    let (_, reason) = corrupt(open(&LocalStorage::new(dir.path())).and_then(|c| c.read_tensors(None)));
     assert!(reason.contains("\"w\""), "{reason}");
 }
 
@@ -77,7 +78,7 @@ fn small_expanded_tensors_still_load() {
     let dir = TempDir::new("hostile-stride-ok");
     let item = torch_save_tensor(&[8], &[0], &1.5f32.to_le_bytes());
     write_dcp(dir.path(), &[Item::Tensor { fqn: "w", size: vec![8], data: item, transforms: vec![] }]);
-    let got = load_plain_tensors(&LocalStorage::new(dir.path()), None).unwrap();
+    let got = open(&LocalStorage::new(dir.path())).and_then(|c| c.read_tensors(None)).unwrap();
     assert_eq!(got["w"].data, 1.5f32.to_le_bytes().repeat(8));
 }
 
@@ -102,10 +103,10 @@ fn native_index_head_len_huge() {
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[12..20].copy_from_slice(&(1u64 << 60).to_le_bytes());
     std::fs::write(&path, bytes).unwrap();
-    let (p, reason) = corrupt(open_checkpoint(&st).map(|_| ()));
+    let (p, reason) = corrupt(open(&st).map(|_| ()));
     assert!(p.ends_with(INDEX_FILE), "{p}");
     assert!(reason.contains("head needs"), "{reason}");
-    let (p, _) = corrupt(load_plain_tensors(&st, None));
+    let (p, _) = corrupt(open(&st).and_then(|c| c.read_tensors(None)));
     assert!(p.ends_with(INDEX_FILE), "{p}");
 }
 
@@ -113,13 +114,13 @@ fn native_index_head_len_huge() {
 fn native_index_header_len_huge() {
     let dir = TempDir::new("hostile-header");
     let st = native(&dir);
-    let mut index = open_index(&st).unwrap();
+    let mut index = open(&st).map(Checkpoint::into_index).unwrap();
     let data_file = index.files[0].name.clone();
     index.files[0].header_len = 1 << 40;
     index.files[0].size = 1 << 41;
     std::fs::write(dir.join(INDEX_FILE), index.encode()).unwrap();
     // The chunks now lie inside the header: the validation gate refuses the index.
-    let (p, reason) = corrupt(load_plain_tensors(&st, None));
+    let (p, reason) = corrupt(open(&st).and_then(|c| c.read_tensors(None)));
     assert!(p.ends_with(INDEX_FILE) && reason.contains("outside the data of"), "{p}: {reason}");
     // With the chunks moved past the claimed header, the index passes the gate and verified
     // loads checksum the header: read in pieces, failing at the file's real end.
@@ -135,7 +136,7 @@ fn native_index_header_len_huge() {
         }
     }
     std::fs::write(dir.join(INDEX_FILE), index.encode()).unwrap();
-    let (p, reason) = corrupt(load_plain_tensors(&st, None));
+    let (p, reason) = corrupt(open(&st).and_then(|c| c.read_tensors(None)));
     assert!(p.ends_with(&data_file), "{p}: {reason}");
 }
 
@@ -170,7 +171,7 @@ fn zarr_grid_larger_than_its_folder() {
             key,
             &format!(r#"{{"chunks":{chunks},"compressor":null,"dtype":"<f4","shape":{shape},"zarr_format":2}}"#),
         );
-        let (p, reason) = corrupt(open_checkpoint(&st).map(|_| ()));
+        let (p, reason) = corrupt(open(&st).map(|_| ()));
         assert!(p.ends_with(&format!("{key}/.zarray")), "{p}");
         assert!(reason.contains(want) && reason.contains(key), "{reason}");
     }
@@ -188,7 +189,7 @@ fn pickle_memo_sharing_bomb_trips_the_budget() {
     let dir = TempDir::new("hostile-memo");
     std::fs::create_dir_all(dir.path()).unwrap();
     std::fs::write(dir.join(".metadata"), &bomb).unwrap();
-    let (p, reason) = corrupt(open_checkpoint(&LocalStorage::new(dir.path())).map(|_| ()));
+    let (p, reason) = corrupt(open(&LocalStorage::new(dir.path())).map(|_| ()));
     assert!(p.ends_with(".metadata") && reason.contains("budget"), "{p}: {reason}");
 }
 
@@ -244,7 +245,7 @@ fn convert_of_a_2_56_element_tensor_counts_its_parts_first() {
 fn loading_a_claimed_2_56_element_tensor_whole_is_an_error_not_an_abort() {
     let dir = TempDir::new("hostile-plain");
     let st = huge_tensor_dcp(&dir);
-    match load_plain_tensors(&st, None) {
+    match open(&st).and_then(|c| c.read_tensors(None)) {
         Err(Error::InvalidArgument { reason }) => {
             assert!(reason.contains("\"w\"") && reason.contains("cannot allocate"), "{reason}")
         }

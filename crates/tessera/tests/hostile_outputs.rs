@@ -131,7 +131,7 @@ fn export_onto_anything_but_a_regular_file_or_a_new_name_is_refused_untouched() 
     std::os::unix::fs::symlink(&victim, &shard).unwrap();
     assert_refused(export_safetensors(&src, &shards, &sharded(), &mut no_progress()), &shard);
     std::fs::remove_file(&shard).unwrap();
-    let index = shards.join(SAFETENSORS_INDEX_FILE);
+    let index = shards.join("model.safetensors.index.json");
     std::os::unix::fs::symlink(&victim, &index).unwrap();
     assert_refused(export_safetensors(&src, &shards, &sharded(), &mut no_progress()), &index);
     assert_eq!(snapshot(&outs), before, "nothing replaced, nothing left behind");
@@ -171,7 +171,7 @@ fn export_does_not_follow_symlinks_planted_at_temporary_names() {
     // The names the temporary files used to get (`.NAME.tmp-PID`), and variations: the real ones
     // carry an unpredictable nonce and are created exclusively.
     let pid = std::process::id();
-    let names = ["model.safetensors", "model-00001-of-00001.safetensors", SAFETENSORS_INDEX_FILE];
+    let names = ["model.safetensors", "model-00001-of-00001.safetensors", "model.safetensors.index.json"];
     for n in names {
         for tmp in [format!(".{n}.tmp-{pid}"), format!(".{n}.tmp-{pid}-0"), format!(".{n}.tmp")] {
             std::os::unix::fs::symlink(&victim, out.join(tmp)).unwrap();
@@ -206,7 +206,7 @@ fn convert_refuses_a_destination_holding_a_checkpoint_of_any_format_unless_overw
         let dst_dir = dir.join(&format!("dst{i}"));
         copy_dir(&fixture(rel), &dst_dir);
         let dst = LocalStorage::new(&dst_dir);
-        let record = open_checkpoint(&dst).unwrap().record;
+        let record = open(&dst).unwrap().format().clone();
         assert_ne!(record.backend, "tessera", "{rel}");
         let before = snapshot(&dst_dir);
         match convert(&src, &dst, &ConvertOptions::default(), &mut no_progress()) {
@@ -217,8 +217,12 @@ fn convert_refuses_a_destination_holding_a_checkpoint_of_any_format_unless_overw
         // With overwrite the native checkpoint is committed there (and is what loads).
         let opts = ConvertOptions { overwrite: true, ..Default::default() };
         convert(&src, &dst, &opts, &mut no_progress()).unwrap_or_else(|e| panic!("{rel}: {e}"));
-        assert_eq!(open_checkpoint(&dst).unwrap().record.backend, "tessera", "{rel}");
-        assert_eq!(load_plain_tensors(&dst, None).unwrap(), load_plain_tensors(&src, None).unwrap(), "{rel}");
+        assert_eq!(open(&dst).unwrap().format().clone().backend, "tessera", "{rel}");
+        assert_eq!(
+            open(&dst).and_then(|c| c.read_tensors(None)).unwrap(),
+            open(&src).and_then(|c| c.read_tensors(None)).unwrap(),
+            "{rel}"
+        );
     }
     // An empty or absent destination, or one holding only unrelated files, is fine.
     let other = dir.join("other");

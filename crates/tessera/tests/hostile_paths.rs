@@ -13,9 +13,7 @@ use std::time::Duration;
 
 use common::files::copy_dir;
 use common::TempDir;
-use tessera::{
-    export_safetensors, load_plain_tensors, open_index, verify, Error, ExportOptions, LocalStorage, Storage, INDEX_FILE,
-};
+use tessera::{export_safetensors, open, verify, Checkpoint, Error, ExportOptions, LocalStorage, Storage, INDEX_FILE};
 
 fn fixture(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
@@ -67,7 +65,7 @@ fn assert_refused(e: &Error, name: &str, why: &str) {
 /// error, verify either with the error or with a problem naming it — never "sound".
 fn assert_every_reader_refuses(ckpt: &Path, name: &str, why: &str) {
     let storage = LocalStorage::new(ckpt);
-    let e = load_plain_tensors(&storage, None).expect_err("load must refuse");
+    let e = open(&storage).and_then(|c| c.read_tensors(None)).expect_err("load must refuse");
     assert_refused(&e, name, why);
     match verify(&storage, 2) {
         Ok(report) => assert!(
@@ -126,11 +124,11 @@ fn native_fifo_in_place_of_a_data_file_or_the_index_is_refused_without_blocking(
 fn native_index_naming_a_file_outside_is_corrupt() {
     let (_dir, ckpt) = scratch("hostile-native-dotdot", "golden_v2");
     let storage = LocalStorage::new(&ckpt);
-    let mut index = open_index(&storage).unwrap();
+    let mut index = open(&storage).map(Checkpoint::into_index).unwrap();
     index.files[0].name = format!("../{NATIVE_DATA}");
     std::fs::write(ckpt.join(INDEX_FILE), index.encode()).unwrap();
     let storage = LocalStorage::new(&ckpt);
-    let e = load_plain_tensors(&storage, None).unwrap_err();
+    let e = open(&storage).and_then(|c| c.read_tensors(None)).unwrap_err();
     assert_refused(&e, INDEX_FILE, "not a plain name");
     let e = verify(&storage, 2).unwrap_err();
     assert_refused(&e, INDEX_FILE, "not a plain name");
@@ -144,8 +142,8 @@ fn a_root_given_through_a_link_is_read() {
     symlink(&ckpt, &alias).unwrap();
     let storage = LocalStorage::new(&alias);
     assert_eq!(
-        load_plain_tensors(&storage, None).unwrap().len(),
-        load_plain_tensors(&LocalStorage::new(&ckpt), None).unwrap().len()
+        open(&storage).and_then(|c| c.read_tensors(None)).unwrap().len(),
+        open(&LocalStorage::new(&ckpt)).and_then(|c| c.read_tensors(None)).unwrap().len()
     );
     assert!(verify(&storage, 2).unwrap().problems.is_empty());
 }
@@ -190,7 +188,7 @@ fn dcp_metadata_naming_a_file_outside_is_corrupt() {
         assert_ne!(out, bytes);
         std::fs::write(&path, out).unwrap();
         let storage = LocalStorage::new(&ckpt);
-        let e = load_plain_tensors(&storage, None).unwrap_err();
+        let e = open(&storage).and_then(|c| c.read_tensors(None)).unwrap_err();
         assert_refused(&e, ".metadata", "not a plain relative name");
         let e = verify(&storage, 2).unwrap_err();
         assert_refused(&e, ".metadata", "not a plain relative name");
@@ -254,7 +252,7 @@ fn olmo_metadata_naming_a_file_outside_is_corrupt() {
     assert!(text.contains("\"rank_0.safetensors\""));
     std::fs::write(&path, text.replace("\"rank_0.safetensors\"", "\"../rank_0.safetensors\"")).unwrap();
     let storage = LocalStorage::new(&ckpt);
-    let e = load_plain_tensors(&storage, None).unwrap_err();
+    let e = open(&storage).and_then(|c| c.read_tensors(None)).unwrap_err();
     assert_refused(&e, "metadata.json", "not a plain name");
     let e = verify(&storage, 2).unwrap_err();
     assert_refused(&e, "metadata.json", "not a plain name");

@@ -63,7 +63,7 @@ fn synthetic_index(tensors: u64, chunks_per_tensor: u64) -> CheckpointIndex {
         })
         .collect();
     CheckpointIndex {
-        backend: NATIVE_BACKEND.into(),
+        backend: "tessera".into(),
         version: FORMAT_VERSION,
         block_size,
         content_metadata: Value::Map(vec![("note".into(), Value::Str("synthetic".into()))]),
@@ -154,10 +154,10 @@ fn a_reader_of_a_few_keys_reads_only_the_head_and_their_chunk_records() {
     let counting = CountingStorage::new(&base);
     // Tensors 500 and 994 have no stored chunk.
     let keys = [&full.tensors[10].key, &full.tensors[500].key, &full.tensors[994].key, &full.tensors[999].key];
-    let ckpt = open_checkpoint_keys(&counting, &keys).unwrap();
+    let ckpt = open_with(&counting, &OpenOptions { keys: Some(keys.iter().map(|k| k.to_string()).collect()) }).unwrap();
     let keys: BTreeSet<String> = keys.iter().map(|k| k.to_string()).collect();
-    assert!(ckpt.index == restricted(&full, &keys), "the three tensors, objects, files and metadata");
-    assert_eq!(sorted_keys(&ckpt.index), sorted_keys(&full), "every key, held or omitted");
+    assert!(*ckpt.index() == restricted(&full, &keys), "the three tensors, objects, files and metadata");
+    assert_eq!(sorted_keys(&ckpt.index()), sorted_keys(&full), "every key, held or omitted");
     let read = counting.bytes_read();
     let reads = counting.reads();
     eprintln!("index of {} bytes: {read} bytes read in {reads} reads for 4 keys", bytes.len());
@@ -179,9 +179,10 @@ fn any_set_of_keys_opens_to_the_full_index_restricted_to_it() {
             keys.insert("not.stored".into());
         }
         let list: Vec<&String> = keys.iter().collect();
-        let ckpt = open_checkpoint_keys(&storage, &list).unwrap();
-        assert!(ckpt.index == restricted(&full, &keys), "seed {seed}: density {density}%");
-        assert_eq!(sorted_keys(&ckpt.index), all);
+        let ckpt =
+            open_with(&storage, &OpenOptions { keys: Some(list.iter().map(|k| k.to_string()).collect()) }).unwrap();
+        assert!(*ckpt.index() == restricted(&full, &keys), "seed {seed}: density {density}%");
+        assert_eq!(sorted_keys(&ckpt.index()), all);
     });
 }
 
@@ -195,11 +196,11 @@ fn a_damaged_chunk_record_fails_exactly_the_readers_of_its_tensor() {
         let mut damaged = bytes.clone();
         damaged[at] ^= 0x20;
         let storage = stored(&damaged);
-        assert!(is_corrupt_index(&open_index(&storage)), "byte {at}: the whole index is corrupt");
+        assert!(is_corrupt_index(&open(&storage).map(Checkpoint::into_index)), "byte {at}: the whole index is corrupt");
         let mut failed = 0;
         for t in &full.tensors {
-            match open_checkpoint_keys(&storage, &[&t.key]) {
-                Ok(c) => assert_eq!(c.index.tensor(&t.key), Some(t), "byte {at}: {} decoded wrong", t.key),
+            match open_with(&storage, &OpenOptions { keys: Some(vec![t.key.clone()]) }) {
+                Ok(c) => assert_eq!(c.index().tensor(&t.key), Some(t), "byte {at}: {} decoded wrong", t.key),
                 r => {
                     assert!(is_corrupt_index(&r), "byte {at}: {r:?}");
                     failed += 1;
@@ -219,10 +220,10 @@ fn a_truncated_or_extended_index_fails_every_reader() {
     let head_end = 24 + u64::from_le_bytes(bytes[12..20].try_into().unwrap()) as usize;
     for len in [0, 8, 12, 19, 20, head_end - 5, head_end - 1, head_end, head_end + 1, bytes.len() - 1] {
         let storage = stored(&bytes[..len]);
-        let r = open_checkpoint_keys(&storage, &[key]);
+        let r = open_with(&storage, &OpenOptions { keys: Some(vec![key.into()]) });
         assert!(is_corrupt_index(&r) || matches!(r, Err(Error::NotCommitted { .. })), "length {len}: {r:?}");
     }
     let mut longer = bytes.clone();
     longer.push(0);
-    assert!(is_corrupt_index(&open_checkpoint_keys(&stored(&longer), &[key])));
+    assert!(is_corrupt_index(&open_with(&stored(&longer), &OpenOptions { keys: Some(vec![key.into()]) })));
 }

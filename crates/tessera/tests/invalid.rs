@@ -327,8 +327,8 @@ fn versioned_save(storage: &dyn Storage, world: usize, base: f32, overwrite: boo
 }
 
 fn load_w(storage: &dyn Storage) -> (Vec<f32>, Value) {
-    let plain = load_plain_tensors(storage, None).unwrap();
-    let common = tree_value(&load_common_state(storage).unwrap()).unwrap();
+    let plain = open(storage).and_then(|c| c.read_tensors(None)).unwrap();
+    let common = tree_value(&open(storage).map(|c| c.common_state()).unwrap()).unwrap();
     (f32s(&plain["w"].data), common.get("version").cloned().unwrap())
 }
 
@@ -359,7 +359,7 @@ fn check_overwrite(storage: &dyn Storage) {
     let mut reported: Vec<String> = reports.iter().filter_map(|r| r.file.clone()).collect();
     reported.sort();
     assert_eq!(reported, new_files);
-    let index = open_index(storage).unwrap();
+    let index = open(storage).map(Checkpoint::into_index).unwrap();
     let mut indexed: Vec<String> = index.files.iter().map(|f| f.name.clone()).collect();
     indexed.sort();
     assert_eq!(indexed, new_files);

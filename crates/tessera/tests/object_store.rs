@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use common::faults::*;
 use common::*;
-use tessera::plan::load::{plan_reads, plan_request, ReadTuning, Request};
+use tessera::__plan::load::{plan_reads, plan_request, ReadTuning, Request};
 use tessera::*;
 
 /// These tests move tens of MiB through one moto server: one at a time keeps each well inside
@@ -187,7 +187,7 @@ fn load_all_and_check(storage: &dyn Storage, t: &Truth) -> Vec<LoadStats> {
 /// location (nothing left over from retried or failed requests).
 fn assert_committed_whole(storage: &dyn Storage) {
     verify(storage, 2).unwrap();
-    let index = open_index(storage).unwrap();
+    let index = open(storage).map(Checkpoint::into_index).unwrap();
     let mut referenced: Vec<String> = index.files.iter().map(|f| f.name.clone()).collect();
     referenced.sort();
     assert_eq!(data_files(storage), referenced);
@@ -269,7 +269,7 @@ fn save_and_resharded_load_succeed_through_throttling_and_stalls() {
 
     let direct = ObjectStorage::open(&url, s3::test_options()).unwrap();
     assert_committed_whole(&direct);
-    assert_eq!(load_plain_tensors(&direct, None).unwrap()["w"].data, t.w);
+    assert_eq!(open(&direct).and_then(|c| c.read_tensors(None)).unwrap()["w"].data, t.w);
 }
 
 fn is_index_put(r: &Logged) -> bool {
@@ -299,7 +299,11 @@ fn a_commit_that_cannot_be_written_fails_on_every_rank_and_commits_nothing() {
 
     // Nothing committed, and each rank removed the data file it wrote: nothing is left.
     let direct = ObjectStorage::open(&url, s3::test_options()).unwrap();
-    assert!(matches!(open_index(&direct), Err(Error::NotFound { .. })), "{:?}", open_index(&direct));
+    assert!(
+        matches!(open(&direct).map(Checkpoint::into_index), Err(Error::NotFound { .. })),
+        "{:?}",
+        open(&direct).map(Checkpoint::into_index)
+    );
     assert_eq!(names(&direct), Vec::<String>::new());
     assert_eq!(gc(&direct).unwrap(), Vec::<String>::new());
 }
@@ -339,7 +343,7 @@ fn a_commit_that_times_out_after_reaching_the_store_reports_what_the_store_holds
     let storage = proxy.storage(&url, opts_via(&proxy, Duration::from_secs(2), 10));
     let outcomes = save_all(&storage, &t);
     let direct = ObjectStorage::open(&url, s3::test_options()).unwrap();
-    let committed = open_index(&direct).is_ok();
+    let committed = open(&direct).map(Checkpoint::into_index).is_ok();
     for (r, o) in outcomes.iter().enumerate() {
         assert_eq!(o.is_ok(), committed, "rank {r}: {o:?}, but the store holds a committed index: {committed}");
     }
@@ -466,7 +470,7 @@ fn a_resharded_load_issues_exactly_the_planned_gets() {
     for (r, o) in save_all(&direct, &t).into_iter().enumerate() {
         o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
     }
-    let index = open_index(&direct).unwrap();
+    let index = open(&direct).map(Checkpoint::into_index).unwrap();
     let index_size = direct.size(INDEX_FILE).unwrap();
     let storage = proxy.storage(&url, s3::test_options());
 

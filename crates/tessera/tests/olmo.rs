@@ -13,9 +13,8 @@ use common::files::copy_dir;
 use common::fixtures::{assert_loads, boxes, to_json, Expected};
 use common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
 use tessera::{
-    detect_format, load, load_common_state, load_plain_tensors, save_olmo, verify, CountingStorage, DType, Error,
-    LoadOptions, LocalStorage, ReplicaId, SaveOptions, ShardedObject, ShardedTensor, SoloComm, StateTree, Storage,
-    TensorData,
+    load, open, save_olmo, verify, CountingStorage, DType, Error, LoadOptions, LocalStorage, ReplicaId, SaveOptions,
+    ShardedObject, ShardedTensor, SoloComm, StateTree, Storage, TensorData,
 };
 
 const BACKEND: &str = "olmo_safetensors";
@@ -43,7 +42,7 @@ fn expected_json(name: &str) -> serde_json::Value {
     common::fixtures::expected_json(&fixtures(), name)
 }
 
-fn open(name: &str) -> LocalStorage {
+fn fixture_storage(name: &str) -> LocalStorage {
     LocalStorage::new(fixtures().join(name))
 }
 
@@ -59,9 +58,11 @@ fn assert_tensors(name: &str, got: &BTreeMap<String, tessera::PlainTensor>, want
 #[test]
 fn every_fixture_is_detected_and_unshards_exactly() {
     for (name, _) in ALL {
-        let (record, _) = detect_format(&open(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let (record, _) =
+            open(&fixture_storage(name)).map(|c| (c.format().clone(), ())).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(record.backend, BACKEND, "{name}");
-        let got = load_plain_tensors(&open(name), None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let got =
+            open(&fixture_storage(name)).and_then(|c| c.read_tensors(None)).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_tensors(name, &got, &expected_tensors(name));
     }
 }
@@ -73,7 +74,8 @@ fn model_and_optim_open_alone() {
         let want = expected_tensors(name);
         for part in ["model", "optim"] {
             let storage = LocalStorage::new(fixtures().join(name).join(part));
-            let got = load_plain_tensors(&storage, None).unwrap_or_else(|e| panic!("{name}/{part}: {e}"));
+            let got =
+                open(&storage).and_then(|c| c.read_tensors(None)).unwrap_or_else(|e| panic!("{name}/{part}: {e}"));
             let prefix = format!("{part}/");
             let want_part: BTreeMap<String, Expected> = want
                 .iter()
@@ -91,7 +93,9 @@ fn model_and_optim_open_alone() {
 fn pickled_optimizer_fields_are_decoded_without_executing_anything() {
     for (name, _) in ALL.iter().filter(|(_, p)| *p) {
         let want = expected_json(name);
-        let StateTree::Map(root) = load_common_state(&open(name)).unwrap() else { panic!("{name}") };
+        let StateTree::Map(root) = open(&fixture_storage(name)).map(|c| c.common_state()).unwrap() else {
+            panic!("{name}")
+        };
         let Some(StateTree::Map(optim)) = root.get("optim") else { panic!("{name}: no optim values") };
         let groups = match &optim["param_groups"] {
             StateTree::Value(v) => to_json(v),
@@ -117,7 +121,7 @@ fn pickled_optimizer_fields_are_decoded_without_executing_anything() {
 fn resharded_loads_return_the_right_slices() {
     // Every tensor as a grid of boxes and as flat ranges (FSDP's layout) of other world sizes.
     for (name, _) in ALL {
-        let storage = open(name);
+        let storage = fixture_storage(name);
         let want = expected_tensors(name);
         for parts in [2u64, 3, 4] {
             let mut tree = StateTree::map();
@@ -149,7 +153,7 @@ fn resharded_loads_return_the_right_slices() {
 #[test]
 fn verify_reads_every_file_and_says_there_are_no_checksums() {
     for (name, _) in ALL {
-        let report = verify(&open(name), 2).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let report = verify(&fixture_storage(name), 2).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(report.problems.is_empty(), "{name}: {:?}", report.problems);
         assert!(!report.checksummed && report.bytes_checked > 0, "{name}");
     }
@@ -158,10 +162,10 @@ fn verify_reads_every_file_and_says_there_are_no_checksums() {
 #[test]
 fn megatron_detection_is_not_fooled_by_olmo_metadata() {
     // OLMo's metadata.json is not Megatron's: the directory is OLMo-core's, never "corrupt".
-    let storage = open("olmo_single");
-    assert_eq!(detect_format(&storage).unwrap().0.backend, BACKEND);
+    let storage = fixture_storage("olmo_single");
+    assert_eq!(open(&storage).map(|c| (c.format().clone(), ())).unwrap().0.backend, BACKEND);
     let model = LocalStorage::new(fixtures().join("olmo_fsdp1_w2/model"));
-    assert_eq!(detect_format(&model).unwrap().0.backend, BACKEND);
+    assert_eq!(open(&model).map(|c| (c.format().clone(), ())).unwrap().0.backend, BACKEND);
 }
 
 // ---- tessera's writer ------------------------------------------------------------------------
@@ -232,8 +236,8 @@ fn save_world(dir: &Path, world: usize, opts: &SaveOptions) -> Vec<tessera::Resu
 
 fn check_written(dir: &Path) {
     let storage = LocalStorage::new(dir);
-    assert_eq!(detect_format(&storage).unwrap().0.backend, BACKEND);
-    let got = load_plain_tensors(&storage, None).unwrap();
+    assert_eq!(open(&storage).map(|c| (c.format().clone(), ())).unwrap().0.backend, BACKEND);
+    let got = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
     for (i, l) in layouts().iter().enumerate() {
         let g = &got[l.key];
         assert_eq!((g.dtype, &g.shape), (l.dtype, &l.shape), "{}", l.key);
@@ -287,7 +291,7 @@ fn a_damaged_byte_of_a_written_checkpoint_is_caught() {
     let storage = LocalStorage::new(dir.path());
     let report = verify(&storage, 2).unwrap();
     assert!(report.problems.iter().any(|p| p.contains("rank_1.safetensors") && p.contains("checksum")), "{report:?}");
-    let e = load_plain_tensors(&storage, None).unwrap_err();
+    let e = open(&storage).and_then(|c| c.read_tensors(None)).unwrap_err();
     assert!(matches!(e, Error::Corrupt { .. }) && e.to_string().contains("rank_1.safetensors"), "{e}");
 }
 
@@ -410,7 +414,7 @@ fn damaged(tag: &str, edit: impl Fn(&mut serde_json::Value)) -> (TempDir, Error)
         serde_json::from_slice(&std::fs::read(dir.join("metadata.json")).unwrap()).unwrap();
     edit(&mut meta);
     std::fs::write(dir.join("metadata.json"), serde_json::to_vec(&meta).unwrap()).unwrap();
-    let e = load_plain_tensors(&LocalStorage::new(dir.path()), None).unwrap_err();
+    let e = open(&LocalStorage::new(dir.path())).and_then(|c| c.read_tensors(None)).unwrap_err();
     (dir, e)
 }
 
@@ -469,10 +473,10 @@ fn a_file_lacking_a_listed_key_or_truncated_is_named() {
     let f = dir.join("rank_1.safetensors");
     let len = std::fs::metadata(&f).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 10).unwrap();
-    let e = load_plain_tensors(&LocalStorage::new(dir.path()), None).unwrap_err().to_string();
+    let e = open(&LocalStorage::new(dir.path())).and_then(|c| c.read_tensors(None)).unwrap_err().to_string();
     assert!(e.contains("rank_1.safetensors") && e.contains("data_offsets"), "{e}");
     std::fs::write(&f, 2u64.to_le_bytes().iter().chain(b"{}").copied().collect::<Vec<u8>>()).unwrap();
-    let e = load_plain_tensors(&LocalStorage::new(dir.path()), None).unwrap_err().to_string();
+    let e = open(&LocalStorage::new(dir.path())).and_then(|c| c.read_tensors(None)).unwrap_err().to_string();
     assert!(e.contains("rank_1.safetensors") && e.contains("no tensor"), "{e}");
 }
 
@@ -488,7 +492,7 @@ fn olmo_checkpoints_load_from_an_object_store() {
             assert_eq!(code, 200, "uploading {rel}");
         }
         let store = tessera::ObjectStorage::open(&url, common::s3::test_options()).unwrap();
-        let got = load_plain_tensors(&store, None).unwrap_or_else(|e| panic!("{name} on S3: {e}"));
+        let got = open(&store).and_then(|c| c.read_tensors(None)).unwrap_or_else(|e| panic!("{name} on S3: {e}"));
         assert_tensors(name, &got, &expected_tensors(name));
         let report = verify(&store, 2).unwrap();
         assert!(report.problems.is_empty(), "{name}: {:?}", report.problems);
@@ -512,7 +516,7 @@ fn identical_shards_from_several_ranks_are_written_once() {
     });
     let meta: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("metadata.json")).unwrap()).unwrap();
     assert_eq!(meta["tensors"]["w"]["shard_spec_per_file"].as_object().unwrap().len(), 2, "{meta}");
-    let got = load_plain_tensors(&LocalStorage::new(dir.path()), None).unwrap();
+    let got = open(&LocalStorage::new(dir.path())).and_then(|c| c.read_tensors(None)).unwrap();
     assert!(got["w"].data == data);
 }
 
@@ -541,13 +545,13 @@ fn directories_saved_together_are_all_validated_before_any_is_touched() {
     let e = pair(&new, &new, &[3], true).unwrap_err();
     assert!(matches!(e, Error::InvalidSharding { .. } | Error::InvalidArgument { .. }), "{e}");
     for s in [&model, &optim] {
-        let got = load_plain_tensors(s, None).unwrap();
+        let got = open(s).and_then(|c| c.read_tensors(None)).unwrap();
         assert!(got.values().all(|t| t.data == old), "the old pair is intact");
     }
     // Without overwrite, an existing pair is refused as a whole.
     assert!(matches!(pair(&new, &new, &[4], false), Err(Error::AlreadyExists { .. })));
     pair(&new, &new, &[4], true).unwrap();
-    let both = load_plain_tensors(&LocalStorage::new(root.path()), None).unwrap();
+    let both = open(&LocalStorage::new(root.path())).and_then(|c| c.read_tensors(None)).unwrap();
     assert_eq!(both.keys().collect::<Vec<_>>(), ["model/w", "optim/w.__exp_avg"]);
     assert!(both.values().all(|t| t.data == new));
 }

@@ -121,7 +121,7 @@ fn replicated_state_is_read_once_across_four_ranks() {
     let specs = replicated_specs();
     let storage = MemoryStorage::new();
     save_replicated(&storage, &specs, 4, 256 << 10);
-    let total = open_index(&storage).unwrap().tensor_bytes();
+    let total = open(&storage).map(Checkpoint::into_index).unwrap().tensor_bytes();
     assert_eq!(total, specs.iter().map(|s| s.truth.len() as u64).sum::<u64>());
     // A 3 MiB round budget cuts 4-way shared ranges into 1 MiB pieces (3 copies sent each).
     for (verify, round_bytes, piece) in
@@ -251,7 +251,7 @@ fn tp2_dp2_request(r: usize) -> StateTree<'static> {
 fn tp2_dp2_loads_a_tp4_save_reading_each_byte_once() {
     let storage = MemoryStorage::new();
     let v = save_tp4(&storage, 4096);
-    let total = open_index(&storage).unwrap().tensor_bytes();
+    let total = open(&storage).map(Checkpoint::into_index).unwrap().tensor_bytes();
     for (verify, round_bytes) in [(true, 256u64 << 20), (false, 256 << 20), (true, 20_000), (false, 1)] {
         let ctx = format!("verify {verify}, rounds of {round_bytes}");
         let opts = LoadOptions { verify_checksums: verify, exchange_round_bytes: round_bytes, ..load_opts() };
@@ -358,7 +358,7 @@ fn replicated_on_disk(tag: &str) -> (TempDir, Vec<Spec>, CheckpointIndex) {
         .map(|key| Spec { key, dtype: DType::F32, shape: vec![128, 256], truth: rng.bytes(128 * 256 * 4) })
         .collect();
     save_replicated(&LocalStorage::new(dir.path()), &specs, 4, 16 << 10);
-    let index = open_index(&LocalStorage::new(dir.path())).unwrap();
+    let index = open(&LocalStorage::new(dir.path())).map(Checkpoint::into_index).unwrap();
     (dir, specs, index)
 }
 
@@ -493,7 +493,7 @@ fn the_default_load_is_unchanged() {
     for s in &specs {
         assert!(bytes_at(&res.state, s.key) == s.truth, "{}", s.key);
     }
-    let total = open_index(&storage).unwrap().tensor_bytes();
+    let total = open(&storage).map(Checkpoint::into_index).unwrap().tensor_bytes();
     let st = &res.stats;
     assert_eq!((st.bytes_needed, st.bytes_read, st.bytes_received), (total, total, 0));
     assert!(st.header_bytes_read > 0 && st.reads > 0);

@@ -55,7 +55,7 @@ fn save_step(
 }
 
 fn check_step(storage: &dyn Storage, step: u32) {
-    let plain = load_plain_tensors(storage, None).unwrap();
+    let plain = open(storage).and_then(|c| c.read_tensors(None)).unwrap();
     let mut want = Vec::new();
     for r in 0..WORLD {
         want.extend(state(r, step, 8).1);
@@ -63,7 +63,7 @@ fn check_step(storage: &dyn Storage, step: u32) {
     assert!(plain["w"].data == want, "step {step}: w");
     let b: Vec<u8> = (0..64u64).flat_map(|i| (step as f32 + i as f32).to_le_bytes()).collect();
     assert_eq!(plain["b"].data, b, "step {step}: b");
-    let StateTree::Map(common) = load_common_state(storage).unwrap() else { panic!() };
+    let StateTree::Map(common) = open(storage).map(|c| c.common_state()).unwrap() else { panic!() };
     assert!(matches!(common["step"], StateTree::Value(Value::Int(s)) if s == step as i64));
 }
 
@@ -115,7 +115,7 @@ fn a_valid_change_replans_then_caches_the_new_plan() {
         for r in save_step(&storage, &caches, step, |_| rows) {
             r.unwrap();
         }
-        let plain = load_plain_tensors(&storage, None).unwrap();
+        let plain = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
         assert_eq!(plain["w"].shape, vec![rows * WORLD as u64, 64]);
     }
     for c in &caches {

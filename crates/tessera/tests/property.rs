@@ -12,8 +12,8 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 
 use common::*;
-use tessera::plan::geometry::{check_tiling, decompose_flat, Piece};
-use tessera::plan::load::ReadTuning;
+use tessera::__plan::geometry::{check_tiling, decompose_flat, Piece};
+use tessera::__plan::load::ReadTuning;
 use tessera::*;
 
 /// One global tensor of a case and its contents.
@@ -156,7 +156,7 @@ fn save_load_case_worlds(
     let names = ["model.layers.0.weight", "optimizer/état.exp_avg", "x"];
     let tensors: Vec<TensorSpec> = (0..rng.range(1, 3))
         .map(|i| {
-            let dtype = *rng.pick(&ALL_DTYPES);
+            let dtype = *rng.pick(&DType::ALL);
             let shape = random_shape(&mut rng);
             let truth = rng.bytes(numel(&shape) as usize * dtype.size());
             TensorSpec { key: format!("{}{i}", rng.pick(&names)), dtype, shape, truth }
@@ -336,7 +336,7 @@ fn save_load_case_worlds(
         },
         ..LoadOptions::default()
     };
-    let index = rng.chance(1, 2).then(|| open_index(storage).unwrap());
+    let opened = rng.chance(1, 2).then(|| open(storage).unwrap());
     let ctx = format!(
         "save world {save_world}, load world {load_world}, block {block_size}, {opts:?}, tensors {:?}",
         tensors.iter().map(|t| (&t.key, t.dtype, &t.shape)).collect::<Vec<_>>()
@@ -381,8 +381,8 @@ fn save_load_case_worlds(
             .with("tensors", StateTree::Map(per_key.into_iter().map(|(k, v)| (k, StateTree::List(v))).collect()))
             .with("objects", StateTree::List(objects))
             .with("local", StateTree::NonPersistent(Value::Int(r as i64)));
-        let res = match &index {
-            Some(ix) => load_from_index(ix, tree, storage, c, &opts),
+        let res = match &opened {
+            Some(ckpt) => ckpt.load(tree, c, &opts),
             None => load(tree, storage, c, &opts),
         }
         .map_err(|e| format!("load on rank {r}: {e}"))?;
@@ -444,7 +444,9 @@ fn save_load_case_worlds(
         }
     }
 
-    let plain = load_plain_tensors(storage, None).unwrap_or_else(|e| panic!("load_plain_tensors: {e}\n  case: {ctx}"));
+    let plain = open(storage)
+        .and_then(|c| c.read_tensors(None))
+        .unwrap_or_else(|e| panic!("load_plain_tensors: {e}\n  case: {ctx}"));
     assert_eq!(plain.len(), tensors.len());
     for spec in &tensors {
         let p = &plain[&spec.key];

@@ -244,7 +244,7 @@ fn split_factory_round_trip_across_tp_layouts() {
         r.unwrap();
     }
     // The parts are ordinary tensors of the checkpoint.
-    let plain = load_plain_tensors(&storage, None).unwrap();
+    let plain = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
     assert_eq!(plain.keys().collect::<Vec<_>>(), ["mlp.v", "mlp.w"]);
     assert_eq!(f32s(&plain["mlp.w"].data), w);
     assert_eq!(f32s(&plain["mlp.v"].data), v);
@@ -313,7 +313,7 @@ fn non_persistent_values_are_dropped_on_save_and_returned_as_given() {
             .with("np", StateTree::NonPersistent(Value::Str("never saved".into())))
             .with("step", StateTree::Value(Value::Int(5)))
     });
-    let common = tree_value(&load_common_state(&storage).unwrap()).unwrap();
+    let common = tree_value(&open(&storage).map(|c| c.common_state()).unwrap()).unwrap();
     assert_eq!(common, Value::Map(vec![("step".into(), Value::Int(5))]));
     // On load, non-persistent leaves come back as given, even where the common state has a value.
     let tree = StateTree::map()
@@ -442,7 +442,7 @@ fn common_state_round_trips_every_value_kind_from_rank_0() {
     for r in reports {
         r.unwrap();
     }
-    let got = tree_value(&load_common_state(&storage).unwrap()).unwrap();
+    let got = tree_value(&open(&storage).map(|c| c.common_state()).unwrap()).unwrap();
     assert!(same_value(&got, &expected_common()), "load_common_state:\n{got:?}\nexpected\n{:?}", expected_common());
 
     // Through load: common values form the base, the tensor stays where it was requested.
@@ -482,13 +482,13 @@ fn content_metadata_is_readable_without_loading() {
     save_ranks(&storage, 2, &opts, |r| {
         StateTree::map().with("w", StateTree::Tensor(owned_f32("w", &[2], &[r as u64], &[1], &[1.0, 2.0])))
     });
-    assert!(same_value(&load_content_metadata(&storage).unwrap(), &meta));
+    assert!(same_value(&open(&storage).map(|c| c.content_metadata().clone()).unwrap(), &meta));
     // None given: null.
     let other = MemoryStorage::new();
     save_ranks(&other, 1, &small_blocks(16), |_| {
         StateTree::map().with("w", StateTree::Tensor(owned_f32("w", &[2], &[0], &[2], &[1.0, 2.0])))
     });
-    assert_eq!(load_content_metadata(&other).unwrap(), Value::Null);
+    assert_eq!(open(&other).map(|c| c.content_metadata().clone()).unwrap(), Value::Null);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -535,7 +535,7 @@ fn sharded_objects_load_through_load_and_load_sharded_objects() {
         let o = res.state.get_dotted(&format!("objs.{i}")).and_then(StateTree::as_object).unwrap();
         assert_eq!(o.data.as_deref(), Some(&object_bytes(c)[..]), "cell {c:?}");
     }
-    let tree = load_sharded_objects(request(), &storage).unwrap();
+    let tree = open(&storage).and_then(|c| c.load_objects(request())).unwrap();
     for (i, c) in cells.iter().enumerate() {
         let o = tree.get_dotted(&format!("objs.{i}")).and_then(StateTree::as_object).unwrap();
         assert_eq!(o.data.as_deref(), Some(&object_bytes(c)[..]), "cell {c:?}");
@@ -545,13 +545,15 @@ fn sharded_objects_load_through_load_and_load_sharded_objects() {
     let bad = StateTree::map().with("o", object_request("rng", &[2, 2], &[2, 0]));
     assert!(matches!(load(bad, &storage, &SoloComm, &load_opts()), Err(Error::NotCovered { key, .. }) if key == "rng"));
     let bad = StateTree::map().with("o", object_request("nope", &[1], &[0]));
-    assert!(matches!(load_sharded_objects(bad, &storage), Err(Error::NotCovered { key, .. }) if key == "nope"));
+    assert!(
+        matches!(open(&storage).and_then(|c| c.load_objects(bad)), Err(Error::NotCovered { key, .. }) if key == "nope")
+    );
 }
 
 #[test]
 fn tensors_metadata_lists_every_tensor_and_nothing_else() {
     let storage = objects_checkpoint();
-    let meta = load_tensors_metadata(&storage).unwrap();
+    let meta = open(&storage).map(|c| c.tensors_metadata()).unwrap();
     let want: BTreeMap<String, TensorMeta> = [
         ("a".to_string(), TensorMeta { dtype: DType::F32, global_shape: vec![4, 2] }),
         ("b".to_string(), TensorMeta { dtype: DType::I64, global_shape: vec![3] }),
@@ -564,15 +566,15 @@ fn tensors_metadata_lists_every_tensor_and_nothing_else() {
 #[test]
 fn plain_tensors_with_a_key_subset() {
     let storage = objects_checkpoint();
-    let only_b = load_plain_tensors(&storage, Some(&["b"])).unwrap();
+    let only_b = open(&storage).and_then(|c| c.read_tensors(Some(&["b"]))).unwrap();
     assert_eq!(only_b.len(), 1);
     assert_eq!(only_b["b"], PlainTensor { dtype: DType::I64, shape: vec![3], data: i64_bytes(&[-1, 0, i64::MAX]) });
-    let both = load_plain_tensors(&storage, Some(&["a", "b"])).unwrap();
+    let both = open(&storage).and_then(|c| c.read_tensors(Some(&["a", "b"]))).unwrap();
     assert_eq!(both.keys().collect::<Vec<_>>(), ["a", "b"]);
     assert_eq!(f32s(&both["a"].data), iota(8, 0.0));
-    assert_eq!(load_plain_tensors(&storage, None).unwrap(), both);
-    assert!(load_plain_tensors(&storage, Some(&[])).unwrap().is_empty());
-    assert!(matches!(load_plain_tensors(&storage, Some(&["a", "nope"])), Err(Error::NotFound { .. })));
+    assert_eq!(open(&storage).and_then(|c| c.read_tensors(None)).unwrap(), both);
+    assert!(open(&storage).and_then(|c| c.read_tensors(Some(&[]))).unwrap().is_empty());
+    assert!(matches!(open(&storage).and_then(|c| c.read_tensors(Some(&["a", "nope"]))), Err(Error::NotFound { .. })));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -699,7 +701,7 @@ fn stacked_layers_saved_per_layer_load_as_one_tensor() {
         StateTree::map().with("layers", StateTree::List(vec![StateTree::Tensor(t)]))
     });
     let all = layers.concat();
-    let plain = load_plain_tensors(&storage, None).unwrap();
+    let plain = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
     assert_eq!(plain["decoder.w"].shape, vec![3, 4, 2]);
     assert_eq!(f32s(&plain["decoder.w"].data), all);
     // One rank, one full tensor.
@@ -770,11 +772,11 @@ fn bf16_and_fp8_round_trip_bit_exactly() {
             .with("e4m3", StateTree::Tensor(e4))
             .with("e5m2", StateTree::Tensor(e5))
     });
-    let meta = load_tensors_metadata(&storage).unwrap();
+    let meta = open(&storage).map(|c| c.tensors_metadata()).unwrap();
     assert_eq!(meta["h"].dtype, DType::BF16);
     assert_eq!(meta["e4m3"].dtype, DType::F8E4M3);
     assert_eq!(meta["e5m2"].dtype, DType::F8E5M2);
-    let plain = load_plain_tensors(&storage, None).unwrap();
+    let plain = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
     assert_eq!(plain["h"].data, bf16);
     assert_eq!(plain["e4m3"].data, fp8);
     assert_eq!(plain["e5m2"].data, fp8);
@@ -792,7 +794,7 @@ fn bf16_and_fp8_round_trip_bit_exactly() {
 
 #[test]
 fn dtype_names_and_sizes() {
-    for d in ALL_DTYPES {
+    for d in DType::ALL {
         assert_eq!(DType::parse(d.name()).unwrap(), d);
         assert_eq!(DType::parse(d.safetensors_name()).unwrap(), d);
         assert_eq!(DType::parse(&d.name().to_uppercase()).unwrap(), d);
@@ -803,7 +805,7 @@ fn dtype_names_and_sizes() {
     assert_eq!(DType::parse("f8_e4m3fn").unwrap(), DType::F8E4M3);
     assert_eq!(DType::parse("f8_e5m2").unwrap(), DType::F8E5M2);
     assert!(matches!(DType::parse("f128"), Err(Error::InvalidArgument { .. })));
-    let sizes: Vec<usize> = ALL_DTYPES.iter().map(|d| d.size()).collect();
+    let sizes: Vec<usize> = DType::ALL.iter().map(|d| d.size()).collect();
     assert_eq!(sizes, [8, 4, 2, 2, 1, 1, 8, 4, 2, 1, 1, 2, 4, 8, 1]);
 }
 
@@ -831,11 +833,11 @@ fn zero_size_and_scalar_tensors() {
             .with("no_cols", StateTree::Tensor(rows))
             .with("loss", StateTree::Tensor(scalar))
     });
-    let meta = load_tensors_metadata(&storage).unwrap();
+    let meta = open(&storage).map(|c| c.tensors_metadata()).unwrap();
     assert_eq!(meta["empty"].global_shape, vec![0, 5]);
     assert_eq!(meta["no_cols"].global_shape, vec![3, 0]);
     assert_eq!(meta["loss"].global_shape, Vec::<u64>::new());
-    let plain = load_plain_tensors(&storage, None).unwrap();
+    let plain = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
     assert_eq!(plain["loss"].data, loss);
     assert!(plain["empty"].data.is_empty() && plain["no_cols"].data.is_empty());
     let out = run_ranks(3, |c| {
@@ -935,7 +937,10 @@ fn gc_removes_the_leftovers_of_a_save_that_never_committed() {
     let storage = LocalStorage::new(dir.path());
     let leftovers = data_files(&storage);
     assert_eq!(leftovers.len(), 2, "the data files were written");
-    assert!(matches!(open_index(&storage), Err(Error::NotCommitted { .. })), "but nothing looks committed");
+    assert!(
+        matches!(open(&storage).map(Checkpoint::into_index), Err(Error::NotCommitted { .. })),
+        "but nothing looks committed"
+    );
     std::fs::write(dir.join("notes.txt"), b"not ours").unwrap();
     std::fs::write(dir.join(".tessera.index.tmp-1-2"), b"half an index").unwrap();
     let mut expected = leftovers.clone();
@@ -958,14 +963,14 @@ fn gc_after_a_failed_overwrite_keeps_the_committed_checkpoint() {
         assert!(x.is_err());
     }
     // The old checkpoint is intact and still committed.
-    assert_eq!(f32s(&load_plain_tensors(&storage, None).unwrap()["w"].data), iota(8, 1.0));
+    assert_eq!(f32s(&open(&storage).and_then(|c| c.read_tensors(None)).unwrap()["w"].data), iota(8, 1.0));
     let all = data_files(&storage);
     assert_eq!(all.len(), 2 + 4);
     let removed = gc(&storage).unwrap();
     assert_eq!(removed.len(), 4);
     assert!(removed.iter().all(|n| !committed.contains(n)));
     assert_eq!(data_files(&storage), committed);
-    assert_eq!(f32s(&load_plain_tensors(&storage, None).unwrap()["w"].data), iota(8, 1.0));
+    assert_eq!(f32s(&open(&storage).and_then(|c| c.read_tensors(None)).unwrap()["w"].data), iota(8, 1.0));
     assert!(verify(&storage, 2).unwrap().problems.is_empty());
     // A later successful save cleans up by itself too.
     let crashing_again = NoCommit(LocalStorage::new(dir.path()));
@@ -974,7 +979,7 @@ fn gc_after_a_failed_overwrite_keeps_the_committed_checkpoint() {
     }
     save_ranks(&storage, 2, &opts, |r| rows_tree(2, r, 7.0));
     assert_eq!(data_files(&storage).len(), 2);
-    assert_eq!(f32s(&load_plain_tensors(&storage, None).unwrap()["w"].data), iota(8, 7.0));
+    assert_eq!(f32s(&open(&storage).and_then(|c| c.read_tensors(None)).unwrap()["w"].data), iota(8, 7.0));
 }
 
 #[test]
@@ -996,9 +1001,9 @@ fn remove_sharded_tensors_commits_an_index_without_them() {
     let mut removed = remove_sharded_tensors(&storage, "opt.").unwrap();
     removed.sort();
     assert_eq!(removed, ["opt.exp_avg", "opt.exp_avg_sq"]);
-    let meta = load_tensors_metadata(&storage).unwrap();
+    let meta = open(&storage).map(|c| c.tensors_metadata()).unwrap();
     assert_eq!(meta.keys().collect::<Vec<_>>(), ["model.w"]);
-    assert_eq!(f32s(&load_plain_tensors(&storage, None).unwrap()["model.w"].data), [5.0, 6.0]);
+    assert_eq!(f32s(&open(&storage).and_then(|c| c.read_tensors(None)).unwrap()["model.w"].data), [5.0, 6.0]);
     assert!(remove_sharded_tensors(&storage, "opt.").unwrap().is_empty());
 }
 
@@ -1075,7 +1080,7 @@ fn tp4_to_tp2_reads_at_most_5_percent_more_than_needed() {
 #[test]
 fn data_files_are_valid_safetensors_describing_their_chunks() {
     let storage = objects_checkpoint();
-    let index = open_index(&storage).unwrap();
+    let index = open(&storage).map(Checkpoint::into_index).unwrap();
     let mut chunks_seen = 0;
     for (fi, f) in index.files.iter().enumerate() {
         let bytes = storage.read(&f.name).unwrap();
@@ -1177,7 +1182,7 @@ fn tp4_save_then_tp2_load_with_flat_ranges_on_local_disk() {
         assert_eq!(w, want_w, "rank {r}");
         assert_eq!(b, global[5 + r * 17..22 + r * 17], "rank {r}");
     }
-    assert_eq!(load_plain_tensors(&storage, None).unwrap()["w"].data, global_bytes);
+    assert_eq!(open(&storage).and_then(|c| c.read_tensors(None)).unwrap()["w"].data, global_bytes);
     let report = verify(&storage, 2).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
 }
@@ -1196,7 +1201,7 @@ fn unusual_keys_round_trip() {
         }
         tree
     });
-    let plain = load_plain_tensors(&storage, None).unwrap();
+    let plain = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
     assert_eq!(plain.len(), keys.len());
     for (i, k) in keys.iter().enumerate() {
         assert_eq!(f32s(&plain[*k].data), iota(4, 10.0 * i as f32), "{k:?}");

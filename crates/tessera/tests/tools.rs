@@ -98,12 +98,11 @@ fn memory_checkpoint() -> MemoryStorage {
 #[allow(clippy::type_complexity)]
 fn read_safetensors(path: &Path) -> (J, BTreeMap<String, (String, Vec<u64>, Vec<u8>)>) {
     let bytes = std::fs::read(path).unwrap();
-    let mut read = |off: u64, buf: &mut [u8]| {
-        buf.copy_from_slice(&bytes[off as usize..off as usize + buf.len()]);
-        Ok(())
-    };
-    let (header, start) = parse_header(&mut read, bytes.len() as u64).unwrap();
-    let start = start as usize;
+    // The safetensors layout read here on its own: an 8-byte little-endian header length, the
+    // JSON header, then the data.
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let start = 8 + header_len;
     let mut tensors = BTreeMap::new();
     let mut next = 0;
     for (name, e) in header.as_object().unwrap() {
@@ -151,7 +150,7 @@ fn export_single_file_holds_every_tensor_whole() {
 
     let (meta, tensors) = read_safetensors(&out);
     assert_eq!(meta, json!({"format": "pt"}));
-    let plain = load_plain_tensors(&src, None).unwrap();
+    let plain = open(&src).and_then(|c| c.read_tensors(None)).unwrap();
     assert_eq!(tensors.keys().collect::<Vec<_>>(), plain.keys().collect::<Vec<_>>());
     for (key, p) in &plain {
         let (dtype, shape, data) = &tensors[key];
@@ -191,13 +190,13 @@ fn export_sharded_packs_greedily_in_key_order_with_an_index() {
     .into_iter()
     .collect();
     assert_eq!(report.files, (1..=4).map(|i| out.join(name(i))).collect::<Vec<_>>());
-    assert_eq!(report.index, Some(out.join(SAFETENSORS_INDEX_FILE)));
+    assert_eq!(report.index, Some(out.join("model.safetensors.index.json")));
     let mut names: Vec<String> = (1..=4).map(name).collect();
-    names.push(SAFETENSORS_INDEX_FILE.into());
+    names.push("model.safetensors.index.json".into());
     names.sort();
     assert_eq!(dir_names(&out), names);
 
-    let index: J = serde_json::from_slice(&std::fs::read(out.join(SAFETENSORS_INDEX_FILE)).unwrap()).unwrap();
+    let index: J = serde_json::from_slice(&std::fs::read(out.join("model.safetensors.index.json")).unwrap()).unwrap();
     let truth = truth();
     let total: u64 = truth.values().map(|(_, _, b)| b.len() as u64).sum();
     assert_eq!(index["metadata"]["total_size"], total);
@@ -339,7 +338,7 @@ fn objects_of(storage: &dyn Storage) -> Vec<Vec<u8>> {
             );
         }
     }
-    let StateTree::List(l) = load_sharded_objects(tree, storage).unwrap() else { panic!("not a list") };
+    let StateTree::List(l) = open(storage).and_then(|c| c.load_objects(tree)).unwrap() else { panic!("not a list") };
     l.iter().map(|o| o.as_object().unwrap().data.clone().unwrap()).collect()
 }
 
@@ -347,11 +346,17 @@ fn objects_of(storage: &dyn Storage) -> Vec<Vec<u8>> {
 fn assert_same_checkpoint(src: &dyn Storage, dst: &dyn Storage) {
     let v = verify(dst, 2).unwrap();
     assert!(v.problems.is_empty(), "{:?}", v.problems);
-    let di = open_index(dst).unwrap();
-    assert_eq!(di.backend, NATIVE_BACKEND);
-    assert_eq!(load_plain_tensors(dst, None).unwrap(), load_plain_tensors(src, None).unwrap());
-    assert_eq!(tree_value(&load_common_state(dst).unwrap()), tree_value(&load_common_state(src).unwrap()));
-    assert_eq!(load_content_metadata(dst).unwrap(), Value::Str("tools test".into()));
+    let di = open(dst).map(Checkpoint::into_index).unwrap();
+    assert_eq!(di.backend, "tessera");
+    assert_eq!(
+        open(dst).and_then(|c| c.read_tensors(None)).unwrap(),
+        open(src).and_then(|c| c.read_tensors(None)).unwrap()
+    );
+    assert_eq!(
+        tree_value(&open(dst).map(|c| c.common_state()).unwrap()),
+        tree_value(&open(src).map(|c| c.common_state()).unwrap())
+    );
+    assert_eq!(open(dst).map(|c| c.content_metadata().clone()).unwrap(), Value::Str("tools test".into()));
     let objects = objects_of(dst);
     assert_eq!(objects, objects_of(src));
     // Grid position (tp, dp) was saved by rank tp + TP·dp.
@@ -422,7 +427,7 @@ fn convert_keeps_the_chunks_and_loads_identically_in_any_layout() {
         convert(&src, &dst, &ConvertOptions { threads: 2, ..Default::default() }, &mut |d, t| calls.push((d, t)))
             .unwrap();
     assert_same_checkpoint(&src, &dst);
-    let (si, di) = (open_index(&src).unwrap(), open_index(&dst).unwrap());
+    let (si, di) = (open(&src).map(Checkpoint::into_index).unwrap(), open(&dst).map(Checkpoint::into_index).unwrap());
     assert_eq!(chunk_boxes(&di), chunk_boxes(&si), "one native chunk per source chunk");
     assert_eq!(di.tensors.iter().find(|t| t.key == "empty").map(|t| t.global_shape.clone()), Some(vec![0, 5]));
     let object_bytes: u64 = (0..TP * DP).map(|r| rng_bytes(r).len() as u64).sum();
@@ -444,7 +449,7 @@ fn convert_with_a_tiny_budget_splits_chunks_into_valid_ones() {
         ConvertOptions { memory_budget: 64, max_file_size: 100, block_size: 8, threads: 2, ..Default::default() };
     let report = convert(&src, &dst, &opts, &mut no_progress()).unwrap();
     assert_same_checkpoint(&src, &dst);
-    let (si, di) = (open_index(&src).unwrap(), open_index(&dst).unwrap());
+    let (si, di) = (open(&src).map(Checkpoint::into_index).unwrap(), open(&dst).map(Checkpoint::into_index).unwrap());
     assert!(report.chunks > 2 * si.chunk_count(), "{} chunks from {}", report.chunks, si.chunk_count());
     assert!(report.files > 5, "{} files", report.files);
     assert_eq!(report.files, data_files(&dst).len());
@@ -651,7 +656,7 @@ fn failures_on_a_corrupt_source_leave_nothing_behind() {
     let out = dir.join("out");
     std::fs::create_dir_all(&out).unwrap();
     export_safetensors(&src, &out.join("ok.safetensors"), &ExportOptions::default(), &mut no_progress()).unwrap();
-    let index = open_index(&src).unwrap();
+    let index = open(&src).map(Checkpoint::into_index).unwrap();
     let w = index.tensor("w").unwrap();
     let chunk = &w.chunks()[0];
     let name = &index.files[chunk.file as usize].name;
@@ -733,7 +738,7 @@ fn export_renames_key_prefixes_and_refuses_collisions() {
 #[test]
 fn plain_safetensors_files_and_sharded_directories_read_as_checkpoints() {
     let src = memory_checkpoint();
-    let want = load_plain_tensors(&src, None).unwrap();
+    let want = open(&src).and_then(|c| c.read_tensors(None)).unwrap();
     let dir = TempDir::created("plain-st");
     let one = dir.join("one.safetensors");
     export_safetensors(&src, &one, &ExportOptions::default(), &mut no_progress()).unwrap();
@@ -742,8 +747,12 @@ fn plain_safetensors_files_and_sharded_directories_read_as_checkpoints() {
     export_safetensors(&src, &sharded, &opts, &mut no_progress()).unwrap();
     for location in [one.to_str().unwrap(), sharded.to_str().unwrap()] {
         let storage = open_location(location).unwrap();
-        assert_eq!(detect_format(storage.as_ref()).unwrap().0.backend, "safetensors", "{location}");
-        let got = load_plain_tensors(storage.as_ref(), None).unwrap();
+        assert_eq!(
+            open(storage.as_ref()).map(|c| (c.format().clone(), ())).unwrap().0.backend,
+            "safetensors",
+            "{location}"
+        );
+        let got = open(storage.as_ref()).and_then(|c| c.read_tensors(None)).unwrap();
         assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{location}");
         for (k, t) in &want {
             assert!(got[k].data == t.data && got[k].shape == t.shape && got[k].dtype == t.dtype, "{location}: {k}");
@@ -759,7 +768,7 @@ fn plain_safetensors_files_and_sharded_directories_read_as_checkpoints() {
     assert!(matches!(file.put_atomic("x", b"y"), Err(Error::InvalidArgument { .. })));
 
     // The index places a tensor in a file that lacks it.
-    let index_path = sharded.join(SAFETENSORS_INDEX_FILE);
+    let index_path = sharded.join("model.safetensors.index.json");
     let text = std::fs::read_to_string(&index_path).unwrap();
     let mut index: J = serde_json::from_str(&text).unwrap();
     let files: Vec<String> = std::fs::read_dir(&sharded)
@@ -774,19 +783,19 @@ fn plain_safetensors_files_and_sharded_directories_read_as_checkpoints() {
     };
     index["weight_map"][&key] = json!(file);
     std::fs::write(&index_path, index.to_string()).unwrap();
-    let err = open_index(open_location(sharded.to_str().unwrap()).unwrap().as_ref()).unwrap_err();
+    let err = open(open_location(sharded.to_str().unwrap()).unwrap().as_ref()).map(Checkpoint::into_index).unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }) && err.to_string().contains(&key), "{err}");
     std::fs::write(&index_path, text).unwrap();
     // A header whose offsets run past the file.
     let bytes = std::fs::read(&one).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     std::fs::write(&one, &bytes[..8 + n + 4]).unwrap();
-    let err = open_index(open_location(one.to_str().unwrap()).unwrap().as_ref()).unwrap_err();
+    let err = open(open_location(one.to_str().unwrap()).unwrap().as_ref()).map(Checkpoint::into_index).unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }) && err.to_string().contains("one.safetensors"), "{err}");
 
     // tessera's own data files without an index: an unfinished save, not plain safetensors.
     let half = TempDir::created("plain-st-half");
     std::fs::write(half.join("0123456789abcdef-r00000.safetensors"), &bytes).unwrap();
-    let err = open_index(&LocalStorage::new(half.path())).unwrap_err();
+    let err = open(&LocalStorage::new(half.path())).map(Checkpoint::into_index).unwrap_err();
     assert!(matches!(err, Error::NotCommitted { .. }), "{err}");
 }

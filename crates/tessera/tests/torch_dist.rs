@@ -11,9 +11,8 @@ use std::path::Path;
 
 use common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
 use tessera::{
-    detect_format, load, load_common_state, load_plain_tensors, load_sharded_objects, save_torch_dist, Communicator,
-    DType, Error, LoadOptions, LocalStorage, PathSeg, ReplicaId, SaveOptions, ShardedObject, ShardedTensor, SoloComm,
-    StateTree, TensorData, TorchDistSave, Value, OBJECT_TAG_VALUE,
+    load, open, save_torch_dist, Communicator, DType, Error, LoadOptions, LocalStorage, PathSeg, ReplicaId,
+    SaveOptions, ShardedObject, ShardedTensor, SoloComm, StateTree, TensorData, TorchDistSave, Value,
 };
 
 struct Layout {
@@ -38,7 +37,7 @@ fn buffers() -> Vec<Vec<u8>> {
 }
 
 fn plain_object(v: &Value) -> Vec<u8> {
-    [OBJECT_TAG_VALUE.as_slice(), &v.to_bytes()].concat()
+    [b"TSV1".as_slice(), &v.to_bytes()].concat() // tessera's tag of a plain-value object payload
 }
 
 fn rng_state(r: usize) -> Value {
@@ -105,8 +104,8 @@ fn save_world(dir: &Path, world: usize, opts: &SaveOptions) -> Vec<tessera::Resu
 
 fn check_written(dir: &Path, world: usize) {
     let storage = LocalStorage::new(dir);
-    assert_eq!(detect_format(&storage).unwrap().0.backend, "torch_dist");
-    let got = load_plain_tensors(&storage, None).unwrap();
+    assert_eq!(open(&storage).map(|c| (c.format().clone(), ())).unwrap().0.backend, "torch_dist");
+    let got = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
     let keys: Vec<&str> = got.keys().map(String::as_str).collect();
     assert_eq!(keys, ["cols.weight", "empty", "norm.weight", "rows.weight", "stacked", "step"]);
     for (i, l) in layouts().iter().enumerate() {
@@ -121,13 +120,15 @@ fn check_written(dir: &Path, world: usize) {
         o.data = None;
         tree.insert(format!("o{r}"), StateTree::Object(o));
     }
-    let StateTree::Map(objects) = load_sharded_objects(tree, &storage).unwrap() else { panic!("not a map") };
+    let StateTree::Map(objects) = open(&storage).and_then(|c| c.load_objects(tree)).unwrap() else {
+        panic!("not a map")
+    };
     for r in 0..world {
         let Some(StateTree::Object(o)) = objects.get(&format!("o{r}")) else { panic!("object {r} missing") };
         assert_eq!(o.data.as_deref(), Some(plain_object(&rng_state(r)).as_slice()), "object {r}");
     }
     // The common state, from common.pt.
-    let common = load_common_state(&storage).unwrap();
+    let common = open(&storage).map(|c| c.common_state()).unwrap();
     assert_eq!(common.get(&[PathSeg::Key("iteration".into())]).and_then(StateTree::as_value), Some(&Value::Int(7)));
     let lr = [PathSeg::Key("args".into()), PathSeg::Key("lr".into())];
     let args = common.get(&lr[..1]).and_then(StateTree::as_value);
@@ -156,7 +157,7 @@ fn written_checkpoints_read_back_exactly_whole_and_resharded() {
         let json = std::fs::read_to_string(dir.join("metadata.json")).unwrap();
         assert!(json.contains("\"sharded_backend\": \"torch_dist\""), "{json}");
         check_written(dir.path(), world);
-        let common = load_common_state(&LocalStorage::new(dir.path())).unwrap();
+        let common = open(&LocalStorage::new(dir.path())).map(|c| c.common_state()).unwrap();
         let got = common.get(&[PathSeg::Key("content_metadata".into())]).and_then(StateTree::as_value);
         assert_eq!(got, Some(&meta), "content metadata sits in common.pt, as Megatron keeps it");
 
@@ -261,8 +262,8 @@ fn what_the_format_cannot_hold_is_refused_on_every_rank() {
 
 fn same_tensors(a: &Path, b: &Path, what: &str) {
     let (a, b) = (
-        load_plain_tensors(&LocalStorage::new(a), None).unwrap(),
-        load_plain_tensors(&LocalStorage::new(b), None).unwrap(),
+        open(&LocalStorage::new(a)).and_then(|c| c.read_tensors(None)).unwrap(),
+        open(&LocalStorage::new(b)).and_then(|c| c.read_tensors(None)).unwrap(),
     );
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}: keys");
     for (k, x) in &a {
@@ -315,7 +316,7 @@ fn a_native_checkpoint_with_flat_ranges_objects_and_common_state_converts_exactl
         tessera::convert_to_dcp(&LocalStorage::new(src.path()), &LocalStorage::new(dst.path()), &opts, &mut |_, _| {})
             .unwrap();
     assert!(report.files > 1 && report.chunks > 4, "{report:?}");
-    assert_eq!(detect_format(&LocalStorage::new(dst.path())).unwrap().0.backend, "torch_dist");
+    assert_eq!(open(&LocalStorage::new(dst.path())).map(|c| (c.format().clone(), ())).unwrap().0.backend, "torch_dist");
     same_tensors(src.path(), dst.path(), "native -> dcp");
     let storage = LocalStorage::new(dst.path());
     let mut tree = StateTree::map();
@@ -324,12 +325,14 @@ fn a_native_checkpoint_with_flat_ranges_objects_and_common_state_converts_exactl
         o.data = None;
         tree.insert(format!("o{r}"), StateTree::Object(o));
     }
-    let StateTree::Map(objects) = load_sharded_objects(tree, &storage).unwrap() else { panic!("not a map") };
+    let StateTree::Map(objects) = open(&storage).and_then(|c| c.load_objects(tree)).unwrap() else {
+        panic!("not a map")
+    };
     for r in 0..2 {
         let Some(StateTree::Object(o)) = objects.get(&format!("o{r}")) else { panic!("object {r}") };
         assert_eq!(o.data.as_deref(), Some(plain_object(&rng_state(r)).as_slice()));
     }
-    let common = load_common_state(&storage).unwrap();
+    let common = open(&storage).map(|c| c.common_state()).unwrap();
     assert_eq!(common.get(&[PathSeg::Key("iteration".into())]).and_then(StateTree::as_value), Some(&Value::Int(9)));
     let meta = common.get(&[PathSeg::Key("content_metadata".into())]).and_then(StateTree::as_value);
     assert_eq!(meta, Some(&Value::Map(vec![("format".into(), Value::Int(2))])));
@@ -354,7 +357,7 @@ fn every_readable_fixture_converts_to_dcp_or_names_what_cannot_go() {
         dirs.sort();
         for src in dirs {
             let what = src.display().to_string();
-            if detect_format(&LocalStorage::new(&src)).is_err() {
+            if open(&LocalStorage::new(&src)).map(|c| (c.format().clone(), ())).is_err() {
                 continue; // a fixture of a damaged or partial checkpoint
             }
             let dst = TempDir::new("fixture-to-dcp");

@@ -11,7 +11,21 @@ use crate::load::engine::{
 use crate::load::open::Checkpoint;
 use crate::model::{StateTree, Value};
 
-impl Checkpoint<'_> {
+impl<'s> Checkpoint<'s> {
+    /// [`crate::open_with`] as a collective, for every rank of a load that opens once and
+    /// then calls [`Checkpoint::load`]: the index entries of `keys` only (all of them with
+    /// `exchange_reads`). A rank whose open fails (a damaged section is seen by its readers
+    /// only) still makes the collectives its peers' load makes before reading, so no rank is
+    /// left waiting; [`crate::load`] opens this way.
+    pub fn open_for_load<K: AsRef<str>>(
+        storage: &'s dyn crate::Storage,
+        keys: &[K],
+        comm: &dyn Communicator,
+        opts: &LoadOptions,
+    ) -> Result<Checkpoint<'s>> {
+        crate::load::engine::open_for_load(storage, keys, comm, opts)
+    }
+
     /// Loads the state described by `tree` (collective over `comm`: every rank calls it with
     /// its own tree), resharding from the stored layout into the requested one; see
     /// [`crate::load`], which opens and loads in one call.

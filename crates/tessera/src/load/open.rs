@@ -169,6 +169,11 @@ impl Checkpoint<'_> {
         &self.index
     }
 
+    /// The index, taken out of the handle (for a caller that keeps the index and drops the rest).
+    pub fn into_index(self) -> CheckpointIndex {
+        self.index
+    }
+
     /// Where the checkpoint is (its storage's location).
     pub fn location(&self) -> String {
         self.base.location()

@@ -56,6 +56,9 @@ pub const ALL_DTYPES: [DType; 15] = [
 ];
 
 impl DType {
+    /// Every element type, in code order.
+    pub const ALL: [DType; 15] = ALL_DTYPES;
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
