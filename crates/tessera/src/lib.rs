@@ -59,7 +59,9 @@ pub use save::native::{save, validate_sharding_integrity, PlanCache, SaveOptions
 pub use save::olmo::{save_olmo, save_olmo_dirs, OlmoSaveReport};
 pub use save::staging::{StagingPool, DEFAULT_STAGING_BUFFER};
 pub use save::torch_dist::{save_torch_dist, TorchDistSave};
-pub use storage::{open_location, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage};
+#[cfg(feature = "conformance")]
+pub use storage::conformance;
+pub use storage::{open_location, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage, StorageExt};
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
 pub use storage::{ObjectStorage, ObjectStoreOptions, RequestCounts};
 pub use tools::convert::{convert, ConvertOptions, ConvertReport};
