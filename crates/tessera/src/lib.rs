@@ -70,7 +70,10 @@ pub use comm::{default_all_to_all, Communicator, InProcessComm, SoloComm};
 /// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).
 #[cfg(feature = "mpi")]
 pub use mpi;
-pub use storage::{open_location, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage};
+/// The storage conformance suite every backend runs (feature `conformance`).
+#[cfg(feature = "conformance")]
+pub use storage::conformance;
+pub use storage::{open_location, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage, StorageExt};
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
 pub use storage::{ObjectStorage, ObjectStoreOptions, RequestCounts};
 

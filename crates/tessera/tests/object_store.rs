@@ -591,3 +591,16 @@ fn an_s3_url_is_configured_from_the_aws_environment() {
     std::env::remove_var("AWS_ALLOW_HTTP");
     assert_eq!(r.unwrap(), b"hello");
 }
+
+/// The public conformance suite (`tessera::conformance`, run against moto directly by
+/// `tests/conformance.rs`) also holds through the proxy with a fifth of the requests throttled
+/// (503 Slow Down): the client's retries keep every semantic, conditional puts included.
+#[test]
+fn the_conformance_suite_holds_through_throttling() {
+    let _serial = serial();
+    let proxy = FaultProxy::start(FaultPlan::random(41, 20, 0, 0));
+    let storage = proxy.storage(&s3::fresh_url("conformance-throttled"), s3::test_options());
+    conformance::run(&storage);
+    let c = proxy.counts();
+    assert!(c.by_fault.get(&Fault::SlowDown).copied().unwrap_or(0) > 0, "no 503 injected: {c:?}");
+}

@@ -77,7 +77,7 @@ pub(crate) type HeaderRead = Option<(crate::formats::olmo::metadata::FileHeader,
 /// before reading by it. Shared by the OLMo-core and the plain safetensors strategies.
 pub(crate) fn read_safetensors_header(storage: &dyn Storage, name: &str) -> Result<HeaderRead> {
     let shown = format!("{}/{name}", storage.location());
-    let Some(size) = crate::storage::size_if_present(storage, name)? else { return Ok(None) };
+    let Some(size) = storage.size_if_present(name)? else { return Ok(None) };
     let mut crc = 0u32;
     let mut read = |off: u64, buf: &mut [u8]| {
         storage.read_at(name, off, buf)?;
@@ -105,7 +105,7 @@ use crate::model::dtype::DType;
 use crate::model::Value;
 use crate::model::{PathSeg, StatePath};
 use crate::plan::geometry::{copy_runs, Layout, Piece};
-use crate::storage::{check_claimed, read_claimed, ObjectWriter, Storage};
+use crate::storage::{check_claimed, read_claimed, ObjectWriter, Storage, StorageExt};
 
 // The payload tags are the torch_dist writer's too: one definition, beside it.
 pub use crate::formats::torch_dist::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
@@ -607,7 +607,10 @@ impl Storage for ForeignView<'_> {
             if let Some((path, start)) = f.direct.get().expect("located above") {
                 let size = f.size.unwrap_or(0);
                 if offset.checked_add(buf.len() as u64).is_none_or(|e| e > size) {
-                    return Err(Error::invalid(format!("read past the end of tensor chunk {:?}", f.name)));
+                    return Err(Error::corrupt(
+                        self.shown(&f.name),
+                        format!("{} bytes at {offset} are past the end of the {size}-byte tensor chunk", buf.len()),
+                    ));
                 }
                 return self.base.read_at(path, start + offset, buf);
             }

@@ -16,7 +16,7 @@ use crate::format::{CheckpointIndex, FileEntry, StoredChunk, TensorEntry};
 use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
 use crate::formats::{ForEach, FormatRecord, LoadStrategy};
 use crate::model::Value;
-use crate::storage::{size_if_present, Storage};
+use crate::storage::{Storage, StorageExt};
 
 /// Backend name of plain safetensors checkpoints.
 pub const BACKEND: &str = "safetensors";
@@ -60,7 +60,7 @@ impl LoadStrategy for SafetensorsStrategy {
 type Layout = (Vec<String>, Option<BTreeMap<String, String>>);
 
 fn files(storage: &dyn Storage) -> Result<Option<Layout>> {
-    if let Some(size) = size_if_present(storage, HF_INDEX)? {
+    if let Some(size) = storage.size_if_present(HF_INDEX)? {
         let shown = format!("{}/{HF_INDEX}", storage.location());
         if size > MAX_INDEX_BYTES {
             return Err(Error::corrupt(&shown, format!("{size} bytes: more than an index of tensor names needs")));

@@ -13,7 +13,7 @@ use crate::formats::zarr::ZarrStrategy;
 use crate::formats::{ForEach, FormatRecord, LoadStrategy};
 use crate::load::index_read::open_native_keys;
 use crate::plan::validate::validate_index;
-use crate::storage::{size_if_present, Storage};
+use crate::storage::{Storage, StorageExt};
 
 /// The native format (writes [`FORMAT_VERSION`], reads versions 1 and 2).
 #[derive(Debug, Default, Clone, Copy)]
@@ -30,7 +30,7 @@ impl LoadStrategy for NativeStrategy {
         format!("{NATIVE_BACKEND} v1, v{FORMAT_VERSION}")
     }
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
-        let Some(size) = size_if_present(storage, INDEX_FILE)? else { return Ok(None) };
+        let Some(size) = storage.size_if_present(INDEX_FILE)? else { return Ok(None) };
         let mut head = vec![0u8; size.min(12) as usize];
         storage.read_at(INDEX_FILE, 0, &mut head)?;
         match CheckpointIndex::peek_version(&head) {

@@ -41,7 +41,7 @@ use crate::save::native::{
 };
 use crate::save::olmo::agree;
 use crate::save::write::{write_sources, Source};
-use crate::storage::Storage;
+use crate::storage::{Storage, StorageExt};
 
 /// Backends a `torch_dist` save may replace with `overwrite` (a DCP directory either way).
 const REPLACEABLE: [&str; 2] = ["torch_dist", "torch_dcp"];
@@ -403,7 +403,7 @@ fn unsupported(c: &Collected<'_>, has_common_pt: bool, opts: &SaveOptions) -> Op
 /// directory is committed when it has `.metadata` (its `metadata.json` alone is a save that
 /// never finished, or one being overwritten).
 pub(crate) fn existing(storage: &dyn Storage, overwrite: bool) -> Result<bool> {
-    if crate::storage::size_if_present(storage, DCP_METADATA)?.is_some() {
+    if storage.exists(DCP_METADATA)? {
         return Ok(!overwrite);
     }
     match detect_format(storage) {

@@ -13,7 +13,7 @@ use crate::formats::{common_entries, foreign_index, ForeignView, ObjectShards, S
 use crate::formats::{ForEach, FormatRecord, LoadStrategy};
 use crate::model::Value;
 use crate::model::{PathSeg, StatePath};
-use crate::storage::{size_if_present, Storage};
+use crate::storage::{Storage, StorageExt};
 
 pub use crate::formats::torch_dist::{DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA};
 
@@ -52,10 +52,6 @@ impl DcpFlavor {
 /// Reads DCP directories of one flavor.
 #[derive(Debug, Clone, Copy)]
 pub struct DcpStrategy(pub DcpFlavor);
-
-fn exists(storage: &dyn Storage, name: &str) -> Result<bool> {
-    Ok(size_if_present(storage, name)?.is_some())
-}
 
 /// Megatron's `metadata.json`: `(sharded_backend, sharded_backend_version)`, if present.
 pub(crate) fn megatron_backend(storage: &dyn Storage) -> Result<Option<(String, u32)>> {
@@ -96,7 +92,7 @@ impl LoadStrategy for DcpStrategy {
                 _ => Ok(None),
             },
             DcpFlavor::Torch => {
-                if !exists(storage, DCP_METADATA)? {
+                if !storage.exists(DCP_METADATA)? {
                     return Ok(None);
                 }
                 match megatron_backend(storage)? {
@@ -105,7 +101,7 @@ impl LoadStrategy for DcpStrategy {
                 }
             }
             DcpFlavor::Olmo => {
-                if exists(storage, DCP_METADATA)? || !exists(storage, &format!("{OLMO_FOLDER}/{DCP_METADATA}"))? {
+                if storage.exists(DCP_METADATA)? || !storage.exists(&format!("{OLMO_FOLDER}/{DCP_METADATA}"))? {
                     return Ok(None);
                 }
                 Ok(record(1))

@@ -21,7 +21,7 @@ use crate::formats::{ForEach, FormatRecord, LoadStrategy};
 use crate::model::dtype::DType;
 use crate::model::Value;
 use crate::model::{PathSeg, StatePath};
-use crate::storage::{size_if_present, Storage};
+use crate::storage::{Storage, StorageExt};
 
 /// Reads OLMo-core 0.1.x checkpoints (backend [`BACKEND`]).
 #[derive(Debug, Clone, Copy, Default)]
@@ -58,9 +58,8 @@ impl LoadStrategy for OlmoStrategy {
 
 /// Whether `name` is an OLMo-core `metadata.json` (by its content).
 fn is_olmo_at(storage: &dyn Storage, name: &str) -> Result<bool> {
-    let Some(size) = size_if_present(storage, name)? else { return Ok(false) };
-    let mut head = vec![0u8; size.min(SNIFF_BYTES) as usize];
-    storage.read_at(name, 0, &mut head)?;
+    let Some(size) = storage.size_if_present(name)? else { return Ok(false) };
+    let head = storage.read_range(name, 0..size.min(SNIFF_BYTES))?;
     Ok(is_olmo_metadata(&head, head.len() as u64 == size))
 }
 
