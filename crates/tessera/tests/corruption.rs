@@ -530,7 +530,7 @@ fn exchange_reads_refuse_a_partial_index() {
     let tree = StateTree::map()
         .with("norm", StateTree::Tensor(ShardedTensor::full("norm", DType::F32, &[6], TensorData::None)));
     let opts = LoadOptions { exchange_reads: true, ..load_opts() };
-    match (&ckpt).load(tree, &SoloComm, &opts) {
+    match ckpt.load(tree, &SoloComm, &opts) {
         Err(Error::InvalidArgument { reason }) => assert!(reason.contains("exchange_reads"), "{reason}"),
         other => panic!("{other:?}"),
     }
