@@ -17,7 +17,7 @@ use serde_json::json;
 use tessera::__plan::dims::Dims;
 use tessera::__plan::load::{plan_reads, plan_request, ReadPlan, ReadTuning, Request};
 use tessera::__plan::save::{
-    build_index, cache_hit, data_file_name, layout_file, plan_digest, plan_options, validate_global, CacheCheck,
+    build_index, cache_hit, data_file_name, layout_file, plan_digest, plan_options, validate_global_with, CacheCheck,
     ObjectMeta, RankPlan, ShardMeta, WrittenFile,
 };
 use tessera::{
@@ -102,7 +102,7 @@ fn rank_plan(rank: u64, tp: u64, dp: u64, specs: &[TensorSpec]) -> RankPlan {
         main: true,
         len: OBJECT_LEN,
     }];
-    RankPlan { error: None, refuse_overwrite: false, save_id: if rank == 0 { SAVE_ID } else { 0 }, tensors, objects }
+    RankPlan { refuse_overwrite: false, save_id: if rank == 0 { SAVE_ID } else { 0 }, tensors, objects }
 }
 
 /// What rank `rank` would report after writing its file (offsets after a header of
@@ -120,15 +120,7 @@ fn written(rank: usize, plan: &RankPlan, header_len: u64) -> WrittenFile {
         objects.push((at, o.len, 0));
         at += o.len;
     }
-    WrittenFile {
-        error: None,
-        name: data_file_name(SAVE_ID, rank),
-        size: at,
-        header_len,
-        header_crc: 0,
-        tensors,
-        objects,
-    }
+    WrittenFile { name: data_file_name(SAVE_ID, rank), size: at, header_len, header_crc: 0, tensors, objects }
 }
 
 /// Rank 0's load plan at tensor-parallel size `tp` (rows split, no DP sharding) for `specs`.
@@ -151,6 +143,24 @@ fn load_plan(index: &CheckpointIndex, specs: &[&TensorSpec], tp: u64) -> Result<
     Ok(plan_reads(index, segs, true, ReadTuning::default()))
 }
 
+/// Runs `work(i)` for every `i` in `0..n` on one thread per core, as a save decodes and
+/// validates the plans.
+fn on_cores(n: usize, work: &(dyn Fn(usize) + Sync)) {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(1, |c| c.get()).min(n);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= n {
+                    return;
+                }
+                work(i);
+            });
+        }
+    });
+}
+
 fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
     let start = Instant::now();
     let out = f();
@@ -171,10 +181,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let plan_bytes: u64 = messages.iter().map(|m| m.len() as u64).sum();
     let plan_max = messages.iter().map(Vec::len).max().unwrap_or(0) as u64;
     // 2. The receiver decodes all of them and validates the global sharding.
-    let (plans, t_decode) = timed(|| RankPlan::decode_all(&messages));
+    let (plans, t_decode) = timed(|| RankPlan::decode_all_with(&messages, &on_cores));
     let plans = plans.map_err(|(r, e)| anyhow::anyhow!("decoding rank {r}'s plan: {e}"))?;
     drop(messages);
-    let (valid, t_validate) = timed(|| validate_global(&plans));
+    let (valid, t_validate) = timed(|| validate_global_with(&plans, &on_cores));
     valid.context("validation of the simulated layout")?;
     // 2'. The same save with a plan cache hit: each rank hashes its plan and sends a few bytes;
     // every rank decodes all of them and decides; no plan is decoded or validated.

@@ -1,17 +1,18 @@
 //! How ranks talk during save and load: a handful of collectives over bytes.
-//! Every rank must call the same collectives in the same order.
+//! Every rank must call the same collectives in the same order. What ranks send each other
+//! about outcomes (ok, or the error that stopped a rank) is encoded one way, in [`wire`].
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 #[cfg(feature = "mpi")]
 mod mpi;
+pub(crate) mod wire;
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiComm;
 
 use crate::error::{Error, Result};
-use crate::model::codec::{Decoder, Encoder};
 
 /// Collectives over byte messages between the ranks of one job.
 pub trait Communicator: Send + Sync {
@@ -47,25 +48,13 @@ pub fn default_all_to_all<C: Communicator + ?Sized>(comm: &C, send: Vec<Vec<u8>>
     let me = comm.rank();
     // The count is checked after the gather, so a wrong call fails on every rank instead
     // of leaving the others waiting.
-    let mut e = Encoder::default();
-    e.var(send.len() as u64);
-    for m in &send {
-        e.bytes(m);
-    }
+    let all = comm.all_gather(&wire::messages(&send))?;
     drop(send);
-    let all = comm.all_gather(&e.buf)?;
     let mut recv = Vec::with_capacity(world);
     for (r, buf) in all.iter().enumerate() {
-        let bad = |why: String| Error::Comm { reason: format!("all_to_all: messages of rank {r}: {why}") };
-        let mut d = Decoder::new(buf);
-        let n = d.var().map_err(bad)?;
-        if n != world as u64 {
-            return Err(bad(format!("{n} messages for {world} ranks")));
-        }
-        for _ in 0..me {
-            d.bytes().map_err(bad)?;
-        }
-        recv.push(d.bytes().map_err(bad)?.to_vec());
+        let mine = wire::message_for(buf, world, me)
+            .map_err(|why| Error::Comm { reason: format!("all_to_all: messages of rank {r}: {why}") })?;
+        recv.push(mine.to_vec());
     }
     Ok(recv)
 }

@@ -4,6 +4,8 @@
 //! sections`, the head holding a directory of tensors and each section one tensor's chunk records
 //! (version 2); version 1 has the chunk records inline in one checksummed body.
 
+use std::sync::Mutex;
+
 use crate::model::codec::{prealloc, Decoder, Encoder};
 use crate::model::dims::numel;
 use crate::model::dims::Dims;
@@ -22,6 +24,16 @@ pub const FORMAT_VERSION: u32 = 2;
 pub const NATIVE_BACKEND: &str = "tessera";
 /// Default size of checksum blocks inside a chunk.
 pub const DEFAULT_BLOCK_SIZE: u64 = 1 << 20;
+
+/// Runs `work(i)` for each `i` in `0..n`, in any order and possibly from several threads: how
+/// the caller (in `load/`) chooses the threads the parts of an index decode run on. Code in
+/// `format/` starts none.
+pub(crate) type ForEach<'a> = &'a (dyn Fn(usize, &(dyn Fn(usize) + Sync)) + Sync);
+
+/// Chunk records per part of an index decode: fewer are decoded on the calling thread.
+const CHUNKS_PER_PART: usize = 1 << 18;
+/// Most parts an index decode is cut into.
+const MAX_PARTS: usize = 16;
 
 /// A data file of the checkpoint.
 #[derive(Debug, Clone, PartialEq)]
@@ -339,12 +351,6 @@ impl CheckpointIndex {
         }
     }
 
-    /// Parses index bytes (as read from `path`, used in errors), checking magic, version,
-    /// checksum, bounds and names.
-    pub fn from_bytes(bytes: &[u8], path: &str) -> crate::error::Result<CheckpointIndex> {
-        Self::decode(bytes).map_err(|e| e.into_error(path))
-    }
-
     /// Reads the version from the first bytes of an index, if they are one.
     pub(crate) fn peek_version(head: &[u8]) -> Option<u32> {
         if head.len() >= 12 && &head[..8] == INDEX_MAGIC {
@@ -355,8 +361,9 @@ impl CheckpointIndex {
     }
 
     /// Parses and checks an index of any supported version (checksums, bounds, names, chunk
-    /// sizes, order).
-    pub(crate) fn decode(bytes: &[u8]) -> Result<CheckpointIndex, IndexError> {
+    /// sizes, order). The tensors' sections are decoded in parts run by `for_each` (the caller
+    /// chooses the threads; see [`IndexHead::decode_some`]).
+    pub(crate) fn decode(bytes: &[u8], for_each: ForEach<'_>) -> Result<CheckpointIndex, IndexError> {
         let version = Self::peek_version(bytes)
             .ok_or_else(|| IndexError::Corrupt("not a tessera index (bad magic or truncated header)".into()))?;
         match version {
@@ -370,7 +377,7 @@ impl CheckpointIndex {
                         head.file_size()
                     )));
                 }
-                head.decode_all(bytes).map_err(IndexError::Corrupt)
+                head.decode_all(bytes, for_each).map_err(IndexError::Corrupt)
             }
             v => Err(IndexError::Version(v)),
         }
@@ -773,53 +780,76 @@ impl IndexHead {
         Ok(TensorEntry::new(t.key.clone(), t.dtype, t.global_shape.clone(), chunks))
     }
 
-    /// Decodes every section of the whole index file `file`, on several threads when there are
-    /// many chunks.
-    pub(crate) fn decode_all(self, file: &[u8]) -> Result<CheckpointIndex, String> {
+    /// Decodes every section of the whole index file `file`, in parts run by `for_each` when
+    /// there are many chunks (see [`IndexHead::decode_some`]).
+    pub(crate) fn decode_all(self, file: &[u8], for_each: ForEach<'_>) -> Result<CheckpointIndex, String> {
         let all: Vec<usize> = (0..self.tensors.len()).collect();
-        let tensors = self.decode_some(&all, |i| {
-            let r = &self.tensors[i].range;
-            &file[r.start as usize..r.end as usize]
-        })?;
+        let tensors = self.decode_some(
+            &all,
+            |i| {
+                let r = &self.tensors[i].range;
+                &file[r.start as usize..r.end as usize]
+            },
+            for_each,
+        )?;
         Ok(self.into_index(tensors))
     }
 
     /// Decodes the sections of tensors `which` (positions in [`IndexHead::tensors`]), getting
-    /// each one's bytes from `section`.
+    /// each one's bytes from `section`. Many chunks are cut into parts of about equal chunk
+    /// counts (contiguous runs of `which`, decoded by [`IndexHead::decode_part`]) that
+    /// `for_each` runs, side by side when the caller gives it threads; a few are decoded on the
+    /// calling thread. The result is the same either way.
     pub(crate) fn decode_some<'b>(
         &self,
         which: &[usize],
         section: impl Fn(usize) -> &'b [u8] + Sync,
+        for_each: ForEach<'_>,
     ) -> Result<Vec<TensorEntry>, String> {
-        const PER_THREAD: usize = 1 << 18;
-        let chunks: usize = which.iter().map(|&i| self.tensors[i].chunk_count).sum();
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(chunks / PER_THREAD).max(1);
-        if threads == 1 {
-            return which.iter().map(|&i| self.tensor(i, section(i))).collect();
+        let parts = self.parts(which);
+        if parts.len() == 1 {
+            return self.decode_part(which, &section);
         }
-        // Contiguous groups of about equal chunk counts, decoded side by side.
-        let mut groups: Vec<&[usize]> = Vec::with_capacity(threads);
+        type Decoded = Option<Result<Vec<TensorEntry>, String>>;
+        let done: Vec<Mutex<Decoded>> = parts.iter().map(|_| Mutex::new(None)).collect();
+        for_each(parts.len(), &|p| {
+            let r = self.decode_part(parts[p], &section);
+            *done[p].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        });
+        let mut out = Vec::with_capacity(which.len());
+        for d in done {
+            let part = d.into_inner().unwrap_or_else(|e| e.into_inner());
+            out.extend(part.ok_or("an index part was not decoded")??);
+        }
+        Ok(out)
+    }
+
+    /// `which` cut into contiguous parts of about equal chunk counts: one part per
+    /// [`CHUNKS_PER_PART`] chunks, at most [`MAX_PARTS`].
+    fn parts<'w>(&self, which: &'w [usize]) -> Vec<&'w [usize]> {
+        let chunks: usize = which.iter().map(|&i| self.tensors[i].chunk_count).sum();
+        let n = (chunks / CHUNKS_PER_PART).clamp(1, MAX_PARTS);
+        let mut parts: Vec<&[usize]> = Vec::with_capacity(n);
         let (mut start, mut acc) = (0, 0);
         for (k, &i) in which.iter().enumerate() {
             acc += self.tensors[i].chunk_count;
-            if acc * threads >= chunks * (groups.len() + 1) && groups.len() + 1 < threads {
-                groups.push(&which[start..=k]);
+            if acc * n >= chunks * (parts.len() + 1) && parts.len() + 1 < n {
+                parts.push(&which[start..=k]);
                 start = k + 1;
             }
         }
-        groups.push(&which[start..]);
-        let section = &section;
-        std::thread::scope(|s| {
-            let handles: Vec<_> = groups
-                .iter()
-                .map(|g| s.spawn(move || g.iter().map(|&i| self.tensor(i, section(i))).collect::<Result<Vec<_>, _>>()))
-                .collect();
-            let mut out = Vec::with_capacity(which.len());
-            for h in handles {
-                out.extend(h.join().expect("index decoding does not panic")?);
-            }
-            Ok(out)
-        })
+        parts.push(&which[start..]);
+        parts
+    }
+
+    /// Decodes the sections of tensors `part` on the calling thread: a part of
+    /// [`IndexHead::decode_some`]'s work.
+    pub(crate) fn decode_part<'b>(
+        &self,
+        part: &[usize],
+        section: &impl Fn(usize) -> &'b [u8],
+    ) -> Result<Vec<TensorEntry>, String> {
+        part.iter().map(|&i| self.tensor(i, section(i))).collect()
     }
 
     /// The index with `tensors` (decoded sections, in directory order) and every other tensor

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use crate::comm::Communicator;
+use crate::comm::{wire, Communicator};
 use crate::error::{Error, Result};
 use crate::format::CheckpointIndex;
 use crate::load::open::{open_checkpoint, open_checkpoint_key_set, Checkpoint};
@@ -191,10 +191,10 @@ pub(crate) fn open_for_load<'s, K: AsRef<str>>(
     opened.or_else(|e| {
         if !matches!(e, Error::Comm { .. }) {
             if opts.strict.needs_missing() {
-                comm.all_gather(&[])?;
+                comm.all_gather(&wire::strings::<&str>(&[]))?;
             }
             if opts.exchange_reads {
-                comm.all_gather(&failure_message(&e))?;
+                comm.all_gather(&wire::failed(&e))?;
             }
         }
         Err(e)
@@ -252,9 +252,9 @@ fn load_with<'a>(
             Err(e) => {
                 // Make the collectives the others make, carrying the failure, then report it.
                 if opts.strict.needs_missing() && !strict_gathered {
-                    comm.all_gather(&[])?;
+                    comm.all_gather(&wire::strings::<&str>(&[]))?;
                 }
-                comm.all_gather(&failure_message(&e))?;
+                comm.all_gather(&wire::failed(&e))?;
                 return Err(e);
             }
         };
@@ -390,19 +390,17 @@ fn prepare<'a>(
     });
     let mut missing = Vec::new();
     if opts.strict.needs_missing() {
-        let mut mine = Vec::new();
-        for k in &requested {
-            mine.extend_from_slice(k.as_bytes());
-            mine.push(0);
-        }
+        let mine: Vec<&String> = requested.iter().collect();
         *strict_gathered = true;
-        let all = comm.all_gather(&mine)?;
-        let mut anyone: BTreeSet<&[u8]> = BTreeSet::new();
-        for b in &all {
-            anyone.extend(b.split(|&x| x == 0).filter(|s| !s.is_empty()));
+        let all = comm.all_gather(&wire::strings(&mine))?;
+        let mut anyone: BTreeSet<&str> = BTreeSet::new();
+        for (r, b) in all.iter().enumerate() {
+            let keys = wire::read_strings(b)
+                .map_err(|why| Error::Comm { reason: format!("keys requested by rank {r}: {why}") })?;
+            anyone.extend(keys);
         }
         let stored = index.tensor_keys().chain(index.objects.iter().map(|o| o.key.as_str()));
-        missing = stored.filter(|k| !anyone.contains(k.as_bytes())).map(str::to_string).collect();
+        missing = stored.filter(|k| !anyone.contains(k)).map(str::to_string).collect();
     }
     let unexpected_keys: Vec<String> = unexpected.keys().cloned().collect();
     use StrictHandling as S;
@@ -516,31 +514,6 @@ fn targets_of<'d>(datas: &'d mut [TensorData<'_>]) -> Vec<&'d mut [u8]> {
     datas.iter_mut().map(|d| d.bytes_mut().unwrap_or_default()).collect()
 }
 
-/// First byte of every exchange message: the rest is the payload, or the sender's error.
-const MSG_OK: u8 = 0;
-const MSG_FAILED: u8 = 1;
-
-fn failure_message(e: &Error) -> Vec<u8> {
-    let mut m = vec![MSG_FAILED];
-    m.extend_from_slice(e.to_string().as_bytes());
-    m
-}
-
-/// Fails with the first failure announced by another rank in `msgs` (indexed by rank). Every
-/// rank sees the same failures (a failing rank sends its error to all), so all stop together.
-fn check_peers(msgs: &[Vec<u8>], me: usize) -> Result<()> {
-    for (r, m) in msgs.iter().enumerate().filter(|(r, _)| *r != me) {
-        match m.first() {
-            Some(&MSG_OK) => {}
-            Some(&MSG_FAILED) => {
-                return Err(Error::PeerFailed { rank: r, message: String::from_utf8_lossy(&m[1..]).into_owned() })
-            }
-            _ => return Err(Error::Comm { reason: format!("malformed exchange message from rank {r}") }),
-        }
-    }
-    Ok(())
-}
-
 /// Copies the bytes of `range` (in `data`) into the targets of `pieces` (segments within it).
 fn scatter(range: &ByteRange, data: &[u8], pieces: &[(usize, CopySeg)], targets: &mut [&mut [u8]]) -> Result<()> {
     for (_, s) in pieces {
@@ -574,15 +547,11 @@ fn load_exchanged(
     let cancel = opts.cancel.as_deref();
     let mut stats = LoadStats { bytes_needed: segs.iter().map(|s| s.len).sum(), ..LoadStats::default() };
 
-    let mut msg = vec![MSG_OK];
-    msg.extend(encode_needs(&needed_ranges(index, segs, verify)));
-    let all = comm.all_gather(&msg)?;
-    drop(msg);
-    check_peers(&all, me)?;
-    let needs = all
-        .iter()
+    let all = comm.all_gather(&wire::ok(&encode_needs(&needed_ranges(index, segs, verify))))?;
+    let needs = wire::outcomes(&all, me, &mut None)?
+        .into_iter()
         .enumerate()
-        .map(|(r, m)| decode_needs(&m[1..]).map_err(|e| Error::Comm { reason: format!("needs of rank {r}: {e}") }))
+        .map(|(r, m)| decode_needs(m).map_err(|e| Error::Comm { reason: format!("needs of rank {r}: {e}") }))
         .collect::<Result<Vec<_>>>()?;
     drop(all);
     let chunks = FileChunks::new(index);
@@ -653,7 +622,7 @@ fn load_exchanged(
                         .enumerate()
                         .map(|(r, &n)| Vec::with_capacity(if r == me { 1 } else { n }))
                         .collect();
-                    send.iter_mut().for_each(|m| m.push(MSG_OK));
+                    send.iter_mut().for_each(wire::begin_ok);
                     let mut at = 0;
                     for &i in &reads_in[k] {
                         let p = &plan.ranges[i];
@@ -672,14 +641,14 @@ fn load_exchanged(
             }
         }
         if let Some(e) = &pending {
-            send = vec![failure_message(e); world];
+            send = vec![wire::failed(e); world];
         }
         let recv = comm.all_to_all(send)?;
         if let Some(e) = pending.take() {
             return Err(e);
         }
-        check_peers(&recv, me)?;
-        let mut used = vec![1usize; world];
+        let recv = wire::outcomes(&recv, me, &mut None)?;
+        let mut used = vec![0usize; world];
         for &i in &recv_in[k] {
             let p = &plan.ranges[i];
             let src = p.reader as usize;

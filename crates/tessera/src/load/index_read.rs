@@ -7,6 +7,7 @@ use std::collections::BTreeSet;
 use crate::error::{Error, Result};
 use crate::format::index::IndexHead;
 use crate::format::{CheckpointIndex, TensorEntry, FORMAT_VERSION, INDEX_FILE};
+use crate::load::on_cores;
 use crate::storage::Storage;
 
 /// The first read of an index: most heads (every key, file and object) fit in it.
@@ -15,6 +16,14 @@ const FIRST_READ: u64 = 256 << 10;
 const MERGE_GAP: u64 = 64 << 10;
 /// When the wanted sections are at least this share of all of them, read everything at once.
 const READ_ALL_SHARE: u64 = 4;
+
+impl CheckpointIndex {
+    /// Parses index bytes (as read from `path`, used in errors), checking magic, version,
+    /// checksum, bounds and names. A large index is decoded on every core.
+    pub fn from_bytes(bytes: &[u8], path: &str) -> Result<CheckpointIndex> {
+        Self::decode(bytes, &on_cores).map_err(|e| e.into_error(path))
+    }
+}
 
 /// The native index at `storage` with the chunk maps of only the tensors in `keys`; the other
 /// tensors are listed as omitted. Version 1 has no directory: it is read whole.
@@ -91,6 +100,6 @@ pub(crate) fn open_native_keys(storage: &dyn Storage, keys: &BTreeSet<String>) -
         let (s, b) = &fetched[k];
         &b[(r.start - s) as usize..(r.end - s) as usize]
     };
-    let tensors = head.decode_some(&wanted, section).map_err(|reason| Error::corrupt(&shown, reason))?;
+    let tensors = head.decode_some(&wanted, section, &on_cores).map_err(|reason| Error::corrupt(&shown, reason))?;
     Ok(head.into_index(tensors))
 }

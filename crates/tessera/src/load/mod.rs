@@ -28,6 +28,18 @@ pub(crate) fn parallel_for(n: usize, threads: usize, work: impl Fn(usize) + Sync
     });
 }
 
+/// Runs `work(i)` for every `i` in `0..n` on one thread per core (on the calling thread when
+/// there is one part or one core): how CPU-bound parts of plan and format functions (decoding
+/// an index or the save plans, validating the plans) run from `load/` and `save/`.
+pub(crate) fn on_cores(n: usize, work: &(dyn Fn(usize) + Sync)) {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    if n <= 1 || cores == 1 {
+        (0..n).for_each(work);
+    } else {
+        parallel_for(n, cores, work);
+    }
+}
+
 pub(crate) fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(4, |n| (n.get() * 2).clamp(2, 8))
 }

@@ -1,12 +1,13 @@
 //! Save planning: what each rank announces, global validation, data-file layout, index build.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Map, Value as J};
 
 use super::fasthash::FastMap;
 use super::geometry::{check_tiling, decompose_flat, numel, Piece};
+use super::{serial, ForEach};
 use crate::error::{Error, Result};
 use crate::format::{
     crc_hex, CheckpointIndex, FileEntry, ObjectEntry, SafetensorsEntry, StoredChunk, StoredObject, TensorEntry,
@@ -75,8 +76,6 @@ pub struct ObjectMeta {
 /// Everything one rank announces in the single metadata exchange of a save.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct RankPlan {
-    /// A local problem (bad buffer, bad description): every rank fails with it.
-    pub error: Option<String>,
     /// Rank 0 only: a committed checkpoint exists and overwrite was not asked for.
     pub refuse_overwrite: bool,
     /// Rank 0 only: the id that names this save's data files.
@@ -89,18 +88,19 @@ pub struct RankPlan {
 
 const PLAN_TAG: u8 = 0x71;
 
+/// Most parts [`RankPlan::decode_all_with`] cuts the messages into (each part holds its own
+/// copy of every key).
+pub const DECODE_PARTS: usize = 8;
+/// Fewest ranks in a part of [`RankPlan::decode_all_with`] (fewer messages: one part).
+const MIN_RANKS_PER_PART: usize = 64;
+/// Keys per part of [`validate_global_with`].
+pub const KEYS_PER_PART: usize = 16;
+
 impl RankPlan {
     /// Compact binary encoding (varints).
     pub fn encode(&self) -> Vec<u8> {
         let mut e = Encoder::default();
         e.u8(PLAN_TAG);
-        match &self.error {
-            None => e.u8(0),
-            Some(m) => {
-                e.u8(1);
-                e.str(m);
-            }
-        }
         e.u8(self.refuse_overwrite as u8);
         e.var(self.save_id);
         self.encode_structure(&mut e);
@@ -151,32 +151,50 @@ impl RankPlan {
         Self::decode_interned(bytes, &mut FastMap::default())
     }
 
-    /// Decodes every rank's message, sharing one copy of each key among all ranks.
-    /// Fails with the rank whose message is malformed.
-    pub fn decode_all(messages: &[Vec<u8>]) -> Result<Vec<RankPlan>, (usize, String)> {
-        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
-        let per = messages.len().div_ceil(workers).max(1);
-        let parts: Vec<Result<Vec<RankPlan>, (usize, String)>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = messages
-                .chunks(per)
-                .enumerate()
-                .map(|(p, part)| {
-                    scope.spawn(move || {
-                        let mut keys = FastMap::default();
-                        part.iter()
-                            .enumerate()
-                            .map(|(i, m)| Self::decode_interned(m, &mut keys).map_err(|e| (p * per + i, e)))
-                            .collect::<Result<Vec<_>, _>>()
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("decode worker panicked")).collect()
+    /// Decodes every rank's message (`messages[r]` from rank `r`) on the calling thread,
+    /// sharing one copy of each key among all ranks. Fails with the rank whose message is
+    /// malformed.
+    pub fn decode_all<M: AsRef<[u8]>>(messages: &[M]) -> Result<Vec<RankPlan>, (usize, String)> {
+        Self::decode_ranks(messages, 0)
+    }
+
+    /// [`RankPlan::decode_all`] in parts that `for_each` runs (side by side when the caller
+    /// gives it threads): contiguous runs of ranks, at most [`DECODE_PARTS`], each sharing one
+    /// copy of each key. The result is the same as [`RankPlan::decode_all`]'s.
+    pub fn decode_all_with<M: AsRef<[u8]> + Sync>(
+        messages: &[M],
+        for_each: ForEach<'_>,
+    ) -> Result<Vec<RankPlan>, (usize, String)> {
+        let parts = messages.len().div_ceil(MIN_RANKS_PER_PART).clamp(1, DECODE_PARTS);
+        if parts == 1 {
+            return Self::decode_all(messages);
+        }
+        let per = messages.len().div_ceil(parts);
+        type Part = Option<Result<Vec<RankPlan>, (usize, String)>>;
+        let done: Vec<Mutex<Part>> = (0..parts).map(|_| Mutex::new(None)).collect();
+        for_each(parts, &|p| {
+            let start = (p * per).min(messages.len());
+            let end = (start + per).min(messages.len());
+            *done[p].lock().unwrap_or_else(|e| e.into_inner()) = Some(Self::decode_ranks(&messages[start..end], start));
         });
         let mut out = Vec::with_capacity(messages.len());
-        for part in parts {
-            out.extend(part?);
+        for (p, d) in done.into_iter().enumerate() {
+            let part = d.into_inner().unwrap_or_else(|e| e.into_inner());
+            out.extend(part.ok_or((p * per, "its part was not decoded".to_string()))??);
         }
         Ok(out)
+    }
+
+    /// Decodes the messages of ranks `first_rank..` (`messages[i]` from rank `first_rank + i`)
+    /// on the calling thread, sharing one copy of each key among them: a part of
+    /// [`RankPlan::decode_all`]'s work. Fails with the rank whose message is malformed.
+    pub fn decode_ranks<M: AsRef<[u8]>>(messages: &[M], first_rank: usize) -> Result<Vec<RankPlan>, (usize, String)> {
+        let mut keys = FastMap::default();
+        messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Self::decode_interned(m.as_ref(), &mut keys).map_err(|e| (first_rank + i, e)))
+            .collect()
     }
 
     fn decode_interned(bytes: &[u8], keys: &mut FastMap<Box<[u8]>, Arc<str>>) -> Result<RankPlan, String> {
@@ -184,10 +202,6 @@ impl RankPlan {
         if d.u8()? != PLAN_TAG {
             return Err("not a save plan message".into());
         }
-        let error = match d.u8()? {
-            0 => None,
-            _ => Some(d.str()?),
-        };
         let refuse_overwrite = d.u8()? != 0;
         let save_id = d.var()?;
         let n = d.count()?;
@@ -233,36 +247,59 @@ impl RankPlan {
             let main = d.u8()? != 0;
             objects.push(ObjectMeta { key, global_shape, offset, main, len: d.var()? });
         }
-        Ok(RankPlan { error, refuse_overwrite, save_id, tensors, objects })
+        Ok(RankPlan { refuse_overwrite, save_id, tensors, objects })
     }
 }
 
 /// Validates the union of all ranks' shards: consistent dtype and global shape per key, main
 /// replicas tiling every tensor exactly (boxes and flattened ranges), every object shard present
-/// once. Deterministic: every rank computing it on the same plans gets the same verdict.
+/// once. Deterministic: every rank computing it on the same plans gets the same verdict. Runs on
+/// the calling thread; [`validate_global_with`] runs its parts on the caller's threads.
 pub fn validate_global(plans: &[RankPlan]) -> Result<()> {
+    validate_global_with(plans, &serial)
+}
+
+/// [`validate_global`], the keys checked in parts (runs of [`KEYS_PER_PART`] keys) that
+/// `for_each` runs, side by side when the caller gives it threads. The verdict is the same:
+/// the error of the first failing key in key order.
+pub fn validate_global_with(plans: &[RankPlan], for_each: ForEach<'_>) -> Result<()> {
     let mut by_key: FastMap<&str, Vec<(usize, &ShardMeta)>> = FastMap::default();
     for (rank, p) in plans.iter().enumerate() {
         for t in &p.tensors {
             by_key.entry(&*t.key).or_default().push((rank, t));
         }
     }
-    let mut keys: Vec<(&str, Vec<(usize, &ShardMeta)>)> = by_key.into_iter().collect();
+    let mut keys: Vec<KeyShards<'_>> = by_key.into_iter().collect();
     keys.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    // Keys are independent: check them on all cores, report the first failing key in key order.
-    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(keys.len().max(1));
-    let per = keys.len().div_ceil(workers.max(1)).max(1);
-    let first_error = std::thread::scope(|scope| {
-        let handles: Vec<_> = keys
-            .chunks(per)
-            .map(|part| scope.spawn(move || part.iter().find_map(|(key, shards)| validate_key(key, shards).err())))
-            .collect();
-        handles.into_iter().find_map(|h| h.join().expect("validation worker panicked"))
+    // Keys are independent: parts may run side by side; the first failing key in key order wins.
+    let parts: Vec<&[KeyShards<'_>]> = keys.chunks(KEYS_PER_PART).collect();
+    let first: Mutex<Option<(usize, Error)>> = Mutex::new(None);
+    for_each(parts.len(), &|p| {
+        if let Some((k, e)) = validate_keys(parts[p]).err() {
+            let mut first = first.lock().unwrap_or_else(|e| e.into_inner());
+            let at = p * KEYS_PER_PART + k;
+            if first.as_ref().is_none_or(|(f, _)| at < *f) {
+                *first = Some((at, e));
+            }
+        }
     });
-    if let Some(e) = first_error {
+    if let Some((_, e)) = first.into_inner().unwrap_or_else(|e| e.into_inner()) {
         return Err(e);
     }
     validate_objects(plans)
+}
+
+/// A key with its shards and the ranks that hold them.
+type KeyShards<'p> = (&'p str, Vec<(usize, &'p ShardMeta)>);
+
+/// Checks the shards of `keys` (each key with its shards and their ranks, as
+/// [`validate_global`] groups them) on the calling thread: a part of its work. Fails with the
+/// position in `keys` of the first failing key and its error.
+fn validate_keys(keys: &[KeyShards<'_>]) -> std::result::Result<(), (usize, Error)> {
+    for (k, (key, shards)) in keys.iter().enumerate() {
+        validate_key(key, shards).map_err(|e| (k, e))?;
+    }
+    Ok(())
 }
 
 fn validate_key(key: &str, shards: &[(usize, &ShardMeta)]) -> Result<()> {
@@ -580,8 +617,6 @@ pub fn file_header(
 /// What a rank reports after writing its data file.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct WrittenFile {
-    /// A write failure: the save is not committed.
-    pub error: Option<String>,
     /// File name (empty: the rank wrote nothing).
     pub name: String,
     /// File size.
@@ -600,13 +635,6 @@ impl WrittenFile {
     /// Binary encoding.
     pub fn encode(&self) -> Vec<u8> {
         let mut e = Encoder::default();
-        match &self.error {
-            None => e.u8(0),
-            Some(m) => {
-                e.u8(1);
-                e.str(m);
-            }
-        }
         e.str(&self.name);
         e.var(self.size);
         e.var(self.header_len);
@@ -631,10 +659,6 @@ impl WrittenFile {
     /// Inverse of [`WrittenFile::encode`].
     pub fn decode(bytes: &[u8]) -> Result<WrittenFile, String> {
         let mut d = Decoder::new(bytes);
-        let error = match d.u8()? {
-            0 => None,
-            _ => Some(d.str()?),
-        };
         let name = d.str()?;
         let size = d.var()?;
         let header_len = d.var()?;
@@ -651,7 +675,7 @@ impl WrittenFile {
         for _ in 0..n {
             objects.push((d.var()?, d.var()?, d.u32_le()?));
         }
-        Ok(WrittenFile { error, name, size, header_len, header_crc, tensors, objects })
+        Ok(WrittenFile { name, size, header_len, header_crc, tensors, objects })
     }
 }
 
@@ -756,8 +780,6 @@ pub struct CacheCheck {
     pub save_id: u64,
     /// Rank 0 only: a committed checkpoint exists and overwrite was not asked for.
     pub refuse_overwrite: bool,
-    /// A local problem: every rank fails with it.
-    pub error: Option<String>,
 }
 
 const CACHE_CHECK_TAG: u8 = 0x63;
@@ -767,12 +789,9 @@ impl CacheCheck {
     pub fn encode(&self) -> Vec<u8> {
         let mut e = Encoder::default();
         e.u8(CACHE_CHECK_TAG);
-        e.u8(self.matches as u8 | (self.refuse_overwrite as u8) << 1 | (self.error.is_some() as u8) << 2);
+        e.u8(self.matches as u8 | (self.refuse_overwrite as u8) << 1);
         e.var(self.generation);
         e.var(self.save_id);
-        if let Some(m) = &self.error {
-            e.str(m);
-        }
         e.buf
     }
 
@@ -785,8 +804,7 @@ impl CacheCheck {
         let flags = d.u8()?;
         let generation = d.var()?;
         let save_id = d.var()?;
-        let error = if flags & 4 != 0 { Some(d.str()?) } else { None };
-        Ok(CacheCheck { matches: flags & 1 != 0, generation, save_id, refuse_overwrite: flags & 2 != 0, error })
+        Ok(CacheCheck { matches: flags & 1 != 0, generation, save_id, refuse_overwrite: flags & 2 != 0 })
     }
 }
 
@@ -805,11 +823,68 @@ pub fn plan_options(block_size: u64, validate: bool, distribute_replicas: bool) 
     b
 }
 
-/// The structure of a rank's plan (without the save's id, flags or error), plus `extra` bytes
+/// The structure of a rank's plan (without the save's id or flags), plus `extra` bytes
 /// (the options that shape the global plan), hashed to 128 bits.
 pub fn plan_digest(plan: &RankPlan, extra: &[u8]) -> [u64; 2] {
     let mut e = Encoder::default();
     plan.encode_structure(&mut e);
     e.buf.extend_from_slice(extra);
     super::fasthash::digest128(&e.buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs the parts last to first: any order a caller's threads may give.
+    fn reversed(n: usize, work: &(dyn Fn(usize) + Sync)) {
+        (0..n).rev().for_each(work);
+    }
+
+    /// Rank `rank` of `world` holds row `rank` of every key of `keys` (each `[world, 4]`).
+    fn rows(rank: usize, world: usize, keys: usize) -> RankPlan {
+        let tensors = (0..keys)
+            .map(|k| ShardMeta {
+                key: format!("k{k:03}").into(),
+                dtype: DType::F32,
+                global_shape: vec![world as u64, 4].into(),
+                offset: vec![rank as u64, 0].into(),
+                shape: vec![1, 4].into(),
+                flat: None,
+                main: true,
+                has_data: true,
+            })
+            .collect();
+        RankPlan { save_id: rank as u64, tensors, ..RankPlan::default() }
+    }
+
+    #[test]
+    fn decoding_in_parts_gives_the_serial_result() {
+        let world = 300;
+        let messages: Vec<Vec<u8>> = (0..world).map(|r| rows(r, world, 5).encode()).collect();
+        let serial = RankPlan::decode_all(&messages).unwrap();
+        assert_eq!(serial, (0..world).map(|r| rows(r, world, 5)).collect::<Vec<_>>());
+        assert_eq!(RankPlan::decode_all_with(&messages, &reversed).unwrap(), serial);
+        let mut bad = messages.clone();
+        bad[170].truncate(3);
+        bad[250].clear();
+        assert_eq!(RankPlan::decode_all_with(&bad, &reversed).unwrap_err().0, 170);
+        assert_eq!(RankPlan::decode_all(&bad).unwrap_err().0, 170);
+    }
+
+    #[test]
+    fn validating_in_parts_reports_the_first_failing_key() {
+        let world = 4;
+        let keys = 3 * KEYS_PER_PART + 5;
+        let mut plans: Vec<RankPlan> = (0..world).map(|r| rows(r, world, keys)).collect();
+        validate_global_with(&plans, &reversed).unwrap();
+        // Two keys in different parts lose a row: the earlier key is reported, however run.
+        for k in [KEYS_PER_PART + 3, 3 * KEYS_PER_PART + 1] {
+            plans[2].tensors[k].main = false;
+        }
+        let want = format!("k{:03}", KEYS_PER_PART + 3);
+        for r in [validate_global(&plans), validate_global_with(&plans, &reversed)] {
+            assert!(matches!(&r, Err(Error::InvalidSharding { key, .. }) if *key == want), "{r:?}");
+        }
+    }
 }

@@ -6,17 +6,17 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::comm::Communicator;
+use crate::comm::{wire, Communicator};
 use crate::error::{Error, Result};
 use crate::format::is_data_file_name;
 use crate::format::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
-use crate::load::default_threads;
+use crate::load::{default_threads, on_cores};
 use crate::model::factories::apply_factories_collective;
 use crate::model::{StatePath, StateTree, Value};
 use crate::plan::fasthash::mix64;
 use crate::plan::save::{
     assign_writers, build_index, cache_hit, data_file_name, file_header, layout_file, plan_digest, plan_options,
-    validate_global, CacheCheck, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
+    validate_global_with, CacheCheck, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
 };
 use crate::save::write::{write_sources, Source};
 use crate::storage::Storage;
@@ -205,24 +205,6 @@ pub(crate) fn collect<'t>(
     c
 }
 
-/// Local errors travel to the other ranks as text: `S<key>\0<reason>` for sharding errors
-/// (so every rank raises `InvalidSharding` for the same key), `I<message>` otherwise.
-pub(crate) fn encode_local_error(e: &Error) -> String {
-    match e {
-        Error::InvalidSharding { key, reason } => format!("S{key}\0{reason}"),
-        other => format!("I{other}"),
-    }
-}
-
-pub(crate) fn decode_peer_error(rank: usize, msg: &str) -> Error {
-    if let Some(rest) = msg.strip_prefix('S') {
-        if let Some((key, reason)) = rest.split_once('\0') {
-            return Error::sharding(key, format!("rank {rank}: {reason}"));
-        }
-    }
-    Error::PeerFailed { rank, message: msg.strip_prefix('I').unwrap_or(msg).to_string() }
-}
-
 /// Save ids start with the save's start time in milliseconds (40 bits), so that a commit can
 /// tell the files of earlier saves (garbage once it commits) from those of a save that started
 /// later (possibly still running); 24 random bits keep ids distinct.
@@ -234,23 +216,6 @@ pub(crate) fn new_save_id() -> u64 {
     ((now.as_millis() as u64 & ((1 << 40) - 1)) << 24) | (z & 0xff_ffff)
 }
 
-/// Fails with the first error any rank reported in a gathered message (`reported`, in rank
-/// order): this rank's own error keeps its type; another rank's sharding error stays
-/// `InvalidSharding`.
-pub(crate) fn first_failure<'m>(
-    rank: usize,
-    reported: impl Iterator<Item = Option<&'m String>>,
-    local_error: &mut Option<Error>,
-) -> Result<()> {
-    let Some((r, msg)) = reported.enumerate().find_map(|(r, m)| m.map(|m| (r, m))) else { return Ok(()) };
-    if r == rank {
-        if let Some(e) = local_error.take() {
-            return Err(e);
-        }
-    }
-    Err(decode_peer_error(r, msg))
-}
-
 /// Start time (ms) of the save that wrote data file `name`.
 fn save_time_of_file(name: &str) -> Option<u64> {
     u64::from_str_radix(name.get(..16)?, 16).ok().map(|id| id >> 24)
@@ -259,12 +224,15 @@ fn save_time_of_file(name: &str) -> Option<u64> {
 /// The one metadata exchange: every rank's plan, or the first error any rank reported
 /// (this rank's own error keeps its type; another rank's sharding error stays `InvalidSharding`).
 fn exchange_plans(comm: &dyn Communicator, c: &mut Collected<'_>) -> Result<Vec<RankPlan>> {
-    c.plan.error = c.local_error.as_ref().map(encode_local_error);
-    let gathered = comm.all_gather(&c.plan.encode())?;
-    let plans = RankPlan::decode_all(&gathered)
-        .map_err(|(r, e)| Error::Comm { reason: format!("bad plan from rank {r}: {e}") })?;
-    first_failure(comm.rank(), plans.iter().map(|p| p.error.as_ref()), &mut c.local_error)?;
-    Ok(plans)
+    let mine = match &c.local_error {
+        Some(e) => wire::failed(e),
+        None => wire::ok(&c.plan.encode()),
+    };
+    let gathered = comm.all_gather(&mine)?;
+    drop(mine);
+    let payloads = wire::outcomes(&gathered, comm.rank(), &mut c.local_error)?;
+    RankPlan::decode_all_with(&payloads, &on_cores)
+        .map_err(|(r, e)| Error::Comm { reason: format!("bad plan from rank {r}: {e}") })
 }
 
 /// Checks, collectively and without writing anything, that the ranks' trees describe a valid
@@ -277,7 +245,7 @@ pub fn validate_sharding_integrity(tree: StateTree<'_>, comm: &dyn Communicator)
         c.local_error = Some(e);
     }
     let plans = exchange_plans(comm, &mut c)?;
-    validate_global(&plans)
+    validate_global_with(&plans, &on_cores)
 }
 
 /// What every rank knows once the exchange and validation are done: the plans (writers
@@ -344,7 +312,6 @@ pub(crate) fn finish_file(
     }
     let nt = layout.tensor_entries.len();
     let written = WrittenFile {
-        error: None,
         name,
         size: layout.size,
         header_len: layout.header_len,
@@ -463,7 +430,7 @@ pub(crate) fn plan_globally(
         choose(&mut plans);
     }
     if opts.validate {
-        validate_global(&plans)?;
+        validate_global_with(&plans, &on_cores)?;
     }
     if opts.distribute_replicas {
         assign_writers(&mut plans);
@@ -489,18 +456,20 @@ fn plan_with_cache(
         generation: last.as_ref().map_or(0, |l| l.generation),
         save_id: c.plan.save_id,
         refuse_overwrite: c.plan.refuse_overwrite,
-        error: c.local_error.as_ref().map(encode_local_error),
     };
-    let checks = comm
-        .all_gather(&mine.encode())?
-        .iter()
+    let mine = match &c.local_error {
+        Some(e) => wire::failed(e),
+        None => wire::ok(&mine.encode()),
+    };
+    let gathered = comm.all_gather(&mine)?;
+    let checks = wire::outcomes(&gathered, rank, &mut c.local_error)?
+        .into_iter()
         .enumerate()
         .map(|(r, m)| {
             CacheCheck::decode(m)
                 .map_err(|e| Error::Comm { reason: format!("bad plan-cache message from rank {r}: {e}") })
         })
         .collect::<Result<Vec<_>>>()?;
-    first_failure(rank, checks.iter().map(|c| c.error.as_ref()), &mut c.local_error)?;
     let (save_id, refuse) = (checks[0].save_id, checks[0].refuse_overwrite);
     if refuse {
         return Err(Error::AlreadyExists { path: storage.location().into() });
@@ -569,25 +538,19 @@ pub(crate) fn commit(
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
     let rank = p.rank;
-    let (written, own_write_error) = match written {
+    let reports = comm.all_gather(&wire::outcome(&written, WrittenFile::encode))?;
+    let (written, mut own_write_error) = match written {
         Ok(w) => (w, None),
-        Err(e) => (WrittenFile { error: Some(format!("I{e}")), ..Default::default() }, Some(e)),
+        Err(e) => (WrittenFile::default(), Some(e)),
     };
-    let reports = comm.all_gather(&written.encode())?;
-    let written_all: Vec<WrittenFile> = reports
-        .iter()
+    let written_all: Vec<WrittenFile> = wire::outcomes(&reports, rank, &mut own_write_error)
+        .map_err(|err| clean_up_failed(p, storage, err))?
+        .into_iter()
         .enumerate()
         .map(|(r, b)| {
             WrittenFile::decode(b).map_err(|e| Error::Comm { reason: format!("bad write report from rank {r}: {e}") })
         })
         .collect::<Result<_>>()?;
-    if let Some((r, msg)) = written_all.iter().enumerate().find_map(|(r, w)| w.error.as_ref().map(|m| (r, m))) {
-        let err = match own_write_error {
-            Some(e) if r == rank => e,
-            _ => decode_peer_error(r, msg),
-        };
-        return Err(clean_up_failed(p, storage, err));
-    }
 
     // Rank 0 commits; everyone learns the verdict.
     let mut verdict = Vec::new();
@@ -606,34 +569,27 @@ pub(crate) fn commit(
         match r {
             Ok((index, index_bytes)) => {
                 let mut e = crate::model::codec::Encoder::default();
-                e.u8(VERDICT_OK);
                 e.var(index_bytes);
                 e.var(index.tensor_bytes());
                 e.var(index.files.len() as u64);
                 e.var(index.chunk_count() as u64);
-                verdict = e.buf;
+                verdict = wire::ok(&e.buf);
             }
             Err(err) => {
-                let lost = matches!(err, Error::AlreadyExists { .. });
-                verdict.push(if lost { VERDICT_TAKEN } else { VERDICT_FAILED });
-                verdict.extend_from_slice(err.to_string().as_bytes());
+                verdict = wire::failed(&err);
                 own_commit_error = Some(err);
             }
         }
     }
     let verdict = comm.broadcast(&verdict, 0)?;
-    match verdict.first() {
-        Some(&VERDICT_OK) => {}
-        Some(&VERDICT_TAKEN) => return Err(Error::AlreadyExists { path: storage.location().into() }),
-        _ => {
-            let err = own_commit_error.unwrap_or_else(|| Error::PeerFailed {
-                rank: 0,
-                message: String::from_utf8_lossy(verdict.get(1..).unwrap_or(&[])).into_owned(),
-            });
-            return Err(clean_up_failed(p, storage, err));
-        }
-    }
-    let mut d = crate::model::codec::Decoder::new(&verdict[1..]);
+    let stats = match wire::outcomes(std::slice::from_ref(&verdict), rank, &mut own_commit_error) {
+        Ok(payloads) => payloads[0],
+        // Another save committed at the location first (the conditional put or the read-back
+        // saw it): that save's files stay; this save's were removed by the commit.
+        Err(Error::AlreadyExists { .. }) => return Err(Error::AlreadyExists { path: storage.location().into() }),
+        Err(err) => return Err(clean_up_failed(p, storage, err)),
+    };
+    let mut d = crate::model::codec::Decoder::new(stats);
     let mut next = || d.var().map_err(|e| Error::Comm { reason: e });
     let index_bytes = next()?;
     let total = next()?;
@@ -706,11 +662,6 @@ pub(crate) fn commit_index(
     }
     r
 }
-
-const VERDICT_OK: u8 = 0;
-const VERDICT_FAILED: u8 = 1;
-/// Another save committed at the location first (the conditional put or the read-back saw it).
-const VERDICT_TAKEN: u8 = 2;
 
 /// The commit: the index put last, create-if-absent unless overwriting was asked for, then read
 /// back. The read-back catches a concurrent commit on stores whose conditional put is not

@@ -13,7 +13,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::comm::Communicator;
+use crate::comm::{wire, Communicator};
 use crate::error::{Error, Result};
 use crate::formats::olmo::metadata::{
     choose_main_replicas, metadata_from_plans, metadata_json, rank_file_name, RankFileLayout, BACKEND, METADATA_FILE,
@@ -22,7 +22,7 @@ use crate::load::open::detect_format;
 use crate::model::factories::apply_factories_collective;
 use crate::model::{path_string, StateTree};
 use crate::plan::save::RankPlan;
-use crate::save::native::{collect, encode_local_error, first_failure, plan_globally, SaveOptions};
+use crate::save::native::{collect, plan_globally, SaveOptions};
 use crate::save::write::{write_sources, Source};
 use crate::storage::Storage;
 
@@ -221,18 +221,13 @@ fn remove_stale_files(storage: &dyn Storage, plans: &[RankPlan]) {
 }
 
 /// Every rank learns whether every rank succeeded, with the save's rule for which error each
-/// returns (`io::save::first_failure`: the first failing rank's; its own, on that rank).
+/// returns ([`wire::outcomes`]: the first failing rank's; its own, on that rank).
 pub(crate) fn agree<T>(comm: &dyn Communicator, mine: Result<T>) -> Result<T> {
-    let msg = mine.as_ref().err().map(encode_local_error).unwrap_or_default();
-    let reported: Vec<Option<String>> = comm
-        .all_gather(msg.as_bytes())?
-        .into_iter()
-        .map(|m| (!m.is_empty()).then(|| String::from_utf8_lossy(&m).into_owned()))
-        .collect();
+    let all = comm.all_gather(&wire::outcome(&mine, |_| Vec::new()))?;
     let (value, mut local) = match mine {
         Ok(v) => (Some(v), None),
         Err(e) => (None, Some(e)),
     };
-    first_failure(comm.rank(), reported.iter().map(Option::as_ref), &mut local)?;
+    wire::outcomes(&all, comm.rank(), &mut local)?;
     Ok(value.expect("no rank reported a failure, this one included"))
 }

@@ -14,10 +14,11 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, DEFAULT_BLOCK_SIZE};
 use crate::load::engine::{read_object, LoadOptions};
+use crate::load::on_cores;
 use crate::load::open::{detect_format, open_checkpoint};
 use crate::plan::geometry::split_box_lazy;
 use crate::plan::save::{
-    data_file_name, layout_file, validate_global, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
+    data_file_name, layout_file, validate_global_with, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
 };
 use crate::save::native::{commit_index, finish_file, new_save_id, remove_save_files};
 use crate::save::write::{write_sources, Source};
@@ -234,7 +235,7 @@ pub fn convert(
             has_data: false,
         });
     }
-    validate_global(&plans)?;
+    validate_global_with(&plans, &on_cores)?;
     let layouts: Vec<FileLayout> = plans.iter().enumerate().map(|(n, p)| layout_file(n, p, opts.block_size)).collect();
     let save_id = new_save_id();
 
