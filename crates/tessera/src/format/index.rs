@@ -25,10 +25,7 @@ pub const NATIVE_BACKEND: &str = "tessera";
 /// Default size of checksum blocks inside a chunk.
 pub const DEFAULT_BLOCK_SIZE: u64 = 1 << 20;
 
-/// Runs `work(i)` for each `i` in `0..n`, in any order and possibly from several threads: how
-/// the caller (in `load/`) chooses the threads the parts of an index decode run on. Code in
-/// `format/` starts none.
-pub(crate) type ForEach<'a> = &'a (dyn Fn(usize, &(dyn Fn(usize) + Sync)) + Sync);
+pub(crate) use crate::model::ForEach;
 
 /// Chunk records per part of an index decode: fewer are decoded on the calling thread.
 const CHUNKS_PER_PART: usize = 1 << 18;

@@ -18,10 +18,7 @@ pub(crate) mod torch_dist;
 pub(crate) mod torch_save;
 pub(crate) mod zarr;
 
-/// Runs `work(i)` for each `i` in `0..n`, in any order and possibly from several threads: how a
-/// format's opener runs its independent per-file reads. The caller in `load/` chooses the
-/// threads; code in `formats/` starts none.
-pub(crate) type ForEach<'a> = &'a (dyn Fn(usize, &(dyn Fn(usize) + Sync)) + Sync);
+pub(crate) use crate::model::ForEach;
 
 /// The backend and version a checkpoint says it was written with.
 #[derive(Debug, Clone, PartialEq, Eq)]

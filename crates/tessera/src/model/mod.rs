@@ -16,3 +16,14 @@ pub use object::{
 };
 pub use tensor::{ReplicaId, ShardedTensor, TensorData};
 pub use value::Value;
+
+/// Runs `work(i)` for each `i` in `0..n`, in any order and possibly from several threads: how
+/// the caller of a pure function (`plan/`), a decoder (`format/`) or a format's opener
+/// (`formats/`) chooses the threads their independent parts run on. Those modules start no
+/// thread; `save/`, `load/` and `tools/` choose (`load::on_cores`, `load::parallel_for`).
+pub type ForEach<'a> = &'a (dyn Fn(usize, &(dyn Fn(usize) + Sync)) + Sync);
+
+/// The [`ForEach`] that runs every part in order on the calling thread.
+pub fn serial(n: usize, work: &(dyn Fn(usize) + Sync)) {
+    (0..n).for_each(work);
+}
