@@ -9,24 +9,27 @@
 //! operation.
 //!
 //! ```
-//! use tessera::{load, open, save, DType, LoadOptions, MemoryStorage, SaveOptions, ShardedTensor, SoloComm, StateTree, TensorData};
+//! use tessera::{load, open, save, DType, InProcessComm, LoadOptions, MemoryStorage, SaveOptions};
+//! use tessera::{ShardedTensor, StateTree, TensorData};
 //!
-//! // Two ranks' halves of a 4-element tensor (here saved from one process for brevity).
-//! let storage = MemoryStorage::new();
 //! let bytes = |xs: &[f32]| xs.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-//! let half = |off: u64, xs: &[f32]| {
-//!     ShardedTensor::new("w", DType::F32, &[4], &[off], &[2], TensorData::Owned(bytes(xs)))
-//! };
-//! let tree = StateTree::map()
-//!     .with("a", StateTree::Tensor(half(0, &[1.0, 2.0]).with_key("w")))
-//!     .with("b", StateTree::Tensor(half(2, &[3.0, 4.0])));
-//! save(tree, &storage, &SoloComm, &SaveOptions::default())?;
+//! let storage = MemoryStorage::new();
+//! // Two ranks each hold one half (along axis 0) of a 4-element tensor and save together.
+//! InProcessComm::run(2, |comm| {
+//!     let rank = tessera::Communicator::rank(comm);
+//!     let half = bytes(if rank == 0 { &[1.0, 2.0] } else { &[3.0, 4.0] });
+//!     let t = ShardedTensor::from_rank_offsets("w", DType::F32, &[2], TensorData::Owned(half), &[(0, rank as u64, 2)], 0)?;
+//!     save(StateTree::map().with("w", StateTree::Tensor(t)), &storage, comm, &SaveOptions::default())
+//! })
+//! .into_iter()
+//! .collect::<Result<Vec<_>, _>>()?;
 //!
-//! // Load the whole tensor back, in another layout.
-//! let want = StateTree::map().with("w", StateTree::Tensor(ShardedTensor::full("w", DType::F32, &[4], TensorData::None)));
-//! let got = load(want, &storage, &SoloComm, &LoadOptions::default())?;
-//! assert_eq!(got.stats.bytes_needed, 16);
-//! assert_eq!(open(&storage)?.read_tensors(None)?["w"].data, bytes(&[1.0, 2.0, 3.0, 4.0]));
+//! // One process loads the whole tensor: another layout, another world size.
+//! let mut whole = vec![0u8; 16];
+//! let want = ShardedTensor::full("w", DType::F32, &[4], TensorData::Mut(&mut whole));
+//! load(StateTree::map().with("w", StateTree::Tensor(want)), &storage, &tessera::SoloComm, &LoadOptions::default())?;
+//! assert_eq!(whole, bytes(&[1.0, 2.0, 3.0, 4.0]));
+//! assert_eq!(open(&storage)?.read_tensors(None)?["w"].data, whole);
 //! # Ok::<(), tessera::Error>(())
 //! ```
 //!
