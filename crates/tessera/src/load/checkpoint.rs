@@ -18,7 +18,7 @@ impl<'s> Checkpoint<'s> {
     /// only) still makes the collectives its peers' load makes before reading, so no rank is
     /// left waiting; [`crate::load`] opens this way.
     pub fn open_for_load<K: AsRef<str>>(
-        storage: &'s dyn crate::Storage,
+        storage: &'s dyn crate::storage::Storage,
         keys: &[K],
         comm: &dyn Communicator,
         opts: &LoadOptions,

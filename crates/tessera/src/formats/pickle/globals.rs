@@ -4,10 +4,10 @@
 //! object naming its class, and `BUILD` records (or merges) its state. Nothing is imported or
 //! run.
 
-use super::keys::{Keyed, Slot};
 use super::machine::{Id, Machine, Node, ObjNode};
+use super::machine::{Keyed, Slot};
 use super::PickleValue;
-use crate::Result;
+use crate::error::Result;
 
 /// Callables and classes the unpickler turns into plain values.
 #[derive(Clone, Copy)]

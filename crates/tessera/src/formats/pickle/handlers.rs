@@ -2,14 +2,14 @@
 //! its family. Every function reads its arguments from the input, then works on the stack; a
 //! family function handed an opcode not its own returns [`Machine::unknown_opcode`].
 
-use super::keys::{Keyed, Slot};
 use super::machine::{Id, Machine, Node};
+use super::machine::{Keyed, Slot};
 use super::opcodes::*;
 use super::scalars::{
     escape_decode, int_from_le_twos, parse_index, parse_int_text, raw_unicode_escape, str_or_bytes, utf8_lossy,
 };
 use super::PickleValue;
-use crate::Result;
+use crate::error::Result;
 
 impl Machine<'_> {
     // --- framing, stack and memo -----------------------------------------------------------------

@@ -2,33 +2,14 @@
 //! (`1 == 1.0 == True`, tuples item by item, objects by identity), compared in full only on
 //! equal hashes, with a union-find so that each pair is compared once.
 
-use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash, Hasher};
 
-use super::machine::{Id, Machine, Node};
+use super::machine::{Id, Keyed, Machine, Node, Slot};
 use super::PickleValue;
-use crate::Result;
+use crate::error::Result;
 
 /// Deepest tuple nesting hashed as a dict key (deeper keys are not deduplicated).
 const KEY_DEPTH: usize = 32;
-
-/// Keys (and, for dicts, values) with a hash index to deduplicate keys as Python does.
-#[derive(Default)]
-pub(super) struct Keyed {
-    pub(super) keys: Vec<Id>,
-    /// Parallel to `keys` for dicts; empty for sets.
-    pub(super) values: Vec<Id>,
-    index: HashMap<u64, Vec<usize>>,
-}
-
-/// Which key collection of a node an insertion goes to.
-#[derive(Clone, Copy)]
-pub(super) enum Slot {
-    /// A dict's items, or a set's elements.
-    Main,
-    /// An object's `dict_items`.
-    ObjItems,
-}
 
 /// A hashable key reduced to what Python's equality compares.
 #[derive(Hash, PartialEq)]

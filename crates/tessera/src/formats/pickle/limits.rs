@@ -4,7 +4,7 @@
 
 use super::machine::{Id, Machine, Node};
 use super::PickleValue;
-use crate::Result;
+use crate::error::Result;
 
 /// Bounds on what one pickle may make the unpickler do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

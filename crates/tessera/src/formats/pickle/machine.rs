@@ -4,13 +4,30 @@
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 
-use super::keys::Keyed;
 use super::opcodes::*;
 use super::{PickleValue, UnpickleLimits};
 use crate::error::{Error, Result};
 
 /// Index of a node in the arena.
 pub(super) type Id = usize;
+
+/// Keys (and, for dicts, values) with a hash index to deduplicate keys as Python does.
+#[derive(Default)]
+pub(super) struct Keyed {
+    pub(super) keys: Vec<Id>,
+    /// Parallel to `keys` for dicts; empty for sets.
+    pub(super) values: Vec<Id>,
+    pub(super) index: HashMap<u64, Vec<usize>>,
+}
+
+/// Which key collection of a node an insertion goes to.
+#[derive(Clone, Copy)]
+pub(super) enum Slot {
+    /// A dict's items, or a set's elements.
+    Main,
+    /// An object's `dict_items`.
+    ObjItems,
+}
 
 /// One value under construction. Containers refer to their items by id, so that every
 /// reference to a container sees later mutations (`APPEND` after a memo `GET`).

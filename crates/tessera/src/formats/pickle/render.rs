@@ -3,7 +3,7 @@
 
 use super::scalars::negate_twos;
 use super::PickleValue;
-use crate::Value;
+use crate::model::Value;
 
 /// A dict's pairs as a map, keys rendered by [`key_text`].
 pub(super) fn lossy_map(pairs: &[(PickleValue, PickleValue)]) -> Value {

@@ -8,7 +8,7 @@
 //!   'c': {'d': {1, 2}, 'e': frozenset([3])}, 'f': ()}`.
 use super::render::{bigint_text, key_text, KEY_TEXT_MAX};
 use super::*;
-use crate::Error;
+use crate::error::Error;
 
 // pickle.dumps(NESTED, 0), NESTED as in the comment above
 const NESTED_P0: &[u8] = b"(dp0\nVa\np1\n(lp2\nI1\naI-2\naI300\naI70000\naL-1099511627776L\naL1180591620717411303424L\naL-1180591620717411303424L\naF1.5\naFinf\naNaI01\naI00\nasVb\np3\n(Vx\np4\nc_codecs\nencode\np5\n(Vy\\u0000\xff\np6\nVlatin1\np7\ntp8\nRp9\nc__builtin__\nbytearray\np10\n(g5\n(Vba\np11\ng7\ntp12\nRp13\ntp14\nRp15\nV\xe9\\u000a\\u005c\\U0001f600\np16\nV\np17\ntp18\nsVc\np19\n(dp20\nVd\np21\nc__builtin__\nset\np22\n((lp23\nI1\naI2\natp24\nRp25\nsVe\np26\nc__builtin__\nfrozenset\np27\n((lp28\nI3\natp29\nRp30\nssVf\np31\n(ts.";

@@ -2,10 +2,10 @@
 //! string bytes within the limits, shared values counted once per copy) before anything is
 //! built, then materialized into a [`PickleValue`] tree without recursion.
 
-use super::keys::Keyed;
+use super::machine::Keyed;
 use super::machine::{Id, Machine, Node};
 use super::{PickleObject, PickleValue};
-use crate::Result;
+use crate::error::Result;
 
 impl Machine<'_> {
     /// Calls `f` on each child of a node, in the order materialization lays them out.
