@@ -147,6 +147,16 @@ impl InProcessComm {
     }
 
     /// Runs `f(comm)` on `world` threads, one per rank, and returns the results by rank.
+    ///
+    /// ```
+    /// use tessera::{Communicator, InProcessComm};
+    ///
+    /// let gathered = InProcessComm::run(3, |comm| comm.all_gather(&[comm.rank() as u8 * 10]));
+    /// for got in gathered {
+    ///     assert_eq!(got?, [vec![0], vec![10], vec![20]]);
+    /// }
+    /// # Ok::<(), tessera::Error>(())
+    /// ```
     pub fn run<T: Send>(world: usize, f: impl Fn(&InProcessComm) -> T + Sync) -> Vec<T> {
         let comms = Self::group(world);
         std::thread::scope(|s| {

@@ -96,8 +96,10 @@ pub struct LoadOptions {
     /// needed by `k` ranks counts `k − 1` times), which bounds the memory of the exchange to
     /// about twice this per rank plus what it receives. Default 256 MiB.
     pub exchange_round_bytes: u64,
-    /// Load a tensor stored in another dtype by converting it (as `tensor.to(dtype)`, see
-    /// [`crate::model::dtype::cast_numeric`]) instead of failing with [`Error::Mismatch`]. Off by
+    /// Load a tensor stored in another dtype by converting it (as `tensor.to(dtype)`: floats
+    /// rounded to nearest even as [`cast_bytes`](crate::cast_bytes) does, integers to floats
+    /// rounded, floats to integers truncated toward zero and saturated, integers wrapped, bool
+    /// as "not zero"; fp8 is never written) instead of failing with [`Error::Mismatch`]. Off by
     /// default: a dtype change is usually a mistake; Megatron-Core's load casts, and so does
     /// its mirror. Each cast tensor is staged once in its stored dtype.
     pub cast_dtypes: bool,
@@ -152,6 +154,25 @@ pub struct LoadResult<'a> {
 /// Loads the state described by `tree` from the checkpoint in `storage`. Only the index
 /// entries of the requested tensors are read and decoded (native format), except with
 /// `exchange_reads`, where a rank reads for its peers and needs every tensor's chunks.
+///
+/// ```
+/// use tessera::{load, save, LoadOptions, SaveOptions};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let storage = MemoryStorage::new();
+/// let w: Vec<u8> = (0..8).collect(); // a 2×4 u8 tensor, saved whole
+/// let w = ShardedTensor::full("w", DType::U8, &[2, 4], TensorData::Owned(w));
+/// save(StateTree::map().with("w", StateTree::Tensor(w)), &storage, &SoloComm, &SaveOptions::default())?;
+///
+/// // Load row 1 only (piece 1 of 2 along axis 0) into a buffer of our own.
+/// let mut row = [0u8; 4];
+/// let want = ShardedTensor::from_rank_offsets("w", DType::U8, &[1, 4], TensorData::Mut(&mut row), &[(0, 1, 2)], 0)?;
+/// let tree = StateTree::map().with("w", StateTree::Tensor(want));
+/// let stats = load(tree, &storage, &SoloComm, &LoadOptions::default())?.stats;
+/// assert_eq!(row, [4, 5, 6, 7]);
+/// assert_eq!(stats.bytes_needed, 4);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn load<'a>(
     tree: StateTree<'a>,
     storage: &dyn Storage,

@@ -378,7 +378,10 @@ pub fn cast_numeric(src: &[u8], from: DType, to: DType, dst: &mut [u8]) -> Resul
     Ok(())
 }
 
-/// [`cast_into`] into a new buffer.
+/// Converts `src` (elements of `from`, little-endian) to `to` in a new buffer. Casts between
+/// F64, F32, F16 and BF16 round to nearest, ties to even, with infinities, NaNs (made quiet;
+/// sign and payload kept where they fit) and subnormals handled as IEEE-754 does; `from == to`
+/// copies. Other pairs are refused with [`Error::InvalidArgument`].
 pub fn cast_bytes(src: &[u8], from: DType, to: DType) -> Result<Vec<u8>> {
     let mut out = vec![0u8; src.len() / from.size() * to.size()];
     cast_into(src, from, to, &mut out)?;

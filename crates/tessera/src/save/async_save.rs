@@ -23,6 +23,25 @@ use crate::storage::{ObjectWriter, Storage};
 /// used by nothing else (a second process group, like PyTorch DCP's async save). No poll
 /// needs a collective: [`AsyncSave::is_done`] is local, and every rank gets the same verdict
 /// from [`AsyncSave::finalize`] because rank 0 broadcast it.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tessera::{open, AsyncSaver, SaveOptions, StagingPool};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let storage = MemoryStorage::new();
+/// let mut saver = AsyncSaver::new(StagingPool::new(1 << 20)?, Arc::new(SoloComm));
+/// let mut w = vec![7u8; 64];
+/// let t = ShardedTensor::full("w", DType::U8, &[64], TensorData::Ref(&w));
+/// let tree = StateTree::map().with("w", StateTree::Tensor(t));
+/// let pending = saver.save(tree, Arc::new(storage.clone()), &SoloComm, &SaveOptions::default())?;
+/// w.fill(0); // the bytes are staged: training may go on while the background thread writes
+///
+/// let report = pending.finalize()?;
+/// assert_eq!(report.total_tensor_bytes, 64);
+/// assert_eq!(open(&storage)?.read_tensors(None)?["w"].data, vec![7u8; 64]);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub struct AsyncSaver {
     pool: Arc<StagingPool>,
     commit_comm: Arc<dyn Communicator>,
@@ -77,7 +96,8 @@ impl AsyncSave {
     }
 
     /// Waits for the save and returns its verdict: the same on every rank (the report, or the
-    /// first failure of any rank, in which case nothing was committed).
+    /// first failure of any rank, in which case nothing was committed). See the example on
+    /// [`AsyncSaver`].
     pub fn finalize(mut self) -> Result<SaveReport> {
         self.completion.wait();
         if let Some(t) = self.thread.take() {

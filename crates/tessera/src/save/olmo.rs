@@ -43,6 +43,23 @@ pub struct OlmoSaveReport {
 /// tensors only (the format has no objects or common values), and tensor keys become the
 /// metadata's keys. Identical shards held by several ranks are written once. Errors come out
 /// identically on every rank.
+///
+/// ```
+/// use tessera::{open, read_olmo_metadata, save_olmo, SaveOptions};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let storage = MemoryStorage::new();
+/// let w = ShardedTensor::full("w", DType::U8, &[4], TensorData::Owned(vec![1, 2, 3, 4]));
+/// let tree = StateTree::map().with("w", StateTree::Tensor(w));
+/// let report = save_olmo(tree, &storage, &SoloComm, &SaveOptions::default())?;
+/// assert_eq!(report.files, ["rank_0.safetensors", "metadata.json"]);
+/// assert_eq!(read_olmo_metadata(&storage)?, report.metadata);
+///
+/// let ckpt = open(&storage)?;
+/// assert_eq!(ckpt.format().backend, "olmo_safetensors");
+/// assert_eq!(ckpt.read_tensors(None)?["w"].data, [1, 2, 3, 4]);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn save_olmo(
     tree: StateTree<'_>,
     storage: &dyn Storage,
@@ -55,6 +72,22 @@ pub fn save_olmo(
 /// [`save_olmo`] of several directories as one save (`save_model_and_optim_state`'s `model/`
 /// and `optim/`): every directory is planned and validated before any is uncommitted or
 /// written, and they are committed in the order given. Returns one report per directory.
+///
+/// ```
+/// use tessera::{open, save_olmo_dirs, SaveOptions};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let (model, optim) = (MemoryStorage::new(), MemoryStorage::new());
+/// let tree = |k: &str, v: u8| {
+///     let t = ShardedTensor::full(k, DType::U8, &[2], TensorData::Owned(vec![v; 2]));
+///     StateTree::map().with(k, StateTree::Tensor(t))
+/// };
+/// let dirs = vec![(tree("w", 1), &model as &dyn tessera::Storage), (tree("w.exp_avg", 2), &optim)];
+/// let reports = save_olmo_dirs(dirs, &SoloComm, &SaveOptions::default())?;
+/// assert_eq!(reports.len(), 2);
+/// assert_eq!(open(&optim)?.read_tensors(None)?["w.exp_avg"].data, [2, 2]);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn save_olmo_dirs<'t>(
     dirs: Vec<(StateTree<'t>, &dyn Storage)>,
     comm: &dyn Communicator,

@@ -48,14 +48,34 @@ const REPLACEABLE: [&str; 2] = ["torch_dist", "torch_dcp"];
 
 /// Saves this rank's part of the state as a Megatron `torch_dist` checkpoint. Every rank of
 /// `comm` calls it with its own tree. Tensor keys become DCP fqns; a sharded object becomes
-/// the byte item `"{key}/shard_{offset}_{grid}"` holding `torch.save([obj])` (its payload read
-/// as [`object_item`] says). `common`, given on rank 0 (ignored elsewhere), is the whole
-/// `common.pt` (`torch.save` of the common dict, as Python makes it); without it, the tree's
-/// plain values make the dict (with `opts.content_metadata`, when set, under
+/// the byte item `"{key}/shard_{offset}_{grid}"` holding `torch.save([obj])`, where the
+/// object's payload says what `obj` is: `TSV1` + a plain value in tessera's value encoding,
+/// `TPL1` + `torch.save([obj])` (stored as is, once checked), `TPT1` + `torch.save(obj)`
+/// (wrapped in a list); any other payload is stored as Python `bytes`. `common`, given on rank
+/// 0 (ignored elsewhere), is the whole `common.pt` (`torch.save` of the common dict, as Python
+/// makes it); without it, the tree's plain values make the dict (with `opts.content_metadata`, when set, under
 /// `content_metadata`, where Megatron keeps it). Errors come out identically on every rank.
 ///
 /// The report's `index_bytes` is the size of `.metadata` on rank 0 and 0 elsewhere. This is
 /// [`TorchDistSave`]'s three steps in a row, the files written one after the other.
+///
+/// ```
+/// use tessera::{open, save_torch_dist, SaveOptions, StorageExt};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let storage = MemoryStorage::new();
+/// let w: Vec<u8> = [1.0f32, 2.0, 3.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+/// let t = ShardedTensor::full("w", DType::F32, &[3], TensorData::Ref(&w));
+/// let tree = StateTree::map().with("w", StateTree::Tensor(t));
+/// save_torch_dist(tree, None, &storage, &SoloComm, &SaveOptions::default(), 1)?;
+///
+/// // A DCP directory that Megatron, PyTorch and tessera all load.
+/// assert_eq!(storage.list_sorted()?, [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]);
+/// let ckpt = open(&storage)?;
+/// assert_eq!(ckpt.format().backend, "torch_dist");
+/// assert_eq!(ckpt.read_tensors(None)?["w"].data, w);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn save_torch_dist(
     tree: StateTree<'_>,
     common: Option<&[u8]>,
@@ -77,6 +97,27 @@ pub fn save_torch_dist(
 /// commit on rank 0, or on a failure the removal of this save's files). Nothing is committed
 /// before `commit`, and a save dropped without it leaves only uncommitted files (which
 /// `tessera gc` removes).
+///
+/// ```
+/// use tessera::{open, SaveOptions, TorchDistSave};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let storage = MemoryStorage::new();
+/// let opts = SaveOptions::default();
+/// let (a, b) = (vec![1u8; 8], vec![2u8; 8]);
+/// let t = |k: &str, d| StateTree::Tensor(ShardedTensor::full(k, DType::U8, &[8], TensorData::Ref(d)));
+/// let tree = StateTree::map().with("a", t("a", &a)).with("b", t("b", &b));
+/// let save = TorchDistSave::plan(tree, None, &storage, &SoloComm, &opts, 2)?; // two data files
+/// // Each data file may be written by a worker thread of its own.
+/// let written = std::thread::scope(|s| {
+///     let (save, storage, opts) = (&save, &storage, &opts);
+///     let files: Vec<_> = (0..save.files()).map(|k| s.spawn(move || save.write_file(k, storage, opts))).collect();
+///     files.into_iter().map(|f| f.join().unwrap()).sum::<tessera::Result<u64>>()
+/// });
+/// save.commit(written, &storage, &SoloComm, &opts)?;
+/// assert_eq!(open(&storage)?.read_tensors(Some(&["b"]))?["b"].data, b);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub struct TorchDistSave<'a> {
     /// The state after its factories were applied: the data files are written from it.
     tree: StateTree<'a>,

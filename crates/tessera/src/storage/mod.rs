@@ -216,6 +216,22 @@ impl<S: Storage + ?Sized> StorageExt for S {}
 /// `mem://name` for a process-wide in-memory store (tests, demos), or an object-store URL
 /// (`s3://bucket/prefix`; `gs://`, `az://` in builds with the `gcs` / `azure` features)
 /// configured from the environment (see [`ObjectStorage::open`]).
+///
+/// ```
+/// use tessera::{open, open_location, save, DType, SaveOptions, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let dir = std::env::temp_dir().join(format!("tessera-doc-open-location-{}", std::process::id()));
+/// let storage = open_location(dir.to_str().unwrap())?; // a local directory (created on first write)
+/// let w = ShardedTensor::full("w", DType::U8, &[3], TensorData::Owned(vec![1, 2, 3]));
+/// save(StateTree::map().with("w", StateTree::Tensor(w)), &*storage, &SoloComm, &SaveOptions::default())?;
+/// let tensors = open(&*open_location(&format!("file://{}", dir.display()))?)?.read_tensors(None)?;
+/// std::fs::remove_dir_all(&dir).unwrap();
+/// assert_eq!(tensors["w"].data, [1, 2, 3]);
+///
+/// // `mem://name`: one in-memory store per name, shared within the process.
+/// assert_eq!(open_location("mem://doc-example")?.location(), "mem://doc-example");
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn open_location(location: &str) -> Result<Arc<dyn Storage>> {
     if let Some(name) = location.strip_prefix("mem://") {
         return Ok(Arc::new(MemoryStorage::named(name)));

@@ -110,14 +110,33 @@ fn refuse_committed(dst: &dyn Storage) -> Result<()> {
 /// index holds, and only a claimed shape far larger than its bytes splits into more.
 const MAX_EXTRA_PARTS: u64 = 1 << 20;
 
-/// Copies the checkpoint in `src` (any format [`crate::load::open::open_checkpoint`] recognises) into `dst` as a
-/// native checkpoint: the same tensors with the same chunks (large ones split), the sharded
+/// Copies the checkpoint in `src` (any format [`open`](crate::open) recognises) into `dst` as
+/// a native checkpoint: the same tensors with the same chunks (large ones split), the sharded
 /// objects' bytes, the common state and the content metadata. Refused with
 /// [`Error::AlreadyExists`] if `dst` holds a committed checkpoint of any format (native or
 /// foreign: it would be replaced or shadowed), unless `opts.overwrite`; the index is then
 /// committed as a save commits it (create-if-absent unless overwriting). A
 /// failure before the commit removes the data files written; nothing is committed then.
 /// `progress(bytes_done, bytes_total)` is called as data is written.
+///
+/// ```
+/// use tessera::{convert, open, save_torch_dist, ConvertOptions, SaveOptions};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// // A Megatron torch_dist checkpoint...
+/// let (src, dst) = (MemoryStorage::new(), MemoryStorage::new());
+/// let w = ShardedTensor::full("w", DType::U8, &[2, 3], TensorData::Owned(vec![1, 2, 3, 4, 5, 6]));
+/// let tree = StateTree::map().with("w", StateTree::Tensor(w));
+/// save_torch_dist(tree, None, &src, &SoloComm, &SaveOptions::default(), 1)?;
+///
+/// // ...copied as a native one: the same tensors.
+/// let report = convert(&src, &dst, &ConvertOptions::default(), &mut |_done, _total| {})?;
+/// assert_eq!((report.tensors, report.bytes), (1, 6));
+/// let ckpt = open(&dst)?;
+/// assert_eq!(ckpt.format().backend, "tessera");
+/// assert_eq!(ckpt.read_tensors(None)?, open(&src)?.read_tensors(None)?);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn convert(
     src: &dyn Storage,
     dst: &dyn Storage,

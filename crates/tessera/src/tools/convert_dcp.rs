@@ -46,12 +46,27 @@ struct Place {
     len: u64,
 }
 
-/// Copies the checkpoint in `src` (any format [`crate::load::open::open_checkpoint`] recognises) into
+/// Copies the checkpoint in `src` (any format [`open`](crate::open) recognises) into
 /// `dst` as a Megatron `torch_dist` checkpoint. Refused with [`Error::AlreadyExists`] if `dst`
 /// holds a committed checkpoint, unless `opts.overwrite` (which replaces only a DCP or
 /// `torch_dist` one; its `.metadata` is removed before any file is rewritten). `opts.block_size`
 /// is not used (DCP has no checksums). `progress(bytes_done, bytes_total)` is called as tensor
 /// data is written.
+///
+/// ```
+/// use tessera::{convert_to_dcp, open, save, ConvertOptions, SaveOptions};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let (src, dst) = (MemoryStorage::new(), MemoryStorage::new());
+/// let w = ShardedTensor::full("w", DType::U8, &[2, 3], TensorData::Owned(vec![1, 2, 3, 4, 5, 6]));
+/// save(StateTree::map().with("w", StateTree::Tensor(w)), &src, &SoloComm, &SaveOptions::default())?;
+///
+/// convert_to_dcp(&src, &dst, &ConvertOptions::default(), &mut |_done, _total| {})?;
+/// let ckpt = open(&dst)?;
+/// assert_eq!(ckpt.format().backend, "torch_dist");
+/// assert_eq!(ckpt.read_tensors(None)?, open(&src)?.read_tensors(None)?);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn convert_to_dcp(
     src: &dyn Storage,
     dst: &dyn Storage,

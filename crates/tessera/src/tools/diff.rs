@@ -282,12 +282,35 @@ fn unravel(mut flat: u64, shape: &[u64]) -> Vec<u64> {
 /// part on each side).
 type DiffPart<'i> = (usize, u64, TensorPart<'i>, TensorPart<'i>);
 
-/// Compares the checkpoints in `a` and `b` (any formats [`crate::load::open::open_checkpoint`] recognises): which
+/// Compares the checkpoints in `a` and `b` (any formats [`open`](crate::open) recognises): which
 /// tensors and sharded objects are on one side only, dtype and shape differences, element
 /// values (see [`DiffOptions::atol`]) with the largest difference and the first differing
 /// element per tensor, object payloads shard by shard, the common state path by path, and the
 /// content metadata. Tensors are read in slices of rows, both sides at once, the next slices
 /// being read while the previous are compared.
+///
+/// ```
+/// use tessera::{diff, save, DiffOptions, SaveOptions, TensorDifference};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let ckpt = |w: Vec<f32>| -> tessera::Result<MemoryStorage> {
+///     let s = MemoryStorage::new();
+///     let bytes = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+///     let t = ShardedTensor::full("w", DType::F32, &[w.len() as u64], TensorData::Owned(bytes));
+///     save(StateTree::map().with("w", StateTree::Tensor(t)), &s, &SoloComm, &SaveOptions::default())?;
+///     Ok(s)
+/// };
+/// let (a, b) = (ckpt(vec![1.0, 2.0, 3.0])?, ckpt(vec![1.0, 2.5, 3.0])?);
+/// assert!(diff(&a, &a, &DiffOptions::default())?.is_equal());
+///
+/// let report = diff(&a, &b, &DiffOptions::default())?;
+/// assert_eq!(report.tensors[0].key, "w");
+/// let TensorDifference::Values(v) = &report.tensors[0].differences[0] else { panic!() };
+/// assert_eq!((v.count, v.max_abs_diff, v.first_index.as_slice()), (1, 0.5, &[1][..]));
+/// // Within a tolerance of 0.5, they are equal.
+/// assert!(diff(&a, &b, &DiffOptions { atol: 0.5, ..DiffOptions::default() })?.is_equal());
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<DiffReport> {
     if opts.atol.is_nan() || opts.atol < 0.0 {
         return Err(Error::invalid(format!("the tolerance must be a non-negative number, got {}", opts.atol)));

@@ -36,9 +36,9 @@ pub struct ExportOptions {
     /// those four; fp8, integer and bool tensors are written unchanged.
     pub dtype: Option<DType>,
     /// Shard the output: `out` is then a directory that receives
-    /// `model-00001-of-0000N.safetensors`, … and [`SAFETENSORS_INDEX_FILE`]. Tensors are packed
-    /// in key order, a new file starting when the next tensor would pass this size; a tensor
-    /// larger than it gets a file of its own. `None`: `out` is one `.safetensors` file.
+    /// `model-00001-of-0000N.safetensors`, … and `model.safetensors.index.json`. Tensors are
+    /// packed in key order, a new file starting when the next tensor would pass this size; a
+    /// tensor larger than it gets a file of its own. `None`: `out` is one `.safetensors` file.
     pub max_shard_size: Option<u64>,
     /// About the most bytes of tensor data held in memory at once (default 512 MiB).
     pub memory_budget: u64,
@@ -120,6 +120,31 @@ struct Pending {
 /// that is the source checkpoint's directory or inside it, and an output name that exists as
 /// anything but a regular file (directory, symlink, FIFO, device node). `progress(bytes_done,
 /// bytes_total)` is called as data is written.
+///
+/// ```
+/// use tessera::{export_safetensors, open, open_location, save, ExportOptions, SaveOptions};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let storage = MemoryStorage::new();
+/// let w: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+/// let t = ShardedTensor::full("model.w", DType::F32, &[2], TensorData::Owned(w));
+/// save(StateTree::map().with("model.w", StateTree::Tensor(t)), &storage, &SoloComm, &SaveOptions::default())?;
+///
+/// let out = std::env::temp_dir().join(format!("tessera-doc-export-{}.safetensors", std::process::id()));
+/// let rename = vec![("model.".into(), "".into())];
+/// let opts = ExportOptions { dtype: Some(DType::BF16), rename, ..ExportOptions::default() };
+/// let report = export_safetensors(&storage, &out, &opts, &mut |_done, _total| {})?;
+/// assert_eq!(report.files, [out.clone()]);
+///
+/// // A plain safetensors file, which tessera opens too: bf16 1.0 and 2.0, renamed.
+/// let file = open_location(out.to_str().unwrap())?;
+/// let ckpt = open(&*file)?;
+/// let (format, tensors) = (ckpt.format().backend.clone(), ckpt.read_tensors(None)?);
+/// std::fs::remove_file(&out).unwrap();
+/// assert_eq!(format, "safetensors");
+/// assert_eq!(tensors["w"].data, [0x80, 0x3f, 0x00, 0x40]);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn export_safetensors(
     src: &dyn Storage,
     out: &Path,

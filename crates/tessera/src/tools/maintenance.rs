@@ -10,6 +10,23 @@ use crate::storage::Storage;
 /// referenced by the committed index). With no committed index, every tessera data file is a
 /// leftover. Returns the names removed. Must not run while a save into the same location is in
 /// progress.
+///
+/// ```
+/// use tessera::{gc, save, DType, MemoryStorage, SaveOptions, ShardedTensor, SoloComm, Storage, StateTree, TensorData};
+///
+/// let storage = MemoryStorage::new();
+/// let w = ShardedTensor::full("w", DType::U8, &[4], TensorData::Owned(vec![1, 2, 3, 4]));
+/// save(StateTree::map().with("w", StateTree::Tensor(w)), &storage, &SoloComm, &SaveOptions::default())?;
+/// // The data file of a save that crashed before its commit.
+/// let leftover = "0123456789abcdef-r00003.safetensors";
+/// storage.put_atomic(leftover, b"partial")?;
+///
+/// assert_eq!(gc(&storage)?, [leftover]);
+/// assert!(!storage.list()?.iter().any(|n| n == leftover));
+/// assert!(gc(&storage)?.is_empty());
+/// assert_eq!(tessera::open(&storage)?.read_tensors(None)?["w"].data, [1, 2, 3, 4]);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn gc(storage: &dyn Storage) -> Result<Vec<String>> {
     match crate::load::open::detect_format(storage) {
         Ok((record, _)) if record.backend != crate::format::NATIVE_BACKEND => {
@@ -50,6 +67,22 @@ pub(crate) fn leftovers(storage: &dyn Storage, referenced: &[String]) -> Result<
 /// Removes every tensor whose key starts with `key_prefix` from a committed checkpoint
 /// (Megatron's `remove_sharded_tensors`), by committing a new index without them; data files
 /// are left as they are. Returns the keys removed.
+///
+/// ```
+/// use tessera::{open, remove_sharded_tensors, save, SaveOptions};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let storage = MemoryStorage::new();
+/// let t = |k: &str| StateTree::Tensor(ShardedTensor::full(k, DType::U8, &[1], TensorData::Owned(vec![0])));
+/// let tree = StateTree::map().with("a", t("optim.a")).with("b", t("optim.b")).with("c", t("model.c"));
+/// save(tree, &storage, &SoloComm, &SaveOptions::default())?;
+///
+/// let mut removed = remove_sharded_tensors(&storage, "optim.")?;
+/// removed.sort();
+/// assert_eq!(removed, ["optim.a", "optim.b"]);
+/// assert_eq!(open(&storage)?.tensors_metadata().into_keys().collect::<Vec<_>>(), ["model.c"]);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn remove_sharded_tensors(storage: &dyn Storage, key_prefix: &str) -> Result<Vec<String>> {
     let mut index = open_index(storage)?;
     if index.backend != crate::format::NATIVE_BACKEND {

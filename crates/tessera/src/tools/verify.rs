@@ -35,6 +35,28 @@ pub struct VerifyReport {
 /// an error (`NotCommitted`, `Corrupt`, `IncompatibleVersion`); damage elsewhere is reported.
 /// Foreign formats have no checksums: every chunk and object is read (and decoded) in full,
 /// which finds truncated, misplaced or undecodable items.
+///
+/// ```
+/// use tessera::{save, verify, SaveOptions};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, Storage, StateTree, TensorData};
+///
+/// let storage = MemoryStorage::new();
+/// let w = ShardedTensor::full("w", DType::U8, &[1024], TensorData::Owned(vec![3; 1024]));
+/// let tree = StateTree::map().with("w", StateTree::Tensor(w));
+/// let file = save(tree, &storage, &SoloComm, &SaveOptions::default())?.file.unwrap();
+/// let report = verify(&storage, 2)?;
+/// assert!(report.problems.is_empty() && report.checksummed);
+/// assert_eq!((report.files, report.chunks), (1, 1));
+///
+/// // Flip the data file's last byte (tensor data): the block checksum catches it.
+/// let mut bytes = storage.read(&file)?;
+/// *bytes.last_mut().unwrap() ^= 1;
+/// storage.put_atomic(&file, &bytes)?;
+/// let report = verify(&storage, 2)?;
+/// assert_eq!(report.problems.len(), 1);
+/// assert!(report.problems[0].contains(&file));
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     let ckpt = open_unvalidated(storage)?;
     let (index, storage) = (&ckpt.index, ckpt.storage());

@@ -234,6 +234,21 @@ fn optimizer_values(
 /// The text of the `metadata.json` of the OLMo-core `Checkpointer` directory at `storage`,
 /// once it has passed the same checks a load makes of it (OLMo-core's `get_metadata`). A
 /// `save_model_and_optim_state` directory has one in each of `model/` and `optim/`.
+///
+/// ```
+/// use tessera::{read_olmo_metadata, save_olmo, SaveOptions};
+/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+///
+/// let storage = MemoryStorage::new();
+/// let w = ShardedTensor::full("w", DType::F32, &[4], TensorData::Owned(vec![0; 16]));
+/// save_olmo(StateTree::map().with("w", StateTree::Tensor(w)), &storage, &SoloComm, &SaveOptions::default())?;
+///
+/// let json = read_olmo_metadata(&storage)?;
+/// assert!(json.starts_with(r#"{"tensors": {"w": {"shape": [4]"#));
+/// // Nothing there: no metadata to read.
+/// assert!(read_olmo_metadata(&MemoryStorage::new()).is_err());
+/// # Ok::<(), tessera::Error>(())
+/// ```
 pub fn read_olmo_metadata(storage: &dyn Storage) -> Result<String> {
     let shown = format!("{}/{METADATA_FILE}", storage.location());
     let bytes = match storage.read(METADATA_FILE) {
