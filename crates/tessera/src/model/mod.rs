@@ -22,8 +22,3 @@ pub use value::Value;
 /// (`formats/`) chooses the threads their independent parts run on. Those modules start no
 /// thread; `save/`, `load/` and `tools/` choose (`load::on_cores`, `load::parallel_for`).
 pub type ForEach<'a> = &'a (dyn Fn(usize, &(dyn Fn(usize) + Sync)) + Sync);
-
-/// The [`ForEach`] that runs every part in order on the calling thread.
-pub fn serial(n: usize, work: &(dyn Fn(usize) + Sync)) {
-    (0..n).for_each(work);
-}

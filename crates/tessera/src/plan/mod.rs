@@ -10,4 +10,4 @@ pub mod load;
 pub mod save;
 pub mod validate;
 
-pub use crate::model::{serial, ForEach};
+pub use crate::model::ForEach;

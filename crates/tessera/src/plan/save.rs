@@ -7,7 +7,7 @@ use serde_json::{json, Map, Value as J};
 
 use super::fasthash::FastMap;
 use super::geometry::{check_tiling, decompose_flat, numel, Piece};
-use super::{serial, ForEach};
+use super::ForEach;
 use crate::error::{Error, Result};
 use crate::format::{
     crc_hex, CheckpointIndex, FileEntry, ObjectEntry, SafetensorsEntry, StoredChunk, StoredObject, TensorEntry,
@@ -255,8 +255,9 @@ impl RankPlan {
 /// replicas tiling every tensor exactly (boxes and flattened ranges), every object shard present
 /// once. Deterministic: every rank computing it on the same plans gets the same verdict. Runs on
 /// the calling thread; [`validate_global_with`] runs its parts on the caller's threads.
+#[cfg(test)]
 pub fn validate_global(plans: &[RankPlan]) -> Result<()> {
-    validate_global_with(plans, &serial)
+    validate_global_with(plans, &|n, work| (0..n).for_each(work))
 }
 
 /// [`validate_global`], the keys checked in parts (runs of [`KEYS_PER_PART`] keys) that

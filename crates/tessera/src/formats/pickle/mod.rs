@@ -219,6 +219,7 @@ impl PickleValue {
     }
 
     /// `(module, name)` if this is a global, or an object of that class.
+    #[cfg(test)]
     pub fn class(&self) -> Option<(&str, &str)> {
         match self {
             PickleValue::Global { module, name } => Some((module, name)),
