@@ -22,7 +22,6 @@ from tessera.dist_checkpointing._descriptors import save_object, save_tensor
 from launch import run_ranks
 
 
-
 def full_tensors() -> Dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     return {
