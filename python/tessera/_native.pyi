@@ -4,7 +4,8 @@ A thin layer over the Rust library: every function releases the GIL while it wor
 re-acquires it only to call the Python communicator). Locations are strings: a local path,
 ``file://...`` or ``mem://name`` (process-wide in-memory store, for tests).
 
-Tensor memory crosses as ``(data_ptr, nbytes)``: the address of C-contiguous CPU memory
+Tensors and objects cross as typed values (:class:`SaveTensor`, :class:`LoadTensor`,
+:class:`SaveObject`, :class:`LoadObject`). Tensor memory crosses as ``(data_ptr, nbytes)``: the address of C-contiguous CPU memory
 (``tensor.data_ptr()``, ``array.ctypes.data``) that the caller keeps alive, and does not touch
 from other threads, for the duration of the call. ``data_ptr == 0`` with ``nbytes > 0`` raises
 :class:`InvalidArgumentError`; on load, overlapping buffers raise it too.
@@ -26,34 +27,150 @@ Path = List[Union[str, int]]
 Shape = Sequence[int]
 ReplicaId = Union[int, Sequence[int]]
 
-SaveTensor = Tuple[
-    str,  # key
-    str,  # dtype
-    Shape,  # local_shape
-    Shape,  # global_shape
-    Shape,  # global_offset
-    int,  # prepend_axis_num
-    ReplicaId,  # replica_id
-    Optional[Tuple[int, int]],  # flattened_range
-    Optional[Shape],  # axis_fragmentations
-    int,  # data_ptr
-    int,  # nbytes
-]
-LoadTensor = Tuple[
-    str,  # key
-    str,  # dtype
-    Shape,  # local_shape
-    Shape,  # global_shape
-    Shape,  # global_offset
-    int,  # prepend_axis_num
-    Optional[Tuple[int, int]],  # flattened_range
-    bool,  # allow_shape_mismatch
-    int,  # data_ptr
-    int,  # nbytes
-]
-SaveObject = Tuple[str, bytes, Shape, Shape, ReplicaId]  # key, data, global_shape, global_offset, replica_id
-ValidateObject = Tuple[str, Shape, Shape, ReplicaId]  # key, global_shape, global_offset, replica_id
-LoadObject = Tuple[str, Shape, Shape]  # key, global_shape, global_offset
+FlatRange = Optional[Tuple[int, int]]
+
+@final
+class SaveTensor:
+    """A tensor shard to save: ``global_shape[i]`` elements on global axis ``i``, of which this
+    shard holds the box at ``global_offset`` of shape ``[1] * prepend_axis_num + local_shape``
+    (``flattened_range``: only ``[start, end)`` of the box's row-major flattening), and
+    ``(data_ptr, nbytes)``, its memory (``0, 0``: none, to validate the layout only). Only the
+    main replica (``replica_id`` all zeros) is written; ``axis_fragmentations`` (None: uneven
+    sharding) says into how many equal chunks each global axis is cut.
+
+    Made with keyword arguments; every field is converted when it is made: a field of the wrong
+    type raises ``TypeError``, a negative size ``InvalidArgumentError``, both naming the key.
+    """
+
+    def __new__(
+        cls,
+        *,
+        key: str,
+        dtype: str,
+        local_shape: Shape,
+        global_shape: Shape,
+        global_offset: Shape,
+        prepend_axis_num: int = 0,
+        replica_id: ReplicaId = 0,
+        flattened_range: FlatRange = None,
+        axis_fragmentations: Optional[Shape] = None,
+        data_ptr: int = 0,
+        nbytes: int = 0,
+    ) -> "SaveTensor": ...
+    def check(self, in_bounds: bool = True) -> None:
+        """The core's checks of this tensor alone (axes, the box inside the global shape when
+        ``in_bounds``, as a save requires, fragmentations, the flattened range): raises
+        :class:`InvalidShardingError` naming the key."""
+    @property
+    def key(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def local_shape(self) -> Tuple[int, ...]: ...
+    @property
+    def global_shape(self) -> Tuple[int, ...]: ...
+    @property
+    def global_offset(self) -> Tuple[int, ...]: ...
+    @property
+    def prepend_axis_num(self) -> int: ...
+    @property
+    def replica_id(self) -> Tuple[int, ...]: ...
+    @property
+    def flattened_range(self) -> FlatRange: ...
+    @property
+    def axis_fragmentations(self) -> Optional[Tuple[int, ...]]: ...
+    @property
+    def data_ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+@final
+class LoadTensor:
+    """A tensor shard to load into ``(data_ptr, nbytes)``, fields as :class:`SaveTensor`'s;
+    with ``allow_shape_mismatch`` the stored global shape may differ (the overlap is read, the
+    rest zeroed). Made with keyword arguments, converted as :class:`SaveTensor`."""
+
+    def __new__(
+        cls,
+        *,
+        key: str,
+        dtype: str,
+        local_shape: Shape,
+        global_shape: Shape,
+        global_offset: Shape,
+        data_ptr: int,
+        nbytes: int,
+        prepend_axis_num: int = 0,
+        flattened_range: FlatRange = None,
+        allow_shape_mismatch: bool = False,
+    ) -> "LoadTensor": ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def local_shape(self) -> Tuple[int, ...]: ...
+    @property
+    def global_shape(self) -> Tuple[int, ...]: ...
+    @property
+    def global_offset(self) -> Tuple[int, ...]: ...
+    @property
+    def prepend_axis_num(self) -> int: ...
+    @property
+    def flattened_range(self) -> FlatRange: ...
+    @property
+    def allow_shape_mismatch(self) -> bool: ...
+    @property
+    def data_ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+@final
+class SaveObject:
+    """A shard of a sharded object to save: shard ``global_offset`` of a ``global_shape`` grid
+    of shards, with its serialized ``data`` (``bytes`` or ``bytearray``; empty to validate the
+    layout only). Made with keyword arguments."""
+
+    def __new__(
+        cls,
+        *,
+        key: str,
+        global_shape: Shape,
+        global_offset: Shape,
+        replica_id: ReplicaId = 0,
+        data: Union[bytes, bytearray, None] = None,
+    ) -> "SaveObject": ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def global_shape(self) -> Tuple[int, ...]: ...
+    @property
+    def global_offset(self) -> Tuple[int, ...]: ...
+    @property
+    def replica_id(self) -> Tuple[int, ...]: ...
+    @property
+    def data(self) -> bytes: ...
+
+@final
+class LoadObject:
+    """A shard of a sharded object to load: shard ``global_offset`` of a ``global_shape`` grid."""
+
+    def __new__(cls, *, key: str, global_shape: Shape, global_offset: Shape) -> "LoadObject": ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def global_shape(self) -> Tuple[int, ...]: ...
+    @property
+    def global_offset(self) -> Tuple[int, ...]: ...
+
+def from_rank_offsets(
+    key: str, local_shape: Shape, rank_offsets: Sequence[Tuple[int, int, int]], prepend_axis_num: int = 0
+) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
+    """``(global_shape, global_offset, axis_fragmentations)`` of Megatron's
+    ``ShardedTensor.from_rank_offsets`` (the core's): each ``(axis, axis_rank_offset,
+    axis_fragm)`` cuts global ``axis`` into ``axis_fragm`` equal chunks of which the shard is
+    chunk ``axis_rank_offset``; axes below ``prepend_axis_num`` have size 1 in the box. Raises
+    :class:`InvalidShardingError` naming the key."""
 
 class Communicator(Protocol):
     """What ``comm`` must provide. Every rank calls the same collectives in the same order."""
@@ -139,7 +256,7 @@ class AsyncSaver:
 
 def validate_sharding(
     tensors: Sequence[SaveTensor],
-    objects: Sequence[ValidateObject],
+    objects: Sequence[SaveObject],
     comm: Optional[Communicator] = None,
 ) -> None:
     """Checks collectively, writing nothing, that the shards of all ranks form a valid state."""

@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 from . import _native
 from ._comm import default_comm
 from .errors import KeyMismatchError
-from .dist_checkpointing.mapping import tessera_dtype_to_torch, torch_dtype_to_tessera
+from .dist_checkpointing._descriptors import load_tensor, save_tensor
+from .dist_checkpointing.mapping import tessera_dtype_to_torch
 from .dist_checkpointing.serialization import (
     _cpu_contiguous,
     _from_native_path,
@@ -158,10 +159,7 @@ def _save_request(state_dict: Dict[str, Any], rank: int, pinned: Any = None) -> 
         else:
             data = _cpu_contiguous(local)
         keep_alive.append(data)
-        native.append(
-            (_key(path), torch_dtype_to_tessera(t.dtype), tuple(data.shape), shape, offset, 0, replica, None, None,
-             data.data_ptr(), data.numel() * data.element_size())
-        )
+        native.append(save_tensor(_key(path), t.dtype, data.shape, shape, offset, replica_id=replica, data=data))
     common = [(_to_native_path(p), _to_plain(v, tuples=True)) for p, v in values] if rank == 0 else []
     return native, common, keep_alive
 
@@ -252,10 +250,7 @@ def load(
             local.shape, dtype=local.dtype
         )
         targets.append((local, buf))
-        native.append(
-            (_key(path), torch_dtype_to_tessera(t.dtype), tuple(local.shape), shape, offset, 0, None, False,
-             buf.data_ptr(), buf.numel() * buf.element_size())
-        )
+        native.append(load_tensor(_key(path), t.dtype, local.shape, shape, offset, data=buf))
     strict_mode = "raise_unexpected" if strict else "return_unexpected"
     try:
         # entries of different types (listed in _native.load's docstring)
@@ -310,11 +305,7 @@ def unshard(
     missing = [k for k in wanted if k not in meta]
     if missing:
         raise KeyError(f"not in the checkpoint: {missing}")
-    native = [
-        (k, torch_dtype_to_tessera(t.dtype), tuple(t.shape), tuple(t.shape), (0,) * t.dim(), 0, None, False,
-         t.data_ptr(), t.numel() * t.element_size())
-        for k, t in out.items()
-    ]
+    native = [load_tensor(k, t.dtype, t.shape, t.shape, (0,) * t.dim(), data=t) for k, t in out.items()]
     _native.load(native, [], str(dir), None)
     if device is not None:
         out = {k: t.to(device) for k, t in out.items()}

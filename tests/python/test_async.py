@@ -174,7 +174,10 @@ def _parallel_load(rank: int, world: int, root: str) -> None:
     got = TorchComm().all_to_all([bytes([rank, r]) * (r + 1) for r in range(world)])
     assert got == [bytes([r, rank]) * (rank + 1) for r in range(world)]
     # The ranks together read the bytes once; each got the rest from its peer.
-    sh = [("w", "f32", (8, 64), (8, 64), (0, 0), 0, None, False, want["w"].data.data_ptr(), 8 * 64 * 4)]
+    sh = [
+        _native.LoadTensor(key="w", dtype="f32", local_shape=(8, 64), global_shape=(8, 64), global_offset=(0, 0),
+                           data_ptr=want["w"].data.data_ptr(), nbytes=8 * 64 * 4)
+    ]
     out = _native.load(sh, [], f"{root}/ckpt", TorchComm(), exchange_reads=True)
     stats = out["stats"]
     assert stats["bytes_read"] + stats["bytes_received"] == stats["bytes_needed"]

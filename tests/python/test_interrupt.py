@@ -16,7 +16,9 @@ SCRIPT = textwrap.dedent(
 
     ckpt, phase = sys.argv[1], sys.argv[2]
     data = np.ones(1 << 29, dtype=np.uint8)  # 512 MiB: seconds of IO on this machine
-    spec = ("w", "u8", (1 << 29,), (1 << 29,), (0,), 0, (0,), None, None, data.ctypes.data, data.nbytes)
+    n = 1 << 29
+    spec = _native.SaveTensor(key="w", dtype="u8", local_shape=(n,), global_shape=(n,), global_offset=(0,),
+                              data_ptr=data.ctypes.data, nbytes=data.nbytes)
     if phase == "load":
         _native.save([spec], [], [], ckpt, None)
     threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
@@ -26,7 +28,8 @@ SCRIPT = textwrap.dedent(
             _native.save([spec], [], [], ckpt, None)
         else:
             out = np.zeros_like(data)
-            req = ("w", "u8", (1 << 29,), (1 << 29,), (0,), 0, None, False, out.ctypes.data, out.nbytes)
+            req = _native.LoadTensor(key="w", dtype="u8", local_shape=(n,), global_shape=(n,), global_offset=(0,),
+                                     data_ptr=out.ctypes.data, nbytes=out.nbytes)
             _native.load([req], [], ckpt, None)
         print("finished", time.monotonic() - start)
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ from tessera.dist_checkpointing import (
     apply_factories,
     apply_factory_merges,
     is_main_replica,
+    validate_sharding_integrity,
 )
 from tessera.dist_checkpointing.dtypes import (
     TESSERA_DTYPES,
@@ -81,20 +82,25 @@ def test_prepended_axis_without_rank_offset_has_size_one():
 @pytest.mark.parametrize(
     "rank_offsets, prepend, message",
     [
-        ([(2, 0, 2)], 0, "out of range"),
-        ([(3, 0, 2)], 1, "out of range"),
+        ([(2, 0, 2)], 0, "axis 2 out of 2 axes"),
+        ([(3, 0, 2)], 1, "axis 3 out of 3 axes"),
         ([(0, 0, 2), (0, 1, 2)], 0, "given twice"),
-        ([(0, 2, 2)], 0, "must be in [0, 2)"),
-        ([(0, 0, 0)], 0, "axis_fragm >= 1"),
-        ([(0, -1, 2)], 0, "must be in [0, 2)"),
-        ([(0, 1)], 0, "(axis, axis_rank_offset, axis_fragm)"),
+        ([(0, 2, 2)], 0, "rank offset 2 not below fragment count 2"),
+        ([(0, 0, 0)], 0, "not below fragment count 0"),
+        ([(0, -1, 2)], 0, "-1 is negative"),
     ],
 )
 def test_from_rank_offsets_rejects_bad_offsets(rank_offsets, prepend, message):
+    # The core's geometry (tessera::ShardedTensor::from_rank_offsets) and its errors.
     with pytest.raises(CheckpointingException) as info:
         ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), *rank_offsets, prepend_axis_num=prepend)
     assert message in str(info.value)
-    assert "'w'" in str(info.value)
+    assert '"w"' in str(info.value)
+
+
+def test_from_rank_offsets_rejects_a_malformed_entry():
+    with pytest.raises(TypeError, match=r"\(axis, axis_rank_offset, axis_fragm\)"):
+        ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), (0, 1))
 
 
 def test_from_rank_offsets_refuses_flattened_range():
@@ -181,26 +187,26 @@ def test_valid_metadata_without_data():
 @pytest.mark.parametrize(
     "overrides, message",
     [
+        # The core's checks (InvalidShardingError, InvalidArgumentError for negative numbers).
         (dict(global_offset=(0,)), "rank mismatch"),
         (dict(global_shape=(4, 3, 1), global_offset=(0, 0, 0)), "rank mismatch"),
         (dict(prepend_axis_num=1), "rank mismatch"),
-        (dict(global_offset=(3, 0), axis_fragmentations=None), "exceeds the global shape"),
-        (dict(global_offset=(0, 1), axis_fragmentations=None), "exceeds the global shape"),
-        (dict(global_offset=(1, 0), global_shape=(6, 3)), "not a multiple of the local size"),
+        (dict(global_offset=(3, 0), axis_fragmentations=None), "exceeds global shape"),
+        (dict(global_offset=(0, 1), axis_fragmentations=None), "exceeds global shape"),
+        (dict(global_offset=(1, 0), global_shape=(6, 3)), "is not global 6 / 2 fragments"),
         (dict(axis_fragmentations=(2,)), "axis_fragmentations"),
-        (dict(axis_fragmentations=(0, 1)), "axis_fragmentations"),
+        (dict(axis_fragmentations=(0, 1)), "0 fragments"),
         (dict(global_offset=(-2, 0)), "negative"),
         (dict(flattened_range=slice(0, 7)), "outside the 6 elements"),
         (dict(flattened_range=slice(4, 2)), "outside the 6 elements"),
+        (dict(replica_id=-1), "replica_id"),
+        # Python's: the slice, the data object and the dtype, which the core does not see.
         (dict(flattened_range=slice(0, 4, 2)), "step"),
         (dict(flattened_range=(0, 4)), "slice of ints"),
         (dict(data=torch.zeros(3, 2)), "data shape (3, 2) differs from local_shape (2, 3)"),
         (dict(data=torch.zeros(2, 3, dtype=torch.float16)), "data dtype torch.float16 differs"),
         (dict(data=torch.zeros(2, 3), flattened_range=slice(1, 4)), "1-D with 3 elements"),
         (dict(data=torch.zeros(4), flattened_range=slice(1, 4)), "1-D with 3 elements"),
-        (dict(replica_id=-1), "replica_id"),
-        (dict(replica_id=(0, 1.5)), "replica_id"),
-        (dict(key=3), "key must be a str"),
         (dict(dtype=torch.complex64), "not supported"),
     ],
 )
@@ -208,6 +214,15 @@ def test_invalid_metadata_is_rejected_clearly(overrides, message):
     with pytest.raises(CheckpointingException) as info:
         make(**overrides)
     assert message in str(info.value)
+    assert '"k"' in str(info.value) or "'k'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message", [(dict(replica_id=(0, 1.5)), "replica_id"), (dict(key=3), "key must be a str")]
+)
+def test_fields_of_the_wrong_type_are_type_errors(overrides, message):
+    with pytest.raises(TypeError, match=message):
+        make(**overrides)
 
 
 def test_uneven_shards_are_allowed_without_fragmentations():
@@ -217,10 +232,14 @@ def test_uneven_shards_are_allowed_without_fragmentations():
         sh.max_allowed_chunks()
 
 
-def test_allow_shape_mismatch_skips_bounds_and_divisibility():
-    sh = make(global_shape=(3, 3), allow_shape_mismatch=True)
-    assert sh.max_allowed_chunks() == (1, 3)
-    strict = make(global_shape=(5, 3), global_offset=(0, 0))
+def test_allow_shape_mismatch_skips_bounds_only():
+    sh = make(global_shape=(3, 3), axis_fragmentations=None, allow_shape_mismatch=True)
+    assert sh.global_slice() == (slice(2, 4), slice(0, 3))
+    # A grid the box does not cut evenly is refused all the same: the core's load refuses it.
+    with pytest.raises(CheckpointingException, match="fragments"):
+        make(global_shape=(3, 3), allow_shape_mismatch=True)
+    strict = make(global_offset=(0, 0))
+    strict.global_shape = (5, 3)
     with pytest.raises(CheckpointingException, match="not divisible into 2 fragments"):
         strict.max_allowed_chunks()
 
@@ -280,8 +299,10 @@ def test_sharded_object_unique_key_roundtrip():
 def test_sharded_object_validation():
     with pytest.raises(CheckpointingException, match="different ranks"):
         ShardedObject("o", 1, (2,), (0, 0))
-    with pytest.raises(CheckpointingException, match="outside the shard grid"):
-        ShardedObject("o", 1, (2,), (2,))
+    # A shard outside its grid is the core's to refuse, with the other shards (save, validation).
+    outside = ShardedObject("o", 1, (2,), (2,))
+    with pytest.raises(CheckpointingException, match="outside grid"):
+        validate_sharding_integrity([outside, ShardedObject("o", 1, (2,), (0,))])
     with pytest.raises(CheckpointingException, match="not a ShardedObject unique key"):
         ShardedObject.empty_from_unique_key("o/shards_0_1")
     scalar = ShardedObject("o", 1, (), ())

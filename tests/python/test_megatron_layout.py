@@ -173,7 +173,7 @@ def test_torch_dist_save_goes_through_one_place(tmp_path, monkeypatch):
     monkeypatch.setattr(serialization._native, "plan_torch_dist", lambda *a, **k: calls.append(a) or plan(*a, **k))
     dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "x": 1}, str(tmp_path / "t"), ("torch_dist", 1))
     (tensors, objects, common_pt, location, owners, comm) = calls[0]
-    assert [t[0] for t in tensors] == ["w"] and objects == [] and location.endswith("t")
+    assert [t.key for t in tensors] == ["w"] and objects == [] and location.endswith("t")
     assert serialization._torch_load_bytes(common_pt) == {"x": 1}
     assert (tmp_path / "t" / ".metadata").is_file()
 

@@ -27,20 +27,34 @@ NAMES = {
 }
 
 
-def save_t(key, arr, gshape, goff, *, local=None, prepend=0, replica=0, flat=None, frags=None, dtype=None):
-    """A SaveTensor tuple over ``arr``'s memory (the caller keeps ``arr`` alive)."""
+def save_t(key, arr, gshape, goff, *, local=None, prepend=0, replica=0, flat=None, frags=None, dtype=None, **kw):
+    """A SaveTensor over ``arr``'s memory (the caller keeps ``arr`` alive)."""
     assert arr.flags.c_contiguous
-    local = arr.shape if local is None else local
-    return (key, dtype or NAMES[arr.dtype.name], tuple(local), tuple(gshape), tuple(goff), prepend, replica,
-            flat, frags, arr.ctypes.data, arr.nbytes)
+    fields = dict(
+        key=key, dtype=dtype or NAMES[arr.dtype.name], local_shape=arr.shape if local is None else local,
+        global_shape=gshape, global_offset=goff, prepend_axis_num=prepend, replica_id=replica, flattened_range=flat,
+        axis_fragmentations=frags, data_ptr=arr.ctypes.data, nbytes=arr.nbytes,
+    )
+    return N.SaveTensor(**{**fields, **kw})
 
 
-def load_t(key, arr, gshape, goff, *, local=None, prepend=0, flat=None, mismatch=False, dtype=None):
-    """A LoadTensor tuple writing into ``arr``."""
+def load_t(key, arr, gshape, goff, *, local=None, prepend=0, flat=None, mismatch=False, dtype=None, **kw):
+    """A LoadTensor writing into ``arr``."""
     assert arr.flags.c_contiguous and arr.flags.writeable
-    local = arr.shape if local is None else local
-    return (key, dtype or NAMES[arr.dtype.name], tuple(local), tuple(gshape), tuple(goff), prepend, flat,
-            mismatch, arr.ctypes.data, arr.nbytes)
+    fields = dict(
+        key=key, dtype=dtype or NAMES[arr.dtype.name], local_shape=arr.shape if local is None else local,
+        global_shape=gshape, global_offset=goff, prepend_axis_num=prepend, flattened_range=flat,
+        allow_shape_mismatch=mismatch, data_ptr=arr.ctypes.data, nbytes=arr.nbytes,
+    )
+    return N.LoadTensor(**{**fields, **kw})
+
+
+def save_o(key, gshape, goff, replica=0, data=b""):
+    return N.SaveObject(key=key, global_shape=gshape, global_offset=goff, replica_id=replica, data=data)
+
+
+def load_o(key, gshape, goff):
+    return N.LoadObject(key=key, global_shape=gshape, global_offset=goff)
 
 
 W = np.arange(48, dtype=np.float32).reshape(8, 6)
@@ -82,8 +96,8 @@ def save_rank(comm, location, **kw):
         save_t("mask", m, (3,), (0,), replica=(0, r)),
     ]
     objects = [
-        ("rng", pickle.dumps({"rank": r}), (2,), (r,), 0),
-        ("cfg", b"shared", (1,), (0,), r),
+        save_o("rng", (2,), (r,), 0, pickle.dumps({"rank": r})),
+        save_o("cfg", (1,), (0,), r, b"shared"),
     ]
     common = COMMON if r == 0 else [(["ignored"], r)]
     return N.save(tensors, objects, common, location, comm, content_metadata=META, **kw)
@@ -109,7 +123,7 @@ def test_two_ranks_save_then_load_another_layout(ckpt, ranks):
                 load_t("stack", s, (2, 3), (0, 0)),
                 load_t("b", b, (5,), (0,)),
             ],
-            [("rng", (2,), (r,))],
+            [load_o("rng", (2,), (r,))],
             ckpt,
             comm,
         )
@@ -135,7 +149,7 @@ def test_solo_load_whole_flat_and_mismatched_shape(ckpt):
             load_t("w", part, (8, 6), (0, 0), local=(8, 6), flat=(5, 25)),
             load_t("w", grown, (10, 6), (0, 0), mismatch=True),
         ],
-        [("cfg", (1,), (0,))],
+        [load_o("cfg", (1,), (0,))],
         ckpt,
     )
     np.testing.assert_array_equal(w, W)
@@ -173,7 +187,7 @@ def test_common_values_round_trip(ckpt):
 
 def test_content_metadata_and_objects(ckpt, tmp_path):
     assert N.load_content_metadata(ckpt) == META
-    objs = N.load_objects([("rng", (2,), (1,)), ("rng", (2,), (0,)), ("cfg", (1,), (0,))], ckpt)
+    objs = N.load_objects([load_o("rng", (2,), (1,)), load_o("rng", (2,), (0,)), load_o("cfg", (1,), (0,))], ckpt)
     assert [pickle.loads(o) for o in objs[:2]] == [{"rank": 1}, {"rank": 0}]
     assert objs[2] == b"shared"
     plain = str(tmp_path / "plain")
@@ -207,7 +221,7 @@ def test_strict_modes(ckpt):
     assert "nope" in str(ei.value)
 
     (w, _), tensors = request()
-    out = N.load(tensors, [("gone", (1,), (0,)), ("cfg", (1,), (0,))], ckpt, strict="return_unexpected")
+    out = N.load(tensors, [load_o("gone", (1,), (0,)), load_o("cfg", (1,), (0,))], ckpt, strict="return_unexpected")
     assert out["loaded"] == [True, False]
     assert out["objects"] == [None, b"shared"]
     assert out["unexpected_keys"] == ["gone", "nope"] and out["missing_keys"] == []
@@ -305,7 +319,7 @@ def test_validate_sharding_accepts_a_valid_layout(ranks):
     def validate(comm):
         r = comm.rank()
         w = np.ascontiguousarray(W[4 * r : 4 * r + 4])
-        objects = [("rng", (2,), (r,), 0), ("cfg", (1,), (0,), r)]
+        objects = [save_o("rng", (2,), (r,), 0), save_o("cfg", (1,), (0,), r)]
         return N.validate_sharding([save_t("w", w, (8, 6), (4 * r, 0))], objects, comm)
 
     assert ranks(2, validate) == [None, None]
@@ -343,23 +357,67 @@ def test_argument_errors(ckpt):
     w = np.zeros((8, 6), np.float32)
     good = load_t("w", w, (8, 6), (0, 0))
     with pytest.raises(E.InvalidArgumentError, match="null"):
-        N.load([good[:-2] + (0, w.nbytes)], [], ckpt)
-    with pytest.raises(E.InvalidArgumentError, match="dtype"):
-        N.load([("w", "f33") + good[2:]], [], ckpt)
+        N.load([load_t("w", w, (8, 6), (0, 0), data_ptr=0)], [], ckpt)
+    with pytest.raises(E.InvalidArgumentError, match="dtype") as ei:
+        load_t("w", w, (8, 6), (0, 0), dtype="f33")
+    assert "'w'" in str(ei.value) or '"w"' in str(ei.value)
     with pytest.raises(E.InvalidArgumentError):
-        N.load([good[:-1] + (w.nbytes - 4,)], [], ckpt)  # buffer too small for the shard
+        N.load([load_t("w", w, (8, 6), (0, 0), nbytes=w.nbytes - 4)], [], ckpt)  # buffer too small for the shard
     with pytest.raises(E.InvalidArgumentError, match="overlap"):
         N.load([good, load_t("w", w[4:], (8, 6), (4, 0))], [], ckpt)
     with pytest.raises(E.MismatchError):
         N.load([load_t("w", w.view(np.int32), (8, 6), (0, 0))], [], ckpt)
     with pytest.raises(E.MismatchError):
         N.load([load_t("w", np.zeros((9, 6), np.float32), (9, 6), (0, 0))], [], ckpt)
-    with pytest.raises(TypeError, match=r"tensors\[0\]"):
-        N.load([good[:5]], [], ckpt)
-    with pytest.raises(TypeError, match="global_shape"):
-        N.load([good[:3] + ("8x6",) + good[4:]], [], ckpt)
+    with pytest.raises(E.InvalidArgumentError, match="w.*negative") as ei:
+        load_t("w", w, (8, 6), (-1, 0))
+    assert isinstance(ei.value, ValueError)
+    with pytest.raises(E.InvalidArgumentError, match="replica_id"):
+        save_t("w", w, (8, 6), (0, 0), replica=-1)
+    # Only the typed values cross: a tuple is refused, a field of the wrong type names the key.
+    with pytest.raises(TypeError):
+        N.load([("w", "f32", (8, 6), (8, 6), (0, 0), 0, None, False, w.ctypes.data, w.nbytes)], [], ckpt)
+    with pytest.raises(TypeError, match="'w'.*global_shape|\"w\".*global_shape"):
+        load_t("w", w, "8x6", (0, 0))
+    with pytest.raises(TypeError, match="key must be a str"):
+        N.LoadObject(key=3, global_shape=(1,), global_offset=(0,))
+    with pytest.raises(TypeError, match="data"):
+        save_o("o", (1,), (0,), data="text")
+    with pytest.raises(TypeError):
+        N.SaveTensor("w", "f32", (1,), (1,), (0,))  # keyword arguments only
     with pytest.raises(E.InvalidArgumentError, match="scheme"):
         N.detect("ftp://host/x")
+
+
+def test_typed_values_keep_their_fields():
+    w = np.zeros((4, 6), np.float32)
+    t = save_t("w", w, [8, 6], (4, 0), frags=[2, 1], replica=(0, 1), flat=(2, 5))
+    assert (t.key, t.dtype, t.local_shape, t.global_shape, t.global_offset) == ("w", "f32", (4, 6), (8, 6), (4, 0))
+    assert (t.prepend_axis_num, t.replica_id, t.flattened_range, t.axis_fragmentations) == (0, (0, 1), (2, 5), (2, 1))
+    assert (t.data_ptr, t.nbytes) == (w.ctypes.data, w.nbytes)
+    assert "SaveTensor(key=\"w\"" in repr(t)
+    l = load_t("w", w, (8, 6), (4, 0), mismatch=True)
+    assert l.allow_shape_mismatch and l.flattened_range is None and l.global_shape == (8, 6)
+    o = save_o("rng", (2,), (1,), 3, bytearray(b"xy"))
+    assert (o.key, o.global_shape, o.global_offset, o.replica_id, o.data) == ("rng", (2,), (1,), (3,), b"xy")
+    assert N.SaveObject(key="c", global_shape=(), global_offset=()).data == b""
+    assert load_o("rng", (2,), (1,)).global_offset == (1,)
+
+
+def test_tensor_check_and_rank_offsets_are_the_cores():
+    w = np.zeros((4, 6), np.float32)
+    save_t("w", w, (8, 6), (4, 0), frags=(2, 1)).check()
+    with pytest.raises(E.InvalidShardingError, match="exceeds global shape") as ei:
+        save_t("w", w, (8, 6), (6, 0)).check()
+    assert ei.value.key == "w"
+    save_t("w", w, (8, 6), (6, 0)).check(in_bounds=False)
+    with pytest.raises(E.InvalidShardingError, match="fragment"):
+        save_t("w", w, (9, 6), (4, 0), frags=(2, 1)).check(in_bounds=False)
+    assert N.from_rank_offsets("w", (4, 6), [(0, 1, 2)]) == ((8, 6), (4, 0), (2, 1))
+    assert N.from_rank_offsets("w", (4,), [(0, 3, 8)], prepend_axis_num=1) == ((8, 4), (3, 0), (8, 1))
+    with pytest.raises(E.InvalidShardingError, match="given twice") as ei:
+        N.from_rank_offsets("w", (4, 6), [(0, 1, 2), (0, 0, 2)])
+    assert ei.value.key == "w"
 
 
 @pytest.mark.parametrize(
@@ -407,9 +465,8 @@ def test_comm_failures(tmp_path, ranks_raw):
 
     def save(comm):  # rank 1's buffer does not match its shard: rank 0 hears of it
         w = np.ascontiguousarray(W[4 * comm.rank() : 4 * comm.rank() + 4])
-        t = save_t("w", w, (8, 6), (4 * comm.rank(), 0))
-        if comm.rank() == 1:
-            t = t[:-1] + (w.nbytes - 4,)
+        nbytes = w.nbytes - 4 if comm.rank() == 1 else w.nbytes
+        t = save_t("w", w, (8, 6), (4 * comm.rank(), 0), nbytes=nbytes)
         return N.save([t], [], [], str(tmp_path / "p"), comm)
 
     r0, r1 = ranks_raw(2, save)

@@ -18,9 +18,8 @@ import torch.distributed.checkpoint as dcp
 
 from tessera import _native
 from tessera._comm import default_comm
+from tessera.dist_checkpointing._descriptors import save_object, save_tensor
 from launch import run_ranks
-
-DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int64: "i64", torch.float16: "f16"}
 
 
 def full_tensors() -> Dict[str, torch.Tensor]:
@@ -36,22 +35,10 @@ def full_tensors() -> Dict[str, torch.Tensor]:
 
 def _tuple(
     key: str, local: torch.Tensor, full: torch.Tensor, offset: List[int], replica: int, keep: List[Any]
-) -> tuple:
+) -> _native.SaveTensor:
     local = local.contiguous()
     keep.append(local)
-    return (
-        key,
-        DTYPES[local.dtype],
-        tuple(local.shape),
-        tuple(full.shape),
-        tuple(offset),
-        0,
-        replica,
-        None,
-        None,
-        local.data_ptr(),
-        local.numel() * local.element_size(),
-    )
+    return save_tensor(key, local.dtype, local.shape, full.shape, offset, replica_id=replica, data=local)
 
 
 def _object_payload(value: Any) -> bytes:
@@ -87,7 +74,7 @@ def _save(rank: int, world: int, path: str) -> None:
     for key in ("decoder.norm.weight", "step"):  # replicated: every rank holds it
         t = full[key]
         tensors.append(_tuple(key, t, t, [0] * t.dim(), rank, keep))
-    objects = [("rng_state", _object_payload(rng_state(rank)), (world,), (rank,), 0)]
+    objects = [save_object("rng_state", (world,), (rank,), 0, _object_payload(rng_state(rank)))]
     common_pt = None
     if rank == 0:
         buf = io.BytesIO()
@@ -192,8 +179,7 @@ def test_every_dtype_loads_in_torch(tmp_path: Any) -> None:
     native = []
     for name, t in list(tensors.items()) + list(extra.items()):
         dtype = name if name in tensors else "f32"
-        shape, nbytes = tuple(t.shape), t.numel() * t.element_size()
-        native.append((name, dtype, shape, shape, (0,) * t.dim(), 0, 0, None, None, t.data_ptr(), nbytes))
+        native.append(save_tensor(name, dtype, t.shape, t.shape, (0,) * t.dim(), data=t))
         keep.append(t)
     _native.save_torch_dist(native, [], None, path)
     state = {k: torch.zeros_like(v) for k, v in {**tensors, **extra}.items()}

@@ -55,8 +55,8 @@ impl AsyncSaver {
     fn save<'py>(
         &self,
         py: Python<'py>,
-        tensors: Vec<Bound<'py, PyAny>>,
-        objects: Vec<Bound<'py, PyAny>>,
+        tensors: Vec<Bound<'py, crate::convert::SaveTensor>>,
+        objects: Vec<Bound<'py, crate::convert::SaveObject>>,
         common: Vec<Bound<'py, PyAny>>,
         location: &str,
         comm: Option<Bound<'py, PyAny>>,

@@ -2,8 +2,8 @@
 //! error mapping (`errors`), the Python communicator (`comm`) and GIL handling; every decision
 //! is the library's. The GIL is released around every call into the library.
 //!
-//! Tensors and objects are handed over as positional tuples (see `python/tessera/_native.pyi`)
-//! and put in a flat state tree under a reserved top-level key, indexed by position, so results
+//! Tensors and objects are handed over as typed values (`SaveTensor`, `LoadTensor`,
+//! `SaveObject`, `LoadObject`: `convert`, `python/tessera/_native.pyi`) and put in a flat state tree under a reserved top-level key, indexed by position, so results
 //! map back to the caller's lists by position; the Python layer keeps its own structure.
 
 mod async_save;
@@ -25,7 +25,7 @@ use tessera::{
 };
 
 use crate::comm::PyComm;
-use crate::convert::{common_to_py, value_from_py, value_to_py, TensorSpec};
+use crate::convert::{common_to_py, value_from_py, value_to_py, LoadObject, LoadTensor, SaveObject, SaveTensor};
 use crate::errors::{invalid_argument, to_pyerr};
 
 /// Top-level key of the tree under which the tensors and objects of a call live; the common
@@ -106,6 +106,10 @@ fn each<'py, T>(items: &[Bound<'py, PyAny>], f: impl Fn(&Bound<'py, PyAny>, usiz
     items.iter().enumerate().map(|(i, x)| f(x, i)).collect()
 }
 
+fn objects_to_save(py: Python<'_>, objects: &[Bound<'_, SaveObject>]) -> Vec<ShardedObject> {
+    objects.iter().map(|o| o.get().object(py)).collect()
+}
+
 /// The tree and options of a save call (sync or async).
 ///
 /// # Safety
@@ -115,23 +119,22 @@ fn each<'py, T>(items: &[Bound<'py, PyAny>], f: impl Fn(&Bound<'py, PyAny>, usiz
 #[allow(clippy::too_many_arguments)]
 unsafe fn save_request<'py, 't>(
     py: Python<'py>,
-    tensors: &[Bound<'py, PyAny>],
-    objects: &[Bound<'py, PyAny>],
+    tensors: &[Bound<'py, SaveTensor>],
+    objects: &[Bound<'py, SaveObject>],
     common: &[Bound<'py, PyAny>],
     overwrite: bool,
     validate: bool,
     content_metadata: Option<&Bound<'py, PyAny>>,
     threads: Option<usize>,
 ) -> PyResult<(StateTree<'t>, SaveOptions, Arc<AtomicBool>)> {
-    let specs = each(tensors, TensorSpec::save_from_py)?;
-    let objects = each(objects, convert::save_object)?;
+    let specs = tensors.iter().map(|t| t.get().spec());
+    let objects = objects_to_save(py, objects);
     let common = each(common, convert::common_entry)?;
     let content_metadata = match content_metadata {
         Some(v) => value_from_py(v).map_err(|e| PyTypeError::new_err(format!("content_metadata: {e}")))?,
         None => tessera::Value::Null,
     };
     let tensors = specs
-        .into_iter()
         // SAFETY: guaranteed by the caller of this function (see above).
         .map(|s| unsafe { s.read_only(py) })
         .collect::<PyResult<Vec<_>>>()?;
@@ -174,8 +177,8 @@ fn report_to_py<'py>(py: Python<'py>, report: tessera::SaveReport) -> PyResult<B
 #[allow(clippy::too_many_arguments)]
 fn save<'py>(
     py: Python<'py>,
-    tensors: Vec<Bound<'py, PyAny>>,
-    objects: Vec<Bound<'py, PyAny>>,
+    tensors: Vec<Bound<'py, SaveTensor>>,
+    objects: Vec<Bound<'py, SaveObject>>,
     common: Vec<Bound<'py, PyAny>>,
     location: &str,
     comm: Option<Bound<'py, PyAny>>,
@@ -208,8 +211,8 @@ fn save<'py>(
 #[allow(clippy::too_many_arguments)]
 fn save_torch_dist<'py>(
     py: Python<'py>,
-    tensors: Vec<Bound<'py, PyAny>>,
-    objects: Vec<Bound<'py, PyAny>>,
+    tensors: Vec<Bound<'py, SaveTensor>>,
+    objects: Vec<Bound<'py, SaveObject>>,
     common_pt: Option<Vec<u8>>,
     location: &str,
     comm: Option<Bound<'py, PyAny>>,
@@ -243,7 +246,7 @@ fn save_torch_dist<'py>(
 #[pyo3(signature = (dirs, comm=None, overwrite=false, threads=None))]
 fn save_olmo<'py>(
     py: Python<'py>,
-    dirs: Vec<(Vec<Bound<'py, PyAny>>, String)>,
+    dirs: Vec<(Vec<Bound<'py, SaveTensor>>, String)>,
     comm: Option<Bound<'py, PyAny>>,
     overwrite: bool,
     threads: Option<usize>,
@@ -288,14 +291,14 @@ fn olmo_metadata(py: Python<'_>, location: &str) -> PyResult<String> {
 #[pyo3(signature = (tensors, objects, comm=None))]
 fn validate_sharding<'py>(
     py: Python<'py>,
-    tensors: Vec<Bound<'py, PyAny>>,
-    objects: Vec<Bound<'py, PyAny>>,
+    tensors: Vec<Bound<'py, SaveTensor>>,
+    objects: Vec<Bound<'py, SaveObject>>,
     comm: Option<Bound<'py, PyAny>>,
 ) -> PyResult<()> {
-    let specs = each(&tensors, TensorSpec::save_from_py)?;
-    let objects = each(&objects, convert::validate_object)?;
-    let tensors = specs
-        .into_iter()
+    let objects = objects_to_save(py, &objects);
+    let tensors = tensors
+        .iter()
+        .map(|t| t.get().spec())
         .map(|s| match (s.data_ptr, s.nbytes) {
             (0, 0) => Ok(s.metadata_only()),
             // SAFETY: as in `save`: the caller keeps the memory alive and unmodified for the call.
@@ -314,8 +317,8 @@ fn validate_sharding<'py>(
 #[allow(clippy::too_many_arguments)]
 fn load<'py>(
     py: Python<'py>,
-    tensors: Vec<Bound<'py, PyAny>>,
-    objects: Vec<Bound<'py, PyAny>>,
+    tensors: Vec<Bound<'py, LoadTensor>>,
+    objects: Vec<Bound<'py, LoadObject>>,
     location: &str,
     comm: Option<Bound<'py, PyAny>>,
     strict: &str,
@@ -324,8 +327,8 @@ fn load<'py>(
     exchange_reads: bool,
     cast_dtypes: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let specs = each(&tensors, TensorSpec::load_from_py)?;
-    let objects = each(&objects, convert::load_object)?;
+    let specs: Vec<_> = tensors.iter().map(|t| t.get().spec()).collect();
+    let objects: Vec<_> = objects.iter().map(|o| o.get().object()).collect();
     let (n_tensors, n_objects) = (specs.len(), objects.len());
     convert::check_disjoint(py, &specs)?;
     let keys: Vec<String> = specs.iter().map(|s| s.tensor.key.clone()).collect();
@@ -433,10 +436,10 @@ fn load_content_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound
 #[pyfunction]
 fn load_objects<'py>(
     py: Python<'py>,
-    objects: Vec<Bound<'py, PyAny>>,
+    objects: Vec<Bound<'py, LoadObject>>,
     location: &str,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-    let objects = each(&objects, convert::load_object)?;
+    let objects: Vec<_> = objects.iter().map(|o| o.get().object()).collect();
     let n = objects.len();
     let storage = open(py, location)?;
     let tree = slots(Vec::new(), objects);
@@ -527,6 +530,11 @@ fn cli(py: Python<'_>, argv: Vec<String>) -> u8 {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<SaveTensor>()?;
+    m.add_class::<LoadTensor>()?;
+    m.add_class::<SaveObject>()?;
+    m.add_class::<LoadObject>()?;
+    m.add_function(wrap_pyfunction!(convert::from_rank_offsets, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(cli, m)?)?;
     m.add_function(wrap_pyfunction!(save_olmo, m)?)?;

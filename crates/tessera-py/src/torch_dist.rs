@@ -48,8 +48,8 @@ pub struct TorchDistFile {
 #[allow(clippy::too_many_arguments)]
 pub fn plan_torch_dist<'py>(
     py: Python<'py>,
-    tensors: Vec<Bound<'py, PyAny>>,
-    objects: Vec<Bound<'py, PyAny>>,
+    tensors: Vec<Bound<'py, crate::convert::SaveTensor>>,
+    objects: Vec<Bound<'py, crate::convert::SaveObject>>,
     common_pt: Option<Vec<u8>>,
     location: &str,
     owners: Bound<'py, PyAny>,

@@ -6,7 +6,6 @@ Split out of ``mapping`` so that ``factories`` can build on it without importing
 
 from __future__ import annotations
 
-import operator
 from abc import ABC, abstractmethod
 from typing import Any, Dict, Tuple, Union
 
@@ -49,19 +48,6 @@ def _int_tuple(values: Any, what: str, key: str) -> Tuple[int, ...]:
         return tuple(int(v) for v in values)
     except (TypeError, ValueError):
         raise CheckpointingException(f"{key!r}: {what} must be a sequence of integers, got {values!r}") from None
-
-
-def _check_replica_id(replica_id: Any, key: str) -> None:
-    parts = (replica_id,) if isinstance(replica_id, int) else replica_id
-    try:
-        # operator.index accepts numpy/torch integer scalars as well as ints, but no floats.
-        ok = all(operator.index(p) >= 0 for p in parts)
-    except TypeError:
-        ok = False
-    if not ok:
-        raise CheckpointingException(
-            f"{key!r}: replica_id must be a non-negative int or a tuple of them, got {replica_id!r}"
-        )
 
 
 class LocalNonpersistentObject:

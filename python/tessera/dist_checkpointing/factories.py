@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple
 
-from .base import ReplicaId, ShardedBase, ShardedStateDict, StateDict, _check_replica_id
+from .base import ReplicaId, ShardedBase, ShardedStateDict, StateDict
 from .core import CheckpointingException, CheckpointingValueError
 from .dict_utils import dict_list_map_inplace
 
@@ -44,7 +44,8 @@ class ShardedTensorFactory(ShardedBase):
     def validate_metadata_integrity(self) -> None:
         if not isinstance(self.key, str):
             raise CheckpointingException(f"ShardedTensorFactory key must be a str, got {self.key!r}")
-        _check_replica_id(self.replica_id, self.key)
+        # The replica id is not checked here: it is handed to build_fn, and the core converts
+        # (and refuses) the replica ids of the tensors built.
         if not callable(self.build_fn) or not callable(self.merge_fn):
             raise CheckpointingException(f"{self.key!r}: build_fn and merge_fn must be callable")
 

@@ -22,12 +22,14 @@ from .base import (
     ShardedBase,
     ShardedStateDict,
     StateDict,
-    _check_replica_id,
     _int_tuple,
     is_main_replica,
 )
+from tessera import _native
+
+from ._descriptors import sharded_save_tensor
 from .core import CheckpointingException
-from .dtypes import tessera_dtype_to_torch, to_tessera_dtype, torch_dtype_to_tessera
+from .dtypes import tessera_dtype_to_torch, torch_dtype_to_tessera
 from .factories import FactoryBuildFn, FactoryMergeFn, ShardedTensorFactory, apply_factories, apply_factory_merges
 
 __all__ = [
@@ -84,69 +86,33 @@ class ShardedTensor(ShardedBase):
         self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
-        """Checks that shapes, offsets, the flattened range and the data agree."""
-        if not isinstance(self.key, str):
-            raise CheckpointingException(f"ShardedTensor key must be a str, got {self.key!r}")
-        key, ndim, prepend = self.key, len(self.global_shape), self.prepend_axis_num
-        _check_replica_id(self.replica_id, key)
-        if prepend < 0:
-            raise CheckpointingException(f"{key!r}: prepend_axis_num must be >= 0, got {prepend}")
-        if len(self.global_offset) != ndim or len(self.local_shape) + prepend != ndim:
-            raise CheckpointingException(
-                f"{key!r}: rank mismatch: global_shape {self.global_shape} and global_offset "
-                f"{self.global_offset} must both have len(local_shape {self.local_shape}) + "
-                f"prepend_axis_num ({prepend}) axes"
-            )
-        if any(s < 0 for s in self.local_shape + self.global_shape) or any(o < 0 for o in self.global_offset):
-            raise CheckpointingException(
-                f"{key!r}: negative size or offset: local_shape {self.local_shape}, global_shape "
-                f"{self.global_shape}, global_offset {self.global_offset}"
-            )
-        if self.axis_fragmentations is not None:
-            if len(self.axis_fragmentations) != ndim or any(f < 1 for f in self.axis_fragmentations):
-                raise CheckpointingException(
-                    f"{key!r}: axis_fragmentations {self.axis_fragmentations} must give a count >= 1 for "
-                    f"each of the {ndim} global axes"
-                )
-        box = self.box_shape()
-        if not self.allow_shape_mismatch:
-            for axis, (off, size, glob) in enumerate(zip(self.global_offset, box, self.global_shape)):
-                if off + size > glob:
-                    raise CheckpointingException(
-                        f"{key!r}: local box at offset {self.global_offset} with shape {box} exceeds the "
-                        f"global shape {self.global_shape} on axis {axis}"
-                    )
-        if self.axis_fragmentations is not None:
-            for axis in range(prepend, ndim):
-                off, size = self.global_offset[axis], box[axis]
-                if size > 0 and off % size != 0:
-                    raise CheckpointingException(
-                        f"{key!r}: global offset {off} on axis {axis} is not a multiple of the local size "
-                        f"{size}, so it is not a chunk boundary (use axis_fragmentations=None for uneven shards)"
-                    )
+        """Checks that shapes, offsets, fragmentations, the flattened range and the data agree.
+
+        The geometry is checked by the core (``tessera._native.SaveTensor.check``: the check a
+        save or load makes first), here because Megatron's API checks at construction, before
+        the core sees the tensor; the box must lie inside the global shape unless
+        ``allow_shape_mismatch``. Raises CheckpointingException (the core's
+        ``InvalidShardingError``, or ``InvalidArgumentError`` for a negative size), or TypeError
+        for a field of the wrong type.
+        """
         self._validate_flattened_range()
         self._validate_data()
-        try:
-            to_tessera_dtype(self.dtype)
-        except CheckpointingException as e:
-            raise CheckpointingException(f"{key!r}: {e}") from None
+        sharded_save_tensor(self).check(in_bounds=not self.allow_shape_mismatch)
 
     def _validate_flattened_range(self) -> None:
+        # Kept here: the form of the Python slice, which the core never sees (it gets
+        # ``(start, stop)``; the bounds are the core's check).
         r = self.flattened_range
         if r is None:
             return
-        numel = math.prod(self.local_shape)
         if not isinstance(r, slice) or not isinstance(r.start, int) or not isinstance(r.stop, int):
             raise CheckpointingException(f"{self.key!r}: flattened_range must be a slice of ints, got {r!r}")
         if r.step not in (None, 1):
             raise CheckpointingException(f"{self.key!r}: flattened_range {r} must not have a step")
-        if not 0 <= r.start <= r.stop <= numel:
-            raise CheckpointingException(
-                f"{self.key!r}: flattened_range [{r.start}, {r.stop}) is outside the {numel} elements of "
-                f"the local shape {self.local_shape}"
-            )
 
     def _validate_data(self) -> None:
+        # Kept here: the data object (its dtype and shape), which the core never sees; it gets
+        # the bytes only, and only when saving or loading.
         if self.data is None:
             return
         data_shape = tuple(self.data.shape)
@@ -292,8 +258,8 @@ class ShardedTensor(ShardedBase):
                 f"{key!r}: from_rank_offsets does not take flattened_range; use from_rank_offsets_flat"
             )
         shape = tuple(data.shape)
-        global_shape, global_offset, fragmentations = _geometry_from_rank_offsets(
-            key, shape, prepend_axis_num, rank_offsets
+        global_shape, global_offset, fragmentations = _native.from_rank_offsets(
+            key, shape, rank_offsets, prepend_axis_num
         )
         return cls(
             key,
@@ -325,8 +291,8 @@ class ShardedTensor(ShardedBase):
         if flattened_range is None:
             raise CheckpointingException(f"{key!r}: from_rank_offsets_flat needs a flattened_range")
         local_shape = _int_tuple(non_flat_local_shape, "non_flat_local_shape", key)
-        global_shape, global_offset, fragmentations = _geometry_from_rank_offsets(
-            key, local_shape, prepend_axis_num, rank_offsets
+        global_shape, global_offset, fragmentations = _native.from_rank_offsets(
+            key, local_shape, rank_offsets, prepend_axis_num
         )
         return cls(
             key,
@@ -344,39 +310,6 @@ class ShardedTensor(ShardedBase):
 
     def __str__(self) -> str:
         return f"{self.__class__.__name__}(key={self.key!r})"
-
-
-def _geometry_from_rank_offsets(
-    key: str, local_shape: Tuple[int, ...], prepend_axis_num: int, rank_offsets: Tuple[Tuple[int, int, int], ...]
-) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
-    """(global_shape, global_offset, axis_fragmentations) from rank offsets."""
-    if prepend_axis_num < 0:
-        raise CheckpointingException(f"{key!r}: prepend_axis_num must be >= 0, got {prepend_axis_num}")
-    ndim = len(local_shape) + prepend_axis_num
-    box = (1,) * prepend_axis_num + tuple(local_shape)
-    global_shape, global_offset, fragmentations = list(box), [0] * ndim, [1] * ndim
-    seen_axes = set()
-    for entry in rank_offsets:
-        if len(entry) != 3:
-            raise CheckpointingException(f"{key!r}: rank offset {entry!r} must be (axis, axis_rank_offset, axis_fragm)")
-        axis, rank_offset, fragments = (int(v) for v in entry)
-        if not 0 <= axis < ndim:
-            raise CheckpointingException(
-                f"{key!r}: rank offset axis {axis} out of range for {ndim} global axes "
-                f"({len(local_shape)} local + {prepend_axis_num} prepended)"
-            )
-        if axis in seen_axes:
-            raise CheckpointingException(f"{key!r}: axis {axis} given twice in rank offsets")
-        seen_axes.add(axis)
-        if fragments < 1 or not 0 <= rank_offset < fragments:
-            raise CheckpointingException(
-                f"{key!r}: rank offset {rank_offset} on axis {axis} must be in [0, {fragments}) with "
-                f"axis_fragm >= 1"
-            )
-        global_shape[axis] = box[axis] * fragments
-        global_offset[axis] = box[axis] * rank_offset
-        fragmentations[axis] = fragments
-    return tuple(global_shape), tuple(global_offset), tuple(fragmentations)
 
 
 @dataclass
@@ -399,19 +332,14 @@ class ShardedObject(ShardedBase):
         self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
-        if not isinstance(self.key, str):
-            raise CheckpointingException(f"ShardedObject key must be a str, got {self.key!r}")
-        _check_replica_id(self.replica_id, self.key)
+        # Megatron's one check at construction, kept here: the core checks objects only when
+        # they are saved or validated (with every rank's shards: offsets inside the grid, each
+        # shard once), and has no check of one object alone to call.
         if len(self.global_shape) != len(self.global_offset):
             raise CheckpointingException(
                 f"{self.key!r}: global_shape {self.global_shape} and global_offset {self.global_offset} "
                 "have different ranks"
             )
-        for off, size in zip(self.global_offset, self.global_shape):
-            if not 0 <= off < size:
-                raise CheckpointingException(
-                    f"{self.key!r}: object offset {self.global_offset} is outside the shard grid {self.global_shape}"
-                )
 
     def without_data(self) -> "ShardedObject":
         return replace(self, data=None)

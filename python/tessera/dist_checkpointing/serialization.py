@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 from .. import _native
 from .._comm import default_comm
+from ._descriptors import sharded_load_object, sharded_load_tensor, sharded_save_object, sharded_save_tensor
 from ..errors import KeyMismatchError, NotCoveredError, TesseraError
 from .core import CheckpointingConfig, CheckpointingException, save_config
 from .dict_utils import extract_matching_values
@@ -271,19 +272,6 @@ def _set_path(root: Any, path: Tuple[Seg, ...], value: Any) -> None:
     node[last] = value
 
 
-def _replica_tuple(replica_id: Any) -> Tuple[int, ...]:
-    if isinstance(replica_id, int):
-        return (replica_id,)
-    return tuple(int(x) for x in replica_id)
-
-
-def _flat_range(sh: ShardedTensor) -> Optional[Tuple[int, int]]:
-    r = sh.flattened_range
-    if r is None:
-        return None
-    return (int(r.start), int(r.stop))
-
-
 def _cpu_contiguous(t: Any, copy: bool = False) -> Any:
     """The tensor as CPU C-contiguous memory: CUDA tensors are staged to host (a copy), and
     non-contiguous tensors are copied into a contiguous one; ``copy``: always a copy (an async
@@ -297,45 +285,20 @@ def _cpu_contiguous(t: Any, copy: bool = False) -> Any:
     return t.detach()
 
 
-def _tessera_dtype(dtype: Any) -> str:
-    from .mapping import torch_dtype_to_tessera
-
-    return torch_dtype_to_tessera(dtype)
-
-
-def _geometry(sh: ShardedTensor) -> tuple:
-    """The leading fields shared by the native save and load tuples."""
-    return (
-        sh.key,
-        _tessera_dtype(sh.dtype),
-        tuple(int(x) for x in sh.local_shape),
-        tuple(int(x) for x in sh.global_shape),
-        tuple(int(x) for x in sh.global_offset),
-        int(sh.prepend_axis_num),
-    )
-
-
-def _save_tuple(sh: ShardedTensor, keep_alive: List[Any], pinned: Any = None, copy: bool = False) -> tuple:
+def _save_tensor(sh: ShardedTensor, keep_alive: List[Any], pinned: Any = None, copy: bool = False) -> Any:
+    """The core's description of ``sh`` to save, over a host copy of its data when the data is
+    not CPU C-contiguous memory already (or when ``copy``), kept in ``keep_alive``."""
     if sh.data is None:
-        ptr, nbytes = 0, 0
+        return sharded_save_tensor(sh)
+    if pinned is not None and sh.data.device.type == "cuda":
+        # Async save: copy into a reused page-locked buffer, without waiting (the caller
+        # synchronizes once for all tensors before the bytes are read).
+        data = pinned.take(sh.data.numel(), sh.data.dtype).view(sh.data.shape)
+        data.copy_(sh.data.detach(), non_blocking=True)
     else:
-        if pinned is not None and sh.data.device.type == "cuda":
-            # Async save: copy into a reused page-locked buffer, without waiting (the caller
-            # synchronizes once for all tensors before the bytes are read).
-            data = pinned.take(sh.data.numel(), sh.data.dtype).view(sh.data.shape)
-            data.copy_(sh.data.detach(), non_blocking=True)
-        else:
-            data = _cpu_contiguous(sh.data, copy)
-        keep_alive.append(data)
-        ptr, nbytes = data.data_ptr(), data.numel() * data.element_size()
-    fr = tuple(sh.axis_fragmentations) if sh.axis_fragmentations is not None else None
-    return _geometry(sh) + (
-        _replica_tuple(sh.replica_id),
-        _flat_range(sh),
-        fr,
-        ptr,
-        nbytes,
-    )
+        data = _cpu_contiguous(sh.data, copy)
+    keep_alive.append(data)
+    return sharded_save_tensor(sh, data)
 
 
 def _split(sharded_state_dict: Dict[str, Any]) -> Tuple[list, list, list]:
@@ -443,13 +406,10 @@ def save(
             saver = default_saver(process_group, held)
     keep_alive: List[Any] = []
     pinned = saver.pinned if saver is not None else None
-    native_tensors = [_save_tuple(sh, keep_alive, pinned) for _, sh in tensors]
+    native_tensors = [_save_tensor(sh, keep_alive, pinned) for _, sh in tensors]
     if pinned is not None and any(sh.data is not None and sh.data.device.type == "cuda" for _, sh in tensors):
         _torch().cuda.synchronize()
-    native_objects = [
-        (o.key, _encode_object(o.data), tuple(o.global_shape), tuple(o.global_offset), _replica_tuple(o.replica_id))
-        for _, o in objects
-    ]
+    native_objects = [sharded_save_object(o, _encode_object(o.data)) for _, o in objects]
     native_common = [(_to_native_path(p), _to_plain(v)) for p, v in common] if rank == 0 else []
     args = (native_tensors, native_objects, native_common, str(checkpoint_dir), comm)
     kwargs: Dict[str, Any] = dict(
@@ -580,11 +540,8 @@ def _save_torch_dist_request(
     than replaced by an empty one."""
     keep_alive: List[Any] = []
     # An async save writes after the caller has moved on: it writes copies.
-    native_tensors = [_save_tuple(sh, keep_alive, copy=async_save) for _, sh in tensors]
-    native_objects = [
-        (o.key, _encode_object(o.data), tuple(o.global_shape), tuple(o.global_offset), _replica_tuple(o.replica_id))
-        for _, o in objects
-    ]
+    native_tensors = [_save_tensor(sh, keep_alive, copy=async_save) for _, sh in tensors]
+    native_objects = [sharded_save_object(o, _encode_object(o.data)) for _, o in objects]
     common_pt = b""
     if rank == 0:
         existing = _native.read_file(location, COMMON_STATE_FNAME) if keep_common_pt and not common else None
@@ -706,18 +663,8 @@ def load(
     comm = default_comm(process_group) if collective else None
     taken: Set[int] = set()
     targets = [_load_target(sh, taken) for _, sh in tensors]
-    native_tensors = []
-    for (_, sh), (buf, _) in zip(tensors, targets):
-        native_tensors.append(
-            _geometry(sh)
-            + (
-                _flat_range(sh),
-                bool(sh.allow_shape_mismatch),
-                buf.data_ptr(),
-                buf.numel() * buf.element_size(),
-            )
-        )
-    native_objects = [(o.key, tuple(o.global_shape), tuple(o.global_offset)) for _, o in objects]
+    native_tensors = [sharded_load_tensor(sh, buf) for (_, sh), (buf, _) in zip(tensors, targets)]
+    native_objects = [sharded_load_object(o) for _, o in objects]
     # The core finds the mismatched keys; the LOG_* modes are reported here, through `logging`
     # as Megatron does, so the core is asked to return them instead of printing them.
     native_strict = _RETURNED_INSTEAD_OF_LOGGED.get(strict, strict)
@@ -922,9 +869,7 @@ def load_sharded_objects(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any
     objects = [(path, leaf) for path, leaf in _leaves(sharded_state_dict) if isinstance(leaf, ShardedObject)]
     if not objects:
         return sharded_state_dict
-    datas = _native.load_objects(
-        [(o.key, tuple(o.global_shape), tuple(o.global_offset)) for _, o in objects], str(checkpoint_dir)
-    )
+    datas = _native.load_objects([sharded_load_object(o) for _, o in objects], str(checkpoint_dir))
     for (path, _), data in zip(objects, datas):
         _set_path(sharded_state_dict, path, _decode_object(data))
     return sharded_state_dict

@@ -13,6 +13,7 @@ import logging
 from enum import Enum
 from typing import Any, Iterable, List, Optional, Set, Tuple, Union
 
+from ._descriptors import sharded_save_object, sharded_save_tensor
 from .core import CheckpointingException, maybe_load_config
 from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 
@@ -237,16 +238,12 @@ def validate_sharding_integrity(sharded_tensors: Iterable[Any], process_group: A
     exactly; raises InvalidShardingError (a CheckpointingException) on every rank otherwise."""
     tensors, objects = [], []
     for sh in sharded_tensors:
+        # The layout only (no data): nothing is copied to the host for the check.
         if isinstance(sh, ShardedTensor):
-            # The save tuple's geometry, replica, flat range and grid, without the data: only
-            # the layout is checked, so no tensor is copied to the host for it.
-            ser = _ser()
-            fr = tuple(sh.axis_fragmentations) if sh.axis_fragmentations is not None else None
-            tensors.append(ser._geometry(sh) + (ser._replica_tuple(sh.replica_id), ser._flat_range(sh), fr, 0, 0))
+            tensors.append(sharded_save_tensor(sh))
         elif isinstance(sh, ShardedObject):
-            objects.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset), _ser()._replica_tuple(sh.replica_id)))
+            objects.append(sharded_save_object(sh))
     _ser()._native.validate_sharding(tensors, objects, _ser().default_comm(process_group))
-
 
 
 def _ser() -> Any:

@@ -14,7 +14,7 @@ import torch
 
 from .. import _native
 from .._comm import default_comm
-from ..dist_checkpointing.dtypes import torch_dtype_to_tessera
+from ..dist_checkpointing._descriptors import load_tensor, save_tensor
 from ..dist_checkpointing.serialization import _cpu_contiguous
 from ..torch import _is_dtensor, _layout
 from ._metadata import StorageMetadata
@@ -94,7 +94,7 @@ def _pieces(key: str, t: Any, rank: int) -> List[_Piece]:
     return [_Piece(key, t, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), None)]
 
 
-def save_tensors(state_dict: Dict[str, Any], rank: int) -> Tuple[List[tuple], List[torch.Tensor]]:
+def save_tensors(state_dict: Dict[str, Any], rank: int) -> Tuple[List[_native.SaveTensor], List[torch.Tensor]]:
     """The core's description of this rank's pieces of ``state_dict`` (pieces holding nothing
     left out), and the CPU memory it reads, to keep alive until the save returns. Which copy of
     a piece several ranks hold is written is the core's choice (OLMo-core's rule: identical
@@ -106,8 +106,9 @@ def save_tensors(state_dict: Dict[str, Any], rank: int) -> Tuple[List[tuple], Li
                 continue
             data = _cpu_contiguous(p.data)
             keep_alive.append(data)
-            native.append((p.key, torch_dtype_to_tessera(p.data.dtype), p.box, p.full_shape, p.offset, 0, (0,),
-                           p.flat, None, data.data_ptr(), data.numel() * data.element_size()))
+            native.append(
+                save_tensor(p.key, p.data.dtype, p.box, p.full_shape, p.offset, flattened_range=p.flat, data=data)
+            )
     return native, keep_alive
 
 
@@ -142,8 +143,7 @@ def _load_pieces(dir: str, pieces: Sequence[_Piece], threads: Optional[int] = No
             continue
         seen[span] = p.key
         targets.append((p.data, buf))
-        native.append((p.key, torch_dtype_to_tessera(p.data.dtype), p.box, p.full_shape, p.offset, 0, p.flat,
-                       False, buf.data_ptr(), nbytes))
+        native.append(load_tensor(p.key, p.data.dtype, p.box, p.full_shape, p.offset, flattened_range=p.flat, data=buf))
     _native.load(native, [], dir, None, strict="raise_unexpected", threads=threads)
     with torch.no_grad():
         for data, buf in targets:
