@@ -35,12 +35,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from . import _native
-from ._comm import default_comm
-from .errors import KeyMismatchError
-from .dist_checkpointing._descriptors import load_tensor, save_tensor
-from .dist_checkpointing.mapping import tessera_dtype_to_torch
-from .dist_checkpointing.serialization import (
+from .. import _native
+from .._comm import default_comm
+from ..errors import KeyMismatchError
+from ..dist_checkpointing._descriptors import load_tensor, save_tensor
+from ..dist_checkpointing.mapping import tessera_dtype_to_torch
+from ..dist_checkpointing.serialization import (
     _cpu_contiguous,
     _from_native_path,
     _from_plain,
@@ -198,7 +198,7 @@ def async_save(
     are staged (the state may change from then on) with a ``concurrent.futures.Future`` whose
     ``result()`` is the report, or raises the save's error (the same on every rank; nothing was
     committed). The commit needs no call from the training loop."""
-    from .dist_checkpointing.strategies.async_utils import default_saver
+    from ..dist_checkpointing.strategies.async_utils import default_saver
 
     location, comm, rank = _where(checkpoint_id, storage_writer, process_group)
     held = sum(t.numel() * t.element_size() for _, t in _split(_flatten_stateful(state_dict))[0])
