@@ -28,6 +28,8 @@ if [ -z "${TESSERA_TEST_S3_ENDPOINT:-}" ]; then
 fi
 
 cargo test --workspace --all-targets
+# The examples in the API docs (one per entry point) run too.
+cargo test --workspace --doc
 # Every parser fuzzed for 10 s each from its seed corpus, under the harness's allocation cap
 # (nightly + cargo-fuzz, installed if missing; about 2 min with the build). Long runs:
 # FUZZ_KEEP_GOING=1 scripts/fuzz.sh SECS all.
