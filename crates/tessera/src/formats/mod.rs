@@ -40,18 +40,14 @@ pub(crate) trait LoadStrategy: Send + Sync {
     fn supported_versions(&self) -> String;
     /// The record of a checkpoint of this backend at `storage`, or `None` if it is not one.
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>>;
-    /// Reads the checkpoint's metadata.
-    fn open(&self, storage: &dyn Storage, for_each: ForEach<'_>) -> Result<CheckpointIndex>;
     /// Reads the checkpoint's metadata and, for formats whose index names virtual files (the
-    /// foreign formats), the read-only view of `storage` those names resolve in. The default
-    /// is [`LoadStrategy::open`] with the files read from `storage` itself.
+    /// foreign formats), the read-only view of `storage` those names resolve in (`None`: the
+    /// files are read from `storage` itself).
     fn open_checkpoint<'s>(
         &self,
         storage: &'s dyn Storage,
         for_each: ForEach<'_>,
-    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
-        Ok((self.open(storage, for_each)?, None))
-    }
+    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)>;
     /// [`LoadStrategy::open_checkpoint`] for a reader that needs the chunks of the tensors
     /// `keys` only: the index MAY move every other tensor from [`CheckpointIndex::tensors`] to
     /// [`CheckpointIndex::omitted_tensors`]. The default opens everything.

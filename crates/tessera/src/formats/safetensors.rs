@@ -42,9 +42,6 @@ impl LoadStrategy for SafetensorsStrategy {
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
         Ok(files(storage)?.map(|_| FormatRecord { backend: BACKEND.into(), version: 1 }))
     }
-    fn open(&self, storage: &dyn Storage, for_each: ForEach<'_>) -> Result<CheckpointIndex> {
-        Ok(open_safetensors(storage, for_each)?.0)
-    }
     fn open_checkpoint<'s>(
         &self,
         storage: &'s dyn Storage,

@@ -38,9 +38,13 @@ impl LoadStrategy for NativeStrategy {
             None => Err(Error::corrupt(index_path(storage), "not a tessera index (bad magic or truncated header)")),
         }
     }
-    fn open(&self, storage: &dyn Storage, _: ForEach<'_>) -> Result<CheckpointIndex> {
+    fn open_checkpoint<'s>(
+        &self,
+        storage: &'s dyn Storage,
+        _: ForEach<'_>,
+    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
         let bytes = storage.read(INDEX_FILE)?;
-        CheckpointIndex::from_bytes(&bytes, &index_path(storage).to_string_lossy())
+        Ok((CheckpointIndex::from_bytes(&bytes, &index_path(storage).to_string_lossy())?, None))
     }
     fn open_checkpoint_keys<'s>(
         &self,
@@ -108,7 +112,7 @@ pub(crate) fn detect_format(storage: &dyn Storage) -> Result<(FormatRecord, &'st
 /// the index names virtual files: read its data through [`open_checkpoint`] instead.
 pub(crate) fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
     let (record, strategy) = detect_format(storage)?;
-    let index = strategy.open(storage, &parallel_open)?;
+    let (index, _) = strategy.open_checkpoint(storage, &parallel_open)?;
     validate_index(&index, &metadata_path(storage, &record))?;
     Ok(index)
 }

@@ -108,9 +108,6 @@ impl LoadStrategy for DcpStrategy {
             }
         }
     }
-    fn open(&self, storage: &dyn Storage, for_each: ForEach<'_>) -> Result<CheckpointIndex> {
-        Ok(self.open_checkpoint(storage, for_each)?.0)
-    }
     fn open_checkpoint<'s>(
         &self,
         storage: &'s dyn Storage,

@@ -43,9 +43,6 @@ impl LoadStrategy for OlmoStrategy {
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
         Ok(olmo_parts(storage)?.map(|_| FormatRecord { backend: BACKEND.into(), version: 1 }))
     }
-    fn open(&self, storage: &dyn Storage, for_each: ForEach<'_>) -> Result<CheckpointIndex> {
-        Ok(open_olmo(storage, for_each)?.0)
-    }
     fn open_checkpoint<'s>(
         &self,
         storage: &'s dyn Storage,
