@@ -3,7 +3,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::{Value};
+use tessera::__fuzz::{unpickle, UnpickleLimits};
+use tessera::Value;
 
 fuzz_target!(|data: &[u8]| {
     let limits = UnpickleLimits { max_depth: 64, max_values: 100_000, max_bytes: 1 << 20, ..UnpickleLimits::default() };
