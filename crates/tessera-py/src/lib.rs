@@ -501,7 +501,7 @@ fn read_file<'py>(py: Python<'py>, location: &str, name: &str) -> PyResult<Optio
 #[pyfunction]
 fn detect(py: Python<'_>, location: &str) -> PyResult<Option<(String, u32)>> {
     let storage = open(py, location)?;
-    match py.detach(|| tessera::open(&*storage).map(|c| c.format().clone())) {
+    match py.detach(|| tessera::FormatRecord::detect(&*storage)) {
         Ok(record) => Ok(Some((record.backend, record.version))),
         Err(tessera::Error::NotFound { .. } | tessera::Error::NotCommitted { .. }) => Ok(None),
         Err(e) => Err(to_pyerr(py, e)),

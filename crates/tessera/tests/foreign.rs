@@ -13,8 +13,8 @@ use common::files::copy_dir;
 use common::fixtures::{assert_loads, boxes, json_eq, to_json, Expected};
 
 use tessera::{
-    open, verify, CountingStorage, DType, Error, LoadOptions, LocalStorage, ShardedObject, ShardedTensor, SoloComm,
-    StateTree, Storage, TensorData, Value,
+    open, verify, CountingStorage, DType, Error, FormatRecord, LoadOptions, LocalStorage, ShardedObject, ShardedTensor,
+    SoloComm, StateTree, Storage, TensorData, Value,
 };
 
 fn fixtures() -> PathBuf {
@@ -64,8 +64,7 @@ fn fixture_storage(name: &str) -> LocalStorage {
 #[test]
 fn formats_are_detected() {
     for (name, backend) in ALL {
-        let (record, _) =
-            open(&fixture_storage(name)).map(|c| (c.format().clone(), ())).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let record = FormatRecord::detect(&fixture_storage(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(record.backend, *backend, "{name}");
     }
 }
@@ -342,13 +341,10 @@ fn missing_data_file_is_not_found_and_bad_metadata_json_is_corrupt() {
     std::fs::remove_file(dir.join("__1_0.distcp")).unwrap();
     assert!(matches!(try_everything(&dir), Err(Error::NotFound { .. })));
     std::fs::write(dir.join("metadata.json"), b"{not json").unwrap();
-    assert!(matches!(open(&LocalStorage::new(&dir)).map(|c| (c.format().clone(), ())), Err(Error::Corrupt { .. })));
+    assert!(matches!(FormatRecord::detect(&LocalStorage::new(&dir)), Err(Error::Corrupt { .. })));
     std::fs::write(dir.join("metadata.json"), br#"{"sharded_backend": "torch_dist", "sharded_backend_version": 9}"#)
         .unwrap();
-    assert!(matches!(
-        open(&LocalStorage::new(&dir)).map(|c| (c.format().clone(), ())),
-        Err(Error::IncompatibleVersion { .. })
-    ));
+    assert!(matches!(FormatRecord::detect(&LocalStorage::new(&dir)), Err(Error::IncompatibleVersion { .. })));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -407,7 +403,7 @@ fn every_fixture_converts_to_an_equal_native_checkpoint() {
         let dst = tessera::MemoryStorage::named(&format!("foreign-convert-{name}-{}", std::process::id()));
         let opts = tessera::ConvertOptions::default();
         tessera::convert(&src, &dst, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(open(&dst).map(|c| (c.format().clone(), ())).unwrap().0.backend, "tessera", "{name}");
+        assert_eq!(FormatRecord::detect(&dst).unwrap().backend, "tessera", "{name}");
         let report = verify(&dst, 2).unwrap();
         assert!(report.problems.is_empty(), "{name}: {:?}", report.problems);
         let d = tessera::diff(&src, &dst, &tessera::DiffOptions::default()).unwrap();

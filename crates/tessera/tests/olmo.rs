@@ -13,8 +13,8 @@ use common::files::copy_dir;
 use common::fixtures::{assert_loads, boxes, to_json, Expected};
 use common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
 use tessera::{
-    load, open, save_olmo, verify, CountingStorage, DType, Error, LoadOptions, LocalStorage, ReplicaId, SaveOptions,
-    ShardedObject, ShardedTensor, SoloComm, StateTree, Storage, TensorData,
+    load, open, save_olmo, verify, CountingStorage, DType, Error, FormatRecord, LoadOptions, LocalStorage, ReplicaId,
+    SaveOptions, ShardedObject, ShardedTensor, SoloComm, StateTree, Storage, TensorData,
 };
 
 const BACKEND: &str = "olmo_safetensors";
@@ -58,8 +58,7 @@ fn assert_tensors(name: &str, got: &BTreeMap<String, tessera::PlainTensor>, want
 #[test]
 fn every_fixture_is_detected_and_unshards_exactly() {
     for (name, _) in ALL {
-        let (record, _) =
-            open(&fixture_storage(name)).map(|c| (c.format().clone(), ())).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let record = FormatRecord::detect(&fixture_storage(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(record.backend, BACKEND, "{name}");
         let got =
             open(&fixture_storage(name)).and_then(|c| c.read_tensors(None)).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -163,9 +162,9 @@ fn verify_reads_every_file_and_says_there_are_no_checksums() {
 fn megatron_detection_is_not_fooled_by_olmo_metadata() {
     // OLMo's metadata.json is not Megatron's: the directory is OLMo-core's, never "corrupt".
     let storage = fixture_storage("olmo_single");
-    assert_eq!(open(&storage).map(|c| (c.format().clone(), ())).unwrap().0.backend, BACKEND);
+    assert_eq!(FormatRecord::detect(&storage).unwrap().backend, BACKEND);
     let model = LocalStorage::new(fixtures().join("olmo_fsdp1_w2/model"));
-    assert_eq!(open(&model).map(|c| (c.format().clone(), ())).unwrap().0.backend, BACKEND);
+    assert_eq!(FormatRecord::detect(&model).unwrap().backend, BACKEND);
 }
 
 // ---- tessera's writer ------------------------------------------------------------------------
@@ -236,7 +235,7 @@ fn save_world(dir: &Path, world: usize, opts: &SaveOptions) -> Vec<tessera::Resu
 
 fn check_written(dir: &Path) {
     let storage = LocalStorage::new(dir);
-    assert_eq!(open(&storage).map(|c| (c.format().clone(), ())).unwrap().0.backend, BACKEND);
+    assert_eq!(FormatRecord::detect(&storage).unwrap().backend, BACKEND);
     let got = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
     for (i, l) in layouts().iter().enumerate() {
         let g = &got[l.key];

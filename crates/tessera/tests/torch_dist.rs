@@ -11,8 +11,8 @@ use std::path::Path;
 
 use common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
 use tessera::{
-    load, open, save_torch_dist, Communicator, DType, Error, LoadOptions, LocalStorage, PathSeg, ReplicaId,
-    SaveOptions, ShardedObject, ShardedTensor, SoloComm, StateTree, TensorData, TorchDistSave, Value,
+    load, open, save_torch_dist, Communicator, DType, Error, FormatRecord, LoadOptions, LocalStorage, PathSeg,
+    ReplicaId, SaveOptions, ShardedObject, ShardedTensor, SoloComm, StateTree, TensorData, TorchDistSave, Value,
 };
 
 struct Layout {
@@ -104,7 +104,7 @@ fn save_world(dir: &Path, world: usize, opts: &SaveOptions) -> Vec<tessera::Resu
 
 fn check_written(dir: &Path, world: usize) {
     let storage = LocalStorage::new(dir);
-    assert_eq!(open(&storage).map(|c| (c.format().clone(), ())).unwrap().0.backend, "torch_dist");
+    assert_eq!(FormatRecord::detect(&storage).unwrap().backend, "torch_dist");
     let got = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
     let keys: Vec<&str> = got.keys().map(String::as_str).collect();
     assert_eq!(keys, ["cols.weight", "empty", "norm.weight", "rows.weight", "stacked", "step"]);
@@ -316,7 +316,7 @@ fn a_native_checkpoint_with_flat_ranges_objects_and_common_state_converts_exactl
         tessera::convert_to_dcp(&LocalStorage::new(src.path()), &LocalStorage::new(dst.path()), &opts, &mut |_, _| {})
             .unwrap();
     assert!(report.files > 1 && report.chunks > 4, "{report:?}");
-    assert_eq!(open(&LocalStorage::new(dst.path())).map(|c| (c.format().clone(), ())).unwrap().0.backend, "torch_dist");
+    assert_eq!(FormatRecord::detect(&LocalStorage::new(dst.path())).unwrap().backend, "torch_dist");
     same_tensors(src.path(), dst.path(), "native -> dcp");
     let storage = LocalStorage::new(dst.path());
     let mut tree = StateTree::map();
@@ -357,7 +357,7 @@ fn every_readable_fixture_converts_to_dcp_or_names_what_cannot_go() {
         dirs.sort();
         for src in dirs {
             let what = src.display().to_string();
-            if open(&LocalStorage::new(&src)).map(|c| (c.format().clone(), ())).is_err() {
+            if FormatRecord::detect(&LocalStorage::new(&src)).is_err() {
                 continue; // a fixture of a damaged or partial checkpoint
             }
             let dst = TempDir::new("fixture-to-dcp");

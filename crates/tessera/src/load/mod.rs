@@ -40,6 +40,8 @@ pub(crate) fn on_cores(n: usize, work: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// Reading or writing threads of a rank when the caller does not say: IO latency, not cores,
+/// bounds them, so twice the cores, between 2 and 8.
 pub(crate) fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(4, |n| (n.get() * 2).clamp(2, 8))
 }

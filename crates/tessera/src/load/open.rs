@@ -129,6 +129,20 @@ fn metadata_path(storage: &dyn Storage, record: &FormatRecord) -> String {
     format!("{}/{file}", storage.location())
 }
 
+impl FormatRecord {
+    /// The format and version of the checkpoint at `storage`, recognised from its own marker
+    /// files alone: nothing else is read or validated (that is [`open`]'s work).
+    ///
+    /// ```
+    /// use tessera::{FormatRecord, MemoryStorage};
+    ///
+    /// assert!(matches!(FormatRecord::detect(&MemoryStorage::new()), Err(tessera::Error::NotFound { .. })));
+    /// ```
+    pub fn detect(storage: &dyn Storage) -> Result<FormatRecord> {
+        detect_format(storage).map(|(record, _)| record)
+    }
+}
+
 /// A checkpoint opened for reading, in any format tessera reads: what it is ([`Checkpoint::format`]),
 /// its validated index ([`Checkpoint::index`]), and every read operation (`load`,
 /// `read_tensors`, `common_state`, `load_objects`, `tensors_metadata`, `content_metadata`).
