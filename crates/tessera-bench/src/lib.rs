@@ -14,6 +14,7 @@
 mod bench;
 mod bench_async;
 mod bench_parallel;
+mod bench_reshard;
 mod bench_s3;
 mod peak;
 mod plansim;
@@ -69,6 +70,15 @@ struct Cli {
     /// No IO: simulate the planning of a save and a load.
     #[arg(long, conflicts_with_all = ["async_save", "fully_parallel"])]
     plan_only: bool,
+    /// Resharded load against a memcpy and save against a raw write, through the Rust API:
+    /// square f32 tensors saved split by rows, loaded in place split by columns (default 2
+    /// ranks, 16 tensors, 1GiB). Put --dir on tmpfs for the warm figure, on disk with --cold
+    /// for the cold one.
+    #[arg(long, conflicts_with_all = ["plan_only", "async_save", "fully_parallel", "s3"])]
+    reshard: bool,
+    /// With --reshard: drop the checkpoint's page cache before the sequential read and the load.
+    #[arg(long, requires = "reshard")]
+    cold: bool,
     /// Async save (AsyncSaver): each round times a memcpy of every rank's state into a
     /// pre-faulted buffer, an async save (blocking part and total, up to finalize) and a sync
     /// save of the same state; reports blocking/memcpy, blocking/sync, total/sync and peak RSS
@@ -95,9 +105,10 @@ struct Cli {
     /// ratios are reported, with their median and range.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
-    /// Tensors per simulated rank (--plan-only).
-    #[arg(long, default_value_t = 1000)]
-    tensors: usize,
+    /// Tensors per simulated rank (--plan-only, default 1000), or tensors of the state
+    /// (--reshard, default 16).
+    #[arg(long)]
+    tensors: Option<usize>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -115,6 +126,8 @@ fn dispatch(cli: Cli) -> Result<u8> {
         size,
         ranks,
         plan_only,
+        reshard,
+        cold,
         async_save,
         budget,
         fully_parallel,
@@ -126,7 +139,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
         keep,
     } = cli;
     if plan_only {
-        plansim::run(plansim::PlanArgs { ranks: ranks.unwrap_or(10_000), tensors, json })?;
+        plansim::run(plansim::PlanArgs { ranks: ranks.unwrap_or(10_000), tensors: tensors.unwrap_or(1000), json })?;
         return Ok(0);
     }
     let Some(dir) = dir else { bail!("--dir is required (or use --plan-only)") };
@@ -144,6 +157,14 @@ fn dispatch(cli: Cli) -> Result<u8> {
         return bench_parallel::run(bench_parallel::ParallelArgs { dir, size, tp, dps, rounds, json });
     }
     let size = sizes::parse_size(size.as_deref().unwrap_or("1GiB"))?;
+    if reshard {
+        let Some(dir) = dir.local().map(Path::to_path_buf) else {
+            bail!("--dir {dir}: --reshard compares with memcpy and raw IO and needs a local directory")
+        };
+        let tensors = tensors.unwrap_or(bench_reshard::DEFAULT_TENSORS);
+        let ranks = ranks.unwrap_or(2);
+        return bench_reshard::run(bench_reshard::ReshardArgs { dir, size, tensors, ranks, rounds, cold, json, keep });
+    }
     let ranks = ranks.unwrap_or(4);
     if async_save {
         let budget = sizes::parse_size(budget.as_deref().unwrap_or(bench_async::DEFAULT_BUDGET))?;

@@ -41,6 +41,18 @@ pub fn current_rss() -> Option<u64> {
     status_kib("VmRSS").map(|k| k * 1024)
 }
 
+/// CPU seconds (user + system) used so far by all threads of this process, or `None` where
+/// `getrusage` fails: next to wall time, a measure of work that another process competing for
+/// the cores does not inflate as much.
+pub fn cpu_secs() -> Option<f64> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `usage` is a valid, writable `rusage`; getrusage writes it whole on success (0),
+    // and it is read only then.
+    let usage = unsafe { (libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) == 0).then(|| usage.assume_init()) }?;
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    Some(secs(usage.ru_utime) + secs(usage.ru_stime))
+}
+
 /// Resets the peak RSS to the current RSS (`5` into `/proc/self/clear_refs`), so the peak of
 /// one phase can be measured. Returns false where the kernel does not allow it.
 pub fn reset_peak_rss() -> bool {

@@ -323,7 +323,7 @@ impl CheckpointIndex {
             let section = &sections.buf[start..];
             encode_tensor_head(&mut e, t);
             e.var(section.len() as u64);
-            e.u32_le(crc32c::crc32c(section));
+            e.u32_le(crate::model::crc::crc32c(section));
         }
         encode_objects(&mut e, &objects);
         e.var(sections.buf.len() as u64);
@@ -394,7 +394,7 @@ impl CheckpointIndex {
         }
         let body = &bytes[20..bytes.len() - 4];
         let crc = u32::from_le_bytes(bytes[bytes.len() - 4..].try_into().unwrap());
-        if crc32c::crc32c(body) != crc {
+        if crate::model::crc::crc32c(body) != crc {
             return Err(corrupt("index checksum mismatch".into()));
         }
         Self::decode_v1_body(body).map_err(corrupt)
@@ -448,7 +448,7 @@ fn frame(version: u32, bytes: &[u8], tail: &[u8]) -> Vec<u8> {
     out.extend_from_slice(&version.to_le_bytes());
     out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
     out.extend_from_slice(bytes);
-    out.extend_from_slice(&crc32c::crc32c(bytes).to_le_bytes());
+    out.extend_from_slice(&crate::model::crc::crc32c(bytes).to_le_bytes());
     out.extend_from_slice(tail);
     out
 }
@@ -714,7 +714,7 @@ impl IndexHead {
         }
         let head = &bytes[FIXED_HEADER as usize..extent as usize - 4];
         let crc = u32::from_le_bytes(bytes[extent as usize - 4..extent as usize].try_into().unwrap());
-        if crc32c::crc32c(head) != crc {
+        if crate::model::crc::crc32c(head) != crc {
             return Err(IndexError::Corrupt("index head checksum mismatch".into()));
         }
         Self::decode_head(head, extent).map_err(IndexError::Corrupt)
@@ -765,7 +765,7 @@ impl IndexHead {
         if bytes.len() as u64 != t.range.end - t.range.start {
             return Err(format!("{:?}: section truncated", t.key));
         }
-        if crc32c::crc32c(bytes) != t.crc {
+        if crate::model::crc::crc32c(bytes) != t.crc {
             return Err(format!("{:?}: checksum mismatch in its chunk records", t.key));
         }
         let mut d = Decoder::new(bytes);

@@ -74,7 +74,7 @@ pub(crate) fn read_safetensors_header(storage: &dyn Storage, name: &str) -> Resu
     let mut crc = 0u32;
     let mut read = |off: u64, buf: &mut [u8]| {
         storage.read_at(name, off, buf)?;
-        crc = crc32c::crc32c_append(crc, buf);
+        crc = crate::model::crc::crc32c_append(crc, buf);
         Ok(())
     };
     let (json, header_len) = crate::format::parse_header(&mut read, size).map_err(|e| Error::corrupt(&shown, e))?;
@@ -572,6 +572,11 @@ fn zstd_decode(raw: &[u8], limit: u64) -> std::result::Result<Vec<u8>, String> {
 }
 
 impl Storage for ForeignView<'_> {
+    fn is_local(&self) -> bool {
+        // Decoded files are served from the view's cache; the others from the base.
+        self.base.is_local()
+    }
+
     fn location(&self) -> String {
         format!(
             "{}{}",

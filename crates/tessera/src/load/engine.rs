@@ -750,7 +750,7 @@ pub(crate) fn read_object(
     }
     let mut buf = vec![0u8; shard.len as usize];
     storage.read_at(name, shard.byte_offset, &mut buf)?;
-    if verify && crc32c::crc32c(&buf) != shard.crc {
+    if verify && crate::model::crc::crc32c(&buf) != shard.crc {
         return Err(Error::corrupt(
             format!("{}/{name}", storage.location()),
             format!("checksum mismatch in object {key:?} shard {offset:?}"),

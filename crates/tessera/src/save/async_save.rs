@@ -378,9 +378,9 @@ impl Background {
             let block = self.src_blocks[seg.src];
             let data = &bytes[seg.buf_off..seg.buf_off + seg.len];
             let local: Vec<u32> = if block == u64::MAX {
-                vec![crc32c::crc32c(data)]
+                vec![crate::model::crc::crc32c(data)]
             } else {
-                data.chunks(block as usize).map(crc32c::crc32c).collect()
+                data.chunks(block as usize).map(crate::model::crc::crc32c).collect()
             };
             let first = if block == u64::MAX { 0 } else { (seg.src_off / block) as usize };
             crcs[seg.src].lock().unwrap()[first..first + local.len()].copy_from_slice(&local);

@@ -319,7 +319,7 @@ pub(crate) fn finish_file(
     // An object has exactly one checksum, even when empty.
     for c in crcs.iter_mut().skip(layout.tensor_entries.len()) {
         if c.is_empty() {
-            c.push(crc32c::crc32c(&[]));
+            c.push(crate::model::crc::crc32c(&[]));
         }
     }
     let header =
@@ -336,7 +336,7 @@ pub(crate) fn finish_file(
         name,
         size: layout.size,
         header_len: layout.header_len,
-        header_crc: crc32c::crc32c(&header),
+        header_crc: crate::model::crc::crc32c(&header),
         tensors: (0..nt).map(|n| (layout.header_len + layout.entries[n].start, crcs[n].clone())).collect(),
         objects: (0..layout.object_entries.len())
             .map(|n| {
@@ -559,7 +559,7 @@ pub fn save(
             let e = &layout.entries[layout.tensor_entries.len() + n];
             sources.push(Source { data, file_off: layout.header_len + e.start, block: u64::MAX });
         }
-        let crcs = write_sources(writer.as_ref(), &sources, opts.threads, opts.cancel.as_deref())?;
+        let crcs = write_sources(writer.as_ref(), &sources, opts.threads, storage.is_local(), opts.cancel.as_deref())?;
         let (header, written) = p.finish_file(crcs, opts.block_size)?;
         writer.write_at(0, &header)?;
         writer.finish()?;

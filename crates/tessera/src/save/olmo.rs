@@ -223,7 +223,7 @@ fn write_file(
             Ok(Source { data: &bytes[(at * es) as usize..((at + n) * es) as usize], file_off, block: opts.block_size })
         })
         .collect::<Result<Vec<_>>>()?;
-    let crcs = write_sources(writer.as_ref(), &sources, opts.threads, opts.cancel.as_deref())?;
+    let crcs = write_sources(writer.as_ref(), &sources, opts.threads, storage.is_local(), opts.cancel.as_deref())?;
     let header = layout.header(&crcs);
     if header.len() as u64 != layout.header_len {
         return Err(Error::invalid(format!("header is {} bytes, {} were laid out", header.len(), layout.header_len)));

@@ -314,7 +314,7 @@ impl<'a> TorchDistSave<'a> {
             return Err(Error::invalid(format!("{name}: {at} bytes laid out, {planned} planned")));
         }
         let writer = storage.create(name, at)?;
-        write_sources(writer.as_ref(), &sources, opts.threads, opts.cancel.as_deref())?;
+        write_sources(writer.as_ref(), &sources, opts.threads, storage.is_local(), opts.cancel.as_deref())?;
         writer.finish()?;
         Ok(at)
     }

@@ -27,11 +27,38 @@ enum Unit {
     Batch { first: usize, last: usize },
 }
 
-/// Writes every source and returns, per source, the crc32c of each of its blocks.
+/// Writes bytes `start..end` of `s` (whole blocks, but for the last) and returns their blocks'
+/// checksums: in one write, or in cache-sized pieces when `local`.
+fn write_direct(writer: &dyn ObjectWriter, s: &Source<'_>, start: u64, end: u64, local: bool) -> Result<Vec<u32>> {
+    let bytes = &s.data[start as usize..end as usize];
+    if !local {
+        let crcs = bytes.chunks(s.block as usize).map(crate::model::crc::crc32c).collect();
+        writer.write_at(s.file_off + start, bytes)?;
+        return Ok(crcs);
+    }
+    let mut crcs = Vec::with_capacity(bytes.len().div_ceil(s.block as usize));
+    let mut at = s.file_off + start;
+    for block in bytes.chunks(s.block as usize) {
+        let mut crc = 0;
+        for piece in block.chunks(crate::load::LOCAL_PIECE as usize) {
+            crc = crate::model::crc::crc32c_append(crc, piece);
+            writer.write_at(at, piece)?;
+            at += piece.len() as u64;
+        }
+        crcs.push(crc);
+    }
+    Ok(crcs)
+}
+
+/// Writes every source and returns, per source, the crc32c of each of its blocks. Into a local
+/// file (`local`, see [`Storage::is_local`](crate::storage::Storage::is_local)) from one thread
+/// in cache-sized pieces, each checksummed just before it is written; elsewhere from `threads`
+/// threads, a block's checksum computed before its unit is written.
 pub(crate) fn write_sources(
     writer: &dyn ObjectWriter,
     sources: &[Source<'_>],
     threads: usize,
+    local: bool,
     cancel: Option<&AtomicBool>,
 ) -> Result<Vec<Vec<u32>>> {
     let mut units = Vec::new();
@@ -66,10 +93,14 @@ pub(crate) fn write_sources(
         sources.iter().map(|s| Mutex::new(vec![0u32; (s.data.len() as u64).div_ceil(s.block) as usize])).collect();
     let next = AtomicUsize::new(0);
     let first_error: Mutex<Option<crate::error::Error>> = Mutex::new(None);
-    let workers = threads.clamp(1, units.len().max(1));
+    // Writes into one local file serialize on the file in the kernel: more threads only wait.
+    let workers = if local { 1 } else { threads.clamp(1, units.len().max(1)) };
     std::thread::scope(|scope| {
+        let (mut started, mut spawn_error) = (0usize, None);
         for _ in 0..workers {
-            scope.spawn(|| {
+            // Named, so that a profile or a debugger tells the save's writers apart.
+            let writer_thread = std::thread::Builder::new().name("tessera-write".into());
+            let spawned = writer_thread.spawn_scoped(scope, || {
                 let mut staging: Vec<u8> = Vec::new();
                 loop {
                     let u = next.fetch_add(1, Ordering::Relaxed);
@@ -83,17 +114,17 @@ pub(crate) fn write_sources(
                     let r = match &units[u] {
                         Unit::Direct { src, start, end } => {
                             let s = &sources[*src];
-                            let bytes = &s.data[*start as usize..*end as usize];
-                            let block0 = (start / s.block) as usize;
-                            let local: Vec<u32> = bytes.chunks(s.block as usize).map(crc32c::crc32c).collect();
-                            crcs[*src].lock().unwrap()[block0..block0 + local.len()].copy_from_slice(&local);
-                            writer.write_at(s.file_off + start, bytes)
+                            write_direct(writer, s, *start, *end, local).map(|local| {
+                                let block0 = (start / s.block) as usize;
+                                crcs[*src].lock().unwrap()[block0..block0 + local.len()].copy_from_slice(&local);
+                            })
                         }
                         Unit::Batch { first, last } => {
                             staging.clear();
                             for (k, s) in sources[*first..=*last].iter().enumerate() {
                                 staging.extend_from_slice(s.data);
-                                let local: Vec<u32> = s.data.chunks(s.block as usize).map(crc32c::crc32c).collect();
+                                let local: Vec<u32> =
+                                    s.data.chunks(s.block as usize).map(crate::model::crc::crc32c).collect();
                                 *crcs[first + k].lock().unwrap() = local;
                             }
                             writer.write_at(sources[*first].file_off, &staging)
@@ -105,10 +136,54 @@ pub(crate) fn write_sources(
                     }
                 }
             });
+            // The threads already running take the work of one that could not start; if none
+            // could, the save fails.
+            match spawned {
+                Ok(_) => started += 1,
+                Err(e) => spawn_error = Some(e),
+            }
+        }
+        if let (0, Some(e)) = (started, spawn_error) {
+            first_error.lock().unwrap().get_or_insert(crate::error::Error::io("writer thread", e));
         }
     });
     if let Some(e) = first_error.into_inner().unwrap() {
         return Err(e);
     }
     Ok(crcs.into_iter().map(|m| m.into_inner().unwrap()).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::{MemoryStorage, Storage};
+
+    #[test]
+    fn local_and_remote_writes_give_the_same_bytes_and_checksums() {
+        // A large source (units of whole blocks, written in pieces when local, pieces not
+        // dividing the blocks) and small ones batched together.
+        let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 253) as u8).collect();
+        let small: Vec<u8> = (0..1000u32).map(|i| (i % 7) as u8).collect();
+        let block = 300_000;
+        let sources = [
+            Source { data: &big, file_off: 0, block },
+            Source { data: &small, file_off: 3_000_000, block },
+            Source { data: &small[..10], file_off: 3_001_000, block },
+        ];
+        let mut results = Vec::new();
+        for local in [false, true] {
+            let storage = MemoryStorage::new();
+            let w = storage.create("f", 3_001_010).unwrap();
+            let crcs = write_sources(w.as_ref(), &sources, 3, local, None).unwrap();
+            w.finish().unwrap();
+            results.push((storage.read("f").unwrap(), crcs));
+        }
+        assert_eq!(results[0], results[1]);
+        let (bytes, crcs) = &results[1];
+        assert_eq!(bytes[..3_000_000], big[..]);
+        assert_eq!(bytes[3_000_000..3_001_000], small[..]);
+        let want: Vec<u32> = big.chunks(block as usize).map(crate::model::crc::crc32c).collect();
+        assert_eq!(crcs[0], want);
+        assert_eq!(crcs[2], [crate::model::crc::crc32c(&small[..10])]);
+    }
 }

@@ -269,6 +269,10 @@ impl Storage for LocalStorage {
         self.read_from(&f, name, offset, buf)
     }
 
+    fn is_local(&self) -> bool {
+        true
+    }
+
     fn create(&self, name: &str, size: u64) -> Result<Box<dyn ObjectWriter>> {
         super::check_plain_name(name)?;
         let path = self.path(name)?;

@@ -54,6 +54,10 @@ impl Storage for MemoryStorage {
         Ok(self.get(name)?.read().unwrap().len() as u64)
     }
 
+    fn is_local(&self) -> bool {
+        true
+    }
+
     fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
         let obj = self.get(name)?;
         let data = obj.read().unwrap();

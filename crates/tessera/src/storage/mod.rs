@@ -132,6 +132,17 @@ pub trait Storage: Send + Sync + fmt::Debug {
         false
     }
 
+    /// True when the bytes live on this machine (a local filesystem, through the page cache;
+    /// memory): a request has no round trip to amortize, and concurrent writes into one file
+    /// gain nothing (the kernel serializes them on the file). The load then reads a long range
+    /// in pieces the CPU cache holds and checks each piece while it is there, and the save
+    /// writes a file from one thread, checksumming each piece just before writing it. Where a
+    /// request has a latency or a price (object stores), they keep large requests, several in
+    /// flight. A hint about cost only, never about results; false by default.
+    fn is_local(&self) -> bool {
+        false
+    }
+
     /// Names of the objects directly in the checkpoint (single-component names), in no
     /// particular order. A missing checkpoint location lists empty. Lists exactly the objects
     /// that [`size`](Storage::size) finds at the time of the call: no temporary of an
@@ -294,6 +305,9 @@ impl Storage for OneFile {
     fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.only(name)?;
         self.dir.read_at(name, offset, buf)
+    }
+    fn is_local(&self) -> bool {
+        true
     }
     fn create(&self, _: &str, _: u64) -> Result<Box<dyn ObjectWriter>> {
         Err(self.read_only())

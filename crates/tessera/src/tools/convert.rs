@@ -387,7 +387,7 @@ fn write_files(
             });
             at += len;
         }
-        let crcs = write_sources(o.writer.as_ref(), &sources, opts.threads, None)?;
+        let crcs = write_sources(o.writer.as_ref(), &sources, opts.threads, dst.is_local(), None)?;
         for (i, c) in job.clone().zip(crcs) {
             o.crcs[slots[i].entry] = c;
         }

@@ -277,7 +277,7 @@ fn write_files(
         }
         let file = part_places[job.start].file;
         let writer = writers[file].as_ref().expect("open until finished");
-        write_sources(writer.as_ref(), &sources, opts.threads, None)?;
+        write_sources(writer.as_ref(), &sources, opts.threads, dst.is_local(), None)?;
         done += at as u64;
         progress(done, total);
         Ok(())

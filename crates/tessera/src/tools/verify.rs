@@ -143,7 +143,7 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
                 break;
             }
             checked.fetch_add(*len as usize, Ordering::Relaxed);
-            if crc32c::crc32c(&buf) != *crc {
+            if crate::model::crc::crc32c(&buf) != *crc {
                 problems
                     .lock()
                     .unwrap()
