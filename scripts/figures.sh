@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Produces the headline figures: the demo, the IO benchmark against raw disk (5 rounds,
-# medians), the async save against a memcpy and a sync save (5 rounds), the fully-parallel save's
+# medians), the resharded load against a memcpy (tmpfs) and a sequential read (disk), the async save against a memcpy and a sync save (5 rounds), the fully-parallel save's
 # bytes per rank (3 rounds), an object store (moto, started by scripts/s3-server.sh) against the
 # local directory (5 rounds), the planning simulation at 10,000 ranks, and the Python package
 # against torch DCP and safetensors (2 gloo ranks, 3 rounds, medians). Output goes to
@@ -38,6 +38,13 @@ bench() {
 {
   run demo --size 1GiB
   bench --dir "$bench_dir" --size 1GiB --ranks 4 --rounds 5
+  # Memory speed (issue 19): 1 GiB of f32 in 16 tensors saved by rows from 2 ranks, loaded by
+  # columns in place; warm on tmpfs against a memcpy, a raw write and the floor of reading
+  # exactly the needed bytes; cold on disk with the page cache dropped. ~1 min.
+  shm_dir="$(mktemp -d /dev/shm/tessera-figures.XXXXXX)"
+  bench --reshard --dir "$shm_dir" --size 1GiB --rounds 5
+  rm -rf "$shm_dir"
+  bench --reshard --cold --dir "$bench_dir" --size 1GiB --rounds 5
   # Async save: blocking time over a memcpy, total over a sync save, peak RSS over the staging
   # budget; 64 MiB per rank (staged in waves) and a budget that holds each rank's share. ~1 min.
   bench --async --dir "$bench_dir" --size 1GiB --ranks 4 --budget 64MiB --rounds 5
@@ -61,6 +68,10 @@ bench() {
   # PyTorch users' view: tessera.torch vs torch.distributed.checkpoint vs safetensors, 512MiB.
   echo "\$ .venv/bin/python scripts/bench_python.py"
   .venv/bin/python scripts/bench_python.py
+  echo
+  # The same state through tessera.torch against torch DCP, warm (tmpfs) and cold (disk). ~1 min.
+  echo "\$ .venv/bin/python scripts/bench_load_speed.py --rounds 3"
+  .venv/bin/python scripts/bench_load_speed.py --rounds 3
   echo
   # Distributed-optimizer state: model-space flat ranges vs raw per-rank buckets.
   echo "\$ .venv/bin/python scripts/bench_dist_optimizer.py --reps 5"

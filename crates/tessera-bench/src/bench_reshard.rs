@@ -57,6 +57,8 @@ pub struct ReshardArgs {
     pub rounds: usize,
     /// Drop the checkpoint's page cache before the sequential read and the load.
     pub cold: bool,
+    /// IO threads per rank of the save and the load, if not the library's default.
+    pub threads: Option<usize>,
     /// Print one JSON object.
     pub json: bool,
     /// Keep D/ckpt afterwards.
@@ -234,7 +236,8 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
         if ckpt.exists() {
             std::fs::remove_dir_all(&ckpt).with_context(|| format!("removing {}", ckpt.display()))?;
         }
-        let opts = SaveOptions::default();
+        let mut opts = SaveOptions::default();
+        opts.threads = args.threads.unwrap_or(opts.threads);
         let storage = LocalStorage::new(&ckpt);
         let (save, _) = timed(world, |comm| {
             let bufs = sources[comm.rank()].iter().map(|b| TensorData::Ref(b)).collect();
@@ -326,7 +329,9 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
             let mut mine = targets[comm.rank()].lock().unwrap();
             let bufs = mine.iter_mut().map(|b| TensorData::Mut(b)).collect();
             let tree = tree(n, world, comm.rank(), 1, bufs)?;
-            let loaded = tessera::load(tree, &storage, comm, &LoadOptions::default())
+            let defaults = LoadOptions::default();
+            let opts = LoadOptions { threads: args.threads.unwrap_or(defaults.threads), ..defaults };
+            let loaded = tessera::load(tree, &storage, comm, &opts)
                 .with_context(|| format!("load, rank {}", comm.rank()))?;
             Ok(loaded.stats)
         })?;

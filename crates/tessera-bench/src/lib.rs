@@ -79,6 +79,9 @@ struct Cli {
     /// With --reshard: drop the checkpoint's page cache before the sequential read and the load.
     #[arg(long, requires = "reshard")]
     cold: bool,
+    /// With --reshard: IO threads per rank of the save and the load (default: the library's).
+    #[arg(long, requires = "reshard")]
+    threads: Option<usize>,
     /// Async save (AsyncSaver): each round times a memcpy of every rank's state into a
     /// pre-faulted buffer, an async save (blocking part and total, up to finalize) and a sync
     /// save of the same state; reports blocking/memcpy, blocking/sync, total/sync and peak RSS
@@ -128,6 +131,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
         plan_only,
         reshard,
         cold,
+        threads,
         async_save,
         budget,
         fully_parallel,
@@ -163,7 +167,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
         };
         let tensors = tensors.unwrap_or(bench_reshard::DEFAULT_TENSORS);
         let ranks = ranks.unwrap_or(2);
-        return bench_reshard::run(bench_reshard::ReshardArgs { dir, size, tensors, ranks, rounds, cold, json, keep });
+        return bench_reshard::run(bench_reshard::ReshardArgs { dir, size, tensors, ranks, rounds, cold, threads, json, keep });
     }
     let ranks = ranks.unwrap_or(4);
     if async_save {
