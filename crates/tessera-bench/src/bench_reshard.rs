@@ -331,8 +331,8 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
             let tree = tree(n, world, comm.rank(), 1, bufs)?;
             let defaults = LoadOptions::default();
             let opts = LoadOptions { threads: args.threads.unwrap_or(defaults.threads), ..defaults };
-            let loaded = tessera::load(tree, &storage, comm, &opts)
-                .with_context(|| format!("load, rank {}", comm.rank()))?;
+            let loaded =
+                tessera::load(tree, &storage, comm, &opts).with_context(|| format!("load, rank {}", comm.rank()))?;
             Ok(loaded.stats)
         })?;
         let load_cpu = system::cpu_secs().unwrap_or(0.0) - cpu;

@@ -167,7 +167,17 @@ fn dispatch(cli: Cli) -> Result<u8> {
         };
         let tensors = tensors.unwrap_or(bench_reshard::DEFAULT_TENSORS);
         let ranks = ranks.unwrap_or(2);
-        return bench_reshard::run(bench_reshard::ReshardArgs { dir, size, tensors, ranks, rounds, cold, threads, json, keep });
+        return bench_reshard::run(bench_reshard::ReshardArgs {
+            dir,
+            size,
+            tensors,
+            ranks,
+            rounds,
+            cold,
+            threads,
+            json,
+            keep,
+        });
     }
     let ranks = ranks.unwrap_or(4);
     if async_save {

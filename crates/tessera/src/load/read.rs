@@ -203,6 +203,18 @@ fn read_span(
     let segs = &plan.segs[sp.segs.clone()];
     let direct = sp.direct && dsts.len() == 1 && dsts[0].len() as u64 == sp.len;
     let end = sp.off + sp.len;
+    // The walk below takes segments and blocks in file order, inside the span: a plan that
+    // breaks this would leave bytes uncopied or unchecked, so it is refused, not trusted.
+    let inside = |off: u64, len: u64| off >= sp.off && off.checked_add(len).is_some_and(|e| e <= end);
+    let segs_ok = segs.iter().all(|s| inside(s.file_off, s.len)) && segs.is_sorted_by_key(|s| s.file_off);
+    let blocks_ok = blocks.iter().all(|b| inside(b.file_off, b.len))
+        && blocks.windows(2).all(|w| w[0].file_off + w[0].len <= w[1].file_off);
+    if !segs_ok || !blocks_ok {
+        return Err(Error::invalid(format!(
+            "read plan: the copies or checks of the read of {name} at {}..{end} are not in file order inside it",
+            sp.off
+        )));
+    }
     if !direct {
         scratch.resize(piece.min(sp.len) as usize, 0);
     }
@@ -297,7 +309,7 @@ mod tests {
     use super::*;
     use crate::format::{FileEntry, StoredChunk, TensorEntry};
     use crate::model::dtype::DType;
-    use crate::plan::load::{plan_reads, ReadTuning};
+    use crate::plan::load::{plan_reads, Block, ReadTuning};
     use crate::storage::MemoryStorage;
 
     /// One 16-byte file `d` holding bytes 0..16, and one tensor `x` for the errors to name.
@@ -447,6 +459,26 @@ mod tests {
                     "byte {at}, piece {piece}: {r:?}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_read_whose_copies_or_checks_leave_file_order_is_refused() {
+        let (index, storage) = setup();
+        let span = |segs, blocks| Span { file: 0, off: 0, len: 8, segs, blocks, direct: false };
+        let block = |file_off| Block { file: 0, file_off, len: 4, crc: 0, tensor: 0 };
+        // Copies out of order; a copy past the read; a check past the read.
+        let plans = [
+            (vec![seg(4, 4, 0, 0), seg(0, 4, 0, 4)], Vec::new(), span(0..2, 0..0)),
+            (vec![seg(6, 4, 0, 0)], Vec::new(), span(0..1, 0..0)),
+            (vec![seg(0, 4, 0, 0)], vec![block(6)], span(0..1, 0..1)),
+        ];
+        for (segs, blocks, span) in plans {
+            let mut a = vec![0xEEu8; 8];
+            let plan = ReadPlan { segs, blocks, spans: vec![span], bytes_needed: 8, bytes_read: 8 };
+            let r = execute_in_pieces(&storage, &index, &plan, &mut [&mut a], 1, None, 3);
+            assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+            assert_eq!(a, [0xEE; 8]);
         }
     }
 
