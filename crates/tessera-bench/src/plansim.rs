@@ -112,7 +112,7 @@ fn written(rank: usize, plan: &RankPlan, header_len: u64) -> WrittenFile {
     let mut tensors = Vec::new();
     for t in plan.tensors.iter().filter(|t| t.main) {
         let n = t.nbytes();
-        tensors.push((at, vec![0u32; n.div_ceil(DEFAULT_BLOCK_SIZE) as usize]));
+        tensors.push((at, (0..n.div_ceil(DEFAULT_BLOCK_SIZE)).map(|_| 0u32).collect()));
         at += n;
     }
     let mut objects = Vec::new();
@@ -216,10 +216,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
     // 4. Rank 0 assembles and encodes the index; a loader opens it.
     let common = vec![(vec![PathSeg::Key("iteration".into())], Value::Int(1000))];
     let meta = Value::Map(vec![("producer".into(), "tessera-bench --plan-only".into())]);
-    let (index, t_build) = timed(|| build_index(&plans, &files, DEFAULT_BLOCK_SIZE, common, meta));
+    let (index, t_build) = timed(|| build_index(&plans, files, DEFAULT_BLOCK_SIZE, common, meta, &on_cores));
     let index = index.context("building the index")?;
     drop(plans);
-    drop(files);
     let (encoded, t_index_encode) = timed(|| index.encode());
     let chunks = index.chunk_count();
     drop(index);

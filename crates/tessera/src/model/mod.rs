@@ -3,6 +3,7 @@
 //! values (`codec`) that the index and the wire between ranks share.
 
 pub(crate) mod codec;
+pub mod crcs;
 pub mod dims;
 pub(crate) mod dtype;
 pub(crate) mod factories;
