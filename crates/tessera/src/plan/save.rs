@@ -906,6 +906,9 @@ pub fn build_index(
     content_metadata: Value,
     for_each: ForEach<'_>,
 ) -> Result<CheckpointIndex> {
+    if written.len() != plans.len() {
+        return Err(Error::Comm { reason: format!("{} write reports for {} plans", written.len(), plans.len()) });
+    }
     // Tensors are numbered in order of first appearance; keys whose every shard is a replica
     // or empty still belong to the checkpoint.
     let keys = KeyNumbers::of(plans)?;
