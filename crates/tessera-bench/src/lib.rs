@@ -98,6 +98,10 @@ struct Cli {
     /// Tensors per simulated rank (--plan-only).
     #[arg(long, default_value_t = 1000)]
     tensors: usize,
+    /// With --plan-only: the parameters too are cut across DP (FSDP, ZeRO-3), not replicated,
+    /// so every shard is a stored chunk (10 M for 10,000 ranks × 1,000 tensors).
+    #[arg(long, requires = "plan_only")]
+    fsdp: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -122,11 +126,12 @@ fn dispatch(cli: Cli) -> Result<u8> {
         tp,
         rounds,
         tensors,
+        fsdp,
         json,
         keep,
     } = cli;
     if plan_only {
-        plansim::run(plansim::PlanArgs { ranks: ranks.unwrap_or(10_000), tensors, json })?;
+        plansim::run(plansim::PlanArgs { ranks: ranks.unwrap_or(10_000), tensors, fsdp, json })?;
         return Ok(0);
     }
     let Some(dir) = dir else { bail!("--dir is required (or use --plan-only)") };
