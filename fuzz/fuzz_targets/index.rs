@@ -125,7 +125,11 @@ fn edited(data: &[u8]) -> Option<Vec<u8>> {
                 chunks[i].flat = Some((a.min(b), a.max(b)));
             }
             (5, Some(i)) => chunks[i].flat = None,
-            (6, Some(i)) => chunks[i].crcs.resize((v as usize) % 4, 0),
+            (6, Some(i)) => {
+                let mut crcs = chunks[i].crcs.to_vec();
+                crcs.resize((v as usize) % 4, 0);
+                chunks[i].crcs = crcs.into();
+            }
             (7, _) if !global_shape.is_empty() => {
                 let k = global_shape.len();
                 global_shape[dim as usize % k] = v;

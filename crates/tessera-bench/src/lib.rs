@@ -112,6 +112,10 @@ struct Cli {
     /// (--reshard, default 16).
     #[arg(long)]
     tensors: Option<usize>,
+    /// With --plan-only: the parameters too are cut across DP (FSDP, ZeRO-3), not replicated,
+    /// so every shard is a stored chunk (10 M for 10,000 ranks × 1,000 tensors).
+    #[arg(long, requires = "plan_only")]
+    fsdp: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -139,11 +143,17 @@ fn dispatch(cli: Cli) -> Result<u8> {
         tp,
         rounds,
         tensors,
+        fsdp,
         json,
         keep,
     } = cli;
     if plan_only {
-        plansim::run(plansim::PlanArgs { ranks: ranks.unwrap_or(10_000), tensors: tensors.unwrap_or(1000), json })?;
+        plansim::run(plansim::PlanArgs {
+            ranks: ranks.unwrap_or(10_000),
+            tensors: tensors.unwrap_or(1000),
+            fsdp,
+            json,
+        })?;
         return Ok(0);
     }
     let Some(dir) = dir else { bail!("--dir is required (or use --plan-only)") };

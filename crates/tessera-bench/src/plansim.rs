@@ -1,7 +1,8 @@
 //! `tessera-bench --plan-only --ranks N --tensors T`: the metadata side of a save and a load
 //! at scale, with no IO. N simulated ranks in a TP×DP layout each hold a shard of each of T
 //! tensors: even tensors are parameters (split on axis 0 by TP, replicated over DP), odd ones
-//! optimizer state (each TP box flattened and cut across the DP ranks at arbitrary points).
+//! optimizer state (each TP box flattened and cut across the DP ranks at arbitrary points). With
+//! `--fsdp` the parameters are cut across DP the same way, so every shard is a stored chunk.
 //!
 //! It runs the same pure functions as a real save: every rank's [`RankPlan`] is encoded (the
 //! all-gather message), decoded by the receiver, validated globally, laid out, reported as
@@ -35,6 +36,8 @@ pub struct PlanArgs {
     pub ranks: usize,
     /// Tensors per rank.
     pub tensors: usize,
+    /// Parameters cut across DP too (every shard a stored chunk).
+    pub fsdp: bool,
     /// Print one JSON object.
     pub json: bool,
 }
@@ -51,18 +54,15 @@ struct TensorSpec {
     dp_bounds: Option<Vec<u64>>,
 }
 
-fn specs(tensors: usize, tp: u64, dp: u64) -> Vec<TensorSpec> {
+fn specs(tensors: usize, tp: u64, dp: u64, fsdp: bool) -> Vec<TensorSpec> {
     (0..tensors)
         .map(|i| {
             let cols = 1024 + 256 * (i as u64 % 3);
             let global = [tp * ROWS_PER_TP, cols];
             if i % 2 == 0 {
-                TensorSpec {
-                    key: format!("model.layers.{:04}.weight", i / 2).into(),
-                    dtype: DType::BF16,
-                    global,
-                    dp_bounds: None,
-                }
+                let key: Arc<str> = format!("model.layers.{:04}.weight", i / 2).into();
+                let dp_bounds = fsdp.then(|| jittered_bounds(ROWS_PER_TP * cols, dp, key_seed(&key)));
+                TensorSpec { key, dtype: DType::BF16, global, dp_bounds }
             } else {
                 let key: Arc<str> = format!("optimizer.exp_avg.model.layers.{:04}.weight", i / 2).into();
                 let bounds = jittered_bounds(ROWS_PER_TP * cols, dp, key_seed(&key));
@@ -112,7 +112,7 @@ fn written(rank: usize, plan: &RankPlan, header_len: u64) -> WrittenFile {
     let mut tensors = Vec::new();
     for t in plan.tensors.iter().filter(|t| t.main) {
         let n = t.nbytes();
-        tensors.push((at, vec![0u32; n.div_ceil(DEFAULT_BLOCK_SIZE) as usize]));
+        tensors.push((at, (0..n.div_ceil(DEFAULT_BLOCK_SIZE)).map(|_| 0u32).collect()));
         at += n;
     }
     let mut objects = Vec::new();
@@ -174,7 +174,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let n = args.ranks as u64;
     let tp = [8u64, 4, 2, 1].into_iter().find(|t| n.is_multiple_of(*t)).unwrap_or(1);
     let dp = n / tp;
-    let specs = specs(args.tensors, tp, dp);
+    let specs = specs(args.tensors, tp, dp, args.fsdp);
 
     // 1. Every rank describes its shards and encodes them: the message of the all-gather.
     let (messages, t_encode_all) = timed(|| (0..n).map(|r| rank_plan(r, tp, dp, &specs).encode()).collect::<Vec<_>>());
@@ -216,10 +216,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
     // 4. Rank 0 assembles and encodes the index; a loader opens it.
     let common = vec![(vec![PathSeg::Key("iteration".into())], Value::Int(1000))];
     let meta = Value::Map(vec![("producer".into(), "tessera-bench --plan-only".into())]);
-    let (index, t_build) = timed(|| build_index(&plans, &files, DEFAULT_BLOCK_SIZE, common, meta));
+    let (index, t_build) = timed(|| build_index(&plans, files, DEFAULT_BLOCK_SIZE, common, meta, &on_cores));
     let index = index.context("building the index")?;
     drop(plans);
-    drop(files);
     let (encoded, t_index_encode) = timed(|| index.encode());
     let chunks = index.chunk_count();
     drop(index);
@@ -258,6 +257,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         let out = json!({
             "ranks": n,
             "tensors": args.tensors,
+            "fsdp": args.fsdp,
             "layout": {"tp": tp, "dp": dp},
             "shards": n * args.tensors as u64,
             "chunks": chunks,
@@ -302,7 +302,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!(
-            "plan-only: {n} ranks (TP={tp} × DP={dp}) × {} tensors = {} shards, {} stored chunks",
+            "plan-only: {n} ranks (TP={tp} × DP={dp}{}) × {} tensors = {} shards, {} stored chunks",
+            if args.fsdp { ", parameters cut across DP" } else { "" },
             args.tensors,
             n * args.tensors as u64,
             chunks

@@ -82,7 +82,7 @@ pub use storage::{ObjectStorage, ObjectStoreOptions, RequestCounts};
 
 // Opening and reading any checkpoint.
 pub use format::{
-    CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
+    CheckpointIndex, Crcs, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
     FORMAT_VERSION, INDEX_FILE,
 };
 pub use formats::olmo::read_olmo_metadata;

@@ -50,7 +50,7 @@ fn synthetic_index(tensors: u64, chunks_per_tensor: u64) -> CheckpointIndex {
                         offset: offset.into(),
                         shape: shape.into(),
                         flat,
-                        crcs: vec![crc],
+                        crcs: vec![crc].into(),
                     }
                 })
                 .collect();

@@ -5,6 +5,7 @@
 pub(crate) mod index;
 pub(crate) mod safetensors;
 
+pub use crate::model::crcs::Crcs;
 pub(crate) use index::NATIVE_BACKEND;
 pub use index::{
     CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,

@@ -12,7 +12,7 @@ use serde_json::Value as J;
 
 use crate::error::{Error, Result};
 use crate::format::is_data_file_name;
-use crate::format::{CheckpointIndex, FileEntry, StoredChunk, TensorEntry};
+use crate::format::{CheckpointIndex, Crcs, FileEntry, StoredChunk, TensorEntry};
 use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
 use crate::formats::{ForEach, FormatRecord, LoadStrategy};
 use crate::model::Value;
@@ -132,7 +132,7 @@ pub(crate) fn open_safetensors<'s>(
                 offset: vec![0; e.shape.len()].into(),
                 shape: e.shape.clone().into(),
                 flat: None,
-                crcs: Vec::new(),
+                crcs: Crcs::new(),
             };
             tensors.insert(key.clone(), TensorEntry::new(key, e.dtype, e.shape, vec![chunk]));
         }

@@ -850,7 +850,7 @@ pub(crate) fn load_sharded_objects<'a>(ckpt: &Checkpoint<'_>, tree: StateTree<'a
 mod tests {
     use super::*;
     use crate::comm::SoloComm;
-    use crate::format::{FileEntry, StoredChunk, TensorEntry};
+    use crate::format::{Crcs, FileEntry, StoredChunk, TensorEntry};
     use crate::model::dtype::DType;
     use crate::model::ShardedTensor;
     use crate::storage::MemoryStorage;
@@ -865,7 +865,7 @@ mod tests {
             offset: [offset].as_slice().into(),
             shape: [len].as_slice().into(),
             flat: None,
-            crcs: Vec::new(),
+            crcs: Crcs::new(),
         };
         let index = CheckpointIndex::of_tensors(
             0,

@@ -1,6 +1,7 @@
 //! Compact binary encoding shared by the index and the metadata exchange: LEB128 varints,
 //! length-prefixed strings, and a tagged encoding of [`Value`].
 
+use crate::model::dims::Dims;
 use crate::model::Value;
 
 /// Appends binary data.
@@ -17,7 +18,17 @@ impl Encoder {
     pub fn u32_le(&mut self, x: u32) {
         self.buf.extend_from_slice(&x.to_le_bytes());
     }
+    #[inline]
     pub fn var(&mut self, mut x: u64) {
+        // One or two bytes for most (counts, dims, tags): stores of a known size.
+        if x < 0x80 {
+            self.buf.push(x as u8);
+            return;
+        }
+        if x < 0x4000 {
+            self.buf.extend_from_slice(&[x as u8 | 0x80, (x >> 7) as u8]);
+            return;
+        }
         while x >= 0x80 {
             self.buf.push((x as u8) | 0x80);
             x >>= 7;
@@ -115,13 +126,36 @@ impl<'b> Decoder<'b> {
         self.pos += n;
         Ok(s)
     }
+    #[inline]
     pub fn u8(&mut self) -> Result<u8, String> {
-        Ok(self.take(1)?[0])
+        match self.buf.get(self.pos) {
+            Some(&b) => {
+                self.pos += 1;
+                Ok(b)
+            }
+            None => Ok(self.take(1)?[0]),
+        }
     }
     pub fn u32_le(&mut self) -> Result<u32, String> {
         Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
     }
+    #[inline]
     pub fn var(&mut self) -> Result<u64, String> {
+        // Most varints of a plan or an index (counts, dims, tags, offsets below 16384) are one
+        // or two bytes: no loop for them.
+        match self.buf.get(self.pos..self.pos + 2) {
+            Some(&[b, _]) if b < 0x80 => {
+                self.pos += 1;
+                Ok(b as u64)
+            }
+            Some(&[b, c]) if c < 0x80 => {
+                self.pos += 2;
+                Ok((b & 0x7f) as u64 | (c as u64) << 7)
+            }
+            _ => self.var_long(),
+        }
+    }
+    fn var_long(&mut self) -> Result<u64, String> {
         let mut x = 0u64;
         let mut shift = 0u32;
         loop {
@@ -158,6 +192,24 @@ impl<'b> Decoder<'b> {
     pub fn str(&mut self) -> Result<String, String> {
         let b = self.bytes()?;
         String::from_utf8(b.to_vec()).map_err(|_| "string is not UTF-8".to_string())
+    }
+    /// Varints into every element of `out`.
+    #[inline]
+    pub fn vars_into(&mut self, out: &mut [u64]) -> Result<(), String> {
+        for x in out {
+            *x = self.var()?;
+        }
+        Ok(())
+    }
+    /// `n` varints as [`Dims`].
+    #[inline]
+    pub fn dims_n(&mut self, n: usize) -> Result<Dims, String> {
+        if n <= Dims::INLINE {
+            let mut a = [0u64; Dims::INLINE];
+            self.vars_into(&mut a[..n])?;
+            return Ok(Dims::from(&a[..n]));
+        }
+        (0..n).map(|_| self.var()).collect()
     }
     pub fn dims(&mut self) -> Result<Vec<u64>, String> {
         let n = self.count()?;
@@ -229,6 +281,41 @@ mod tests {
         let mut b = v.to_bytes();
         b.push(0);
         assert!(Value::from_bytes(&b).is_err());
+    }
+
+    #[test]
+    fn varints_of_every_length_round_trip_and_truncation_is_an_error() {
+        // Both sides of each length boundary: the one- and two-byte paths and the loop.
+        let mut values = vec![0u64, 1, u64::MAX, u64::MAX - 1];
+        for bits in (7..64).step_by(7) {
+            values.extend([(1u64 << bits) - 1, 1u64 << bits, (1u64 << bits) + 1]);
+        }
+        for &x in &values {
+            let mut e = Encoder::default();
+            e.var(x);
+            let want_len = (64 - x.leading_zeros()).div_ceil(7).max(1) as usize;
+            assert_eq!(e.buf.len(), want_len, "{x}");
+            for at in 0..e.buf.len() {
+                assert!(Decoder::new(&e.buf[..at]).var().is_err(), "{x} cut at {at}");
+            }
+            let mut d = Decoder::new(&e.buf);
+            assert_eq!(d.var().unwrap(), x);
+            assert!(d.is_done());
+            // Followed by more bytes, as in a message: the same value, the rest left.
+            let mut e2 = Encoder { buf: e.buf.clone() };
+            e2.var(x);
+            let mut d = Decoder::new(&e2.buf);
+            assert_eq!((d.var().unwrap(), d.var().unwrap()), (x, x));
+            assert!(d.is_done());
+        }
+        // Dims of every length, inline or not.
+        for n in 0..6usize {
+            let mut e = Encoder::default();
+            (0..n as u64).for_each(|i| e.var(i << (9 * i)));
+            let dims = Decoder::new(&e.buf).dims_n(n).unwrap();
+            assert_eq!(dims.as_slice(), (0..n as u64).map(|i| i << (9 * i)).collect::<Vec<_>>().as_slice());
+            assert!(Decoder::new(&e.buf[..e.buf.len().saturating_sub(1)]).dims_n(n).is_err() || n == 0);
+        }
     }
 
     #[test]

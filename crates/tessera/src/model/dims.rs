@@ -16,14 +16,17 @@ pub enum Dims {
 }
 
 impl Dims {
+    /// Axes stored inline.
+    pub const INLINE: usize = INLINE;
     /// The dimensions as a slice.
     pub fn as_slice(&self) -> &[u64] {
         self
     }
     /// Appends an axis.
+    #[inline]
     pub fn push(&mut self, x: u64) {
         match self {
-            Dims::Inline(n, a) if (*n as usize) < INLINE => {
+            Dims::Inline(n, a) if (*n as usize) < Dims::INLINE => {
                 a[*n as usize] = x;
                 *n += 1;
             }
@@ -35,10 +38,22 @@ impl Dims {
             Dims::Heap(v) => v.push(x),
         }
     }
+    /// Removes the last axis.
+    #[inline]
+    pub fn pop(&mut self) -> Option<u64> {
+        match self {
+            Dims::Inline(0, _) => None,
+            Dims::Inline(n, a) => {
+                *n -= 1;
+                Some(a[*n as usize])
+            }
+            Dims::Heap(v) => v.pop(),
+        }
+    }
     /// An empty list with room for `n` axes.
     pub fn with_capacity(n: usize) -> Self {
-        if n <= INLINE {
-            Dims::Inline(0, [0; INLINE])
+        if n <= Dims::INLINE {
+            Dims::Inline(0, [0; Dims::INLINE])
         } else {
             Dims::Heap(Vec::with_capacity(n))
         }
@@ -47,12 +62,13 @@ impl Dims {
 
 impl Default for Dims {
     fn default() -> Self {
-        Dims::Inline(0, [0; INLINE])
+        Dims::Inline(0, [0; Dims::INLINE])
     }
 }
 
 impl Deref for Dims {
     type Target = [u64];
+    #[inline]
     fn deref(&self) -> &[u64] {
         match self {
             Dims::Inline(n, a) => &a[..*n as usize],
@@ -71,10 +87,15 @@ impl DerefMut for Dims {
 }
 
 impl From<&[u64]> for Dims {
+    #[inline]
     fn from(s: &[u64]) -> Self {
-        if s.len() <= INLINE {
-            let mut a = [0; INLINE];
-            a[..s.len()].copy_from_slice(s);
+        if s.len() <= Dims::INLINE {
+            let mut a = [0; Dims::INLINE];
+            // Element by element: a copy of a variable length is a call to memcpy, which costs
+            // more than the copy for three words (planning converts millions of these).
+            for (x, &v) in a.iter_mut().zip(s) {
+                *x = v;
+            }
             Dims::Inline(s.len() as u8, a)
         } else {
             Dims::Heap(s.to_vec())
@@ -111,8 +132,11 @@ impl FromIterator<u64> for Dims {
 }
 
 impl PartialEq for Dims {
+    #[inline]
     fn eq(&self, other: &Self) -> bool {
-        self.as_slice() == other.as_slice()
+        // Not the slice comparison: for `u64` it is a call to memcmp, which costs more than
+        // comparing the few words of a shape (validation compares millions).
+        self.len() == other.len() && self.iter().zip(other.iter()).all(|(a, b)| a == b)
     }
 }
 impl Eq for Dims {}

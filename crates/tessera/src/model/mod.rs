@@ -4,6 +4,7 @@
 
 pub(crate) mod codec;
 pub(crate) mod crc;
+pub mod crcs;
 pub mod dims;
 pub(crate) mod dtype;
 pub(crate) mod factories;

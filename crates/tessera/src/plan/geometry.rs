@@ -51,7 +51,8 @@ impl Piece {
 
     /// `[a:b, c:d]` rendering.
     pub fn describe(&self) -> String {
-        let parts: Vec<String> = self.off.iter().zip(&self.shape).map(|(o, s)| format!("{}:{}", o, o + s)).collect();
+        let parts: Vec<String> =
+            self.off.iter().zip(&self.shape).map(|(o, s)| format!("{}:{}", o, o.saturating_add(*s))).collect();
         format!("[{}]", parts.join(", "))
     }
 }
@@ -60,23 +61,32 @@ impl Piece {
 /// (`box_off`, `box_shape`) into at most `2·ndim - 1` boxes, in flattening order.
 pub fn decompose_flat(box_off: &[u64], box_shape: &[u64], start: u64, end: u64) -> Vec<Piece> {
     let mut out = Vec::new();
-    if start >= end {
-        return out;
-    }
-    if box_shape.is_empty() {
-        out.push(Piece::new(&[], &[]));
-        return out;
-    }
-    let mut prefix_off = Vec::with_capacity(box_shape.len());
-    rec(box_off, box_shape, 0, start, end, &mut prefix_off, &mut out);
+    decompose_flat_into(box_off, box_shape, start, end, &mut out);
     out
 }
 
-fn rec(box_off: &[u64], box_shape: &[u64], axis: usize, s: u64, e: u64, prefix: &mut Vec<u64>, out: &mut Vec<Piece>) {
+/// [`decompose_flat`], appending the boxes to `out` (validation decomposes millions of ranges
+/// into one list per key).
+pub fn decompose_flat_into(box_off: &[u64], box_shape: &[u64], start: u64, end: u64, out: &mut Vec<Piece>) {
+    if start >= end {
+        return;
+    }
+    if box_shape.is_empty() {
+        out.push(Piece::new(&[], &[]));
+        return;
+    }
+    let mut prefix_off = Dims::with_capacity(box_shape.len());
+    rec(box_off, box_shape, 0, start, end, &mut prefix_off, out);
+}
+
+fn rec(box_off: &[u64], box_shape: &[u64], axis: usize, s: u64, e: u64, prefix: &mut Dims, out: &mut Vec<Piece>) {
     let n = box_shape.len();
-    let emit = |prefix: &[u64], axis_lo: u64, axis_len: u64, out: &mut Vec<Piece>| {
-        let mut off: Dims = prefix.into();
-        let mut shape: Dims = std::iter::repeat_n(1u64, prefix.len()).collect();
+    let emit = |prefix: &Dims, axis_lo: u64, axis_len: u64, out: &mut Vec<Piece>| {
+        let mut off = prefix.clone();
+        let mut shape = Dims::with_capacity(n);
+        for _ in 0..prefix.len() {
+            shape.push(1);
+        }
         off.push(box_off[axis] + axis_lo);
         shape.push(axis_len);
         for d in axis + 1..n {

@@ -445,7 +445,7 @@ fn split_at_spans(segs: &[CopySeg], spans: &[Span], span_of: &mut Vec<u32>) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{StoredChunk, TensorEntry};
+    use crate::format::{Crcs, StoredChunk, TensorEntry};
 
     /// (dst, src, len) runs with adjacent ones merged: equal coverage whatever the splitting.
     fn runs(mut segs: Vec<CopySeg>) -> Vec<(u64, u64, u64)> {
@@ -488,7 +488,7 @@ mod tests {
                         offset: [t * rows_per, 0, 0].as_slice().into(),
                         shape: [rows_per, 6, 4].as_slice().into(),
                         flat,
-                        crcs: Vec::new(),
+                        crcs: Crcs::new(),
                     });
                     at += (w[1] - w[0]) * 4;
                 }

@@ -309,7 +309,14 @@ mod tests {
     }
 
     fn chunk(offset: &[u64], shape: &[u64], byte_offset: u64) -> StoredChunk {
-        StoredChunk { file: 0, byte_offset, offset: offset.into(), shape: shape.into(), flat: None, crcs: vec![0] }
+        StoredChunk {
+            file: 0,
+            byte_offset,
+            offset: offset.into(),
+            shape: shape.into(),
+            flat: None,
+            crcs: vec![0].into(),
+        }
     }
 
     fn index(tensors: Vec<TensorEntry>) -> CheckpointIndex {
@@ -373,7 +380,7 @@ mod tests {
             (chunk(&[0, 0], &[4, 4], 0), "outside the data"),
             (chunk(&[0, 0], &[4, 4], u64::MAX - 3), "overflows"),
             (StoredChunk { file: 7, ..chunk(&[0, 0], &[4, 4], 8) }, "names file #7"),
-            (StoredChunk { crcs: vec![], ..chunk(&[0, 0], &[4, 4], 8) }, "checksums"),
+            (StoredChunk { crcs: Vec::new().into(), ..chunk(&[0, 0], &[4, 4], 8) }, "checksums"),
             (StoredChunk { flat: Some((3, 17)), ..chunk(&[0, 0], &[4, 4], 8) }, "flat range"),
             (StoredChunk { shape: [4].as_slice().into(), ..chunk(&[0, 0], &[4, 4], 8) }, "dimensions"),
         ] {

@@ -337,7 +337,7 @@ pub(crate) fn finish_file(
         size: layout.size,
         header_len: layout.header_len,
         header_crc: crate::model::crc::crc32c(&header),
-        tensors: (0..nt).map(|n| (layout.header_len + layout.entries[n].start, crcs[n].clone())).collect(),
+        tensors: (0..nt).map(|n| (layout.header_len + layout.entries[n].start, crcs[n].as_slice().into())).collect(),
         objects: (0..layout.object_entries.len())
             .map(|n| {
                 let e = &layout.entries[nt + n];
@@ -600,7 +600,7 @@ pub(crate) fn commit(
         let r = commit_index(
             storage,
             &p.plans,
-            &written_all,
+            written_all,
             opts.block_size,
             p.common.clone(),
             opts.content_metadata.clone(),
@@ -683,7 +683,7 @@ pub(crate) fn remove_failed_save_files(storage: &dyn Storage, names: &[String], 
 pub(crate) fn commit_index(
     storage: &dyn Storage,
     plans: &[RankPlan],
-    written: &[WrittenFile],
+    written: Vec<WrittenFile>,
     block_size: u64,
     common: Vec<(StatePath, Value)>,
     content_metadata: Value,
@@ -691,7 +691,7 @@ pub(crate) fn commit_index(
     save_id: u64,
 ) -> Result<(CheckpointIndex, u64)> {
     let r = (|| {
-        let index = build_index(plans, written, block_size, common, content_metadata)?;
+        let index = build_index(plans, written, block_size, common, content_metadata, &on_cores)?;
         let bytes = index.encode();
         publish_index(storage, &bytes, overwrite)?;
         remove_unreferenced(storage, &index, &bytes, save_id)?;

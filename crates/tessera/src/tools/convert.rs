@@ -270,7 +270,7 @@ pub fn convert(
     let (committed, index_bytes) = commit_index(
         dst,
         &plans,
-        &written,
+        written,
         opts.block_size,
         index.common.clone(),
         index.content_metadata.clone(),

@@ -4,7 +4,7 @@
 pub(crate) mod metadata;
 
 use crate::error::{Error, Result};
-use crate::format::{CheckpointIndex, StoredChunk, TensorEntry};
+use crate::format::{CheckpointIndex, Crcs, StoredChunk, TensorEntry};
 use crate::formats::dcp::metadata::{parse_metadata, DcpMetadata};
 use crate::formats::pickle::unpickle;
 use crate::formats::pickle::PickleValue;
@@ -152,7 +152,7 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
                 offset: c.offsets.as_slice().into(),
                 shape: c.sizes.as_slice().into(),
                 flat: None,
-                crcs: Vec::new(),
+                crcs: Crcs::new(),
             });
         }
         tensors.push(TensorEntry::new(t.fqn, t.dtype, t.size, chunks));

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value as J};
 
 use crate::error::{Error, Result};
-use crate::format::{build_header, SafetensorsEntry, StoredChunk, TensorEntry};
+use crate::format::{build_header, Crcs, SafetensorsEntry, StoredChunk, TensorEntry};
 use crate::model::dims::Dims;
 use crate::model::dtype::DType;
 use crate::model::Value;
@@ -514,9 +514,9 @@ pub fn build_tensors<'a>(
                                 format!("tensor {key:?}: {} checksums for {len} bytes", lists[n].len()),
                             ));
                         }
-                        lists[n].clone()
+                        lists[n].as_slice().into()
                     }
-                    None => Vec::new(),
+                    None => Crcs::new(),
                 };
                 let this = file_crcs.map(|(bs, _)| bs);
                 block = Some(match block {

@@ -11,7 +11,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
-use crate::format::{CheckpointIndex, FileEntry, TensorEntry};
+use crate::format::{CheckpointIndex, Crcs, FileEntry, StoredChunk, TensorEntry};
 use crate::formats::olmo::metadata::{
     build_tensors, decode_pickled, is_olmo_metadata, parse_metadata, FileHeader, IndexedFile, BACKEND,
     MAX_PICKLED_FIELD, METADATA_FILE, PARTS,
@@ -137,8 +137,7 @@ pub(crate) fn open_olmo<'s>(
                 .into_iter()
                 .map(|t| {
                     let (key, dtype, shape) = (t.key.clone(), t.dtype, t.global_shape.clone());
-                    let chunks =
-                        t.into_chunks().into_iter().map(|c| crate::format::StoredChunk { crcs: Vec::new(), ..c });
+                    let chunks = t.into_chunks().into_iter().map(|c| StoredChunk { crcs: Crcs::new(), ..c });
                     TensorEntry::new(key, dtype, shape, chunks.collect())
                 })
                 .collect();

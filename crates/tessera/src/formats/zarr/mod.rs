@@ -5,7 +5,7 @@
 pub(crate) mod zarray;
 
 use crate::error::{Error, Result};
-use crate::format::{CheckpointIndex, StoredChunk, TensorEntry};
+use crate::format::{CheckpointIndex, Crcs, StoredChunk, TensorEntry};
 use crate::formats::dcp::{megatron_backend, parse_object_fqn};
 use crate::formats::zarr::zarray::parse_zarray;
 use crate::formats::{foreign_index, ForeignView, ObjectShards, Source};
@@ -97,7 +97,7 @@ fn open_zarr(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)
                     offset: offset.as_slice().into(),
                     shape: shape.as_slice().into(),
                     flat: None,
-                    crcs: Vec::new(),
+                    crcs: Crcs::new(),
                 });
                 for d in (0..idx.len()).rev() {
                     idx[d] += 1;
