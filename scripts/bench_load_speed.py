@@ -82,6 +82,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from bench_files import drop_cache, files_under, fsync_path, write_all
+
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 2
 CONDITIONS = ["warm", "cold"]
@@ -135,36 +137,6 @@ def gib(n: float) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # File helpers
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def files_under(path: str) -> List[str]:
-    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-
-
-def drop_cache(paths: List[str]) -> None:
-    """Writes back, then evicts from the page cache every file under ``paths``."""
-    os.sync()
-    for path in paths:
-        for file in files_under(path):
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def write_all(fd: int, view: memoryview) -> None:
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
 
 
 def read_into(path: str, view: memoryview) -> int:
@@ -408,7 +380,7 @@ def run_rank(rank: int, opts: Dict[str, Any]) -> None:
             for method in rotated(LOADS, r):
                 me.prepare_load(method, ckpt["tessera"])
                 if cond == "cold" and rank == 0:
-                    drop_cache([ckpt["tessera"], ckpt["dcp"]])
+                    drop_cache(ckpt["tessera"], ckpt["dcp"])
                 path = ckpt["tessera"] if method in ("tessera", "seq_read") else ckpt["dcp"]
                 n_stats = len(me.stats)
                 t = me.timed(lambda: me.load(method, path))

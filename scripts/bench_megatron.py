@@ -75,6 +75,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from bench_files import drop_cache, files_under, fsync_path
+
 WORLD = 2
 BLOCK = 16 << 20
 SAVES = ["native", "tessera_td", "mcore_td", "dd", "memcpy"]
@@ -265,28 +267,6 @@ def check(loaded: Dict[str, Any], spec: Spec, truth: Dict[str, torch.Tensor], co
 
 # ---------------------------------------------------------------------------------------------
 # Files
-
-
-def fsync_path(path: str) -> None:
-    """fsync of a file or directory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def files_under(path: str) -> List[str]:
-    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-
-
-def drop_cache(path: str) -> None:
-    """Evicts every file under ``path`` from the page cache (after os.sync: the pages are clean)."""
-    os.sync()
-    for name in files_under(path):
-        fd = os.open(name, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def read_all(names: List[str]) -> int:

@@ -50,6 +50,8 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from bench_files import drop_cache, fsync_path
+
 WORLD = 2
 SAVES = ["tessera", "dcp", "safetensors"]
 LOADS = ["tessera", "dcp_load", "dcp_from_keys", "safetensors", "raw"]
@@ -111,13 +113,6 @@ def nbytes(spec: List[Tuple[str, Tuple[int, int], torch.dtype, int]]) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Saving, at 2 ranks
-
-
-def fsync_path(path: str) -> None:
-    """fsync of a file or directory."""
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
 
 
 def save_method(method: str, sd: Dict[str, Any], path: str, rank: int) -> None:
@@ -199,15 +194,6 @@ def run_saves(opts: Dict[str, Any]) -> Dict[str, List[float]]:
 
 # ---------------------------------------------------------------------------------------------
 # Loading, 1 process, full tensors
-
-
-def drop_cache(path: str) -> None:
-    """Evicts every file under ``path`` from the page cache (the files are clean: synced)."""
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
 
 
 def load_tessera(path: str, spec: list) -> Dict[str, torch.Tensor]:
