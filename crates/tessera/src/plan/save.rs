@@ -49,13 +49,15 @@ impl ShardMeta {
     pub fn nbytes(&self) -> u64 {
         self.numel() * self.dtype.size() as u64
     }
-    /// The boxes this shard covers.
+    /// The boxes this shard covers (the tests' reference; the planner appends them to a list
+    /// it reuses, with `pieces_into`).
+    #[cfg(test)]
     pub fn pieces(&self) -> Vec<Piece> {
         let mut out = Vec::new();
         self.pieces_into(&mut out);
         out
     }
-    /// [`ShardMeta::pieces`], appended to `out`.
+    /// The boxes this shard covers, appended to `out`.
     pub fn pieces_into(&self, out: &mut Vec<Piece>) {
         match self.flat {
             Some((s, e)) => decompose_flat_into(&self.offset, &self.shape, s, e, out),
