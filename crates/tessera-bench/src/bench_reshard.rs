@@ -182,7 +182,8 @@ struct Round {
     memcpy_cpu: f64,
     load_cpu: f64,
     stats: LoadStats,
-    load_extra: u64,
+    /// Peak RSS of the load over its start, where the kernel's peak could be reset.
+    load_extra: Option<u64>,
     mismatches: usize,
 }
 
@@ -322,7 +323,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
         }
         system::trim_heap();
         let rss_start = system::current_rss().unwrap_or(0);
-        system::reset_peak_rss();
+        let peak_resettable = system::reset_peak_rss();
         let storage = LocalStorage::new(&ckpt);
         let cpu = system::cpu_secs().unwrap_or(0.0);
         let (load, stats) = timed(world, |comm| {
@@ -336,7 +337,8 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
             Ok(loaded.stats)
         })?;
         let load_cpu = system::cpu_secs().unwrap_or(0.0) - cpu;
-        let load_extra = system::peak_rss().unwrap_or(0).saturating_sub(rss_start);
+        // Without a reset the kernel's peak is the whole run's: the load's own is unknown.
+        let load_extra = peak_resettable.then(|| system::peak_rss().unwrap_or(0).saturating_sub(rss_start));
         let mut mismatches = 0;
         for (t, want) in targets.iter().zip(&truth) {
             mismatches += t.lock().unwrap().iter().zip(want).filter(|(got, want)| got != want).count();
@@ -363,7 +365,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
         };
         if !args.json {
             println!(
-                "round {}/{}  raw write {}  save {} ({:.3}× raw)  memcpy {}  floor {} ({:.3}× memcpy)  seq read {}  load {} ({:.3}× memcpy, {:.3}× floor, {:.3}× seq read; cpu {:.3}× memcpy's){}",
+                "round {}/{}  raw write {}  save {} (speed {:.3}× raw)  memcpy {}  floor {} (time {:.3}× memcpy)  seq read {}  load {} (time {:.3}× memcpy, {:.3}× floor; speed {:.3}× seq read; cpu {:.3}× memcpy's){}",
                 round + 1,
                 args.rounds,
                 fmt_secs(r.raw_write),
@@ -394,7 +396,8 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
     let save_vs_raw = spread(&|r| ratio(r.raw_write, r.save));
     let last = rounds.last().expect("at least one round");
     let read_vs_needed = ratio(last.stats.bytes_read as f64, last.stats.bytes_needed as f64);
-    let load_extra = rounds.iter().map(|r| r.load_extra).max().unwrap_or(0);
+    let load_extra: Option<u64> =
+        rounds.iter().map(|r| r.load_extra).collect::<Option<Vec<u64>>>().map(|v| v.into_iter().max().unwrap_or(0));
     let verified = rounds.iter().all(|r| r.mismatches == 0);
     if args.json {
         let out = json!({
@@ -446,12 +449,13 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
             load_vs_floor.max
         );
         println!(
-            "load    read {} for {} needed ({:.3}×), {} reads; extra memory +{} over the targets ({world} ranks)",
+            "load    read {} for {} needed ({:.3}×), {} reads; extra memory {} over the targets ({world} ranks)",
             fmt_bytes(last.stats.bytes_read),
             fmt_bytes(last.stats.bytes_needed),
             read_vs_needed,
             last.stats.reads,
-            fmt_bytes(load_extra)
+            load_extra
+                .map_or_else(|| "unknown (peak RSS not resettable)".to_string(), |b| format!("+{}", fmt_bytes(b)))
         );
         println!("check   {}", if verified { "every loaded byte matched in every round" } else { "MISMATCH" });
     }

@@ -78,9 +78,11 @@ fn counting_storage_conforms() {
     conforms(&counting);
     assert!(counting.reads() > 0 && counting.bytes_read() > 3 << 20, "{} reads", counting.reads());
     assert!(counting.has_atomic_create(), "has_atomic_create passes through");
+    assert!(counting.is_local(), "is_local passes through");
     let dir = TempDir::new("conformance-counting");
     let local = LocalStorage::new(dir.path());
     conforms(&CountingStorage::new(&local));
+    assert_eq!(CountingStorage::new(&local).is_local(), local.is_local());
 }
 
 /// A plain safetensors file opened as a checkpoint (`open_location` of `….safetensors`): a

@@ -573,8 +573,9 @@ fn zstd_decode(raw: &[u8], limit: u64) -> std::result::Result<Vec<u8>, String> {
 
 impl Storage for ForeignView<'_> {
     fn is_local(&self) -> bool {
-        // Decoded files are served from the view's cache; the others from the base.
-        self.base.is_local()
+        // Never, whatever the base: a decoded file is served from a bounded cache, and reading
+        // it in small pieces could decode it again for each piece once the cache has let it go.
+        false
     }
 
     fn location(&self) -> String {

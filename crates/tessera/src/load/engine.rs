@@ -132,7 +132,8 @@ pub struct LoadStats {
     pub bytes_received: u64,
     /// Bytes of data-file headers read to verify them (verified loads only).
     pub header_bytes_read: u64,
-    /// Ranged reads issued.
+    /// Ranged reads the plan made (a read of a local file goes to the kernel in cache-sized
+    /// pieces: one read here, several calls there).
     pub reads: usize,
 }
 
@@ -154,6 +155,10 @@ pub struct LoadResult<'a> {
 /// Loads the state described by `tree` from the checkpoint in `storage`. Only the index
 /// entries of the requested tensors are read and decoded (native format), except with
 /// `exchange_reads`, where a rank reads for its peers and needs every tensor's chunks.
+///
+/// Buffers the caller lent (`TensorData::Mut`) are written in place as the bytes arrive, and
+/// each checksum block is verified as its last byte passes: when the load fails (a checksum,
+/// a read, a cancel), they hold unspecified bytes, possibly some of the block that failed.
 ///
 /// ```
 /// use tessera::{load, save, LoadOptions, SaveOptions};

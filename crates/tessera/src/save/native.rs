@@ -31,7 +31,9 @@ pub struct SaveOptions {
     pub validate: bool,
     /// User metadata stored in the index, readable without loading anything.
     pub content_metadata: Value,
-    /// IO threads per rank.
+    /// IO threads per rank. Into a local file ([`Storage::is_local`](crate::Storage::is_local))
+    /// a file is written from one thread whatever this says: the kernel serializes writes into
+    /// one file there.
     pub threads: usize,
     /// Checksum block size in bytes (loads verify whole blocks).
     pub block_size: u64,

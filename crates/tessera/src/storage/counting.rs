@@ -37,6 +37,9 @@ impl Storage for CountingStorage<'_> {
     fn size(&self, name: &str) -> Result<u64> {
         self.inner.size(name)
     }
+    fn is_local(&self) -> bool {
+        self.inner.is_local()
+    }
     fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.reads.fetch_add(1, Ordering::Relaxed);
         self.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);

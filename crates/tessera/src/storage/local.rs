@@ -27,6 +27,32 @@ pub struct LocalStorage {
 
 const NOT_FOLLOWED: &str = "is a symbolic link; tessera does not follow links out of a checkpoint";
 
+/// Filesystems whose files live on this machine's disks or memory, by `statfs` magic number
+/// (linux/magic.h): ext2/3/4, xfs, btrfs, tmpfs, ramfs, f2fs, zfs, overlayfs, bcachefs. Only
+/// these take the local path of [`Storage::is_local`]; a network or parallel filesystem (NFS,
+/// Lustre, GPFS, CephFS, CIFS) or a FUSE mount may serve concurrent writes into one file in
+/// parallel and make every request a round trip, so it keeps several large requests in flight.
+const LOCAL_FILESYSTEMS: [u64; 9] =
+    [0xEF53, 0x5846_5342, 0x9123_683E, 0x0102_1994, 0x8584_58F6, 0xF2F5_2010, 0x2FC1_2FC1, 0x794C_7630, 0xCA45_1A4E];
+
+/// Whether `dir` (or, while it does not exist yet, its nearest existing ancestor) is on one of
+/// [`LOCAL_FILESYSTEMS`]. False where that cannot be told.
+fn on_local_filesystem(dir: &Path) -> bool {
+    #[cfg(target_os = "linux")]
+    for at in dir.ancestors().filter(|a| !a.as_os_str().is_empty()) {
+        let Ok(c) = std::ffi::CString::new(at.as_os_str().as_encoded_bytes()) else { return false };
+        let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+        // SAFETY: `c` is a NUL-terminated path and `st` a writable `statfs`, which the call
+        // fills whole when it returns 0; it is read only then.
+        let st = unsafe { (libc::statfs(c.as_ptr(), st.as_mut_ptr()) == 0).then(|| st.assume_init()) };
+        if let Some(st) = st {
+            // The magic is 32 bits, in a field that is signed on some targets.
+            return LOCAL_FILESYSTEMS.contains(&(st.f_type as u64 & 0xFFFF_FFFF));
+        }
+    }
+    false
+}
+
 /// Why an entry of type `mode` (`st_mode`) is not read as a file, or `None` for a regular file.
 fn not_regular(mode: libc::mode_t) -> Option<&'static str> {
     match mode & libc::S_IFMT {
@@ -270,7 +296,7 @@ impl Storage for LocalStorage {
     }
 
     fn is_local(&self) -> bool {
-        true
+        on_local_filesystem(&self.root)
     }
 
     fn create(&self, name: &str, size: u64) -> Result<Box<dyn ObjectWriter>> {
@@ -398,5 +424,24 @@ fn not_regular_type(t: fs::FileType) -> &'static str {
         "is a device, not a regular file"
     } else {
         "is not a regular file"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn local_filesystems_are_told_from_others() {
+        // tmpfs is local; procfs is not among the listed ones; a directory not yet made is
+        // judged by the nearest one that exists.
+        if Path::new("/dev/shm").is_dir() {
+            assert!(on_local_filesystem(Path::new("/dev/shm")));
+            assert!(on_local_filesystem(Path::new("/dev/shm/not/made/yet")));
+        }
+        assert!(!on_local_filesystem(Path::new("/proc")));
+        assert!(!on_local_filesystem(Path::new("/proc/not-there")));
+        assert!(!LocalStorage::new("/proc/x").is_local());
     }
 }

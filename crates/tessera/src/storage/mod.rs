@@ -132,8 +132,8 @@ pub trait Storage: Send + Sync + fmt::Debug {
         false
     }
 
-    /// True when the bytes live on this machine (a local filesystem, through the page cache;
-    /// memory): a request has no round trip to amortize, and concurrent writes into one file
+    /// True when the bytes live on this machine (a local disk or tmpfs, through the page cache;
+    /// memory; for [`LocalStorage`], a filesystem it knows to be local): a request has no round trip to amortize, and concurrent writes into one file
     /// gain nothing (the kernel serializes them on the file). The load then reads a long range
     /// in pieces the CPU cache holds and checks each piece while it is there, and the save
     /// writes a file from one thread, checksumming each piece just before writing it. Where a
@@ -307,7 +307,7 @@ impl Storage for OneFile {
         self.dir.read_at(name, offset, buf)
     }
     fn is_local(&self) -> bool {
-        true
+        self.dir.is_local()
     }
     fn create(&self, _: &str, _: u64) -> Result<Box<dyn ObjectWriter>> {
         Err(self.read_only())
