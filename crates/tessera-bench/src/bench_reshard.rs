@@ -141,6 +141,16 @@ fn tree<'a>(n: u64, ranks: usize, r: usize, axis: usize, bufs: Vec<TensorData<'a
     Ok(tree)
 }
 
+/// Zeroes every rank's targets: touched (a first load would otherwise pay for their page
+/// faults), and holding nothing of the step before.
+fn zero(targets: &[Mutex<Vec<Vec<u8>>>]) {
+    for t in targets {
+        for b in t.lock().unwrap().iter_mut() {
+            b.fill(0);
+        }
+    }
+}
+
 /// Runs `step` on every rank at once, from a barrier to a barrier; returns its seconds (the
 /// slowest rank's) and each rank's result.
 fn timed<T: Send>(ranks: usize, step: impl Fn(&dyn Communicator) -> Result<T> + Sync) -> Result<(f64, Vec<T>)> {
@@ -245,12 +255,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
             let tree = tree(n, world, comm.rank(), 0, bufs)?;
             tessera::save(tree, &storage, comm, &opts).with_context(|| format!("save, rank {}", comm.rank()))
         })?;
-        // Touch the targets (a first load would otherwise pay for their page faults).
-        for t in &targets {
-            for b in t.lock().unwrap().iter_mut() {
-                b.fill(0);
-            }
-        }
+        zero(&targets);
         let cpu = system::cpu_secs().unwrap_or(0.0);
         let (memcpy, _) = timed(world, |comm| {
             let mut mine = targets[comm.rank()].lock().unwrap();
@@ -260,11 +265,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
             Ok(())
         })?;
         let memcpy_cpu = system::cpu_secs().unwrap_or(0.0) - cpu;
-        for t in &targets {
-            for b in t.lock().unwrap().iter_mut() {
-                b.fill(0);
-            }
-        }
+        zero(&targets);
         // The floor of any reader through the kernel: exactly the bytes a rank needs, each run
         // (a row's piece) read by `pread` straight into its place in the targets, no checksum,
         // from the raw write's files (each a saving rank's rows, tensor after tensor).
@@ -294,11 +295,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
         }
         let floor_ok = targets.iter().zip(&truth).all(|(t, want)| *t.lock().unwrap() == *want);
         anyhow::ensure!(floor_ok, "the floor reference read wrong bytes: the benchmark's layout arithmetic is off");
-        for t in &targets {
-            for b in t.lock().unwrap().iter_mut() {
-                b.fill(0);
-            }
-        }
+        zero(&targets);
         let files = files_of(&ckpt)?;
         if args.cold {
             system::drop_dir_cache(&ckpt)?;

@@ -28,6 +28,30 @@ pub(crate) fn parallel_for(n: usize, threads: usize, work: impl Fn(usize) + Sync
     });
 }
 
+/// Starts `n` threads named `name` in `scope`, each running `worker` (which takes its work from
+/// a shared queue, so the threads that start do the work of any that cannot). Fails only when
+/// not one thread could start: then nothing would run and the caller must not report success.
+/// Named, so that a profile or a debugger tells the engine's threads apart.
+pub(crate) fn spawn_named<'scope, F: Fn() + Sync>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    name: &str,
+    n: usize,
+    worker: &'scope F,
+) -> std::io::Result<()> {
+    let mut last_error = None;
+    let mut started = 0usize;
+    for _ in 0..n.max(1) {
+        match std::thread::Builder::new().name(name.into()).spawn_scoped(scope, worker) {
+            Ok(_) => started += 1,
+            Err(e) => last_error = Some(e),
+        }
+    }
+    match (started, last_error) {
+        (0, Some(e)) => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// Runs `work(i)` for every `i` in `0..n` on one thread per core (on the calling thread when
 /// there is one part or one core): how CPU-bound parts of plan and format functions (decoding
 /// an index or the save plans, validating the plans) run from `load/` and `save/`.

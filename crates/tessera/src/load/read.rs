@@ -143,40 +143,28 @@ fn execute_in_pieces(
     let work = Mutex::new(work.into_iter());
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
     let workers = threads.clamp(1, plan.spans.len().max(1));
-    std::thread::scope(|scope| {
-        let (mut started, mut spawn_error) = (0usize, None);
-        for _ in 0..workers {
-            // Named, so that a profile or a debugger tells the load's readers apart.
-            let reader = std::thread::Builder::new().name("tessera-read".into());
-            let spawned = reader.spawn_scoped(scope, || {
-                let mut scratch: Vec<u8> = Vec::new();
-                loop {
-                    if first_error.lock().unwrap().is_some() {
-                        return;
-                    }
-                    // The lock is held only to take the next read, not while it runs.
-                    let next = work.lock().unwrap().next();
-                    let Some((i, dsts)) = next else { return };
-                    if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
-                        first_error.lock().unwrap().get_or_insert(Error::Cancelled);
-                        return;
-                    }
-                    let sp = &plan.spans[i];
-                    let r = read_span(storage, index, plan, sp, dsts, &mut scratch, piece);
-                    if let Err(e) = r {
-                        first_error.lock().unwrap().get_or_insert(e);
-                        return;
-                    }
-                }
-            });
-            // The threads already running take the work of one that could not start; if none
-            // could, the load fails.
-            match spawned {
-                Ok(_) => started += 1,
-                Err(e) => spawn_error = Some(e),
+    let reader = || {
+        let mut scratch: Vec<u8> = Vec::new();
+        loop {
+            if first_error.lock().unwrap().is_some() {
+                return;
+            }
+            // The lock is held only to take the next read, not while it runs.
+            let next = work.lock().unwrap().next();
+            let Some((i, dsts)) = next else { return };
+            if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                first_error.lock().unwrap().get_or_insert(Error::Cancelled);
+                return;
+            }
+            let sp = &plan.spans[i];
+            if let Err(e) = read_span(storage, index, plan, sp, dsts, &mut scratch, piece) {
+                first_error.lock().unwrap().get_or_insert(e);
+                return;
             }
         }
-        if let (0, Some(e)) = (started, spawn_error) {
+    };
+    std::thread::scope(|scope| {
+        if let Err(e) = crate::load::spawn_named(scope, "tessera-read", workers, &reader) {
             first_error.lock().unwrap().get_or_insert(Error::io(storage.location(), e));
         }
     });

@@ -95,56 +95,44 @@ pub(crate) fn write_sources(
     let first_error: Mutex<Option<crate::error::Error>> = Mutex::new(None);
     // Writes into one local file serialize on the file in the kernel: more threads only wait.
     let workers = if local { 1 } else { threads.clamp(1, units.len().max(1)) };
-    std::thread::scope(|scope| {
-        let (mut started, mut spawn_error) = (0usize, None);
-        for _ in 0..workers {
-            // Named, so that a profile or a debugger tells the save's writers apart.
-            let writer_thread = std::thread::Builder::new().name("tessera-write".into());
-            let spawned = writer_thread.spawn_scoped(scope, || {
-                let mut staging: Vec<u8> = Vec::new();
-                loop {
-                    let u = next.fetch_add(1, Ordering::Relaxed);
-                    if u >= units.len() || first_error.lock().unwrap().is_some() {
-                        return;
-                    }
-                    if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
-                        first_error.lock().unwrap().get_or_insert(crate::error::Error::Cancelled);
-                        return;
-                    }
-                    let r = match &units[u] {
-                        Unit::Direct { src, start, end } => {
-                            let s = &sources[*src];
-                            write_direct(writer, s, *start, *end, local).map(|local| {
-                                let block0 = (start / s.block) as usize;
-                                crcs[*src].lock().unwrap()[block0..block0 + local.len()].copy_from_slice(&local);
-                            })
-                        }
-                        Unit::Batch { first, last } => {
-                            staging.clear();
-                            for (k, s) in sources[*first..=*last].iter().enumerate() {
-                                staging.extend_from_slice(s.data);
-                                let local: Vec<u32> =
-                                    s.data.chunks(s.block as usize).map(crate::model::crc::crc32c).collect();
-                                *crcs[first + k].lock().unwrap() = local;
-                            }
-                            writer.write_at(sources[*first].file_off, &staging)
-                        }
-                    };
-                    if let Err(e) = r {
-                        first_error.lock().unwrap().get_or_insert(e);
-                        return;
-                    }
+    let writer_thread = || {
+        let mut staging: Vec<u8> = Vec::new();
+        loop {
+            let u = next.fetch_add(1, Ordering::Relaxed);
+            if u >= units.len() || first_error.lock().unwrap().is_some() {
+                return;
+            }
+            if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                first_error.lock().unwrap().get_or_insert(crate::error::Error::Cancelled);
+                return;
+            }
+            let r = match &units[u] {
+                Unit::Direct { src, start, end } => {
+                    let s = &sources[*src];
+                    write_direct(writer, s, *start, *end, local).map(|block_crcs| {
+                        let block0 = (start / s.block) as usize;
+                        crcs[*src].lock().unwrap()[block0..block0 + block_crcs.len()].copy_from_slice(&block_crcs);
+                    })
                 }
-            });
-            // The threads already running take the work of one that could not start; if none
-            // could, the save fails.
-            match spawned {
-                Ok(_) => started += 1,
-                Err(e) => spawn_error = Some(e),
+                Unit::Batch { first, last } => {
+                    staging.clear();
+                    for (k, s) in sources[*first..=*last].iter().enumerate() {
+                        staging.extend_from_slice(s.data);
+                        *crcs[first + k].lock().unwrap() =
+                            s.data.chunks(s.block as usize).map(crate::model::crc::crc32c).collect();
+                    }
+                    writer.write_at(sources[*first].file_off, &staging)
+                }
+            };
+            if let Err(e) = r {
+                first_error.lock().unwrap().get_or_insert(e);
+                return;
             }
         }
-        if let (0, Some(e)) = (started, spawn_error) {
-            first_error.lock().unwrap().get_or_insert(crate::error::Error::io("writer thread", e));
+    };
+    std::thread::scope(|scope| {
+        if let Err(e) = crate::load::spawn_named(scope, "tessera-write", workers, &writer_thread) {
+            first_error.lock().unwrap().get_or_insert(crate::error::Error::io("the save's writer threads", e));
         }
     });
     if let Some(e) = first_error.into_inner().unwrap() {
