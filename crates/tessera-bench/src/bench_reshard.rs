@@ -1,4 +1,5 @@
-//! `tessera-bench --reshard --dir D [--size 1GiB] [--tensors 16] [--ranks 2] [--rounds 3] [--cold]`:
+//! `tessera-bench --reshard --dir D [--size 1GiB] [--tensors 16] [--ranks 2] [--rounds 3] [--cold]
+//! [--not-local]`:
 //! a resharded load against a memcpy, and a save against a raw write, through the Rust API.
 //!
 //! The state is `--tensors` square f32 matrices of `--size` bytes in all, held by `--ranks`
@@ -22,6 +23,11 @@
 //! load / memcpy (warm), load / sequential read (cold), save / raw write, as throughput or
 //! time as labelled. Peak RSS of the load over its start (the targets already resident) is the
 //! load's extra memory, all ranks together.
+//!
+//! With `--not-local`, tessera's save and load see D as not local
+//! ([`LocalStorage::treat_as_local`]), so they take the paths they take on a network filesystem:
+//! several writers per file, whole spans per read, and checksums verified by the ranks
+//! together (each reads only the bytes it needs). The references do not change.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -59,10 +65,23 @@ pub struct ReshardArgs {
     pub cold: bool,
     /// IO threads per rank of the save and the load, if not the library's default.
     pub threads: Option<usize>,
+    /// Treat the directory as not local, as a network filesystem is.
+    pub not_local: bool,
     /// Print one JSON object.
     pub json: bool,
     /// Keep D/ckpt afterwards.
     pub keep: bool,
+}
+
+/// The checkpoint directory as tessera's save and load see it: judged by its filesystem, or
+/// treated as not local (`--not-local`).
+fn storage_at(ckpt: &Path, not_local: bool) -> LocalStorage {
+    let storage = LocalStorage::new(ckpt);
+    if not_local {
+        storage.treat_as_local(false)
+    } else {
+        storage
+    }
 }
 
 /// Tensors of the benchmark when `--tensors` is not given.
@@ -216,11 +235,12 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
     if !args.json {
         println!(
             "reshard bench in {}: {} tensors of {n}×{n} f32 ({} in all), {world} ranks, saved by rows, loaded by \
-             columns into touched targets, {}; {} round(s)",
+             columns into touched targets, {}{}; {} round(s)",
             args.dir.display(),
             tensors,
             fmt_bytes(state_bytes),
             if args.cold { "cold (page cache dropped)" } else { "warm (files in page cache)" },
+            if args.not_local { ", directory treated as not local" } else { "" },
             args.rounds
         );
     }
@@ -249,7 +269,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
         }
         let mut opts = SaveOptions::default();
         opts.threads = args.threads.unwrap_or(opts.threads);
-        let storage = LocalStorage::new(&ckpt);
+        let storage = storage_at(&ckpt, args.not_local);
         let (save, _) = timed(world, |comm| {
             let bufs = sources[comm.rank()].iter().map(|b| TensorData::Ref(b)).collect();
             let tree = tree(n, world, comm.rank(), 0, bufs)?;
@@ -321,7 +341,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
         system::trim_heap();
         let rss_start = system::current_rss().unwrap_or(0);
         let peak_resettable = system::reset_peak_rss();
-        let storage = LocalStorage::new(&ckpt);
+        let storage = storage_at(&ckpt, args.not_local);
         let cpu = system::cpu_secs().unwrap_or(0.0);
         let (load, stats) = timed(world, |comm| {
             let mut mine = targets[comm.rank()].lock().unwrap();
@@ -404,6 +424,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
             "n": n,
             "ranks": world,
             "cold": args.cold,
+            "not_local": args.not_local,
             "load_time_vs_memcpy": load_vs_memcpy.median,
             "load_time_vs_memcpy_rounds": rounds.iter().map(|r| ratio(r.load, r.memcpy)).collect::<Vec<_>>(),
             "floor_time_vs_memcpy": floor_vs_memcpy.median,

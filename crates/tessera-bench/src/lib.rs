@@ -82,6 +82,10 @@ struct Cli {
     /// With --reshard: IO threads per rank of the save and the load (default: the library's).
     #[arg(long, requires = "reshard")]
     threads: Option<usize>,
+    /// With --reshard: treat --dir as not local (`LocalStorage::treat_as_local(false)`), so the
+    /// save and the load take the paths they take on a network filesystem.
+    #[arg(long, requires = "reshard")]
+    not_local: bool,
     /// Async save (AsyncSaver): each round times a memcpy of every rank's state into a
     /// pre-faulted buffer, an async save (blocking part and total, up to finalize) and a sync
     /// save of the same state; reports blocking/memcpy, blocking/sync, total/sync and peak RSS
@@ -136,6 +140,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
         reshard,
         cold,
         threads,
+        not_local,
         async_save,
         budget,
         fully_parallel,
@@ -185,6 +190,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
             rounds,
             cold,
             threads,
+            not_local,
             json,
             keep,
         });

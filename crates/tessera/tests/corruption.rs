@@ -498,25 +498,34 @@ fn a_damaged_section_fails_only_its_readers_and_leaves_no_rank_waiting() {
     let storage = fx.storage();
     assert_corrupt(open(&storage).map(Checkpoint::into_index), INDEX_FILE, "a full open decodes every section");
     let (_, _, norm) = &fx.tensors["norm"];
-    for strict in [StrictHandling::AssumeOkUnexpected, StrictHandling::RaiseAll] {
-        // Rank 0 loads w and fails; rank 1 loads norm. In the strict mode both take part in the
-        // key exchange (run_ranks fails the test if a rank is left waiting).
+    // Without shared verification a load is collective only in the strict modes that gather
+    // keys; with it (the default), always.
+    for (strict, share) in [
+        (StrictHandling::AssumeOkUnexpected, false),
+        (StrictHandling::RaiseAll, false),
+        (StrictHandling::AssumeOkUnexpected, true),
+        (StrictHandling::RaiseAll, true),
+    ] {
+        // Rank 0 loads w and fails; rank 1 loads norm. Where the load is collective both take
+        // part in its first exchange (run_ranks fails the test if a rank is left waiting).
+        let opts = LoadOptions { strict, share_verification: share, ..load_opts() };
         let out = run_ranks(2, |c| {
             let (key, dtype, shape) =
                 if c.rank() == 0 { ("w", DType::F32, vec![8, 6]) } else { ("norm", DType::F32, vec![6]) };
             let tree = StateTree::map()
                 .with(key, StateTree::Tensor(ShardedTensor::full(key, dtype, &shape, TensorData::None)));
-            load(tree, &storage, c, &LoadOptions { strict, ..load_opts() }).map(|r| bytes_at(&r.state, key).to_vec())
+            load(tree, &storage, c, &opts).map(|r| bytes_at(&r.state, key).to_vec())
         });
         let mut out = out.into_iter();
         assert_corrupt(out.next().unwrap(), INDEX_FILE, "the reader of w");
-        match (strict, out.next().unwrap()) {
-            (StrictHandling::AssumeOkUnexpected, Ok(bytes)) => assert_eq!(&bytes, norm),
+        match (strict, share, out.next().unwrap()) {
+            (StrictHandling::AssumeOkUnexpected, false, Ok(bytes)) => assert_eq!(&bytes, norm),
             // Nobody loaded w or opt (rank 0 failed): they are missing.
-            (StrictHandling::RaiseAll, Err(Error::KeyMismatch { missing, .. })) => {
+            (StrictHandling::RaiseAll, _, Err(Error::KeyMismatch { missing, .. })) => {
                 assert!(missing.contains(&"w".to_string()))
             }
-            (s, other) => panic!("{s:?}: the reader of norm got {other:?}"),
+            (StrictHandling::AssumeOkUnexpected, true, Err(Error::PeerFailed { rank: 0, .. })) => {}
+            (s, share, other) => panic!("{s:?}, shared verification {share}: the reader of norm got {other:?}"),
         }
     }
 }

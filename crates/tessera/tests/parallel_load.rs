@@ -460,7 +460,8 @@ fn a_planning_failure_on_one_rank_fails_every_rank() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Off by default: no collective, the usual reads.
+// Without the exchange and without shared verification (or without verification): no
+// collective, the usual reads.
 
 /// A communicator whose collectives must not be called.
 struct NoCollectives;
@@ -484,17 +485,21 @@ impl Communicator for NoCollectives {
 }
 
 #[test]
-fn the_default_load_is_unchanged() {
+fn a_load_that_shares_nothing_makes_no_collective() {
     assert!(!LoadOptions::default().exchange_reads);
     let specs = replicated_specs();
     let storage = MemoryStorage::new();
     save_replicated(&storage, &specs, 2, 1 << 20);
-    let res = load(replicated_request(&specs), &storage, &NoCollectives, &load_opts()).unwrap();
-    for s in &specs {
-        assert!(bytes_at(&res.state, s.key) == s.truth, "{}", s.key);
-    }
     let total = open(&storage).map(Checkpoint::into_index).unwrap().tensor_bytes();
-    let st = &res.stats;
-    assert_eq!((st.bytes_needed, st.bytes_read, st.bytes_received), (total, total, 0));
-    assert!(st.header_bytes_read > 0 && st.reads > 0);
+    for (verify, share) in [(true, false), (false, true)] {
+        let opts = LoadOptions { verify_checksums: verify, share_verification: share, ..load_opts() };
+        let res = load(replicated_request(&specs), &storage, &NoCollectives, &opts).unwrap();
+        for s in &specs {
+            assert!(bytes_at(&res.state, s.key) == s.truth, "{}", s.key);
+        }
+        let st = &res.stats;
+        assert_eq!((st.bytes_needed, st.bytes_read, st.bytes_received), (total, total, 0));
+        assert_eq!(st.header_bytes_read > 0, verify);
+        assert!(st.reads > 0);
+    }
 }

@@ -14,7 +14,8 @@ use crate::comm::{wire, Communicator};
 use crate::error::{Error, Result};
 use crate::format::CheckpointIndex;
 use crate::load::open::{open_checkpoint, open_checkpoint_key_set, Checkpoint};
-use crate::load::read::{destination_order, execute, verify_headers};
+pub use crate::load::read::LoadStats;
+use crate::load::read::{destination_order, execute, read_alone, verify_headers, Reading};
 use crate::model::dtype::DType;
 use crate::model::factories::{apply_factories, apply_merges, remove_paths, AppliedFactory};
 use crate::model::{StatePath, StateTree, TensorData};
@@ -103,6 +104,20 @@ pub struct LoadOptions {
     /// default: a dtype change is usually a mistake; Megatron-Core's load casts, and so does
     /// its mirror. Each cast tensor is staged once in its stored dtype.
     pub cast_dtypes: bool,
+    /// With more than one rank in `comm` and `verify_checksums` (and without `exchange_reads`):
+    /// check the blocks that several ranks read parts of together (default on), so that each
+    /// rank reads only the bytes it needs from remote storage. Without it a rank reads every
+    /// block it touches whole, so loading half of each row of a tensor saved by rows reads
+    /// twice the bytes. It makes load collective: every rank of `comm` must call it, with the
+    /// same options. The ranks announce their needs in one all-gather; when every rank's
+    /// storage is remote ([`Storage::is_local`] false: object stores, network filesystems),
+    /// they swap the CRCs of the parts they read (4 bytes per part) in one all-to-all, and each
+    /// joins them, with its own, into the stored CRC of every block it touched, so each rank's
+    /// own bytes are verified. From a local file every rank reads whole blocks as without the
+    /// option: its gaps cost no transfer there, and a few large reads beat many small ones. A
+    /// failure on any rank before the swap fails the load on every rank, as with
+    /// `exchange_reads`.
+    pub share_verification: bool,
 }
 
 impl Default for LoadOptions {
@@ -116,25 +131,9 @@ impl Default for LoadOptions {
             exchange_reads: false,
             exchange_round_bytes: DEFAULT_ROUND_BYTES,
             cast_dtypes: false,
+            share_verification: true,
         }
     }
-}
-
-/// Counters of one rank's load.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LoadStats {
-    /// Bytes the requested tensors needed.
-    pub bytes_needed: u64,
-    /// Bytes of tensor data this rank read from storage (whole checksum blocks when
-    /// verifying). With `exchange_reads`, only the ranges assigned to this rank.
-    pub bytes_read: u64,
-    /// Bytes of tensor data received from other ranks (`exchange_reads`).
-    pub bytes_received: u64,
-    /// Bytes of data-file headers read to verify them (verified loads only).
-    pub header_bytes_read: u64,
-    /// Ranged reads the plan made (a read of a local file goes to the kernel in cache-sized
-    /// pieces: one read here, several calls there).
-    pub reads: usize,
 }
 
 /// What a load returns: the tree with every tensor filled (in the caller's buffers, or in
@@ -197,12 +196,31 @@ pub fn load<'a>(
     load_with(&ckpt.index, factories, ckpt.storage(), comm, opts)
 }
 
+impl Reading<'_> {
+    /// The settings of `opts` that its reads follow.
+    fn of(opts: &LoadOptions) -> Reading<'_> {
+        Reading {
+            verify: opts.verify_checksums,
+            tuning: opts.tuning,
+            threads: opts.threads,
+            cancel: opts.cancel.as_deref(),
+        }
+    }
+}
+
+/// Whether a load with `opts` over `comm` checks blocks together with the other ranks
+/// ([`LoadOptions::share_verification`]): decided from the options and the world alone, so
+/// that a rank which failed to open the checkpoint still knows which collectives to make.
+fn shares_verification(opts: &LoadOptions, comm: &dyn Communicator) -> bool {
+    opts.share_verification && opts.verify_checksums && !opts.exchange_reads && comm.world_size() > 1
+}
+
 /// Opens the checkpoint at `storage` as [`load`] does for a rank loading the tensors `keys`:
 /// only their index entries, or the whole index with `exchange_reads`. Then
 /// [`load_checkpoint`] loads from it. Opening can fail on some ranks only (a damaged section
 /// is seen by the readers of its tensor): a rank that fails still makes the collectives its
-/// peers' load makes before reading (the strict-mode key exchange; with `exchange_reads`, the
-/// exchange of needs, carrying the failure), so no rank is left waiting.
+/// peers' load makes before reading (the strict-mode key exchange; with `exchange_reads` or
+/// shared verification, the exchange of needs, carrying the failure), so no rank is left waiting.
 pub(crate) fn open_for_load<'s, K: AsRef<str>>(
     storage: &'s dyn Storage,
     keys: &[K],
@@ -219,7 +237,7 @@ pub(crate) fn open_for_load<'s, K: AsRef<str>>(
             if opts.strict.needs_missing() {
                 comm.all_gather(&wire::strings::<&str>(&[]))?;
             }
-            if opts.exchange_reads {
+            if opts.exchange_reads || shares_verification(opts, comm) {
                 comm.all_gather(&wire::failed(&e))?;
             }
         }
@@ -264,7 +282,7 @@ fn load_with<'a>(
 ) -> Result<LoadResult<'a>> {
     let mut strict_gathered = false;
     let prepared = prepare(index, factories, comm, opts, &mut strict_gathered);
-    let (prepared, stats) = if opts.exchange_reads {
+    let (prepared, stats) = if opts.exchange_reads || shares_verification(opts, comm) {
         // Received bytes are scattered outside `execute` (which checks its own destinations):
         // every destination of the load inside its buffer, none written twice, checked once
         // before any byte is written, whatever built the index.
@@ -284,25 +302,17 @@ fn load_with<'a>(
                 return Err(e);
             }
         };
-        let stats = load_exchanged(index, storage, comm, opts, &p.segs, &mut targets_of(&mut p.datas))?;
+        let stats = if opts.exchange_reads {
+            load_exchanged(index, storage, comm, opts, &p.segs, &mut targets_of(&mut p.datas))?
+        } else {
+            let (segs, how) = (std::mem::take(&mut p.segs), Reading::of(opts));
+            crate::load::shared::load_shared_checks(index, storage, comm, &how, segs, &mut targets_of(&mut p.datas))?
+        };
         (p, stats)
     } else {
         let mut p = prepared?;
-        let plan = plan_reads(index, std::mem::take(&mut p.segs), opts.verify_checksums, opts.tuning);
-        execute(storage, index, &plan, &mut targets_of(&mut p.datas), opts.threads, opts.cancel.as_deref())?;
-        let mut header_bytes_read = 0;
-        if opts.verify_checksums {
-            let mut files: Vec<u32> = plan.spans.iter().map(|s| s.file).collect();
-            files.dedup();
-            header_bytes_read = verify_headers(storage, index, &files)?;
-        }
-        let stats = LoadStats {
-            bytes_needed: plan.bytes_needed,
-            bytes_read: plan.bytes_read,
-            bytes_received: 0,
-            header_bytes_read,
-            reads: plan.spans.len(),
-        };
+        let segs = std::mem::take(&mut p.segs);
+        let stats = read_alone(index, storage, &Reading::of(opts), segs, &mut targets_of(&mut p.datas))?;
         (p, stats)
     };
     let Prepared { tree, mut datas, applied, objects_wanted, unexpected_keys, missing, casts, .. } = prepared;

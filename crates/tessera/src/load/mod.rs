@@ -1,13 +1,14 @@
 //! Loading: one opener (location → detected format → index → validation → checkpoint), the
 //! load engine (plans from `plan/`, reads through `storage/`, decoding and casts into the
-//! caller's memory), ranged reads of the native index, and the exchange of reads shared
-//! between ranks. Reading threads start here.
+//! caller's memory), ranged reads of the native index, the exchange of reads shared between
+//! ranks, and checksums verified by the ranks together. Reading threads start here.
 
 pub(crate) mod checkpoint;
 pub(crate) mod engine;
 pub(crate) mod index_read;
 pub(crate) mod open;
 pub(crate) mod read;
+pub(crate) mod shared;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -10,8 +10,64 @@ use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 use crate::format::CheckpointIndex;
-use crate::plan::load::{CopySeg, ReadPlan, Span};
+use crate::plan::load::{plan_reads, CopySeg, ReadPlan, ReadTuning, Span};
 use crate::storage::Storage;
+
+/// Counters of one rank's load.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadStats {
+    /// Bytes the requested tensors needed.
+    pub bytes_needed: u64,
+    /// Bytes of tensor data this rank read from storage (whole checksum blocks when
+    /// verifying). With `exchange_reads`, only the ranges assigned to this rank.
+    pub bytes_read: u64,
+    /// Bytes of tensor data received from other ranks (`exchange_reads`).
+    pub bytes_received: u64,
+    /// Bytes of data-file headers read to verify them (verified loads only).
+    pub header_bytes_read: u64,
+    /// Ranged reads the plan made (a read of a local file goes to the kernel in cache-sized
+    /// pieces: one read here, several calls there).
+    pub reads: usize,
+}
+
+/// How one rank's reads run: the settings of a load that the read engine follows.
+pub(crate) struct Reading<'a> {
+    /// Read every checksum block touched whole and check it.
+    pub verify: bool,
+    /// Read grouping.
+    pub tuning: ReadTuning,
+    /// Reading threads.
+    pub threads: usize,
+    /// Set to stop the reads early.
+    pub cancel: Option<&'a AtomicBool>,
+}
+
+/// Reads this rank's `segs` into `targets` with no help from other ranks: every checksum block
+/// a segment touches is read whole and checked (with `how.verify`), then the headers of the
+/// files read.
+pub(crate) fn read_alone(
+    index: &CheckpointIndex,
+    storage: &dyn Storage,
+    how: &Reading<'_>,
+    segs: Vec<CopySeg>,
+    targets: &mut [&mut [u8]],
+) -> Result<LoadStats> {
+    let plan = plan_reads(index, segs, how.verify, how.tuning);
+    execute(storage, index, &plan, targets, how.threads, how.cancel)?;
+    let mut header_bytes_read = 0;
+    if how.verify {
+        let mut files: Vec<u32> = plan.spans.iter().map(|s| s.file).collect();
+        files.dedup();
+        header_bytes_read = verify_headers(storage, index, &files)?;
+    }
+    Ok(LoadStats {
+        bytes_needed: plan.bytes_needed,
+        bytes_read: plan.bytes_read,
+        bytes_received: 0,
+        header_bytes_read,
+        reads: plan.spans.len(),
+    })
+}
 
 /// Checks that the destinations of `segs` lie inside their targets (`target_lens[s.target]`
 /// bytes each) and that no two of them overlap within a target. Returns the segment indices

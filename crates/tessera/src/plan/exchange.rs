@@ -185,6 +185,16 @@ impl FileChunks {
         cs.get(i).filter(|c| c.off <= at)
     }
 
+    /// The checksum block holding byte `at` of `file`: its bytes, and the chunk and block number
+    /// that give its stored CRC.
+    pub(crate) fn block_at(&self, file: u32, at: u64) -> Option<BlockAt> {
+        let c = self.chunk_at(file, at)?;
+        let k = (at - c.off) / self.block_size;
+        let off = c.off + k * self.block_size;
+        let range = ByteRange { file, off, len: self.block_size.min(c.off + c.len - off) };
+        Some(BlockAt { range, tensor: c.tensor, chunk: c.chunk, block: k })
+    }
+
     /// Where to end a piece of `[off, end)` wanted to end at `want`: the last block boundary in
     /// `(off, want]`, or, when the block at `off` is longer, the end of that block. Block
     /// boundaries are the multiples of the block size from a chunk's start, and its end.
@@ -227,6 +237,18 @@ impl FileChunks {
         }
         Ok(())
     }
+}
+
+/// A checksum block of a data file ([`FileChunks::block_at`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BlockAt {
+    /// Its bytes.
+    pub range: ByteRange,
+    /// The tensor and stored chunk it belongs to.
+    pub tensor: u32,
+    pub chunk: u32,
+    /// Its number in the chunk (the index of its CRC).
+    pub block: u64,
 }
 
 /// Sizes of the exchange.
@@ -277,11 +299,10 @@ impl ExchangePlan {
     }
 }
 
-/// Plans the exchange from every rank's needs (`needs[r]`: sorted, disjoint ranges, as from
-/// [`needed_ranges`] or [`decode_needs`]). With `blocks`, pieces are cut on checksum-block
-/// boundaries. See the module documentation for the rules.
-pub fn plan_exchange(needs: &[Vec<ByteRange>], blocks: Option<&FileChunks>, tuning: ExchangeTuning) -> ExchangePlan {
-    let world = needs.len();
+/// The union of every rank's needs (`needs[r]`: sorted, disjoint), cut at every boundary of
+/// every rank's ranges: disjoint ranges in file order, each with its needers (indices into the
+/// returned list, ascending); adjacent ranges with the same needers are merged.
+pub(crate) fn union_by_needers(needs: &[Vec<ByteRange>]) -> (Vec<(ByteRange, Range<usize>)>, Vec<u32>) {
     // Sweep over every range boundary; between two boundaries the needers are the active set.
     let mut events: Vec<(u32, u64, bool, u32)> = Vec::with_capacity(needs.iter().map(|n| 2 * n.len()).sum());
     for (r, rs) in needs.iter().enumerate() {
@@ -323,6 +344,15 @@ pub fn plan_exchange(needs: &[Vec<ByteRange>], blocks: Option<&FileChunks>, tuni
         }
         since = Some((f, p));
     }
+    (unique, needers)
+}
+
+/// Plans the exchange from every rank's needs (`needs[r]`: sorted, disjoint ranges, as from
+/// [`needed_ranges`] or [`decode_needs`]). With `blocks`, pieces are cut on checksum-block
+/// boundaries. See the module documentation for the rules.
+pub fn plan_exchange(needs: &[Vec<ByteRange>], blocks: Option<&FileChunks>, tuning: ExchangeTuning) -> ExchangePlan {
+    let world = needs.len();
+    let (unique, needers) = union_by_needers(needs);
 
     // Pieces; single-needer ranges go to their needer.
     let mut read_bytes = vec![0u64; world];

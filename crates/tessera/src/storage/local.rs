@@ -23,6 +23,8 @@ use crate::error::{Error, Result};
 pub struct LocalStorage {
     root: PathBuf,
     handles: Mutex<HashMap<String, Arc<File>>>,
+    /// What [`Storage::is_local`] answers when the caller said ([`LocalStorage::treat_as_local`]).
+    local: Option<bool>,
 }
 
 const NOT_FOLLOWED: &str = "is a symbolic link; tessera does not follow links out of a checkpoint";
@@ -112,7 +114,16 @@ fn c_name(component: &str) -> CString {
 impl LocalStorage {
     /// A checkpoint rooted at directory `root` (created on first write).
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        LocalStorage { root: root.into(), handles: Mutex::new(HashMap::new()) }
+        LocalStorage { root: root.into(), handles: Mutex::new(HashMap::new()), local: None }
+    }
+
+    /// Says whether the directory keeps its files on this machine ([`Storage::is_local`]),
+    /// instead of asking the filesystem: for a mount `statfs` misjudges (a FUSE mount of a
+    /// local disk, a network filesystem behind an unknown type), or to see what a load does on
+    /// a network filesystem from a local directory.
+    pub fn treat_as_local(mut self, local: bool) -> Self {
+        self.local = Some(local);
+        self
     }
 
     /// The directory.
@@ -296,7 +307,7 @@ impl Storage for LocalStorage {
     }
 
     fn is_local(&self) -> bool {
-        on_local_filesystem(&self.root)
+        self.local.unwrap_or_else(|| on_local_filesystem(&self.root))
     }
 
     fn create(&self, name: &str, size: u64) -> Result<Box<dyn ObjectWriter>> {
@@ -443,5 +454,8 @@ mod tests {
         assert!(!on_local_filesystem(Path::new("/proc")));
         assert!(!on_local_filesystem(Path::new("/proc/not-there")));
         assert!(!LocalStorage::new("/proc/x").is_local());
+        // What the caller says wins over what the filesystem says.
+        assert!(LocalStorage::new("/proc/x").treat_as_local(true).is_local());
+        assert!(!LocalStorage::new(std::env::temp_dir()).treat_as_local(false).is_local());
     }
 }
