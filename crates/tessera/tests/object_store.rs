@@ -8,6 +8,8 @@
 //!   whose response is lost is recognised by the read-back.
 //! - A resharded load issues exactly the GETs its plan says, and downloads what it needs.
 //! - `ObjectStorage::request_counts` agrees with what went over the wire.
+//! - Ranks that each need half of every row verify the blocks together and download what they
+//!   need, not the whole blocks.
 
 mod common;
 
@@ -603,4 +605,45 @@ fn the_conformance_suite_holds_through_throttling() {
     conformance::run(&storage);
     let c = proxy.counts();
     assert!(c.by_fault.get(&Fault::SlowDown).copied().unwrap_or(0) > 0, "no 503 injected: {c:?}");
+}
+
+#[test]
+fn ranks_loading_halves_of_rows_download_only_their_halves() {
+    let _serial = serial();
+    // 1 MiB of "w" per save rank: 4 KiB rows, 1 MiB blocks (256 rows each).
+    let t = Truth::new(8, 256);
+    let url = s3::fresh_url("shared-verification");
+    let storage = ObjectStorage::open(&url, s3::test_options()).unwrap();
+    for (r, o) in save_all(&storage, &t).into_iter().enumerate() {
+        o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+    let half = COLS / 2;
+    let request = |r: u64| {
+        let cols = shard("w", DType::F32, &t.w_shape(), &[0, r * half], &[t.rows, half], 0, None, TensorData::None);
+        StateTree::map().with("w", StateTree::Tensor(cols))
+    };
+    let needed = t.rows * COLS * 4;
+    for share in [true, false] {
+        let opts = LoadOptions { share_verification: share, ..load_opts() };
+        let before = storage.request_counts();
+        let out = run_ranks(2, |c| load(request(c.rank() as u64), &storage, c, &opts));
+        let after = storage.request_counts();
+        let mut read = 0;
+        for (r, x) in out.into_iter().enumerate() {
+            let x = x.unwrap_or_else(|e| panic!("shared {share}, rank {r}: {e}"));
+            let w = tensor_at(&x.state, "w");
+            assert!(w.data.bytes().unwrap() == expected_for(w, &t.w, &t.w_shape()).as_slice(), "rank {r}");
+            read += x.stats.bytes_read;
+        }
+        // What went over the wire besides tensor data: the index and the files' headers, read
+        // by each rank.
+        let downloaded = after.bytes_downloaded - before.bytes_downloaded;
+        if share {
+            assert_eq!(read, needed, "each rank reads its own half of every row");
+            assert!(downloaded as f64 <= 1.05 * needed as f64, "{downloaded} downloaded for {needed} needed");
+        } else {
+            assert_eq!(read, 2 * needed, "each rank reads whole blocks");
+            assert!(downloaded >= 2 * needed, "{downloaded} downloaded for {needed} needed");
+        }
+    }
 }
