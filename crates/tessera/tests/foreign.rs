@@ -8,13 +8,13 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::box_bytes;
 use common::files::copy_dir;
 use common::fixtures::{assert_loads, boxes, json_eq, to_json, Expected};
+use common::{box_bytes, bytes_at, run_ranks, CountingComm};
 
 use tessera::{
-    open, verify, CountingStorage, DType, Error, FormatRecord, LoadOptions, LocalStorage, ShardedObject, ShardedTensor,
-    SoloComm, StateTree, Storage, TensorData, Value,
+    load, open, verify, Communicator, CountingStorage, DType, Error, FormatRecord, LoadOptions, LocalStorage,
+    ShardedObject, ShardedTensor, SoloComm, StateTree, Storage, TensorData, Value,
 };
 
 fn fixtures() -> PathBuf {
@@ -174,6 +174,39 @@ fn resharded_loads_return_the_right_slices() {
                 }
             }
             assert_loads(&storage, tree, expect, &format!("{name} in {parts} parts"));
+        }
+    }
+}
+
+#[test]
+fn ranks_loading_from_a_network_filesystem_share_no_checks_of_a_foreign_format() {
+    // Foreign formats carry no block checksums: a multi-rank verified load from storage that is
+    // not local has nothing to check together and reads alone, in one collective.
+    for (name, _) in ALL {
+        let storage = fixture_storage(name).treat_as_local(false);
+        let want = expected_tensors(name);
+        let out = run_ranks(2, |c| {
+            let mut tree = StateTree::map();
+            let mut expect = Vec::new();
+            for (k, w) in want.iter().filter(|(_, w)| !w.shape.is_empty()) {
+                let mine = boxes(&w.shape, 2).into_iter().enumerate().filter(|(i, _)| i % 2 == c.rank());
+                for (i, (off, sub)) in mine {
+                    let mut t = ShardedTensor::full(k.clone(), w.dtype, &sub, TensorData::None);
+                    (t.global_shape, t.global_offset) = (w.shape.clone(), off.clone());
+                    let id = format!("{}#{i}", k.replace('.', "_")); // a path, not dotted
+                    expect.push((id.clone(), box_bytes(&w.data, &w.shape, w.dtype.size(), &off, &sub)));
+                    tree.insert(id, StateTree::Tensor(t));
+                }
+            }
+            let counting = CountingComm::new(c);
+            let loaded = load(tree, &storage, &counting, &LoadOptions::default())?;
+            for (k, bytes) in expect {
+                assert!(bytes_at(&loaded.state, &k) == bytes.as_slice(), "{name}, rank {}: {k}", c.rank());
+            }
+            Ok::<_, Error>(counting.calls.load(std::sync::atomic::Ordering::Relaxed))
+        });
+        for (r, x) in out.into_iter().enumerate() {
+            assert_eq!(x.unwrap_or_else(|e| panic!("{name}, rank {r}: {e}")), 1, "{name}, rank {r}");
         }
     }
 }

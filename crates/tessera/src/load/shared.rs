@@ -36,10 +36,12 @@ pub(crate) fn load_shared_checks(
 ) -> Result<LoadStats> {
     let (me, world) = (comm.rank(), comm.world_size());
     // A rank reading a local file says so instead of sending its needs: then every rank reads
-    // alone (see `LoadOptions::share_verification`). Decided from what every rank sent, so all
-    // agree on whether the swap follows.
-    let mut msg = vec![u8::from(!storage.is_local())];
-    if !storage.is_local() {
+    // alone (see `LoadOptions::share_verification`); so does one reading a checkpoint without
+    // checksums (a foreign format), which has nothing to share. Decided from what every rank
+    // sent, so all agree on whether the swap follows.
+    let share = !storage.is_local() && index.block_size > 0;
+    let mut msg = vec![u8::from(share)];
+    if share {
         msg.extend(encode_needs(&needed_ranges(index, &segs, false)));
     }
     let all = comm.all_gather(&wire::ok(&msg))?;

@@ -74,6 +74,12 @@ pub struct SharedChecks {
 pub fn plan_shared_checks(index: &CheckpointIndex, needs: &[Vec<ByteRange>], me: u32) -> Result<SharedChecks, String> {
     let world = needs.len();
     let mine = needs.get(me as usize).ok_or_else(|| format!("rank {me} of {world}"))?;
+    let mut out =
+        SharedChecks { send: vec![Vec::new(); world], recv: vec![Vec::new(); world], ..SharedChecks::default() };
+    if index.block_size == 0 {
+        // No checksums (a foreign format): nothing to verify, together or alone.
+        return Ok(out);
+    }
     let chunks = FileChunks::new(index);
     // The blocks this rank touches, in file order, once each.
     let mut blocks: Vec<BlockAt> = Vec::new();
@@ -95,8 +101,6 @@ pub fn plan_shared_checks(index: &CheckpointIndex, needs: &[Vec<ByteRange>], me:
     let near: Vec<Vec<ByteRange>> = needs.iter().map(|rs| meeting(rs, &blocks)).collect();
     let (union, needers) = union_by_needers(&near);
     drop(near);
-    let mut out =
-        SharedChecks { send: vec![Vec::new(); world], recv: vec![Vec::new(); world], ..SharedChecks::default() };
     let mut touchers: Vec<u32> = Vec::new();
     // (range, needers) of the block being cut; an empty needer list is a hole.
     let mut cuts: Vec<(ByteRange, Range<usize>)> = Vec::new();
@@ -257,6 +261,15 @@ mod tests {
         assert_eq!(p2.recv[1], [0, 3]);
         assert_eq!(p2.send[1], [2]);
         assert_eq!(p1.recv[2], [2]);
+    }
+
+    #[test]
+    fn a_checkpoint_without_checksums_shares_nothing() {
+        let mut idx = index(64, 16);
+        idx.block_size = 0;
+        let needs = vec![vec![r(0, 3)], vec![r(3, 5)]];
+        let p = plan_shared_checks(&idx, &needs, 0).unwrap();
+        assert!(p.blocks.is_empty() && p.pieces.is_empty() && p.send.len() == 2 && p.recv.len() == 2);
     }
 
     #[test]
