@@ -11,7 +11,7 @@ pub use index::{
     CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
     FORMAT_VERSION, INDEX_FILE,
 };
-pub(crate) use safetensors::{build_header, crc_hex, parse_header, SafetensorsEntry};
+pub(crate) use safetensors::{build_header, crc_hex, parse_header, SafetensorsEntry, DATA_ALIGN, SAFETENSORS_ALIGN};
 
 /// True for names tessera gives its data files (`<16 hex>-r<rank>.safetensors`).
 pub(crate) fn is_data_file_name(name: &str) -> bool {

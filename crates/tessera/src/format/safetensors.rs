@@ -27,8 +27,21 @@ pub fn crc_hex(crcs: &[u32]) -> String {
     parts.join(",")
 }
 
-/// Builds the header bytes (length prefix + JSON padded with spaces to a multiple of 8).
-pub fn build_header(entries: &[SafetensorsEntry], metadata: &Map<String, J>) -> Vec<u8> {
+/// Where the data section of safetensors' own files starts: a multiple of 8, as the format
+/// requires.
+pub const SAFETENSORS_ALIGN: u64 = 8;
+
+/// Where the data section of tessera's data files starts: a multiple of the page size (a
+/// multiple of [`SAFETENSORS_ALIGN`] too). The kernel copies between a caller's buffer and the
+/// page cache fastest when both sit at the same offset within a cache line and a page: tensors
+/// are allocated aligned, and a 1 GiB save into tmpfs took ~8% more CPU with its data at 8 mod
+/// 64 than at a page boundary (issue 19).
+pub const DATA_ALIGN: u64 = 4096;
+
+/// Builds the header bytes: length prefix, then the JSON padded with spaces so that the data
+/// section starts at a multiple of `align` (a multiple of [`SAFETENSORS_ALIGN`]).
+pub fn build_header(entries: &[SafetensorsEntry], metadata: &Map<String, J>, align: u64) -> Vec<u8> {
+    debug_assert!(align.is_multiple_of(SAFETENSORS_ALIGN), "data alignment {align}");
     let mut root = Map::new();
     root.insert("__metadata__".into(), J::Object(metadata.clone()));
     for e in entries {
@@ -42,9 +55,8 @@ pub fn build_header(entries: &[SafetensorsEntry], metadata: &Map<String, J>) -> 
         );
     }
     let mut text = serde_json::to_vec(&J::Object(root)).expect("JSON of plain values");
-    while !(text.len() + 8).is_multiple_of(8) {
-        text.push(b' ');
-    }
+    let data_start = (text.len() as u64 + 8).next_multiple_of(align);
+    text.resize(data_start as usize - 8, b' ');
     let mut out = Vec::with_capacity(text.len() + 8);
     out.extend_from_slice(&(text.len() as u64).to_le_bytes());
     out.extend_from_slice(&text);

@@ -825,7 +825,7 @@ pub fn file_header(
     meta.insert("block_size".into(), J::String(block_size.to_string()));
     meta.insert("chunks".into(), J::String(J::Array(chunks).to_string()));
     meta.insert("objects".into(), J::String(J::Array(objects).to_string()));
-    crate::format::build_header(entries, &meta)
+    crate::format::build_header(entries, &meta, crate::format::DATA_ALIGN)
 }
 
 /// What a rank reports after writing its data file.
@@ -1073,6 +1073,23 @@ mod tests {
             })
             .collect();
         RankPlan { save_id: rank as u64, tensors, ..RankPlan::default() }
+    }
+
+    #[test]
+    fn the_data_section_starts_at_a_page_boundary() {
+        let plan = rows(0, 2, 3);
+        let layout = layout_file(0, &plan, 1 << 20);
+        assert!(layout.header_len.is_multiple_of(crate::format::DATA_ALIGN), "{}", layout.header_len);
+        let crcs = vec![vec![0xdead_beef]; 3];
+        let header =
+            file_header(0, &plan, 1 << 20, &layout.entries, &layout.tensor_entries, &layout.object_entries, &crcs);
+        assert_eq!(header.len() as u64, layout.header_len);
+        let mut read = |at: u64, buf: &mut [u8]| {
+            buf.copy_from_slice(&header[at as usize..][..buf.len()]);
+            Ok(())
+        };
+        let (_, data_start) = crate::format::parse_header(&mut read, header.len() as u64).unwrap();
+        assert_eq!(data_start, layout.header_len);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Map, Value as J};
 
 use crate::error::{Error, Result};
-use crate::format::{build_header, SafetensorsEntry, TensorEntry};
+use crate::format::{build_header, SafetensorsEntry, TensorEntry, SAFETENSORS_ALIGN};
 use crate::load::engine::LoadOptions;
 use crate::load::open::open_checkpoint;
 use crate::model::dtype::{cast_into, DType};
@@ -278,7 +278,7 @@ pub fn export_safetensors(
         }
         let mut meta = Map::new();
         meta.insert("format".into(), J::String("pt".into()));
-        headers.push(build_header(&entries, &meta));
+        headers.push(build_header(&entries, &meta, SAFETENSORS_ALIGN));
     }
 
     let result = write_files(src, index, &tensors, &pending, &headers, opts, progress);

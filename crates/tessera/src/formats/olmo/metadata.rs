@@ -24,7 +24,7 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value as J};
 
 use crate::error::{Error, Result};
-use crate::format::{build_header, Crcs, SafetensorsEntry, StoredChunk, TensorEntry};
+use crate::format::{build_header, Crcs, SafetensorsEntry, StoredChunk, TensorEntry, SAFETENSORS_ALIGN};
 use crate::model::dims::Dims;
 use crate::model::dtype::DType;
 use crate::model::Value;
@@ -773,7 +773,7 @@ impl RankFileLayout {
             .iter()
             .map(|k| (&*k.key, k.ranges.iter().map(|_| it.next().cloned().unwrap_or_default()).collect()))
             .collect();
-        build_header(&self.entries, &crc_metadata(self.block_size, &per_key))
+        build_header(&self.entries, &crc_metadata(self.block_size, &per_key), SAFETENSORS_ALIGN)
     }
 }
 
