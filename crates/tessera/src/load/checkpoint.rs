@@ -28,7 +28,10 @@ impl<'s> Checkpoint<'s> {
 
     /// Loads the state described by `tree` (collective over `comm`: every rank calls it with
     /// its own tree), resharding from the stored layout into the requested one; see
-    /// [`crate::load`], which opens and loads in one call.
+    /// [`crate::load`], which opens and loads in one call. With several ranks it makes
+    /// collectives even without `exchange_reads` (the all-gather of
+    /// [`LoadOptions::share_verification`]): open with [`Checkpoint::open_for_load`] so that a
+    /// rank whose open fails still makes them.
     pub fn load<'a>(&self, tree: StateTree<'a>, comm: &dyn Communicator, opts: &LoadOptions) -> Result<LoadResult<'a>> {
         load_checkpoint(self, tree, comm, opts)
     }

@@ -18,8 +18,10 @@ use crate::storage::Storage;
 pub struct LoadStats {
     /// Bytes the requested tensors needed.
     pub bytes_needed: u64,
-    /// Bytes of tensor data this rank read from storage (whole checksum blocks when
-    /// verifying). With `exchange_reads`, only the ranges assigned to this rank.
+    /// Bytes of tensor data this rank read from storage: whole checksum blocks when verifying
+    /// alone; with [`LoadOptions::share_verification`](crate::LoadOptions::share_verification)
+    /// from remote storage, its own bytes and the bytes nobody needs that it checksums for the
+    /// others. With `exchange_reads`, only the ranges assigned to this rank.
     pub bytes_read: u64,
     /// Bytes of tensor data received from other ranks (`exchange_reads`).
     pub bytes_received: u64,

@@ -21,6 +21,9 @@ use crate::storage::Storage;
 /// Pieces checksummed per task when the pieces of shared blocks are checksummed on all cores.
 const PIECES_PER_TASK: usize = 256;
 
+/// Bytes of holes (bytes nobody needs, read to be checksummed) read at once: bounds the buffer.
+const HOLE_BATCH: u64 = 64 << 20;
+
 /// Reads this rank's `segs` into `targets`, verifying every checksum block they touch: alone
 /// for blocks every rank touching them needs whole, together with the other ranks for the rest.
 /// Collective over `comm`, the same on every rank: one all-gather of the needs, then (unless a
@@ -58,7 +61,7 @@ pub(crate) fn load_shared_checks(
     // From here on a failure is kept until the all-to-all, which carries it.
     let mut pending: Option<Error> = None;
     let plan = plan_shared_checks(index, &needs, me as u32).unwrap_or_else(|e| {
-        pending = Some(Error::Comm { reason: format!("shared verification plan: {e}") });
+        pending = Some(Error::invalid(format!("shared verification plan: {e}")));
         SharedChecks::default()
     });
     drop(needs);
@@ -126,34 +129,59 @@ fn read_and_checksum(
     let views = disjoint(&shared.segs);
     let targets: &[&mut [u8]] = targets;
     let crcs: Vec<AtomicU32> = plan.pieces.iter().map(|_| AtomicU32::new(0)).collect();
-    let missing = std::sync::atomic::AtomicBool::new(false);
+    // A needed piece that no read covered (1 + its index), which a consistent plan never has.
+    let missing = std::sync::atomic::AtomicUsize::new(0);
     crate::load::on_cores(plan.pieces.len().div_ceil(PIECES_PER_TASK), &|task| {
         let first = task * PIECES_PER_TASK;
         for (i, p) in plan.pieces.iter().enumerate().skip(first).take(PIECES_PER_TASK) {
             if p.needed {
                 match piece_crc(&views, targets, &p.range) {
                     Some(c) => crcs[i].store(c, Ordering::Relaxed),
-                    None => missing.store(true, Ordering::Relaxed),
+                    None => missing.store(i + 1, Ordering::Relaxed),
                 }
             }
         }
     });
-    if missing.into_inner() {
-        return Err(Error::invalid("shared verification: a needed piece was not among the bytes read"));
+    if let Some(i) = missing.into_inner().checked_sub(1) {
+        let r = &plan.pieces[i].range;
+        return Err(Error::invalid(format!(
+            "shared verification: bytes {}..{} of {} are needed but were not read",
+            r.off,
+            r.end(),
+            index.files[r.file as usize].name
+        )));
     }
     let mut crcs: Vec<u32> = crcs.into_iter().map(AtomicU32::into_inner).collect();
 
-    // Holes: bytes nobody needs, read only to be checksummed.
+    // Holes: bytes nobody needs, read only to be checksummed, grouped into reads as a load's
+    // are (from several threads, gaps read through), a bounded batch at a time.
     let mut hole_files: Vec<u32> = Vec::new();
-    let mut buf = Vec::new();
-    for (i, p) in plan.pieces.iter().enumerate().filter(|(_, p)| p.hole_to_read) {
-        let name = &index.files[p.range.file as usize].name;
-        buf.resize(p.range.len as usize, 0);
-        storage.read_at(name, p.range.off, &mut buf)?;
-        crcs[i] = crc32c(&buf);
-        stats.bytes_read += p.range.len;
-        stats.reads += 1;
-        hole_files.push(p.range.file);
+    let mut buf: Vec<u8> = Vec::new();
+    let mut batch: Vec<(usize, CopySeg)> = Vec::new();
+    let mut batch_bytes = 0u64;
+    let holes = (plan.blocks.iter())
+        .flat_map(|b| b.pieces.clone().map(move |i| (i, b.tensor)))
+        .filter(|&(i, _)| plan.pieces[i].hole_to_read);
+    let mut holes = holes.peekable();
+    while let Some((i, tensor)) = holes.next() {
+        let r = plan.pieces[i].range;
+        let seg =
+            CopySeg { file: r.file, file_off: r.off, len: r.len, target: 0, dst_off: batch_bytes, tensor, chunk: 0 };
+        batch.push((i, seg));
+        batch_bytes += r.len;
+        if batch_bytes < HOLE_BATCH && holes.peek().is_some() {
+            continue;
+        }
+        buf.resize(batch_bytes as usize, 0);
+        let rp = plan_reads(index, batch.iter().map(|(_, s)| *s).collect(), false, how.tuning);
+        execute(storage, index, &rp, &mut [&mut buf[..]], how.threads, how.cancel)?;
+        for (i, s) in batch.drain(..) {
+            crcs[i] = crc32c(&buf[s.dst_off as usize..(s.dst_off + s.len) as usize]);
+        }
+        stats.bytes_read += rp.bytes_read;
+        stats.reads += rp.spans.len();
+        hole_files.extend(rp.spans.iter().map(|s| s.file));
+        batch_bytes = 0;
     }
 
     stats.bytes_read += alone.bytes_read + shared.bytes_read;

@@ -69,8 +69,9 @@ fn shift_of(mut n: u64) -> u32 {
 /// length (the usual case: rows of a tensor) costs one multiplication each.
 #[derive(Debug, Default)]
 pub(crate) struct CrcJoin {
-    /// The length last joined, and its shift (`None` before the first join).
+    /// The length last joined.
     len: u64,
+    /// The shift of `len` (`None` before the first join).
     shift: Option<u32>,
 }
 

@@ -244,8 +244,9 @@ impl FileChunks {
 pub(crate) struct BlockAt {
     /// Its bytes.
     pub range: ByteRange,
-    /// The tensor and stored chunk it belongs to.
+    /// The tensor it belongs to.
     pub tensor: u32,
+    /// The stored chunk of that tensor it belongs to.
     pub chunk: u32,
     /// Its number in the chunk (the index of its CRC).
     pub block: u64,

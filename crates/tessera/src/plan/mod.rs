@@ -1,7 +1,8 @@
 //! Planning: pure, synchronous functions from metadata to plans. Geometry of chunks, the save
 //! exchange and validation, data-file layout, index assembly, load intersection and read
-//! grouping, the fully-parallel load exchange, verification shared between ranks. Nothing here does IO, so all of it is unit- and
-//! property-testable and can be run for 10,000 simulated ranks.
+//! grouping, the fully-parallel load exchange, verification shared between ranks. Nothing here
+//! does IO, so all of it is unit- and property-testable and can be run for 10,000 simulated
+//! ranks.
 
 pub mod exchange;
 pub(crate) mod fasthash;

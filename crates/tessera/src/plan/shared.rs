@@ -10,10 +10,12 @@
 //! 2. Each block a rank touches is cut at every boundary of every rank's ranges inside it:
 //!    *pieces*, each needed by a set of ranks (its needers), or by none (a *hole*). A block whose
 //!    touchers all need it whole is not shared: each of them reads and checks it as before.
-//! 3. Every rank reads the bytes it needs and takes the CRC-32C of each piece it needs. The
-//!    lowest needer of a piece *reports* it: sends its CRC to each rank that touches the block
-//!    but does not need the piece. A hole is read and reported by the lowest rank touching its
-//!    block (the only bytes read that nobody needs).
+//!    A block only one rank touches is not shared either: that rank reads it whole.
+//! 3. Every rank reads the bytes it needs and takes the CRC-32C of each piece it needs. For
+//!    each rank that touches the block but does not need the piece, one of the piece's needers
+//!    (picked by that rank's number, so that replicas share the work) *reports* it: sends its
+//!    CRC. A hole is read and reported by the lowest rank touching its block (the only bytes
+//!    read that nobody needs).
 //! 4. With one all-to-all of CRCs, each rank holds a CRC for every piece of its shared blocks:
 //!    its own for the pieces it read, a reporter's for the others. Joined in file order
 //!    ([`crate::model::crc::CrcJoin`]), they must give the block's stored CRC. A rank's own
@@ -52,8 +54,8 @@ pub struct SharedBlock {
     pub pieces: Range<usize>,
 }
 
-/// One rank's part of the shared verification, the same on every rank that computes it for
-/// this rank.
+/// One rank's part of the shared verification. Any rank computing it for rank `me` from the
+/// same gathered needs gets the same result, which is what lets ranks agree without talking.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SharedChecks {
     /// The shared blocks this rank touches, in file order. Its bytes outside them lie in blocks
@@ -73,7 +75,7 @@ pub struct SharedChecks {
 /// byte lies in no stored chunk, or its chunk lacks the block's CRC.
 pub fn plan_shared_checks(index: &CheckpointIndex, needs: &[Vec<ByteRange>], me: u32) -> Result<SharedChecks, String> {
     let world = needs.len();
-    let mine = needs.get(me as usize).ok_or_else(|| format!("rank {me} of {world}"))?;
+    let mine = needs.get(me as usize).ok_or_else(|| format!("rank {me} has no needs among the {world} gathered"))?;
     let mut out =
         SharedChecks { send: vec![Vec::new(); world], recv: vec![Vec::new(); world], ..SharedChecks::default() };
     if index.block_size == 0 {
@@ -86,9 +88,10 @@ pub fn plan_shared_checks(index: &CheckpointIndex, needs: &[Vec<ByteRange>], me:
     for r in mine {
         let mut at = r.off;
         while at < r.end() {
-            let b = chunks
-                .block_at(r.file, at)
-                .ok_or_else(|| format!("byte {at} of file {} is in no stored chunk", r.file))?;
+            let b = chunks.block_at(r.file, at).ok_or_else(|| {
+                let name = index.files.get(r.file as usize).map_or("?", |f| f.name.as_str());
+                format!("byte {at} of {name} is needed but in no stored chunk")
+            })?;
             at = b.range.end().min(r.end());
             if blocks.last().is_none_or(|l| l.range != b.range) {
                 blocks.push(b);
@@ -127,8 +130,10 @@ pub fn plan_shared_checks(index: &CheckpointIndex, needs: &[Vec<ByteRange>], me:
         }
         touchers.sort_unstable();
         touchers.dedup();
+        // Not shared: a block its touchers all need whole, and one only this rank touches
+        // (nobody else could report its other bytes; one read of it beats a read per hole).
         let whole = cuts.len() == 1 && needers[cuts[0].1.clone()].len() == touchers.len();
-        if whole {
+        if whole || touchers.len() == 1 {
             continue;
         }
 
@@ -141,18 +146,21 @@ pub fn plan_shared_checks(index: &CheckpointIndex, needs: &[Vec<ByteRange>], me:
         let first = out.pieces.len();
         for (range, nr) in &cuts {
             let who = &needers[nr.clone()];
-            // The lowest needer reports a piece; the lowest toucher a hole.
-            let reporter = who.first().unwrap_or(&touchers[0]);
+            // Who tells rank `t` the CRC of this piece: a hole's lowest toucher (who reads it);
+            // else one of the piece's needers, picked by `t`, so that with many replicas no
+            // needer reports to every other rank.
+            let reporter = |t: u32| if who.is_empty() { touchers[0] } else { who[t as usize % who.len()] };
             let needed = who.binary_search(&me).is_ok();
             let p = out.pieces.len();
-            if *reporter == me {
-                for &t in touchers.iter().filter(|&&t| t != me && who.binary_search(&t).is_err()) {
+            for &t in touchers.iter().filter(|&&t| t != me && who.binary_search(&t).is_err()) {
+                if reporter(t) == me {
                     out.send[t as usize].push(p);
                 }
-            } else if !needed {
-                out.recv[*reporter as usize].push(p);
             }
-            out.pieces.push(Piece { range: *range, needed, hole_to_read: who.is_empty() && *reporter == me });
+            if !needed && reporter(me) != me {
+                out.recv[reporter(me) as usize].push(p);
+            }
+            out.pieces.push(Piece { range: *range, needed, hole_to_read: who.is_empty() && touchers[0] == me });
         }
         out.blocks.push(SharedBlock { range: b.range, crc, tensor: b.tensor, pieces: first..out.pieces.len() });
     }
@@ -261,6 +269,45 @@ mod tests {
         assert_eq!(p2.recv[1], [0, 3]);
         assert_eq!(p2.send[1], [2]);
         assert_eq!(p1.recv[2], [2]);
+    }
+
+    #[test]
+    fn a_block_one_rank_touches_is_read_whole_by_it() {
+        let idx = index(64, 16);
+        // Rank 0 needs parts of blocks 0 and 1, rank 1 part of block 1 only.
+        let needs = vec![vec![r(0, 4), r(20, 2)], vec![r(24, 2)]];
+        let p = plan_shared_checks(&idx, &needs, 0).unwrap();
+        assert_eq!(p.blocks.iter().map(|b| b.range.off).collect::<Vec<_>>(), [16]);
+        assert_eq!(
+            ranges(&p),
+            [
+                (16, 4, false, true),
+                (20, 2, true, false),
+                (22, 2, false, true),
+                (24, 2, false, false),
+                (26, 6, false, true)
+            ]
+        );
+    }
+
+    #[test]
+    fn replicas_share_the_reporting() {
+        let idx = index(16, 16);
+        // Ranks 0 and 1 need the first half, ranks 2..6 the second half.
+        let needs: Vec<Vec<ByteRange>> = (0..6).map(|k| vec![if k < 2 { r(0, 8) } else { r(8, 8) }]).collect();
+        let plans: Vec<SharedChecks> = (0..6).map(|me| plan_shared_checks(&idx, &needs, me).unwrap()).collect();
+        // The first half goes to ranks 2..6 from rank 0 or 1 by the receiver's parity; the
+        // second half to rank 0 from rank 2 (0 mod 4 → the first of 2..6), to rank 1 from rank 3.
+        assert_eq!(plans[0].send.iter().map(Vec::len).collect::<Vec<_>>(), [0, 0, 1, 0, 1, 0]);
+        assert_eq!(plans[1].send.iter().map(Vec::len).collect::<Vec<_>>(), [0, 0, 0, 1, 0, 1]);
+        assert_eq!(plans[2].send.iter().map(Vec::len).collect::<Vec<_>>(), [1, 0, 0, 0, 0, 0]);
+        assert_eq!(plans[3].send.iter().map(Vec::len).collect::<Vec<_>>(), [0, 1, 0, 0, 0, 0]);
+        assert!(plans[4].send.iter().chain(&plans[5].send).all(Vec::is_empty));
+        for (me, p) in plans.iter().enumerate() {
+            for (other, q) in plans.iter().enumerate() {
+                assert_eq!(p.send[other].len(), q.recv[me].len(), "rank {me} to rank {other}");
+            }
+        }
     }
 
     #[test]
