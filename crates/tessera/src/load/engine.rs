@@ -283,9 +283,10 @@ fn load_with<'a>(
     let mut strict_gathered = false;
     let prepared = prepare(index, factories, comm, opts, &mut strict_gathered);
     let (prepared, stats) = if opts.exchange_reads || shares_verification(opts, comm) {
-        // Received bytes are scattered outside `execute` (which checks its own destinations):
-        // every destination of the load inside its buffer, none written twice, checked once
-        // before any byte is written, whatever built the index.
+        // Received bytes are scattered outside `execute`, and shared verification runs two
+        // `execute`s (each checks only its own destinations): every destination of the load
+        // inside its buffer, none written twice, checked once before any byte is written,
+        // whatever built the index.
         let prepared = prepared.and_then(|p| {
             let lens: Vec<usize> = p.datas.iter().map(TensorData::len).collect();
             destination_order(index, &p.segs, &lens).map(|_| p)

@@ -69,10 +69,8 @@ fn shift_of(mut n: u64) -> u32 {
 /// length (the usual case: rows of a tensor) costs one multiplication each.
 #[derive(Debug, Default)]
 pub(crate) struct CrcJoin {
-    /// The length last joined.
-    len: u64,
-    /// The shift of `len` (`None` before the first join).
-    shift: Option<u32>,
+    /// The length last joined and its shift (`None` before the first join).
+    last: Option<(u64, u32)>,
 }
 
 impl CrcJoin {
@@ -80,11 +78,11 @@ impl CrcJoin {
     pub(crate) fn join(&mut self, crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
         // The pre- and post-conditioning (all ones in, all ones out) cancel in the XOR: what is
         // left is the first CRC moved past `len_b` zero bytes, plus the second.
-        let shift = match self.shift {
-            Some(s) if self.len == len_b => s,
+        let shift = match self.last {
+            Some((len, s)) if len == len_b => s,
             _ => {
                 let s = shift_of(len_b);
-                (self.len, self.shift) = (len_b, Some(s));
+                self.last = Some((len_b, s));
                 s
             }
         };

@@ -133,12 +133,14 @@ pub trait Storage: Send + Sync + fmt::Debug {
     }
 
     /// True when the bytes live on this machine (a local disk or tmpfs, through the page cache;
-    /// memory; for [`LocalStorage`], a filesystem it knows to be local): a request has no round trip to amortize, and concurrent writes into one file
-    /// gain nothing (the kernel serializes them on the file). The load then reads a long range
-    /// in pieces the CPU cache holds and checks each piece while it is there, and the save
-    /// writes a file from one thread, checksumming each piece just before writing it. Where a
-    /// request has a latency or a price (object stores), they keep large requests, several in
-    /// flight. A hint about cost only, never about results; false by default.
+    /// memory; for [`LocalStorage`], a filesystem it knows to be local): a request has no round
+    /// trip to amortize, and concurrent writes into one file gain nothing (the kernel serializes
+    /// them on the file). The load then reads a long range in pieces the CPU cache holds and
+    /// checks each piece while it is there, and the save writes a file from one thread,
+    /// checksumming each piece just before writing it. Where a request has a latency or a price
+    /// (object stores, network filesystems), they keep large requests, several in flight, and
+    /// ranks loading together share the checking of blocks. A hint about cost only, never about
+    /// results; false by default.
     fn is_local(&self) -> bool {
         false
     }
