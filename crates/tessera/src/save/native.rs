@@ -211,11 +211,20 @@ pub(crate) fn collect<'t>(
 /// tell the files of earlier saves (garbage once it commits) from those of a save that started
 /// later (possibly still running); 24 random bits keep ids distinct.
 pub(crate) fn new_save_id() -> u64 {
+    // The 24 bits are a per-process base (splitmix64 of the first id's time and the pid: apart
+    // between processes, no RNG dependency) plus a per-process count, so that saves of one
+    // process never share an id: groups of one process saving to one location at once (threads
+    // released by one barrier) read the same clock, and with equal ids, hence equal file names,
+    // the losing group's cleanup would delete the winner's files.
+    static BASE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
-    let nanos = now.as_nanos() as u64;
-    // splitmix64 of time and pid: distinct per save, no RNG dependency.
-    let z = mix64((nanos ^ ((std::process::id() as u64) << 32)).wrapping_add(0x9e3779b97f4a7c15));
-    ((now.as_millis() as u64 & ((1 << 40) - 1)) << 24) | (z & 0xff_ffff)
+    let base = *BASE.get_or_init(|| {
+        let nanos = now.as_nanos() as u64;
+        mix64((nanos ^ ((std::process::id() as u64) << 32)).wrapping_add(0x9e3779b97f4a7c15))
+    });
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    ((now.as_millis() as u64 & ((1 << 40) - 1)) << 24) | (base.wrapping_add(seq) & 0xff_ffff)
 }
 
 /// Start time (ms) of the save that wrote data file `name`.
@@ -766,4 +775,28 @@ fn remove_unreferenced(storage: &dyn Storage, index: &CheckpointIndex, bytes: &[
         let _ = storage.delete(&name);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn save_ids_taken_at_once_by_threads_of_one_process_differ() {
+        let start = std::sync::Barrier::new(4);
+        let mut ids: Vec<u64> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        start.wait();
+                        (0..2000).map(|_| new_save_id()).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        });
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), 8000);
+    }
 }
