@@ -324,6 +324,9 @@ def _worker(rank: int, port: int, opts: Dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}")
     try:
         run_rank(rank, opts)
+        # Every rank done with every collective before the group is torn down: a gloo worker
+        # still holding work at teardown aborts ('terminate called without an active exception').
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -160,6 +160,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., None], args: tup
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     try:
         fn(rank, world, *args)
+        # Every rank done with every collective before the group is torn down: a gloo worker
+        # still holding work at teardown aborts ('terminate called without an active exception').
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
