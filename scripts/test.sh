@@ -5,11 +5,13 @@
 # ai2-olmo-core 0.1.0 (.venv-olmo) and three suites of Megatron-LM's own tests
 # (.venv-megatron). The object-store tests run against moto_server (an S3 implementation,
 # installed into .venv with the Python test requirements), started here on a free loopback
-# port and stopped on exit.
+# port and stopped on exit; and against Azurite (Azure Blob, npm; scripts/azurite-env.sh) and
+# fake-gcs-server (GCS, from .venv), which the tests start themselves, in memory, on loopback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 bash scripts/python-env.sh
+bash scripts/azurite-env.sh
 
 if [ -z "${TESSERA_TEST_S3_ENDPOINT:-}" ]; then
   port="$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"

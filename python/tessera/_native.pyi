@@ -1,8 +1,9 @@
 """Type stubs of ``tessera._native``, the Rust extension (crates/tessera-py).
 
 A thin layer over the Rust library: every function releases the GIL while it works (it
-re-acquires it only to call the Python communicator). Locations are strings: a local path,
-``file://...`` or ``mem://name`` (process-wide in-memory store, for tests).
+re-acquires it only to call the Python communicator). Locations are strings (a local path,
+``file://...``, ``s3://``, ``gs://``, ``az://`` URLs, or ``mem://name``: a process-wide
+in-memory store, for tests), or a :class:`Location` carrying storage options.
 
 Tensors and objects cross as typed values (:class:`SaveTensor`, :class:`LoadTensor`,
 :class:`SaveObject`, :class:`LoadObject`). Tensor memory crosses as ``(data_ptr, nbytes)``: the address of C-contiguous CPU memory
@@ -20,7 +21,7 @@ and ``int`` (list indices). Values at list indices are stored in lists; a list i
 by the paths given to :func:`save` is stored as ``None``.
 """
 
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union, final
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union, final
 
 PlainValue = Union[None, bool, int, float, str, bytes, List["PlainValue"], Dict[str, "PlainValue"]]
 Path = List[Union[str, int]]
@@ -28,6 +29,21 @@ Shape = Sequence[int]
 ReplicaId = Union[int, Sequence[int]]
 
 FlatRange = Optional[Tuple[int, int]]
+
+@final
+class Location:
+    """A checkpoint location and the storage options it is opened with: ``object_store``
+    configuration keys applied over the environment and credential files (local paths ignore
+    them)."""
+
+    def __new__(cls, url: str, storage_options: Optional[Mapping[str, Any]] = None) -> "Location": ...
+    def __getnewargs__(self) -> Tuple[str, Dict[str, str]]: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def storage_options(self) -> Dict[str, str]: ...
+
+LocationLike = Union[str, Location]
 
 @final
 class SaveTensor:
@@ -188,7 +204,7 @@ def save(
     tensors: Sequence[SaveTensor],
     objects: Sequence[SaveObject],
     common: Sequence[Tuple[Path, PlainValue]],
-    location: str,
+    location: LocationLike,
     comm: Optional[Communicator] = None,
     overwrite: bool = False,
     validate: bool = True,
@@ -237,7 +253,7 @@ class AsyncSaver:
         tensors: Sequence[SaveTensor],
         objects: Sequence[SaveObject],
         common: Sequence[Tuple[Path, PlainValue]],
-        location: str,
+        location: LocationLike,
         comm: Optional[Communicator] = None,
         overwrite: bool = False,
         validate: bool = True,
@@ -288,7 +304,7 @@ def plan_torch_dist(
     tensors: Sequence[SaveTensor],
     objects: Sequence[SaveObject],
     common_pt: Optional[bytes],
-    location: str,
+    location: LocationLike,
     owners: Any,
     comm: Optional[Communicator] = None,
     overwrite: bool = False,
@@ -307,7 +323,7 @@ def save_torch_dist(
     tensors: Sequence[SaveTensor],
     objects: Sequence[SaveObject],
     common_pt: Optional[bytes],
-    location: str,
+    location: LocationLike,
     comm: Optional[Communicator] = None,
     overwrite: bool = False,
     validate: bool = True,
@@ -332,7 +348,7 @@ def save_torch_dist(
     """
 
 def save_olmo(
-    dirs: Sequence[Tuple[Sequence[SaveTensor], str]],
+    dirs: Sequence[Tuple[Sequence[SaveTensor], LocationLike]],
     comm: Optional[Communicator] = None,
     overwrite: bool = False,
     threads: Optional[int] = None,
@@ -345,13 +361,13 @@ def save_olmo(
     Returns per directory ``{"files": List[str] (created by this rank, relative to it),
     "bytes_written": int, "metadata": str (the text of metadata.json)}``."""
 
-def olmo_metadata(location: str) -> str:
+def olmo_metadata(location: LocationLike) -> str:
     """The text of an OLMo-core ``Checkpointer`` directory's ``metadata.json``, once checked."""
 
 def load(
     tensors: Sequence[LoadTensor],
     objects: Sequence[LoadObject],
-    location: str,
+    location: LocationLike,
     comm: Optional[Communicator] = None,
     strict: str = "assume_ok_unexpected",
     verify: bool = True,
@@ -372,36 +388,36 @@ def load(
     ``ignore_all``.
     """
 
-def load_objects_metadata(location: str) -> Dict[str, Tuple[Tuple[int, ...], List[Tuple[int, ...]]]]:
+def load_objects_metadata(location: LocationLike) -> Dict[str, Tuple[Tuple[int, ...], List[Tuple[int, ...]]]]:
     """Key -> (grid shape, grid offset of every stored shard) of every stored object."""
     ...
 
-def load_tensors_metadata(location: str) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+def load_tensors_metadata(location: LocationLike) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
     """Key -> (dtype, global shape) of every stored tensor."""
 
-def load_common(location: str) -> List[Tuple[Path, PlainValue]]:
+def load_common(location: LocationLike) -> List[Tuple[Path, PlainValue]]:
     """The common state as (path, value) pairs (maps in key order)."""
 
-def load_content_metadata(location: str) -> PlainValue:
+def load_content_metadata(location: LocationLike) -> PlainValue:
     """The ``content_metadata`` given at save (None if none)."""
 
-def load_objects(objects: Sequence[LoadObject], location: str) -> List[bytes]:
+def load_objects(objects: Sequence[LoadObject], location: LocationLike) -> List[bytes]:
     """The bytes of the given object shards, in order."""
 
-def remove_sharded_tensors(location: str, key_prefix: str) -> List[str]:
+def remove_sharded_tensors(location: LocationLike, key_prefix: str) -> List[str]:
     """Removes every tensor whose key starts with ``key_prefix``; returns the keys removed."""
 
-def verify(location: str, threads: Optional[int] = None) -> Dict[str, Union[int, List[str]]]:
+def verify(location: LocationLike, threads: Optional[int] = None) -> Dict[str, Union[int, List[str]]]:
     """Re-reads every file: ``{"files", "chunks", "bytes_checked", "problems": List[str]}``."""
 
-def gc(location: str) -> List[str]:
+def gc(location: LocationLike) -> List[str]:
     """Removes leftovers of saves that never committed; returns the names removed."""
 
-def read_file(location: str, name: str) -> Optional[bytes]:
+def read_file(location: LocationLike, name: str) -> Optional[bytes]:
     """The bytes of the file ``name`` of the checkpoint at ``location`` (a plain name; locally a
     regular file, no link followed), or None if it does not exist."""
 
-def detect(location: str) -> Optional[Tuple[str, int]]:
+def detect(location: LocationLike) -> Optional[Tuple[str, int]]:
     """``(backend, version)`` of the checkpoint at ``location``, or None if there is none."""
 
 def encode_value(value: PlainValue) -> bytes:
@@ -462,5 +478,9 @@ class CommError(TesseraError, RuntimeError):
     reason: str
 
 class StorageIOError(TesseraError, OSError):
+    path: str
+    reason: str
+
+class AccessDeniedError(TesseraError, PermissionError):
     path: str
     reason: str

@@ -6,6 +6,7 @@ missing checkpoint. The attributes of each error (``key``, ``path``, ``reason``,
 """
 
 from ._native import (
+    AccessDeniedError,
     AlreadyExistsError,
     CommError,
     CorruptError,
@@ -39,4 +40,5 @@ __all__ = [
     "PeerFailedError",
     "CommError",
     "StorageIOError",
+    "AccessDeniedError",
 ]

@@ -259,6 +259,7 @@ ERRORS = [
     ("PeerFailedError", RuntimeError),
     ("CommError", RuntimeError),
     ("StorageIOError", OSError),
+    ("AccessDeniedError", PermissionError),
 ]
 
 

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Callable, Dict, Iterator
@@ -19,17 +16,12 @@ import pytest
 import torch
 
 from launch import run_ranks
+from servers import free_port, start_on_loopback
 from tessera import dist_checkpointing as dc
 from tessera.dist_checkpointing import ShardedObject, ShardedTensor
 from tessera.errors import AlreadyExistsError, NotFoundError
 
 BUCKET = "tessera-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _moto_server() -> str:
@@ -46,20 +38,9 @@ def s3_endpoint() -> Iterator[str]:
     endpoint = os.environ.get("TESSERA_TEST_S3_ENDPOINT")
     proc = None
     if not endpoint:
-        port = _free_port()
-        proc = subprocess.Popen(
-            [_moto_server(), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        port = free_port()
+        proc = start_on_loopback([_moto_server(), "-H", "127.0.0.1", "-p", str(port)], port)
         endpoint = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 1).close()
-                break
-            except OSError:
-                assert proc.poll() is None, f"moto_server exited with {proc.returncode}"
-                assert time.monotonic() < deadline, f"moto_server did not start on port {port}"
-                time.sleep(0.1)
     import boto3
 
     client = boto3.client(

@@ -1,4 +1,5 @@
-//! `tessera-bench --dir D --s3 s3://bucket/prefix [--size S] [--ranks N] [--rounds R] [--json]`:
+//! `tessera-bench --dir D --s3 URL [--s3 URL …] [--storage-option K=V …] [--size S] [--ranks N]
+//! [--rounds R] [--json]`, or `--emulators` instead of the URLs (moto, Azurite, fake-gcs-server):
 //! the same save and resharded load into a local directory and into an object store, in one
 //! run.
 //!
@@ -271,7 +272,7 @@ impl LoadFigures {
     fn print(&self, name: &str) {
         let per_rank: Vec<String> = self.reads_per_rank.iter().map(u64::to_string).collect();
         println!(
-            "s3 load    {:<12}{} GETs ({} ranged reads of tensor data: {} per rank; {} others: index, headers, objects), {} HEADs for {} chunk reads over {} ranks: {:.3} GETs per chunk, {:.1} per rank",
+            "store load {:<12}{} GETs ({} ranged reads of tensor data: {} per rank; {} others: index, headers, objects), {} HEADs for {} chunk reads over {} ranks: {:.3} GETs per chunk, {:.1} per rank",
             format!("{name}:"),
             self.req.gets,
             self.data_reads,
@@ -305,7 +306,7 @@ fn print_round(i: usize, count: usize, r: &Round) {
         )
     };
     println!(
-        "round {:<4} local: {}   s3: {}   s3/local: save {:.2}×  load {:.2}× / {:.2}×{}",
+        "round {:<4} local: {}   store: {}   store/local: save {:.2}×  load {:.2}× / {:.2}×{}",
         format!("{}/{count}", i + 1),
         side(&r.local),
         side(&r.remote),
@@ -317,19 +318,65 @@ fn print_round(i: usize, count: usize, r: &Round) {
 }
 
 /// Runs the object store against local directory benchmark.
-pub fn run(args: S3Args) -> Result<u8> {
+/// Each store of `stores` (a name and its URL) against the local directory `dir` in turn
+/// (its own subdirectory for each), then, for more than one, a table of the median ratios.
+/// With `--json`, one object for one store, an array for several.
+pub fn run_stores(
+    stores: &[(String, Location)],
+    args: impl Fn(Location, Location) -> S3Args,
+    dir: &Location,
+) -> Result<u8> {
+    let mut worst = 0;
+    let mut results = Vec::new();
+    for (i, (name, url)) in stores.iter().enumerate() {
+        let local = if stores.len() == 1 { dir.clone() } else { dir.join(&format!("store-{i}")) };
+        let a = args(url.clone(), local);
+        if !a.json && stores.len() > 1 {
+            println!("== {name}: {url}");
+        }
+        let (code, mut out) = measure(&a)?;
+        out["store"] = json!(name);
+        worst = worst.max(code);
+        results.push(out);
+    }
+    let json_out = args(stores[0].1.clone(), dir.clone()).json;
+    if json_out {
+        let doc = if results.len() == 1 { results.remove(0) } else { J::Array(results) };
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else if results.len() > 1 {
+        println!();
+        println!("| store | save, store / local | load verified, store / local | load unverified | downloaded / needed (verified, unverified) |");
+        println!("|---|---|---|---|---|");
+        for r in &results {
+            println!(
+                "| {} | {:.2}× | {:.2}× | {:.2}× | {:.3}×, {:.3}× |",
+                r["store"].as_str().unwrap_or(""),
+                r["save_s3_vs_local"].as_f64().unwrap_or(f64::NAN),
+                r["load_s3_vs_local"].as_f64().unwrap_or(f64::NAN),
+                r["load_unverified_s3_vs_local"].as_f64().unwrap_or(f64::NAN),
+                r["load"]["bytes_downloaded_vs_needed"].as_f64().unwrap_or(f64::NAN),
+                r["load_unverified"]["bytes_downloaded_vs_needed"].as_f64().unwrap_or(f64::NAN),
+            );
+        }
+    }
+    Ok(worst)
+}
+
+/// One store against the local directory: the rounds, the text report (unless `--json`), and
+/// the figures as one JSON object.
+fn measure(args: &S3Args) -> Result<(u8, J)> {
     anyhow::ensure!(args.ranks >= 1, "--ranks must be at least 1");
     anyhow::ensure!(args.rounds >= 1, "--rounds must be at least 1");
     anyhow::ensure!(args.size > 0, "--size must be positive");
     anyhow::ensure!(args.dir.local().is_some(), "--dir {}: the local side of --s3 needs a local directory", args.dir);
-    let Location::Url(url) = &args.url else {
+    let Location::Url(url, _) = &args.url else {
         anyhow::bail!("--s3 {}: not an object-store URL (s3://bucket/prefix)", args.url)
     };
     args.dir.create()?;
     let remote = args.url.join("ckpt");
     let remote_url = remote.to_string();
-    let store = ObjectStorage::open(&remote_url, ObjectStoreOptions::default())
-        .with_context(|| format!("opening {url} (AWS_ENDPOINT_URL, AWS_ALLOW_HTTP, AWS_ACCESS_KEY_ID, …)"))?;
+    let opts = ObjectStoreOptions { config: args.url.options().to_vec(), ..ObjectStoreOptions::default() };
+    let store = ObjectStorage::open(&remote_url, opts).with_context(|| format!("opening {url}"))?;
     let setup = Setup {
         cfg: ModelConfig::for_bytes(args.size),
         save_layout: Layout::Train { tp: args.ranks as u64, dp: 1 },
@@ -407,61 +454,59 @@ pub fn run(args: S3Args) -> Result<u8> {
     let verified = problems.is_empty();
     let med = |f: &dyn Fn(&Round) -> f64| Spread::of(&rounds.iter().map(f).collect::<Vec<_>>()).median;
 
-    if args.json {
-        let out = json!({
-            "mode": "s3",
-            "dir": args.dir.to_string(),
-            "url": url,
-            "size_bytes": args.size,
-            "ranks": args.ranks,
-            "rounds": args.rounds,
-            "save_layout": setup.save_layout.describe(),
-            "load_layout": setup.load_layout.describe(),
-            "load_ranks": setup.load_layout.world(),
-            "state_bytes": first.local.save.state_bytes,
-            "checkpoint_bytes": report.total_tensor_bytes,
-            "files": report.files,
-            "chunks": report.chunks,
-            "index_bytes": report.index_bytes,
-            "part_size": part_size,
-            "local_save_secs": med(&|r| r.local.save.secs),
-            "s3_save_secs": med(&|r| r.remote.save.secs),
-            "local_load_secs": med(&|r| r.local.loads[0].secs),
-            "s3_load_secs": med(&|r| r.remote.loads[0].secs),
-            "local_load_unverified_secs": med(&|r| r.local.loads[1].secs),
-            "s3_load_unverified_secs": med(&|r| r.remote.loads[1].secs),
-            "save_s3_vs_local": save_s.median,
-            "save_s3_vs_local_rounds": save_rounds,
-            "load_s3_vs_local": load_s.median,
-            "load_s3_vs_local_rounds": load_rounds,
-            "load_unverified_s3_vs_local": load_nv_s.median,
-            "load_unverified_s3_vs_local_rounds": load_nv_rounds,
-            "save_requests": {
-                "puts": save_req.puts,
-                "parts": save_req.parts,
-                "bytes_uploaded": save_req.bytes_uploaded,
-                "bytes_uploaded_vs_checkpoint": ratio(save_req.bytes_uploaded as f64, report.total_tensor_bytes as f64),
-                "gets": save_req.gets,
-                "heads": save_req.heads,
-                "lists": save_req.lists,
-                "deletes": save_req.deletes,
-            },
-            "chunk_reads_per_rank": chunks,
-            "load": loads[0].json(),
-            "load_unverified": loads[1].json(),
-            "local_bytes_read_vs_needed": local_read_vs_needed[0],
-            "local_unverified_bytes_read_vs_needed": local_read_vs_needed[1],
-            "verified": verified,
-            "problems": problems.iter().take(20).collect::<Vec<_>>(),
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    } else {
+    let out = json!({
+        "mode": "s3",
+        "dir": args.dir.to_string(),
+        "url": url,
+        "size_bytes": args.size,
+        "ranks": args.ranks,
+        "rounds": args.rounds,
+        "save_layout": setup.save_layout.describe(),
+        "load_layout": setup.load_layout.describe(),
+        "load_ranks": setup.load_layout.world(),
+        "state_bytes": first.local.save.state_bytes,
+        "checkpoint_bytes": report.total_tensor_bytes,
+        "files": report.files,
+        "chunks": report.chunks,
+        "index_bytes": report.index_bytes,
+        "part_size": part_size,
+        "local_save_secs": med(&|r| r.local.save.secs),
+        "s3_save_secs": med(&|r| r.remote.save.secs),
+        "local_load_secs": med(&|r| r.local.loads[0].secs),
+        "s3_load_secs": med(&|r| r.remote.loads[0].secs),
+        "local_load_unverified_secs": med(&|r| r.local.loads[1].secs),
+        "s3_load_unverified_secs": med(&|r| r.remote.loads[1].secs),
+        "save_s3_vs_local": save_s.median,
+        "save_s3_vs_local_rounds": save_rounds,
+        "load_s3_vs_local": load_s.median,
+        "load_s3_vs_local_rounds": load_rounds,
+        "load_unverified_s3_vs_local": load_nv_s.median,
+        "load_unverified_s3_vs_local_rounds": load_nv_rounds,
+        "save_requests": {
+            "puts": save_req.puts,
+            "parts": save_req.parts,
+            "bytes_uploaded": save_req.bytes_uploaded,
+            "bytes_uploaded_vs_checkpoint": ratio(save_req.bytes_uploaded as f64, report.total_tensor_bytes as f64),
+            "gets": save_req.gets,
+            "heads": save_req.heads,
+            "lists": save_req.lists,
+            "deletes": save_req.deletes,
+        },
+        "chunk_reads_per_rank": chunks,
+        "load": loads[0].json(),
+        "load_unverified": loads[1].json(),
+        "local_bytes_read_vs_needed": local_read_vs_needed[0],
+        "local_unverified_bytes_read_vs_needed": local_read_vs_needed[1],
+        "verified": verified,
+        "problems": problems.iter().take(20).collect::<Vec<_>>(),
+    });
+    if !args.json {
         println!(
-            "median     s3/local time: save {:.2}× (min–max {:.2}–{:.2})   load verified {:.2}× ({:.2}–{:.2})   load unverified {:.2}× ({:.2}–{:.2})",
+            "median     store/local time: save {:.2}× (min–max {:.2}–{:.2})   load verified {:.2}× ({:.2}–{:.2})   load unverified {:.2}× ({:.2}–{:.2})",
             save_s.median, save_s.min, save_s.max, load_s.median, load_s.min, load_s.max, load_nv_s.median, load_nv_s.min, load_nv_s.max
         );
         println!(
-            "median     local: save {}, load {} / {};  s3: save {}, load {} / {}",
+            "median     local: save {}, load {} / {};  store: save {}, load {} / {}",
             fmt_secs(med(&|r| r.local.save.secs)),
             fmt_secs(med(&|r| r.local.loads[0].secs)),
             fmt_secs(med(&|r| r.local.loads[1].secs)),
@@ -470,7 +515,7 @@ pub fn run(args: S3Args) -> Result<u8> {
             fmt_secs(med(&|r| r.remote.loads[1].secs)),
         );
         println!(
-            "s3 save    {} files, {} chunks, {} of tensor data: {} PUTs, {} parts, {} uploaded ({:.4}×), {} HEADs, {} GETs, {} LISTs, {} DELETEs",
+            "store save {} files, {} chunks, {} of tensor data: {} PUTs, {} parts, {} uploaded ({:.4}×), {} HEADs, {} GETs, {} LISTs, {} DELETEs",
             report.files,
             report.chunks,
             fmt_bytes(report.total_tensor_bytes),
@@ -499,7 +544,7 @@ pub fn run(args: S3Args) -> Result<u8> {
             }
         }
     }
-    Ok(if verified { 0 } else { 1 })
+    Ok((if verified { 0 } else { 1 }, out))
 }
 
 #[cfg(test)]

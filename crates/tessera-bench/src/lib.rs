@@ -16,6 +16,7 @@ mod bench_async;
 mod bench_parallel;
 mod bench_reshard;
 mod bench_s3;
+mod emulators;
 mod peak;
 mod plansim;
 
@@ -42,9 +43,9 @@ use tessera_cli::sizes;
 #[command(
     name = "tessera-bench",
     version,
-    after_help = "Locations: a local directory, or an object-store URL (s3://bucket/prefix) configured from the \
-                  environment: AWS_ENDPOINT_URL (S3-compatible servers), AWS_ALLOW_HTTP=true (plain-HTTP \
-                  endpoints), AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN), AWS_REGION."
+    after_help = "Locations: a local directory, or an object-store URL (s3://, gs://, az://) configured as for \
+                  the `tessera` command (see `tessera --help`): the clouds' environment variables and credential \
+                  files, and --storage-option KEY=VALUE."
 )]
 struct Cli {
     #[command(flatten)]
@@ -56,9 +57,16 @@ struct Cli {
     #[arg(long, required_unless_present = "plan_only")]
     dir: Option<String>,
     /// Object store against local directory: save and resharded load into --dir and into
-    /// URL/ckpt (s3://bucket/prefix), in the same rounds.
-    #[arg(long, value_name = "URL", conflicts_with_all = ["plan_only", "async_save", "fully_parallel"])]
-    s3: Option<String>,
+    /// URL/ckpt (s3://bucket/prefix, gs://…, az://container/prefix), in the same rounds.
+    /// Repeatable (alias --store): each store in turn, then a summary of the ratios.
+    #[arg(long, alias = "store", value_name = "URL", conflicts_with_all = ["plan_only", "async_save", "fully_parallel"])]
+    s3: Vec<String>,
+    /// --s3 against one emulator of each store, started here on loopback: moto (S3), Azurite
+    /// (Azure) and fake-gcs-server (GCS), as the tests start them (scripts/bench-stores.sh).
+    #[arg(long, conflicts_with_all = ["plan_only", "async_save", "fully_parallel", "s3"])]
+    emulators: bool,
+    #[command(flatten)]
+    storage: tessera_cli::location::StorageOptionArg,
     /// Bytes to write (default 1GiB; 256MiB with --s3); with --fully-parallel, bytes of the
     /// replicated parameters (default 256MiB).
     #[arg(long)]
@@ -134,6 +142,8 @@ fn dispatch(cli: Cli) -> Result<u8> {
         progress: _,
         dir,
         s3,
+        emulators,
+        storage,
         size,
         ranks,
         plan_only,
@@ -162,12 +172,24 @@ fn dispatch(cli: Cli) -> Result<u8> {
         return Ok(0);
     }
     let Some(dir) = dir else { bail!("--dir is required (or use --plan-only)") };
-    let dir = Location::parse(&dir);
-    if let Some(url) = s3 {
+    let dir = Location::parse(&dir).with_options(&storage.storage_options);
+    if emulators || !s3.is_empty() {
         let size = sizes::parse_size(size.as_deref().unwrap_or(bench_s3::DEFAULT_SIZE))?;
-        let url = Location::parse(&url);
         let ranks = ranks.unwrap_or(4);
-        return bench_s3::run(bench_s3::S3Args { dir, url, size, ranks, rounds, json, keep });
+        let stores: Vec<(String, Location)> = if emulators {
+            let tag = format!("bench-{}", std::process::id());
+            emulators::stores(&tag)
+                .into_iter()
+                .map(|s| (s.name.to_string(), Location::parse(&s.url).with_options(&s.options)))
+                .collect()
+        } else {
+            s3.iter().map(|u| (u.clone(), Location::parse(u).with_options(&storage.storage_options))).collect()
+        };
+        return bench_s3::run_stores(
+            &stores,
+            |url, local| bench_s3::S3Args { dir: local, url, size, ranks, rounds, json, keep },
+            &dir,
+        );
     }
     if fully_parallel {
         let size = sizes::parse_size(size.as_deref().unwrap_or(bench_parallel::DEFAULT_SIZE))?;

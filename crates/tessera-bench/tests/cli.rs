@@ -17,6 +17,8 @@ use harness::{expect, json, refused, run, s3, text, Scratch};
 #[path = "../../tessera/tests/common/s3.rs"]
 #[allow(dead_code)]
 mod s3_server;
+#[path = "../../tessera/tests/common/server.rs"]
+mod server;
 
 /// `tessera::verify` of the checkpoint in `storage`: its problems (none: sound), or why it
 /// could not be opened.

@@ -38,13 +38,20 @@ use crate::location::Location;
     name = "tessera",
     version,
     about = "Distributed checkpoints: demo, inspect, verify, gc, unshard, convert, diff",
-    after_help = "Locations: a local directory, or an object-store URL (s3://bucket/prefix) configured from the \
-                  environment: AWS_ENDPOINT_URL (S3-compatible servers), AWS_ALLOW_HTTP=true (plain-HTTP \
-                  endpoints), AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN), AWS_REGION."
+    after_help = "Locations: a local directory, or an object-store URL: s3://bucket/prefix, gs://bucket/prefix, \
+                  az://container/prefix. Stores are configured as the clouds' tools are: S3 from AWS_ACCESS_KEY_ID \
+                  / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN), AWS_ENDPOINT_URL, AWS_REGION, AWS_ALLOW_HTTP=true \
+                  or the AWS_PROFILE of ~/.aws/credentials and ~/.aws/config; GCS from GOOGLE_SERVICE_ACCOUNT or \
+                  GOOGLE_APPLICATION_CREDENTIALS (a JSON key file; gcs_base_url and disable_oauth in it reach an \
+                  emulator); Azure from AZURE_STORAGE_ACCOUNT_NAME + AZURE_STORAGE_ACCOUNT_KEY, \
+                  AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_USE_EMULATOR=true (Azurite); cloud VMs from \
+                  their instance metadata. --storage-option KEY=VALUE (object_store's keys) overrides any of it."
 )]
 struct Cli {
     #[command(flatten)]
     progress: progress::ProgressArg,
+    #[command(flatten)]
+    storage: location::StorageOptionArg,
     #[command(subcommand)]
     command: Command,
 }
@@ -179,10 +186,11 @@ impl Command {
     }
 }
 
-fn dispatch(command: Command) -> Result<u8> {
+fn dispatch(command: Command, options: &[(String, String)]) -> Result<u8> {
+    let loc = |s: &str| Location::parse(s).with_options(options);
     match command {
         Command::Demo { dir, size } => {
-            demo::run(demo::DemoArgs { dir: dir.as_deref().map(Location::parse), size: sizes::parse_size(&size)? })
+            demo::run(demo::DemoArgs { dir: dir.as_deref().map(loc), size: sizes::parse_size(&size)? })
         }
         Command::Inspect { dir, json, index_json } => {
             let format = match (json, index_json) {
@@ -190,12 +198,12 @@ fn dispatch(command: Command) -> Result<u8> {
                 (true, false) => inspect::Format::Json,
                 (false, false) => inspect::Format::Text,
             };
-            inspect::run(&Location::parse(&dir), format)?;
+            inspect::run(&loc(&dir), format)?;
             Ok(0)
         }
-        Command::Verify { dir, json } => verify::run(&Location::parse(&dir), json),
+        Command::Verify { dir, json } => verify::run(&loc(&dir), json),
         Command::Gc { dir } => {
-            gc::run(&Location::parse(&dir))?;
+            gc::run(&loc(&dir))?;
             Ok(0)
         }
         Command::Unshard { src, out, max_shard_size, keys, dtype, rename, strip_prefix, memory } => {
@@ -210,7 +218,7 @@ fn dispatch(command: Command) -> Result<u8> {
             rules.extend(strip_prefix.into_iter().map(|p| (p, String::new())));
             unshard::run(unshard::UnshardArgs {
                 rename: rules,
-                src: Location::parse(&src),
+                src: loc(&src),
                 out,
                 max_shard_size: max_shard_size.as_deref().map(sizes::parse_size).transpose()?,
                 keys,
@@ -221,12 +229,10 @@ fn dispatch(command: Command) -> Result<u8> {
         }
         Command::Convert { src, dst, to, overwrite, memory } => {
             let to = if to == "native" { convert::Target::Native } else { convert::Target::Dcp };
-            convert::run(&Location::parse(&src), &Location::parse(&dst), to, overwrite, sizes::parse_size(&memory)?)?;
+            convert::run(&loc(&src), &loc(&dst), to, overwrite, sizes::parse_size(&memory)?)?;
             Ok(0)
         }
-        Command::Diff { a, b, atol, keys, json } => {
-            diff::run(&Location::parse(&a), &Location::parse(&b), atol, keys.as_deref(), json)
-        }
+        Command::Diff { a, b, atol, keys, json } => diff::run(&loc(&a), &loc(&b), atol, keys.as_deref(), json),
     }
 }
 
@@ -247,10 +253,10 @@ where
     let locations = cli.command.locations();
     // `diff` exits 1 when the checkpoints differ, so its errors exit 2 (as usage errors do).
     let error_code = if matches!(cli.command, Command::Diff { .. }) { 2 } else { 1 };
-    match dispatch(cli.command) {
+    match dispatch(cli.command, &cli.storage.storage_options) {
         Ok(code) => code,
         Err(e) => {
-            match location::explain_missing(&e, &locations) {
+            match location::explain_missing(&e, &locations, &cli.storage.storage_options) {
                 Some(message) => eprintln!("tessera: error: {message}"),
                 None => eprintln!("tessera: error: {e:#}"),
             }

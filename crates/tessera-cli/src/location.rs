@@ -9,12 +9,13 @@ use anyhow::{Context, Result};
 use tessera::Storage;
 
 /// Where a checkpoint (or a benchmark's scratch space) lives.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub enum Location {
     /// A local directory.
     Local(PathBuf),
-    /// An object-store (or other non-local) URL, without a trailing `/`.
-    Url(String),
+    /// An object-store (or other non-local) URL, without a trailing `/`, and the storage
+    /// options it is opened with (`object_store` configuration keys: `--storage-option`).
+    Url(String, Vec<(String, String)>),
 }
 
 impl Location {
@@ -29,9 +30,26 @@ impl Location {
                 if !scheme.is_empty()
                     && scheme.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')) =>
             {
-                Location::Url(s.trim_end_matches('/').to_string())
+                Location::Url(s.trim_end_matches('/').to_string(), Vec::new())
             }
             _ => Location::Local(PathBuf::from(s)),
+        }
+    }
+
+    /// This location opened with `options` (`KEY=VALUE` pairs of `object_store` configuration
+    /// keys) if it is a URL; a local path takes none.
+    pub fn with_options(self, options: &[(String, String)]) -> Location {
+        match self {
+            Location::Url(u, _) => Location::Url(u, options.to_vec()),
+            local => local,
+        }
+    }
+
+    /// The storage options of a URL (none for a local path).
+    pub fn options(&self) -> &[(String, String)] {
+        match self {
+            Location::Url(_, options) => options,
+            Location::Local(_) => &[],
         }
     }
 
@@ -39,7 +57,7 @@ impl Location {
     pub fn local(&self) -> Option<&Path> {
         match self {
             Location::Local(p) => Some(p),
-            Location::Url(_) => None,
+            Location::Url(..) => None,
         }
     }
 
@@ -47,18 +65,20 @@ impl Location {
     pub fn join(&self, name: &str) -> Location {
         match self {
             Location::Local(p) => Location::Local(p.join(name)),
-            Location::Url(u) => Location::Url(format!("{u}/{name}")),
+            Location::Url(u, options) => Location::Url(format!("{u}/{name}"), options.clone()),
         }
     }
 
-    /// Opens the storage of this location ([`tessera::open_location`]; object stores are
-    /// configured from the environment: `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, …).
+    /// Opens the storage of this location ([`tessera::open_location_with`]; object stores are
+    /// configured from the environment and credential files — `AWS_ENDPOINT_URL`,
+    /// `AWS_ACCESS_KEY_ID`, `~/.aws/credentials`, `GOOGLE_SERVICE_ACCOUNT`, `AZURE_STORAGE_*`,
+    /// … — then from the storage options).
     pub fn open(&self) -> Result<Arc<dyn Storage>> {
         let s = match self {
             Location::Local(p) => p.to_str().with_context(|| format!("{}: not a UTF-8 path", p.display()))?.to_string(),
-            Location::Url(u) => u.clone(),
+            Location::Url(u, _) => u.clone(),
         };
-        tessera::open_location(&s).with_context(|| format!("opening {self}"))
+        tessera::open_location_with(&s, self.options()).with_context(|| format!("opening {self}"))
     }
 
     /// Makes sure the location can hold objects: creates a local directory (and its parents);
@@ -85,7 +105,7 @@ impl Location {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
                 Err(e) => return Err(e).with_context(|| format!("examining {}", p.display())),
             },
-            Location::Url(_) => !self.open()?.list_recursive().with_context(|| format!("listing {self}"))?.is_empty(),
+            Location::Url(..) => !self.open()?.list_recursive().with_context(|| format!("listing {self}"))?.is_empty(),
         };
         anyhow::ensure!(
             !taken,
@@ -105,8 +125,27 @@ impl Location {
                 }
                 _ => Ok(()),
             },
-            Location::Url(_) => remove_objects(self.open()?.as_ref()).with_context(|| format!("removing {self}")),
+            Location::Url(..) => remove_objects(self.open()?.as_ref()).with_context(|| format!("removing {self}")),
         }
+    }
+}
+
+/// The `--storage-option KEY=VALUE` option of the commands (flattened into their clap parsers,
+/// global: it reaches every location of every subcommand).
+#[derive(clap::Args, Clone, Default)]
+pub struct StorageOptionArg {
+    /// An `object_store` configuration key for object-store locations, over the environment
+    /// and credential files (repeatable): aws_endpoint=http://host:9000,
+    /// google_service_account=/path/key.json, azure_storage_account_key=…,
+    /// azure_storage_connection_string=…
+    #[arg(long = "storage-option", global = true, value_name = "KEY=VALUE", value_parser = parse_storage_option)]
+    pub storage_options: Vec<(String, String)>,
+}
+
+fn parse_storage_option(s: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.to_string())),
+        _ => Err(format!("{s:?}: give KEY=VALUE (an object_store configuration key, e.g. aws_endpoint=http://…)")),
     }
 }
 
@@ -118,11 +157,24 @@ pub fn remove_objects(storage: &dyn Storage) -> tessera::Result<()> {
     Ok(())
 }
 
+impl fmt::Debug for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Location::Local(p) => f.debug_tuple("Local").field(p).finish(),
+            // Option values are often secrets: keys only.
+            Location::Url(u, options) => {
+                let keys: Vec<&str> = options.iter().map(|(k, _)| k.as_str()).collect();
+                f.debug_tuple("Url").field(u).field(&keys).finish()
+            }
+        }
+    }
+}
+
 impl fmt::Display for Location {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Location::Local(p) => write!(f, "{}", p.display()),
-            Location::Url(u) => f.write_str(u),
+            Location::Url(u, _) => f.write_str(u),
         }
     }
 }
@@ -130,7 +182,7 @@ impl fmt::Display for Location {
 /// What a command looked for and what it found instead, for an error that says one of the
 /// command's `locations` holds no (committed) checkpoint: `Some(message)` when `err` is such
 /// an error about one of them (not about a file inside one).
-pub fn explain_missing(err: &anyhow::Error, locations: &[String]) -> Option<String> {
+pub fn explain_missing(err: &anyhow::Error, locations: &[String], options: &[(String, String)]) -> Option<String> {
     let (path, committed_missing) = err.chain().find_map(|c| match c.downcast_ref::<tessera::Error>()? {
         tessera::Error::NotFound { path } => Some((path.clone(), false)),
         tessera::Error::NotCommitted { path } => Some((path.clone(), true)),
@@ -143,7 +195,7 @@ pub fn explain_missing(err: &anyhow::Error, locations: &[String]) -> Option<Stri
     if !shown.contains("://") && !path.exists() {
         return Some(format!("no checkpoint at {shown}: no such directory"));
     }
-    let storage = tessera::open_location(shown).ok()?;
+    let storage = tessera::open_location_with(shown, options).ok()?;
     let names = match storage.list() {
         Ok(names) => names,
         Err(_) if !committed_missing => {
@@ -179,12 +231,18 @@ mod tests {
         assert_eq!(Location::parse("/tmp/x"), Location::Local("/tmp/x".into()));
         assert_eq!(Location::parse("rel/dir"), Location::Local("rel/dir".into()));
         assert_eq!(Location::parse("file:///tmp/x"), Location::Local("/tmp/x".into()));
-        assert_eq!(Location::parse("s3://b/p/"), Location::Url("s3://b/p".into()));
-        assert_eq!(Location::parse("s3://b/p").join("ckpt"), Location::Url("s3://b/p/ckpt".into()));
+        assert_eq!(Location::parse("s3://b/p/"), Location::Url("s3://b/p".into(), Vec::new()));
+        assert_eq!(Location::parse("s3://b/p").join("ckpt"), Location::Url("s3://b/p/ckpt".into(), Vec::new()));
         assert_eq!(Location::parse("s3://b").join("ckpt").to_string(), "s3://b/ckpt");
         assert_eq!(Location::parse("/tmp/x").join("ckpt"), Location::Local("/tmp/x/ckpt".into()));
         // Not a scheme: a local path that happens to contain "://".
         assert_eq!(Location::parse("a b://c"), Location::Local("a b://c".into()));
         assert!(Location::parse("s3://b/p").local().is_none());
+        let opts = vec![("aws_region".to_string(), "x".to_string())];
+        assert_eq!(Location::parse("s3://b/p").with_options(&opts).join("c").options(), &opts[..]);
+        assert!(Location::parse("/tmp/x").with_options(&opts).options().is_empty());
+        assert_eq!(parse_storage_option("k=v=w"), Ok(("k".into(), "v=w".into())));
+        assert!(parse_storage_option("novalue").is_err());
+        assert!(parse_storage_option("=v").is_err());
     }
 }

@@ -156,6 +156,8 @@ fn bad_sizes_are_refused() {
 #[path = "../../tessera/tests/common/s3.rs"]
 #[allow(dead_code)]
 mod s3_server;
+#[path = "../../tessera/tests/common/server.rs"]
+mod server;
 
 #[test]
 fn demo_inspect_verify_gc_on_s3() {
@@ -209,6 +211,123 @@ fn demo_inspect_verify_gc_on_s3() {
     let out = s3::run(&["verify", &s3::url("nothing-here")]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("nothing-here"), "{}", text(&out.stderr));
+}
+
+/// The library tests' Azurite and fake-gcs-server helpers (servers started once per process).
+#[path = "../../tessera/tests/common/azure.rs"]
+#[allow(dead_code)]
+mod azure_server;
+#[path = "../../tessera/tests/common/gcs.rs"]
+#[allow(dead_code)]
+mod gcs_server;
+
+/// Runs the binary with `args` and `env` only (no store variables inherited); expects `code`.
+fn run_clean(args: &[String], env: &[(&str, &str)], code: i32) -> String {
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.args(args);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("AWS_") || k.starts_with("AZURE_") || k.starts_with("GOOGLE_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.envs(env.iter().copied());
+    let out = cmd.output().expect("run the binary under test");
+    assert_eq!(out.status.code(), Some(code), "{args:?}: {}\n{}", text(&out.stdout), text(&out.stderr));
+    text(&out.stdout)
+}
+
+/// demo, inspect, verify and unshard at `url`, every command given `extra` (storage options).
+fn demo_round_trip(url: &str, extra: &[&str], env: &[(&str, &str)]) {
+    fn with(args: &[&str], extra: &[&str]) -> Vec<String> {
+        args.iter().chain(extra).map(|a| a.to_string()).collect()
+    }
+    let out = run_clean(&with(&["demo", "--size", "2MiB", "--dir", url], extra), env, 0);
+    assert!(out.contains("every byte matched"), "{out}");
+    let s = json(&run_clean(&with(&["inspect", url, "--json"], extra), env, 0));
+    assert_eq!(s["format"]["backend"], "tessera");
+    let v = run_clean(&with(&["verify", url], extra), env, 0);
+    assert!(v.contains(&format!("{url}: sound")), "{v}");
+    let scratch = Scratch::new("store-unshard");
+    let one = scratch.path().join("model.safetensors");
+    let out = run_clean(&with(&["unshard", url, "--out", one.to_str().unwrap()], extra), env, 0);
+    assert!(out.contains("1 file(s)"), "{out}");
+    let (_, tensors) = read_safetensors(&one);
+    assert!(tensors.contains_key("embedding.word_embeddings.weight"), "{:?}", tensors.keys());
+}
+
+/// `az://` from the command line: Azurite reached through `--storage-option` alone, then
+/// through a connection string in the environment (as the Azure CLI takes it).
+#[test]
+fn demo_inspect_verify_unshard_on_azure() {
+    let endpoint = azure_server::endpoint();
+    let options: Vec<String> =
+        azure_server::config_for(endpoint).iter().map(|(k, v)| format!("--storage-option={k}={v}")).collect();
+    let options: Vec<&str> = options.iter().map(String::as_str).collect();
+    let url = format!("az://{}/cli-demo-{}", azure_server::CONTAINER, std::process::id());
+    demo_round_trip(&url, &options, &[]);
+    let conn = format!(
+        "DefaultEndpointsProtocol=http;AccountName={};AccountKey={};BlobEndpoint={endpoint};",
+        azure_server::ACCOUNT,
+        azure_server::KEY
+    );
+    let url = format!("az://{}/cli-demo-conn-{}", azure_server::CONTAINER, std::process::id());
+    demo_round_trip(&url, &[], &[("AZURE_STORAGE_CONNECTION_STRING", &conn)]);
+}
+
+/// `gs://` from the command line: fake-gcs-server (behind the harness's write adapter) named
+/// by `GOOGLE_APPLICATION_CREDENTIALS`, a key file carrying `gcs_base_url` and
+/// `disable_oauth` (plain HTTP allowed because the key names an `http://` base URL).
+#[test]
+fn demo_inspect_verify_unshard_on_gcs() {
+    let scratch = Scratch::new("gcs-key");
+    let key = scratch.path().join("emulator.json");
+    let json = serde_json::json!({
+        "gcs_base_url": gcs_server::endpoint(),
+        "disable_oauth": true,
+        "client_email": "",
+        "private_key": "",
+        "private_key_id": "",
+    });
+    std::fs::create_dir_all(scratch.path()).unwrap();
+    std::fs::write(&key, json.to_string()).unwrap();
+    let url = format!("gs://{}/cli-demo-{}", gcs_server::BUCKET, std::process::id());
+    demo_round_trip(&url, &[], &[("GOOGLE_APPLICATION_CREDENTIALS", key.to_str().unwrap())]);
+}
+
+/// No credentials anywhere and no metadata service: one clear error, at once.
+#[test]
+fn missing_credentials_are_one_clear_error() {
+    // Every store's metadata service pointed at a loopback port nobody serves (GCS's through
+    // its client's variables, GCE_METADATA_HOST and GCE_METADATA_IP).
+    let cases = [
+        ("s3://b/x", "S3", vec!["--storage-option", "aws_metadata_endpoint=http://127.0.0.1:9"]),
+        ("gs://b/x", "GCS", vec![]),
+        ("az://c/x", "Azure", vec!["--storage-option", "azure_msi_endpoint=http://127.0.0.1:9"]),
+    ];
+    for (url, store, options) in cases {
+        let started = std::time::Instant::now();
+        let mut cmd = std::process::Command::new(BIN);
+        cmd.args(["inspect", url]).args(options);
+        for (k, _) in std::env::vars() {
+            if k.starts_with("AWS_") || k.starts_with("AZURE_") || k.starts_with("GOOGLE_") {
+                cmd.env_remove(k);
+            }
+        }
+        let out = cmd
+            .env("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+            .env("AWS_CONFIG_FILE", "/nonexistent")
+            .env("AZURE_STORAGE_ACCOUNT_NAME", "acc")
+            .env("GCE_METADATA_HOST", "127.0.0.1:9")
+            .env("GCE_METADATA_IP", "127.0.0.1:9")
+            .env("HOME", "/nonexistent")
+            .output()
+            .unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{url}: {err}");
+        assert!(err.contains(&format!("no {store} credentials found: tried")), "{url}: {err}");
+        assert!(err.contains("did not answer"), "{url}: {err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(20), "{url}: {:?}", started.elapsed());
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ use pyo3::types::PyDict;
 use tessera::{Communicator, SoloComm};
 
 use crate::comm::PyComm;
+use crate::location::LocationArg;
 use crate::{communicator, interruptible, lib, open, report_to_py, save_request};
 
 /// Async saves through one pre-faulted staging pool; see `tessera::AsyncSaver`.
@@ -58,7 +59,7 @@ impl AsyncSaver {
         tensors: Vec<Bound<'py, crate::convert::SaveTensor>>,
         objects: Vec<Bound<'py, crate::convert::SaveObject>>,
         common: Vec<Bound<'py, PyAny>>,
-        location: &str,
+        location: LocationArg,
         comm: Option<Bound<'py, PyAny>>,
         overwrite: bool,
         validate: bool,
@@ -73,7 +74,7 @@ impl AsyncSaver {
         };
         opts.plan_cache = plan_cache.map(|c| c.inner.clone());
         let comm = communicator(comm.as_ref())?;
-        let storage = open(py, location)?;
+        let storage = open(py, &location)?;
         let mut guard = self.inner.lock().unwrap();
         let saver: &mut tessera::AsyncSaver = &mut guard;
         let started = interruptible(py, &cancel, || saver.save(tree, storage, &*comm, &opts))?;

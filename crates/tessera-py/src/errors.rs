@@ -28,10 +28,11 @@ enum Kind {
     PeerFailed,
     Comm,
     StorageIO,
+    AccessDenied,
 }
 
 /// `(class name, builtin base, docstring)`, indexed by [`Kind`].
-const SPECS: [(&str, &str, &str); 15] = [
+const SPECS: [(&str, &str, &str); 16] = [
     ("TesseraError", "Exception", "Base class of every tessera error."),
     ("NotFoundError", "FileNotFoundError", "A file or directory that must exist does not."),
     ("NotCommittedError", "FileNotFoundError", "The directory holds no committed checkpoint (no index)."),
@@ -47,6 +48,11 @@ const SPECS: [(&str, &str, &str); 15] = [
     ("PeerFailedError", "RuntimeError", "Another rank failed; this rank stops with the same verdict."),
     ("CommError", "RuntimeError", "The communicator failed."),
     ("StorageIOError", "OSError", "An operating-system IO error on a path."),
+    (
+        "AccessDeniedError",
+        "PermissionError",
+        "The store refused the credentials, or none were found for it (see the message for what was tried).",
+    ),
 ];
 
 static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
@@ -146,6 +152,9 @@ fn build(py: Python<'_>, err: tessera::Error) -> PyResult<PyErr> {
                 attrs.push(("errno", errno.into_py_any(py)?));
             }
             (Kind::StorageIO, attrs)
+        }
+        E::AccessDenied { path: p, reason } => {
+            (Kind::AccessDenied, vec![("path", path(&p)?), ("reason", reason.into_py_any(py)?)])
         }
         _ => (Kind::Base, Vec::new()),
     };

@@ -10,6 +10,7 @@ mod async_save;
 mod comm;
 mod convert;
 mod errors;
+mod location;
 mod plan_cache;
 mod torch_dist;
 
@@ -27,6 +28,7 @@ use tessera::{
 use crate::comm::PyComm;
 use crate::convert::{common_to_py, value_from_py, value_to_py, LoadObject, LoadTensor, SaveObject, SaveTensor};
 use crate::errors::{invalid_argument, to_pyerr};
+use crate::location::LocationArg;
 
 /// Top-level key of the tree under which the tensors and objects of a call live; the common
 /// values of `save` take the other top-level keys.
@@ -79,8 +81,9 @@ fn lib<T>(py: Python<'_>, result: tessera::Result<T>) -> PyResult<T> {
     result.map_err(|e| to_pyerr(py, e))
 }
 
-fn open(py: Python<'_>, location: &str) -> PyResult<Arc<dyn Storage>> {
-    lib(py, tessera::open_location(location))
+fn open(py: Python<'_>, location: &LocationArg) -> PyResult<Arc<dyn Storage>> {
+    // Opening may wait up to a second on an instance-metadata service: without the GIL.
+    lib(py, py.detach(|| location.open()))
 }
 
 fn communicator(comm: Option<&Bound<'_, PyAny>>) -> PyResult<Box<dyn Communicator>> {
@@ -180,7 +183,7 @@ fn save<'py>(
     tensors: Vec<Bound<'py, SaveTensor>>,
     objects: Vec<Bound<'py, SaveObject>>,
     common: Vec<Bound<'py, PyAny>>,
-    location: &str,
+    location: LocationArg,
     comm: Option<Bound<'py, PyAny>>,
     overwrite: bool,
     validate: bool,
@@ -195,7 +198,7 @@ fn save<'py>(
     };
     opts.plan_cache = plan_cache.map(|c| c.inner.clone());
     let comm = communicator(comm.as_ref())?;
-    let storage = open(py, location)?;
+    let storage = open(py, &location)?;
     let report = lib(py, interruptible(py, &cancel, || tessera::save(tree, &*storage, &*comm, &opts))?)?;
     report_to_py(py, report)
 }
@@ -214,7 +217,7 @@ fn save_torch_dist<'py>(
     tensors: Vec<Bound<'py, SaveTensor>>,
     objects: Vec<Bound<'py, SaveObject>>,
     common_pt: Option<Vec<u8>>,
-    location: &str,
+    location: LocationArg,
     comm: Option<Bound<'py, PyAny>>,
     overwrite: bool,
     validate: bool,
@@ -227,7 +230,7 @@ fn save_torch_dist<'py>(
     let (tree, opts, cancel) =
         unsafe { save_request(py, &tensors, &objects, &[], overwrite, validate, None, threads)? };
     let comm = communicator(comm.as_ref())?;
-    let storage = open(py, location)?;
+    let storage = open(py, &location)?;
     let common = common_pt.as_deref();
     let report = lib(
         py,
@@ -246,7 +249,7 @@ fn save_torch_dist<'py>(
 #[pyo3(signature = (dirs, comm=None, overwrite=false, threads=None))]
 fn save_olmo<'py>(
     py: Python<'py>,
-    dirs: Vec<(Vec<Bound<'py, SaveTensor>>, String)>,
+    dirs: Vec<(Vec<Bound<'py, SaveTensor>>, LocationArg)>,
     comm: Option<Bound<'py, PyAny>>,
     overwrite: bool,
     threads: Option<usize>,
@@ -281,8 +284,8 @@ fn save_olmo<'py>(
 
 /// The text of an OLMo-core `Checkpointer` directory's `metadata.json`, checked.
 #[pyfunction]
-fn olmo_metadata(py: Python<'_>, location: &str) -> PyResult<String> {
-    let storage = open(py, location)?;
+fn olmo_metadata(py: Python<'_>, location: LocationArg) -> PyResult<String> {
+    let storage = open(py, &location)?;
     lib(py, py.detach(|| tessera::read_olmo_metadata(&*storage)))
 }
 
@@ -319,7 +322,7 @@ fn load<'py>(
     py: Python<'py>,
     tensors: Vec<Bound<'py, LoadTensor>>,
     objects: Vec<Bound<'py, LoadObject>>,
-    location: &str,
+    location: LocationArg,
     comm: Option<Bound<'py, PyAny>>,
     strict: &str,
     verify: bool,
@@ -352,7 +355,7 @@ fn load<'py>(
         ..defaults
     };
     let comm = communicator(comm.as_ref())?;
-    let storage = open(py, location)?;
+    let storage = open(py, &location)?;
     let (common, result) = lib(
         py,
         interruptible(py, &cancel, || {
@@ -393,8 +396,8 @@ fn load<'py>(
 
 /// Key -> (dtype, global shape) of every stored tensor.
 #[pyfunction]
-fn load_tensors_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyDict>> {
-    let storage = open(py, location)?;
+fn load_tensors_metadata<'py>(py: Python<'py>, location: LocationArg) -> PyResult<Bound<'py, PyDict>> {
+    let storage = open(py, &location)?;
     let metas = lib(py, py.detach(|| tessera::open(&*storage).map(|c| c.tensors_metadata())))?;
     let out = PyDict::new(py);
     for (key, meta) in metas {
@@ -405,8 +408,8 @@ fn load_tensors_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound
 
 /// Key -> (grid shape, [grid offset of every stored shard]) of every stored object.
 #[pyfunction]
-fn load_objects_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyDict>> {
-    let storage = open(py, location)?;
+fn load_objects_metadata<'py>(py: Python<'py>, location: LocationArg) -> PyResult<Bound<'py, PyDict>> {
+    let storage = open(py, &location)?;
     let index = lib(py, py.detach(|| tessera::open(&*storage).map(tessera::Checkpoint::into_index)))?;
     let out = PyDict::new(py);
     for o in &index.objects {
@@ -418,16 +421,16 @@ fn load_objects_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound
 
 /// The common state as `(path, value)` pairs, as stored (maps in key order).
 #[pyfunction]
-fn load_common<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyList>> {
-    let storage = open(py, location)?;
+fn load_common<'py>(py: Python<'py>, location: LocationArg) -> PyResult<Bound<'py, PyList>> {
+    let storage = open(py, &location)?;
     let index = lib(py, py.detach(|| tessera::open(&*storage).map(tessera::Checkpoint::into_index)))?;
     common_to_py(py, &index.common)
 }
 
 /// The content metadata given at save (None if none).
 #[pyfunction]
-fn load_content_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound<'py, PyAny>> {
-    let storage = open(py, location)?;
+fn load_content_metadata<'py>(py: Python<'py>, location: LocationArg) -> PyResult<Bound<'py, PyAny>> {
+    let storage = open(py, &location)?;
     let value = lib(py, py.detach(|| tessera::open(&*storage).map(|c| c.content_metadata().clone())))?;
     value_to_py(py, &value)
 }
@@ -437,11 +440,11 @@ fn load_content_metadata<'py>(py: Python<'py>, location: &str) -> PyResult<Bound
 fn load_objects<'py>(
     py: Python<'py>,
     objects: Vec<Bound<'py, LoadObject>>,
-    location: &str,
+    location: LocationArg,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     let objects: Vec<_> = objects.iter().map(|o| o.get().object()).collect();
     let n = objects.len();
-    let storage = open(py, location)?;
+    let storage = open(py, &location)?;
     let tree = slots(Vec::new(), objects);
     let StateTree::Map(mut root) = lib(py, py.detach(|| tessera::open(&*storage).and_then(|c| c.load_objects(tree))))?
     else {
@@ -458,16 +461,16 @@ fn load_objects<'py>(
 
 /// Removes every tensor whose key starts with `key_prefix`; returns the keys removed.
 #[pyfunction]
-fn remove_sharded_tensors(py: Python<'_>, location: &str, key_prefix: &str) -> PyResult<Vec<String>> {
-    let storage = open(py, location)?;
+fn remove_sharded_tensors(py: Python<'_>, location: LocationArg, key_prefix: &str) -> PyResult<Vec<String>> {
+    let storage = open(py, &location)?;
     lib(py, py.detach(|| tessera::remove_sharded_tensors(&*storage, key_prefix)))
 }
 
 /// Re-reads every file and checks every checksum.
 #[pyfunction]
 #[pyo3(signature = (location, threads=None))]
-fn verify<'py>(py: Python<'py>, location: &str, threads: Option<usize>) -> PyResult<Bound<'py, PyDict>> {
-    let storage = open(py, location)?;
+fn verify<'py>(py: Python<'py>, location: LocationArg, threads: Option<usize>) -> PyResult<Bound<'py, PyDict>> {
+    let storage = open(py, &location)?;
     let threads = threads.unwrap_or(LoadOptions::default().threads);
     let report = lib(py, py.detach(|| tessera::verify(&*storage, threads)))?;
     let out = PyDict::new(py);
@@ -480,16 +483,16 @@ fn verify<'py>(py: Python<'py>, location: &str, threads: Option<usize>) -> PyRes
 
 /// Removes leftovers of saves that never committed; returns the names removed.
 #[pyfunction]
-fn gc(py: Python<'_>, location: &str) -> PyResult<Vec<String>> {
-    let storage = open(py, location)?;
+fn gc(py: Python<'_>, location: LocationArg) -> PyResult<Vec<String>> {
+    let storage = open(py, &location)?;
     lib(py, py.detach(|| tessera::gc(&*storage)))
 }
 
 /// The bytes of the file `name` of the checkpoint at `location`, read as every reader reads
 /// (a plain name; locally a regular file, no link followed), or None when it does not exist.
 #[pyfunction]
-fn read_file<'py>(py: Python<'py>, location: &str, name: &str) -> PyResult<Option<Bound<'py, PyBytes>>> {
-    let storage = open(py, location)?;
+fn read_file<'py>(py: Python<'py>, location: LocationArg, name: &str) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let storage = open(py, &location)?;
     match py.detach(|| storage.read(name)) {
         Ok(bytes) => Ok(Some(PyBytes::new(py, &bytes))),
         Err(tessera::Error::NotFound { .. }) => Ok(None),
@@ -499,8 +502,8 @@ fn read_file<'py>(py: Python<'py>, location: &str, name: &str) -> PyResult<Optio
 
 /// `(backend, version)` of the checkpoint at `location`, or None when there is none.
 #[pyfunction]
-fn detect(py: Python<'_>, location: &str) -> PyResult<Option<(String, u32)>> {
-    let storage = open(py, location)?;
+fn detect(py: Python<'_>, location: LocationArg) -> PyResult<Option<(String, u32)>> {
+    let storage = open(py, &location)?;
     match py.detach(|| tessera::FormatRecord::detect(&*storage)) {
         Ok(record) => Ok(Some((record.backend, record.version))),
         Err(tessera::Error::NotFound { .. } | tessera::Error::NotCommitted { .. }) => Ok(None),
@@ -530,6 +533,7 @@ fn cli(py: Python<'_>, argv: Vec<String>) -> u8 {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<location::Location>()?;
     m.add_class::<SaveTensor>()?;
     m.add_class::<LoadTensor>()?;
     m.add_class::<SaveObject>()?;

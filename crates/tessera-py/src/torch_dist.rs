@@ -9,6 +9,7 @@ use pyo3::types::PyDict;
 use tessera::{SaveOptions, Storage};
 
 use crate::errors::invalid_argument;
+use crate::location::LocationArg;
 use crate::{communicator, interruptible, lib, open, report_to_py, save_request};
 
 /// What the save and its files share.
@@ -51,7 +52,7 @@ pub fn plan_torch_dist<'py>(
     tensors: Vec<Bound<'py, crate::convert::SaveTensor>>,
     objects: Vec<Bound<'py, crate::convert::SaveObject>>,
     common_pt: Option<Vec<u8>>,
-    location: &str,
+    location: LocationArg,
     owners: Bound<'py, PyAny>,
     comm: Option<Bound<'py, PyAny>>,
     overwrite: bool,
@@ -66,7 +67,7 @@ pub fn plan_torch_dist<'py>(
     let (tree, opts, cancel) =
         unsafe { save_request(py, &tensors, &objects, &[], overwrite, validate, None, threads)? };
     let comm = communicator(comm.as_ref())?;
-    let storage = open(py, location)?;
+    let storage = open(py, &location)?;
     let common = common_pt.as_deref();
     let planned = interruptible(py, &cancel, || {
         tessera::TorchDistSave::plan(tree, common, &*storage, &*comm, &opts, files_per_rank)

@@ -107,6 +107,15 @@ pub enum Error {
     /// The caller cancelled the operation (e.g. Ctrl-C); a save so stopped is not committed.
     #[error("cancelled")]
     Cancelled,
+    /// The store refused the request's credentials, or no credentials were found for it: fix
+    /// the configuration (environment, credential files, storage options) and retry.
+    #[error("access to {path} denied: {reason}")]
+    AccessDenied {
+        /// The location or object refused.
+        path: PathBuf,
+        /// What the store answered, or which credential sources were tried.
+        reason: String,
+    },
     /// An operating-system IO error on a path.
     #[error("io error on {path}: {source}")]
     Io {

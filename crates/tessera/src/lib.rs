@@ -76,7 +76,9 @@ pub use mpi;
 /// The storage conformance suite every backend runs (feature `conformance`).
 #[cfg(feature = "conformance")]
 pub use storage::conformance;
-pub use storage::{open_location, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage, StorageExt};
+pub use storage::{
+    open_location, open_location_with, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage, StorageExt,
+};
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
 pub use storage::{ObjectStorage, ObjectStoreOptions, RequestCounts};
 

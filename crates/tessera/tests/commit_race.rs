@@ -82,6 +82,16 @@ fn concurrent_saves_into_s3() {
     race(Arc::new(s3::fresh_storage("race")));
 }
 
+#[test]
+fn concurrent_saves_into_azure() {
+    race(Arc::new(azure::fresh_storage("race")));
+}
+
+#[test]
+fn concurrent_saves_into_gcs() {
+    race(Arc::new(gcs::fresh_storage("race")));
+}
+
 /// A store that accepts a conditional put and ignores the condition (Garage does), and whose
 /// first existence check of the index misses (as if the other save had not committed yet).
 #[derive(Debug)]

@@ -69,6 +69,11 @@ fn s3_storage_conforms() {
     conforms(&common::s3::fresh_storage("conformance"));
 }
 
+#[test]
+fn azure_storage_conforms() {
+    conforms(&common::azure::fresh_storage("conformance"));
+}
+
 /// The pass-through counter conforms over both local backends, and counts the reads the suite
 /// made through it.
 #[test]

@@ -63,13 +63,14 @@ PathLike = Union[str, "os.PathLike[str]"]
 def _detect(checkpoint_dir: PathLike) -> Optional[Tuple[str, int]]:
     try:
         from tessera import _native
+        from tessera._storage import native_location
     except ImportError as e:
         raise ImportError(
             "tessera's native extension (tessera._native) is not available; build and install the "
             "package (`pip install .` or `maturin develop`) to inspect checkpoints"
         ) from e
     try:
-        detected: Any = _native.detect(os.fspath(checkpoint_dir))
+        detected: Any = _native.detect(native_location(checkpoint_dir))
     except FileNotFoundError:
         # Megatron answers "not a distributed checkpoint" for a missing directory, not an error.
         return None
@@ -89,7 +90,9 @@ CONFIG_FNAME = MEGATRON_CONFIG_FNAME
 
 def local_dir(checkpoint_dir: PathLike) -> Optional[str]:
     """The local filesystem path of a location (plain path or ``file://``), None for others."""
-    location = os.fspath(checkpoint_dir)
+    from tessera._storage import location_url
+
+    location = location_url(checkpoint_dir)
     if location.startswith("file://"):
         return location[len("file://") :]
     if "://" in location:
@@ -103,9 +106,10 @@ def _megatron_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
         return None
     try:
         from tessera import _native
+        from tessera._storage import native_location
 
         # Read by the core, as every checkpoint file is: never through a link out of the directory.
-        data = _native.read_file(os.fspath(checkpoint_dir), MEGATRON_CONFIG_FNAME)
+        data = _native.read_file(native_location(checkpoint_dir), MEGATRON_CONFIG_FNAME)
         return None if data is None else CheckpointingConfig(**json.loads(data))
     except (OSError, ValueError, TypeError, CheckpointingException):
         return None
@@ -155,6 +159,6 @@ def save_config(config: CheckpointingConfig, checkpoint_dir: PathLike) -> None:
     checkpoints whose sharded part a caller's own strategy wrote."""
     from dataclasses import asdict
 
-    path = os.path.join(os.fspath(checkpoint_dir), CONFIG_FNAME)
+    path = os.path.join(local_dir(checkpoint_dir) or os.fspath(checkpoint_dir), CONFIG_FNAME)
     with open(path, "w") as f:
         json.dump(asdict(config), f)

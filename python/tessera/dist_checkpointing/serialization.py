@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 from .. import _native
 from .._comm import default_comm
+from .._storage import StorageOptions, native_location
 from ._descriptors import sharded_load_object, sharded_load_tensor, sharded_save_object, sharded_save_tensor
 from ..errors import KeyMismatchError, NotCoveredError, TesseraError
 from .core import CheckpointingConfig, CheckpointingException, save_config
@@ -337,6 +338,7 @@ def save(
     overwrite: bool = False,
     process_group: Any = None,
     async_saver: Any = None,
+    storage_options: StorageOptions = None,
     _sharded_part_only: bool = False,
 ) -> Any:
     """Saves a sharded state dict; every rank of the process group calls it.
@@ -357,6 +359,11 @@ def save(
     :class:`~.strategies.async_utils.AsyncCallsQueue` or call its ``finalize()``. Staging goes
     through ``async_saver`` (default: one saver per live process group, created collectively on
     first use); a save still in flight is waited for first.
+
+    ``checkpoint_dir`` may be an object-store URL, configured from the environment, by
+    ``storage_options`` (``object_store`` keys), or given as a :class:`tessera.Location` that
+    carries them (which this package's functions taking a ``checkpoint_dir`` accept, with
+    tessera's own strategies; a foreign strategy gets what Megatron gives it, a local path).
     """
     strategy = _resolve_save_strategy(sharded_strategy)
     writer = getattr(strategy, "native_writer", None)
@@ -389,7 +396,7 @@ def save(
     rank = comm.rank() if comm is not None else 0
     if writer == "torch_dist":
         return _save_torch_dist_request(
-            tensors, objects, common, str(checkpoint_dir), comm, rank, async_sharded_save,
+            tensors, objects, common, native_location(checkpoint_dir, storage_options), comm, rank, async_sharded_save,
             keep_common_pt=_sharded_part_only,
             overwrite=overwrite, validate=validate_access_integrity,
             # Megatron's thread_count: the data files each rank writes.
@@ -411,7 +418,7 @@ def save(
         _torch().cuda.synchronize()
     native_objects = [sharded_save_object(o, _encode_object(o.data)) for _, o in objects]
     native_common = [(_to_native_path(p), _to_plain(v)) for p, v in common] if rank == 0 else []
-    args = (native_tensors, native_objects, native_common, str(checkpoint_dir), comm)
+    args = (native_tensors, native_objects, native_common, native_location(checkpoint_dir, storage_options), comm)
     kwargs: Dict[str, Any] = dict(
         overwrite=overwrite,
         validate=validate_access_integrity,
@@ -522,7 +529,7 @@ def _save_torch_dist_request(
     tensors: list,
     objects: list,
     common: list,
-    location: str,
+    location: Any,
     comm: Any,
     rank: int,
     async_save: bool,
@@ -633,6 +640,7 @@ def load(
     process_group: Any = None,
     verify_checksums: bool = True,
     exchange_reads: bool = False,
+    storage_options: StorageOptions = None,
 ) -> Any:
     """Loads the state described by ``sharded_state_dict`` (any layout) from ``checkpoint_dir``.
 
@@ -643,9 +651,10 @@ def load(
     Returns the loaded state dict: common state as base, sharded tensors loaded (in place into
     their ``data`` when it is a matching CPU contiguous tensor), objects decoded, factories
     merged, non-persistent objects unwrapped. With ``StrictHandling.RETURN_*`` returns
-    ``(state_dict, missing_keys, unexpected_keys)``.
+    ``(state_dict, missing_keys, unexpected_keys)``. ``storage_options``: as for :func:`save`.
     """
     strict = parse_strict_flag(strict)
+    checkpoint_dir = native_location(checkpoint_dir, storage_options)
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         checkpoint_dir, sharded_strategy, common_strategy
     )
@@ -675,7 +684,7 @@ def load(
             _native.load(
                 native_tensors,
                 native_objects,
-                str(checkpoint_dir),
+                native_location(checkpoint_dir, storage_options),
                 comm,
                 strict=native_strict.value,
                 verify=verify_checksums,
@@ -801,7 +810,7 @@ def _native_tensors_metadata(checkpoint_dir: Any) -> Dict[str, ShardedTensor]:
     from .mapping import tessera_dtype_to_torch
 
     out = {}
-    for key, (dtype, shape) in _native.load_tensors_metadata(str(checkpoint_dir)).items():
+    for key, (dtype, shape) in _native.load_tensors_metadata(native_location(checkpoint_dir)).items():
         shape = tuple(shape)
         out[key] = ShardedTensor(
             key=key,
@@ -819,7 +828,7 @@ def _native_sharded_metadata(checkpoint_dir: Any) -> CkptShardedMetadata:
     """Tensors (by key) and every stored object shard (by its unique key) of the checkpoint,
     without data, as Megatron's ``load_sharded_metadata`` lists them."""
     metadata: CkptShardedMetadata = dict(_native_tensors_metadata(checkpoint_dir))
-    for key, (grid, offsets) in _native.load_objects_metadata(os.fspath(checkpoint_dir)).items():
+    for key, (grid, offsets) in _native.load_objects_metadata(native_location(checkpoint_dir)).items():
         for offset in offsets:
             obj = ShardedObject(key, None, tuple(grid), tuple(offset), replica_id=0)
             metadata[obj.unique_key] = obj
@@ -853,7 +862,7 @@ def load_plain_tensors(checkpoint_dir: Any) -> Dict[str, Any]:
 def load_common_state_dict(checkpoint_dir: Any) -> Dict[str, Any]:
     """The common (non-sharded) state. For a Megatron ``torch_dist`` / ``zarr`` checkpoint with
     ``common.pt``, what ``torch.load`` of that file gives (as Megatron loads it)."""
-    _, common_strategy = verify_checkpoint_and_load_strategy(os.fspath(checkpoint_dir))
+    _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
     return common_strategy.load_common(checkpoint_dir)
 
 
@@ -869,7 +878,7 @@ def load_sharded_objects(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any
     objects = [(path, leaf) for path, leaf in _leaves(sharded_state_dict) if isinstance(leaf, ShardedObject)]
     if not objects:
         return sharded_state_dict
-    datas = _native.load_objects([sharded_load_object(o) for _, o in objects], str(checkpoint_dir))
+    datas = _native.load_objects([sharded_load_object(o) for _, o in objects], native_location(checkpoint_dir))
     for (path, _), data in zip(objects, datas):
         _set_path(sharded_state_dict, path, _decode_object(data))
     return sharded_state_dict
@@ -883,7 +892,7 @@ def load_content_metadata(checkpoint_dir: Optional[Any] = None, *, preloaded_sta
     if checkpoint_dir is None:
         raise ValueError("Both checkpoint_dir and loaded_state_dict cannot be None")
     try:
-        value = _from_plain(_native.load_content_metadata(str(checkpoint_dir)))
+        value = _from_plain(_native.load_content_metadata(native_location(checkpoint_dir)))
     except CheckpointingException:
         value = None
     if value is None:
@@ -899,4 +908,4 @@ def remove_sharded_tensors(checkpoint_dir: Any, key_prefix: str) -> Any:
 
 
 def _native_remove_sharded_tensors(checkpoint_dir: Any, key_prefix: str) -> List[str]:
-    return _native.remove_sharded_tensors(str(checkpoint_dir), key_prefix)
+    return _native.remove_sharded_tensors(native_location(checkpoint_dir), key_prefix)

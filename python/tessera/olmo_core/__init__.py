@@ -43,6 +43,7 @@ import torch.nn as nn
 from .. import _native
 from ..dist_checkpointing.serialization import _from_native_path
 from .._comm import default_comm
+from .._storage import StorageOptions, native_location, split_location
 from ..torch import _is_dtensor
 from ._checkpointer import Checkpointer, FlatShard, PathOrStr, _normalize, _olmo_flat, files_created, save_tensors
 from ._metadata import OverlapType, StorageMetadata, TensorShardSpec, TensorStorageMetadata
@@ -231,7 +232,12 @@ def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
 
 @torch.no_grad()
 def save_model_and_optim_state(
-    dir: PathOrStr, model: nn.Module, optim: torch.optim.Optimizer, save_overwrite: bool = False
+    dir: PathOrStr,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    save_overwrite: bool = False,
+    *,
+    storage_options: StorageOptions = None,
 ) -> List[PathOrStr]:
     """Saves the model's state to ``dir/model`` and the optimizer's, flattened and keyed by
     parameter name so that it reshards with the parameters, to ``dir/optim``. Every rank calls
@@ -239,6 +245,7 @@ def save_model_and_optim_state(
     written, and with ``save_overwrite`` both old ones are uncommitted first. An optimizer
     without state gets some first (:func:`init_optimizer_state`: the parameters stay as they
     are), as OLMo-core does, since loading needs every parameter's state."""
+    dir, storage_options = split_location(dir, storage_options)
     d = _normalize(dir)
     init_optimizer_state(optim)  # OLMo-core loads every parameter's state: there must be some
     model_state = _model_state(model)
@@ -248,28 +255,35 @@ def save_model_and_optim_state(
     model_native, keep_model = save_tensors(model_state, rank)
     optim_native, keep_optim = save_tensors(flat_optim, rank)
     # One save of both directories: both validated before either is touched.
-    reports = _native.save_olmo([(model_native, f"{d}/model"), (optim_native, f"{d}/optim")], comm,
-                                overwrite=save_overwrite)
+    dirs = [(model_native, native_location(f"{d}/model", storage_options)),
+            (optim_native, native_location(f"{d}/optim", storage_options))]
+    reports = _native.save_olmo(dirs, comm, overwrite=save_overwrite)
     del keep_model, keep_optim
     return files_created(f"{d}/model", reports[0]) + files_created(f"{d}/optim", reports[1])
 
 
-def _optim_values(dir: str) -> Dict[str, Any]:
+def _optim_values(dir: str, storage_options: StorageOptions = None) -> Dict[str, Any]:
     """The decoded pickled fields of an ``optim/`` checkpoint (``param_groups``, ``state_keys``)."""
-    return {_from_native_path(p)[-1][1]: v for p, v in _native.load_common(dir)}
+    return {_from_native_path(p)[-1][1]: v for p, v in _native.load_common(native_location(dir, storage_options))}
 
 
 @torch.no_grad()
 def load_model_and_optim_state(
-    dir: PathOrStr, model: nn.Module, optim: Optional[torch.optim.Optimizer] = None, validate: bool = True
+    dir: PathOrStr,
+    model: nn.Module,
+    optim: Optional[torch.optim.Optimizer] = None,
+    validate: bool = True,
+    *,
+    storage_options: StorageOptions = None,
 ) -> None:
     """Loads the model's and (if given) the optimizer's state in place from a checkpoint of
     :func:`save_model_and_optim_state` (tessera's or OLMo-core's), whatever topology saved it.
     Every element of every target is proven covered before any byte is read (``validate`` is
     always on); a parameter or state missing from the checkpoint raises naming it."""
     del validate
+    dir, storage_options = split_location(dir, storage_options)
     d = _normalize(dir)
-    ck = Checkpointer()
+    ck = Checkpointer(storage_options=storage_options)
     model_state = _model_state(model)
     stored = set(ck.get_metadata(f"{d}/model").tensors)
     ck.load(f"{d}/model", {_resolve(stored, k): v for k, v in model_state.items()})
@@ -281,7 +295,7 @@ def load_model_and_optim_state(
         return
 
     meta = ck.get_metadata(f"{d}/optim").tensors
-    values = _optim_values(f"{d}/optim")
+    values = _optim_values(f"{d}/optim", storage_options)
     groups, state_keys = values["param_groups"], values["state_keys"]
     if len(groups) != len(optim.param_groups):
         raise ValueError(
@@ -337,26 +351,41 @@ def load_model_and_optim_state(
 
 @torch.no_grad()
 def unshard_model_state(
-    dir: PathOrStr, device: Optional[torch.device] = None, rank0_only: bool = False, no_dist: bool = False
+    dir: PathOrStr,
+    device: Optional[torch.device] = None,
+    rank0_only: bool = False,
+    no_dist: bool = False,
+    *,
+    storage_options: StorageOptions = None,
 ) -> Dict[str, torch.Tensor]:
     """The full model state of a checkpoint of :func:`save_model_and_optim_state`."""
-    return Checkpointer().unshard(f"{_normalize(dir)}/model", device=device, rank0_only=rank0_only, no_dist=no_dist)
+    dir, storage_options = split_location(dir, storage_options)
+    return Checkpointer(storage_options=storage_options).unshard(
+        f"{_normalize(dir)}/model", device=device, rank0_only=rank0_only, no_dist=no_dist
+    )
 
 
 @torch.no_grad()
 def unshard_optim_state(
-    dir: PathOrStr, device: Optional[torch.device] = None, rank0_only: bool = False, no_dist: bool = False
+    dir: PathOrStr,
+    device: Optional[torch.device] = None,
+    rank0_only: bool = False,
+    no_dist: bool = False,
+    *,
+    storage_options: StorageOptions = None,
 ) -> OptimStateDict:
     """The full optimizer state of a checkpoint of :func:`save_model_and_optim_state`, as an
     optimizer state dict (state by parameter id, parameter groups)."""
+    dir, storage_options = split_location(dir, storage_options)
     d = f"{_normalize(dir)}/optim"
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank0_only and no_dist and rank != 0:
         raise ValueError(f"calling `unshard()` with `rank0_only=True` and `no_dist=True` is undefined for rank {rank}")
     if rank0_only and rank != 0:
         return {}  # type: ignore[typeddict-item]
-    values = _optim_values(d)
-    meta = Checkpointer().get_metadata(d).tensors
+    ck = Checkpointer(storage_options=storage_options)
+    values = _optim_values(d, storage_options)
+    meta = ck.get_metadata(d).tensors
     wanted = {}
     out: OptimStateDict = {"state": {}, "param_groups": []}
     for g in values["param_groups"]:
@@ -367,7 +396,7 @@ def unshard_optim_state(
                     wanted[_state_key(name, k)] = (pid, k)
         out["param_groups"].append(g)  # type: ignore[arg-type]
     full = {k: torch.empty(meta[k].shape, dtype=meta[k].torch_dtype) for k in wanted}
-    Checkpointer().load(d, full)
+    ck.load(d, full)
     for key, (pid, k) in wanted.items():
         t = full[key] if device is None else full[key].to(device)
         out["state"].setdefault(pid, {})[k] = t

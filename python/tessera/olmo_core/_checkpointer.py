@@ -14,6 +14,7 @@ import torch
 
 from .. import _native
 from .._comm import default_comm
+from .._storage import StorageOptions, native_location, split_location
 from ..dist_checkpointing._descriptors import load_tensor, save_tensor
 from ..dist_checkpointing.serialization import _cpu_contiguous
 from ..torch import _is_dtensor, _layout
@@ -131,7 +132,9 @@ def _cpu_target(t: torch.Tensor) -> torch.Tensor:
     return t if (t.device.type == "cpu" and t.is_contiguous()) else torch.empty(t.shape, dtype=t.dtype)
 
 
-def _load_pieces(dir: str, pieces: Sequence[_Piece], threads: Optional[int] = None) -> None:
+def _load_pieces(
+    dir: str, pieces: Sequence[_Piece], threads: Optional[int] = None, storage_options: StorageOptions = None
+) -> None:
     """Fills every piece from the checkpoint at ``dir`` (every key must be stored there)."""
     native, targets, seen = [], [], {}
     for p in pieces:
@@ -144,7 +147,8 @@ def _load_pieces(dir: str, pieces: Sequence[_Piece], threads: Optional[int] = No
         seen[span] = p.key
         targets.append((p.data, buf))
         native.append(load_tensor(p.key, p.data.dtype, p.box, p.full_shape, p.offset, flattened_range=p.flat, data=buf))
-    _native.load(native, [], dir, None, strict="raise_unexpected", threads=threads)
+    where = native_location(dir, storage_options)
+    _native.load(native, [], where, None, strict="raise_unexpected", threads=threads)
     with torch.no_grad():
         for data, buf in targets:
             if buf is not data:
@@ -155,9 +159,13 @@ class Checkpointer:
     """Saves and loads flat (non-nested) state dicts of tensors, DTensors and flat shards as
     OLMo-core 0.1.x checkpoint directories (``rank_{r}.safetensors`` + ``metadata.json``).
     For a model and its optimizer together use :func:`save_model_and_optim_state` and
-    :func:`load_model_and_optim_state`."""
+    :func:`load_model_and_optim_state`. ``storage_options`` configure an object store for every
+    call (``object_store`` keys over the environment: ``{"aws_endpoint": …}``, …)."""
 
     METADATA_FILENAME = "metadata.json"
+
+    def __init__(self, *, storage_options: StorageOptions = None) -> None:
+        self.storage_options = dict(storage_options) if storage_options else None
 
     def save(
         self, dir: PathOrStr, state_dict: Dict[str, Any], save_overwrite: bool = False
@@ -165,10 +173,11 @@ class Checkpointer:
         """Saves ``state_dict`` (every rank calls it with its own pieces); returns the metadata
         and the files this rank created. ``metadata.json`` is written last, once every rank's
         file is complete. An existing checkpoint is kept unless ``save_overwrite``."""
+        dir, options = split_location(dir, self.storage_options)
         d = _normalize(dir)
         comm = default_comm()
         native, keep_alive = save_tensors(state_dict, comm.rank() if comm is not None else 0)
-        report = _native.save_olmo([(native, d)], comm, overwrite=save_overwrite)[0]
+        report = _native.save_olmo([(native, native_location(d, options))], comm, overwrite=save_overwrite)[0]
         del keep_alive
         # report["metadata"] is the text of metadata.json (see _native.save_olmo)
         return StorageMetadata.from_json(cast(str, report["metadata"])), files_created(d, report)
@@ -188,7 +197,8 @@ class Checkpointer:
         (``no_dist``, ``metadata`` and the private arguments are accepted for compatibility)."""
         del no_dist, metadata, _safetensors_mfl, _check_for_nans
         pieces = [p for key, t in state_dict.items() for p in _pieces(key, t, 0)]
-        _load_pieces(_normalize(dir), pieces)
+        dir, options = split_location(dir, self.storage_options)
+        _load_pieces(_normalize(dir), pieces, storage_options=options)
 
     def unshard(
         self,
@@ -205,11 +215,14 @@ class Checkpointer:
             raise ValueError(f"calling `unshard()` with `rank0_only=True` and `no_dist=True` is undefined for rank {rank}")
         if rank0_only and rank != 0:
             return {}
+        dir, options = split_location(dir, self.storage_options)
         d = _normalize(dir)
-        out = {k: torch.empty(m.shape, dtype=m.torch_dtype) for k, m in self.get_metadata(d).tensors.items()}
+        meta = Checkpointer(storage_options=options).get_metadata(d)
+        out = {k: torch.empty(m.shape, dtype=m.torch_dtype) for k, m in meta.tensors.items()}
         pieces = [_Piece(k, t, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), None) for k, t in out.items()]
         # OLMo-core's num_threads=0 means no threading: one thread.
-        _load_pieces(d, pieces, threads=None if num_threads is None else max(num_threads, 1))
+        threads = None if num_threads is None else max(num_threads, 1)
+        _load_pieces(d, pieces, threads=threads, storage_options=options)
         if device is not None:
             out = {k: t.to(device) for k, t in out.items()}
         return out
@@ -217,4 +230,5 @@ class Checkpointer:
     def get_metadata(self, dir: PathOrStr, no_dist: bool = False) -> StorageMetadata:
         """The checkpoint's metadata (read and checked by the core; no communication)."""
         del no_dist
-        return StorageMetadata.from_json(_native.olmo_metadata(_normalize(dir)))
+        dir, options = split_location(dir, self.storage_options)
+        return StorageMetadata.from_json(_native.olmo_metadata(native_location(_normalize(dir), options)))

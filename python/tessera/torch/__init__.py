@@ -15,6 +15,9 @@ strings, bools, None, lists, tuples as lists, dicts of them) are stored as plain
 every tool reads; anything else as a typed ``torch.save`` blob, only ever loaded here.
 The model/optimizer helpers follow OLMo-core's `save_model_and_optim_state` /
 `load_model_and_optim_state`, and work for FSDP2 (``fully_shard``) and plain modules.
+Every function taking a location takes an object-store URL too (``s3://``, ``gs://``,
+``az://``), configured from the environment or by ``storage_options`` (``object_store``
+configuration keys, as polars and deltalake take them).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .. import _native
 from .._comm import default_comm
+from .._storage import StorageOptions, location_url, native_location
 from ..errors import KeyMismatchError
 from ..dist_checkpointing._descriptors import load_tensor, save_tensor
 from ..dist_checkpointing.mapping import tessera_dtype_to_torch
@@ -82,20 +86,20 @@ def _flatten_stateful(state_dict: Dict[str, Any]) -> Dict[str, Any]:
     return {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_dict.items()}
 
 
-def _location(checkpoint_id: Any, storage: Any, what: str) -> str:
-    """The location from DCP's two ways of giving it: ``checkpoint_id`` (a path or URL), or a
-    storage writer/reader object carrying it (torch's ``FileSystemWriter`` / ``Reader``:
-    ``.path``; others: ``.checkpoint_id``)."""
+def _location(checkpoint_id: Any, storage: Any, what: str) -> Any:
+    """The location from DCP's two ways of giving it: ``checkpoint_id`` (a path, URL or
+    :class:`tessera.Location`), or a storage writer/reader object carrying it (torch's
+    ``FileSystemWriter`` / ``Reader``: ``.path``; others: ``.checkpoint_id``)."""
     if storage is not None:
         from_storage = getattr(storage, "checkpoint_id", None) or getattr(storage, "path", None)
         if from_storage is None:
             raise TypeError(f"{what} {type(storage).__name__} carries no location (.path or .checkpoint_id)")
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != os.fspath(from_storage):
-            raise ValueError(f"checkpoint_id {checkpoint_id!s} and {what} location {from_storage!s} differ")
+        if checkpoint_id is not None and location_url(checkpoint_id) != location_url(from_storage):
+            raise ValueError(f"checkpoint_id {location_url(checkpoint_id)} and {what} location {from_storage!s} differ")
         checkpoint_id = from_storage
     if checkpoint_id is None:
         raise ValueError(f"where to? give checkpoint_id (a directory or URL) or {what}")
-    return os.fspath(checkpoint_id)
+    return checkpoint_id if isinstance(checkpoint_id, _native.Location) else os.fspath(checkpoint_id)
 
 
 def _key(path: Tuple[Any, ...]) -> str:
@@ -138,7 +142,7 @@ def _split(state_dict: Dict[str, Any]) -> Tuple[List[Tuple[Tuple[Any, ...], torc
     return tensors, values
 
 
-def _where(checkpoint_id: Any, storage_writer: Any, process_group: Any) -> Tuple[str, Any, int]:
+def _where(checkpoint_id: Any, storage_writer: Any, process_group: Any) -> Tuple[Any, Any, int]:
     """A save's location, communicator and rank."""
     location = _location(checkpoint_id, storage_writer, "storage_writer")
     comm = default_comm(process_group)
@@ -172,15 +176,19 @@ def save(
     process_group: Any = None,
     overwrite: bool = False,
     content_metadata: Optional[dict] = None,
+    storage_options: StorageOptions = None,
 ) -> dict:
     """Saves a (nested) state dict to ``checkpoint_id`` (a directory or an object-store URL;
     or where ``storage_writer`` points); under torch.distributed every rank of
     ``process_group`` calls it. Tensor keys are the dotted paths; other values are saved once,
-    from rank 0. A checkpoint already there is kept unless ``overwrite``. Returns the report."""
+    from rank 0. A checkpoint already there is kept unless ``overwrite``. ``storage_options``
+    configure an object store (``object_store`` keys, over the environment). Returns the
+    report."""
     location, comm, rank = _where(checkpoint_id, storage_writer, process_group)
     native, common, keep_alive = _save_request(state_dict, rank)
     meta = _to_plain(content_metadata) if content_metadata is not None else None
-    report = _native.save(native, [], common, location, comm, overwrite=overwrite, content_metadata=meta)
+    where = native_location(location, storage_options)
+    report = _native.save(native, [], common, where, comm, overwrite=overwrite, content_metadata=meta)
     del keep_alive
     return report
 
@@ -193,6 +201,7 @@ def async_save(
     process_group: Any = None,
     overwrite: bool = False,
     content_metadata: Optional[dict] = None,
+    storage_options: StorageOptions = None,
 ) -> "Future[dict]":
     """:func:`save` in the background, as DCP's ``async_save``: returns once this rank's bytes
     are staged (the state may change from then on) with a ``concurrent.futures.Future`` whose
@@ -208,7 +217,8 @@ def async_save(
         torch.cuda.synchronize()
     meta = _to_plain(content_metadata) if content_metadata is not None else None
     try:
-        handle = saver.start(native, [], common, location, comm, overwrite=overwrite, content_metadata=meta)
+        where = native_location(location, storage_options)
+        handle = saver.start(native, [], common, where, comm, overwrite=overwrite, content_metadata=meta)
     finally:
         # Staged: the pinned buffers and host copies are free for the next save.
         del keep_alive
@@ -232,6 +242,7 @@ def load(
     storage_reader: Any = None,
     process_group: Any = None,
     strict: bool = True,
+    storage_options: StorageOptions = None,
 ) -> None:
     """Loads in place: every tensor (or DTensor shard) of ``state_dict`` is filled from the
     checkpoint, whatever layout it was saved in; other values are replaced by the saved ones
@@ -254,9 +265,10 @@ def load(
     strict_mode = "raise_unexpected" if strict else "return_unexpected"
     try:
         # entries of different types (listed in _native.load's docstring)
-        result = cast(Dict[str, Any], _native.load(native, [], location, None, strict=strict_mode))
+        where = native_location(location, storage_options)
+        result = cast(Dict[str, Any], _native.load(native, [], where, None, strict=strict_mode))
     except KeyMismatchError as e:
-        raise _torch_key_error(location, e) from None
+        raise _torch_key_error(location_url(location), e) from None
     with torch.no_grad():
         for (local, buf), loaded in zip(targets, result["loaded"]):
             if loaded and buf is not local:
@@ -271,11 +283,11 @@ def load(
             state_dict[key] = flat[key]
 
 
-def get_metadata(dir: Any) -> Dict[str, Dict[str, Any]]:
+def get_metadata(dir: Any, *, storage_options: StorageOptions = None) -> Dict[str, Dict[str, Any]]:
     """Key → ``{"dtype": torch.dtype, "shape": tuple}`` of every stored tensor."""
     return {
         k: {"dtype": tessera_dtype_to_torch(d), "shape": tuple(s)}
-        for k, (d, s) in _native.load_tensors_metadata(str(dir)).items()
+        for k, (d, s) in _native.load_tensors_metadata(native_location(dir, storage_options)).items()
     }
 
 
@@ -294,19 +306,20 @@ def unshard(
     device: Any = None,
     rank0_only: bool = False,
     no_dist: bool = False,
+    storage_options: StorageOptions = None,
 ) -> Dict[str, torch.Tensor]:
     """Full tensors (all, or ``keys``) read straight from the checkpoint; no communication.
     With ``rank0_only`` other ranks of an initialized process group get ``{}``."""
     if _not_rank0(rank0_only, no_dist):
         return {}
-    meta = get_metadata(dir)
+    meta = get_metadata(dir, storage_options=storage_options)
     wanted = list(meta) if keys is None else list(keys)
     out = {k: torch.empty(meta[k]["shape"], dtype=meta[k]["dtype"]) for k in wanted if k in meta}
     missing = [k for k in wanted if k not in meta]
     if missing:
         raise KeyError(f"not in the checkpoint: {missing}")
     native = [load_tensor(k, t.dtype, t.shape, t.shape, (0,) * t.dim(), data=t) for k, t in out.items()]
-    _native.load(native, [], str(dir), None)
+    _native.load(native, [], native_location(dir, storage_options), None)
     if device is not None:
         out = {k: t.to(device) for k, t in out.items()}
     return out
@@ -380,6 +393,7 @@ def save_model_and_optim_state(
     overwrite: bool = False,
     process_group: Any = None,
     save_overwrite: Optional[bool] = None,
+    storage_options: StorageOptions = None,
 ) -> dict:
     """Saves model and optimizer state (FSDP2 DTensors or plain tensors), optimizer state keyed
     by parameter name so that it reshards with the parameters. ``save_overwrite`` is
@@ -388,7 +402,7 @@ def save_model_and_optim_state(
     if optim is not None:
         sd[_OPTIM] = get_optimizer_state_dict(model, optim, options=_state_dict_options())
     overwrite = overwrite if save_overwrite is None else save_overwrite
-    return save(sd, dir, overwrite=overwrite, process_group=process_group)
+    return save(sd, dir, overwrite=overwrite, process_group=process_group, storage_options=storage_options)
 
 
 def load_model_and_optim_state(
@@ -398,6 +412,7 @@ def load_model_and_optim_state(
     *,
     strict: bool = True,
     process_group: Any = None,
+    storage_options: StorageOptions = None,
 ) -> None:
     """Loads, in place, what `save_model_and_optim_state` saved, into any layout of the same
     model. The optimizer's state is created for every parameter the checkpoint has state for.
@@ -408,9 +423,9 @@ def load_model_and_optim_state(
     sd: Dict[str, Any] = {_MODEL: msd}
     if optim is not None:
         osd = get_optimizer_state_dict(model, optim, options=_state_dict_options())
-        _add_missing_optim_state(osd, msd, get_metadata(dir))
+        _add_missing_optim_state(osd, msd, get_metadata(dir, storage_options=storage_options))
         sd[_OPTIM] = osd
-    load(sd, dir, strict=strict, process_group=process_group)
+    load(sd, dir, strict=strict, process_group=process_group, storage_options=storage_options)
     set_model_state_dict(model, sd[_MODEL], options=_state_dict_options())
     if optim is not None:
         set_optimizer_state_dict(model, optim, sd[_OPTIM], options=_state_dict_options())
@@ -434,33 +449,47 @@ def _add_missing_optim_state(osd: Dict[str, Any], msd: Dict[str, Any], meta: Dic
             osd[flat] = torch.empty(m["shape"], dtype=m["dtype"])
 
 
-def _unshard_prefixed(dir: Any, prefix: str, device: Any, rank0_only: bool, no_dist: bool) -> Dict[str, Any]:
-    keys = [k for k in get_metadata(dir) if k.startswith(prefix + ".")]
-    full = unshard(dir, keys, device=device, rank0_only=rank0_only, no_dist=no_dist)
+def _unshard_prefixed(
+    dir: Any, prefix: str, device: Any, rank0_only: bool, no_dist: bool, storage_options: StorageOptions
+) -> Dict[str, Any]:
+    keys = [k for k in get_metadata(dir, storage_options=storage_options) if k.startswith(prefix + ".")]
+    full = unshard(
+        dir, keys, device=device, rank0_only=rank0_only, no_dist=no_dist, storage_options=storage_options
+    )
     return {k[len(prefix) + 1 :]: v for k, v in full.items()}
 
 
 def unshard_model_state(
-    dir: Any, device: Any = None, rank0_only: bool = False, no_dist: bool = False
+    dir: Any,
+    device: Any = None,
+    rank0_only: bool = False,
+    no_dist: bool = False,
+    *,
+    storage_options: StorageOptions = None,
 ) -> Dict[str, torch.Tensor]:
     """The full model state dict saved by `save_model_and_optim_state`."""
-    return _unshard_prefixed(dir, _MODEL, device, rank0_only, no_dist)
+    return _unshard_prefixed(dir, _MODEL, device, rank0_only, no_dist, storage_options)
 
 
 def unshard_optim_state(
-    dir: Any, device: Any = None, rank0_only: bool = False, no_dist: bool = False
+    dir: Any,
+    device: Any = None,
+    rank0_only: bool = False,
+    no_dist: bool = False,
+    *,
+    storage_options: StorageOptions = None,
 ) -> Dict[str, Any]:
     """The full optimizer state: ``{"state": {param: {name: tensor}}, "param_groups": [...]}``."""
     if _not_rank0(rank0_only, no_dist):
         return {}
-    flat = _unshard_prefixed(dir, _OPTIM, device, rank0_only, no_dist)
+    flat = _unshard_prefixed(dir, _OPTIM, device, rank0_only, no_dist, storage_options)
     state: Dict[str, Dict[str, Any]] = {}
     for k, v in flat.items():
         param, _, name = k[len("state.") :].rpartition(".")
         state.setdefault(param, {})[name] = v
     groups: Dict[str, Dict[str, Any]] = {}
     group_prefix = "param_groups."
-    for path, v in _native.load_common(str(dir)):
+    for path, v in _native.load_common(native_location(dir, storage_options)):
         if len(path) == 2 and path[0] == _OPTIM and str(path[1]).startswith(group_prefix):
             param, _, name = str(path[1])[len(group_prefix) :].rpartition(".")
             groups.setdefault(param, {})[name] = _from_plain(v)

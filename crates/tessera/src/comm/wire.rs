@@ -65,10 +65,12 @@ pub enum Kind {
     Cancelled = 14,
     /// [`Error::Io`].
     Io = 15,
+    /// [`Error::AccessDenied`].
+    AccessDenied = 16,
 }
 
 impl Kind {
-    const ALL: [Kind; 15] = [
+    const ALL: [Kind; 16] = [
         Kind::NotFound,
         Kind::NotCommitted,
         Kind::AlreadyExists,
@@ -84,6 +86,7 @@ impl Kind {
         Kind::Comm,
         Kind::Cancelled,
         Kind::Io,
+        Kind::AccessDenied,
     ];
 
     fn from_code(code: u8) -> Option<Kind> {
@@ -121,6 +124,7 @@ impl Failure {
             Error::Comm { reason } => (Kind::Comm, String::new(), reason.clone()),
             Error::Cancelled => (Kind::Cancelled, String::new(), String::new()),
             Error::Io { path: p, source } => (Kind::Io, path(p), source.to_string()),
+            Error::AccessDenied { path: p, reason } => (Kind::AccessDenied, path(p), reason.clone()),
         };
         Failure { kind, subject, reason, text: e.to_string() }
     }
@@ -289,6 +293,7 @@ mod tests {
             Error::Comm { reason: "gone".into() },
             Error::Cancelled,
             Error::Io { path: "/ck/f".into(), source: std::io::Error::other("disk full") },
+            Error::AccessDenied { path: "s3://b/ck".into(), reason: "no S3 credentials found".into() },
         ]
     }
 

@@ -11,6 +11,8 @@
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod counting;
+#[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
+mod credentials;
 mod local;
 mod memory;
 pub(crate) mod names;
@@ -246,13 +248,37 @@ impl<S: Storage + ?Sized> StorageExt for S {}
 /// # Ok::<(), tessera::Error>(())
 /// ```
 pub fn open_location(location: &str) -> Result<Arc<dyn Storage>> {
+    open_location_with(location, &[])
+}
+
+/// [`open_location`] with storage options: `object_store` configuration keys and values
+/// (`("aws_endpoint", "http://…")`, `("google_service_account", "/path/key.json")`,
+/// `("azure_storage_account_key", "…")`; for Azure also `azure_storage_connection_string`),
+/// applied over the environment and credential files, as polars' and deltalake's
+/// `storage_options` are. A key the location's store does not know is
+/// [`Error::InvalidArgument`]; local paths and `mem://` take no options and ignore them.
+///
+/// ```
+/// use tessera::open_location_with;
+///
+/// let dir = std::env::temp_dir().join("tessera-doc-open-location-with");
+/// let options = [("aws_region".to_string(), "eu-west-1".to_string())];
+/// assert_eq!(open_location_with(dir.to_str().unwrap(), &options)?.location(), dir.to_str().unwrap());
+/// # Ok::<(), tessera::Error>(())
+/// ```
+pub fn open_location_with(location: &str, storage_options: &[(String, String)]) -> Result<Arc<dyn Storage>> {
     if let Some(name) = location.strip_prefix("mem://") {
         return Ok(Arc::new(MemoryStorage::named(name)));
     }
     if let Some((scheme, _)) = location.split_once("://") {
         if scheme != "file" {
             #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
-            return Ok(Arc::new(ObjectStorage::open(location, ObjectStoreOptions::default())?));
+            return Ok(Arc::new(ObjectStorage::open(
+                location,
+                ObjectStoreOptions { config: storage_options.to_vec(), ..ObjectStoreOptions::default() },
+            )?));
+            #[cfg(not(any(feature = "s3", feature = "gcs", feature = "azure")))]
+            let _ = storage_options;
             #[cfg(not(any(feature = "s3", feature = "gcs", feature = "azure")))]
             return Err(Error::invalid(format!(
                 "unsupported location scheme {scheme:?} in {location:?} (this build has no object stores: \

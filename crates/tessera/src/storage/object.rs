@@ -13,11 +13,11 @@ use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
-use super::{check_name, ObjectWriter, Storage};
+use super::{check_name, credentials, ObjectWriter, Storage};
 use crate::error::{Error, Result};
 
 /// How an [`ObjectStorage`] talks to its store.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ObjectStoreOptions {
     /// Size of each part of a multipart upload (at least 5 MiB on S3; raised for objects
     /// that would need more than 10,000 parts).
@@ -32,6 +32,20 @@ pub struct ObjectStoreOptions {
     /// Extra `object_store` configuration (`("aws_endpoint", "http://…")`, …) applied after the
     /// environment.
     pub config: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for ObjectStoreOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Configuration values are often secrets (keys, tokens, connection strings): keys only.
+        let keys: Vec<&str> = self.config.iter().map(|(k, _)| k.as_str()).collect();
+        f.debug_struct("ObjectStoreOptions")
+            .field("part_size", &self.part_size)
+            .field("single_put_max", &self.single_put_max)
+            .field("timeout", &self.timeout)
+            .field("max_retries", &self.max_retries)
+            .field("config_keys", &keys)
+            .finish()
+    }
 }
 
 impl Default for ObjectStoreOptions {
@@ -92,6 +106,10 @@ pub struct ObjectStorage {
     prefix: Path,
     opts: ObjectStoreOptions,
     counters: Arc<Counters>,
+    /// Set when no credentials were configured: the client asks the metadata service.
+    credentials_fallback: Option<credentials::MetadataFallback>,
+    /// Identifies the store for [`ObjectStorage::conditional_put_honoured`]'s cache.
+    probe_key: String,
 }
 
 impl std::fmt::Debug for ObjectStorage {
@@ -118,10 +136,30 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 }
 
 impl ObjectStorage {
-    /// Opens `url` (`s3://bucket/prefix`, `gs://…`, `az://container/prefix`). Credentials,
-    /// endpoint, region and `allow_http` come from the usual environment variables
-    /// (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ALLOW_HTTP`,
-    /// `GOOGLE_SERVICE_ACCOUNT`, `AZURE_STORAGE_ACCOUNT_NAME`, …), then from `opts.config`.
+    /// Opens `url` (`s3://bucket/prefix`, `gs://…`, `az://container/prefix`), configured as the
+    /// clouds' own tools are, then by `opts.config` (`object_store` configuration keys, which
+    /// win over everything else):
+    ///
+    /// - **S3**: `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` (/ `AWS_SESSION_TOKEN`),
+    ///   `AWS_ENDPOINT_URL`, `AWS_REGION` / `AWS_DEFAULT_REGION`, `AWS_ALLOW_HTTP`; else the
+    ///   profile `AWS_PROFILE` (else `default`) of `~/.aws/credentials` and `~/.aws/config`
+    ///   (`region`, `endpoint_url`); web identity and container credentials; the instance
+    ///   metadata service.
+    /// - **GCS**: `GOOGLE_SERVICE_ACCOUNT` (a service-account JSON file, which may carry
+    ///   `gcs_base_url` and `disable_oauth` for an emulator), `GOOGLE_APPLICATION_CREDENTIALS`
+    ///   (the same fields honoured), gcloud's application-default credentials, the metadata
+    ///   service.
+    /// - **Azure**: `AZURE_STORAGE_ACCOUNT_NAME` with `AZURE_STORAGE_ACCOUNT_KEY` (or a SAS
+    ///   token, client secret, workload identity, …), `AZURE_STORAGE_CONNECTION_STRING` (or the
+    ///   key `azure_storage_connection_string`), `AZURE_STORAGE_USE_EMULATOR=true` (Azurite),
+    ///   managed identity.
+    ///
+    /// When none of a store's explicit sources is configured and its instance-metadata service
+    /// does not answer within a second, opening fails at once with [`Error::AccessDenied`]
+    /// naming what was tried, instead of the client retrying for minutes. Keys of the other
+    /// stores (`aws_…`, `google_…`, `azure_…`) are skipped, so that one set of options can
+    /// serve a command reading one store and writing another; any other key unknown to the
+    /// store is [`Error::InvalidArgument`].
     pub fn open(url: &str, opts: ObjectStoreOptions) -> Result<ObjectStorage> {
         let (scheme, rest) = url.split_once("://").ok_or_else(|| Error::invalid(format!("not a URL: {url:?}")))?;
         let prefix = rest.split_once('/').map_or("", |(_, p)| p).trim_matches('/');
@@ -140,68 +178,241 @@ impl ObjectStorage {
         let timeout = format!("{}ms", opts.timeout.as_millis());
         let timeout_key = object_store::ClientConfigKey::Timeout;
         let build_err = |e: object_store::Error| Error::invalid(format!("{url:?}: {e}"));
+        let own_prefix = match scheme {
+            "s3" | "s3a" => "aws_",
+            "gs" | "gcs" => "google_",
+            _ => "azure_",
+        };
+        let config: Vec<(String, String)> = opts
+            .config
+            .iter()
+            .filter(|(k, _)| {
+                let k = k.to_ascii_lowercase();
+                k.starts_with(own_prefix) || !["aws_", "google_", "azure_"].iter().any(|p| k.starts_with(p))
+            })
+            .cloned()
+            .collect();
+        let key_err = |k: &str, e: object_store::Error| {
+            Error::invalid(format!("{url}: storage option {k:?} is not a configuration key of this store ({e})"))
+        };
+        let fallback;
+        // What, besides scheme and bucket, tells stores apart for the conditional-put probe:
+        // the resolved endpoint (never a secret).
+        let probe_key: String;
         let (store, multipart): (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>) = match scheme {
             #[cfg(feature = "s3")]
             "s3" | "s3a" => {
-                use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+                use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey as K};
+                let mut options = Vec::new();
+                for (k, v) in &config {
+                    options.push((k.parse::<K>().map_err(|e| key_err(k, e))?, v));
+                }
                 let mut b = AmazonS3Builder::from_env()
                     .with_url(url)
                     .with_retry(retry)
-                    .with_config(AmazonS3ConfigKey::Client(timeout_key), &timeout);
+                    .with_config(K::Client(timeout_key), &timeout);
                 // The AWS SDKs' names, which `from_env` does not all know.
-                for (var, key) in
-                    [("AWS_ENDPOINT_URL", AmazonS3ConfigKey::Endpoint), ("AWS_REGION", AmazonS3ConfigKey::Region)]
-                {
+                for (var, key) in [("AWS_ENDPOINT_URL", K::Endpoint), ("AWS_REGION", K::Region)] {
                     if let Ok(v) = std::env::var(var) {
                         b = b.with_config(key, v);
                     }
                 }
-                if std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err() {
+                // The shared files fill in what the environment left unset; their keys only
+                // when no key was given at all (a profile's token must not pair with another key).
+                let keyed = b.get_config_value(&K::AccessKeyId).is_some()
+                    || options.iter().any(|(k, _)| matches!(k, K::AccessKeyId));
+                // A profile named but absent matters only when it was to give the keys.
+                let profile = match credentials::aws_profile() {
+                    Ok(p) => p,
+                    Err(_) if keyed => None,
+                    Err(e) => return Err(e),
+                };
+                let unsupported_profile = profile.as_ref().and_then(|p| p.unsupported.clone());
+                if let Some(profile) = profile {
+                    if let (false, Some((id, secret, token))) = (keyed, profile.credentials) {
+                        b = b.with_access_key_id(id).with_secret_access_key(secret);
+                        if let Some(t) = token {
+                            b = b.with_token(t);
+                        }
+                    }
+                    if std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err() {
+                        if let Some(r) = profile.region {
+                            b = b.with_region(r);
+                        }
+                    }
+                    if b.get_config_value(&K::Endpoint).is_none() {
+                        if let Some(e) = profile.endpoint_url {
+                            b = b.with_endpoint(e);
+                        }
+                    }
+                }
+                if b.get_config_value(&K::Region).is_none() {
                     b = b.with_region("us-east-1");
                 }
-                for (k, v) in &opts.config {
-                    let key: AmazonS3ConfigKey = k.parse().map_err(build_err)?;
-                    b = b.with_config(key, v);
+                for (k, v) in options {
+                    b = b.with_config(k, v);
                 }
+                let set = |k: K| b.get_config_value(&k).is_some_and(|v| !v.is_empty());
+                let explicit = set(K::AccessKeyId)
+                    || (set(K::WebIdentityTokenFile) && set(K::RoleArn))
+                    || set(K::ContainerCredentialsRelativeUri)
+                    || set(K::ContainerCredentialsFullUri)
+                    || credentials::truthy(b.get_config_value(&K::SkipSignature));
+                if let (false, Some(reason)) = (explicit, unsupported_profile) {
+                    return Err(Error::AccessDenied { path: url.into(), reason });
+                }
+                let metadata = b.get_config_value(&K::MetadataEndpoint).unwrap_or("http://169.254.169.254".into());
+                probe_key = format!("{:?} {:?}", b.get_config_value(&K::Endpoint), b.get_config_value(&K::Region));
+                fallback = credentials::require_credentials(
+                    url,
+                    "S3",
+                    explicit,
+                    &[metadata],
+                    "AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY, the storage options aws_access_key_id + \
+                     aws_secret_access_key, the profile AWS_PROFILE (else default) of ~/.aws/credentials and \
+                     ~/.aws/config, AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN, AWS_CONTAINER_CREDENTIALS_*",
+                )?;
                 let s3 = Arc::new(b.build().map_err(build_err)?);
                 (s3.clone(), s3)
             }
             #[cfg(feature = "gcs")]
             "gs" | "gcs" => {
-                use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+                use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey as K};
                 let mut b = GoogleCloudStorageBuilder::from_env()
                     .with_url(url)
                     .with_retry(retry)
-                    .with_config(GoogleConfigKey::Client(timeout_key), &timeout);
-                for (k, v) in &opts.config {
-                    let key: GoogleConfigKey = k.parse().map_err(build_err)?;
-                    b = b.with_config(key, v);
+                    .with_config(K::Client(timeout_key), &timeout);
+                for (k, v) in &config {
+                    b = b.with_config(k.parse::<K>().map_err(|e| key_err(k, e))?, v);
                 }
+                // An emulator's credentials given as application-default credentials: its
+                // `gcs_base_url` / `disable_oauth` count only in a service-account key.
+                let set = |b: &GoogleCloudStorageBuilder, k: K| b.get_config_value(&k).is_some_and(|v| !v.is_empty());
+                if !set(&b, K::ServiceAccount) && !set(&b, K::ServiceAccountKey) {
+                    if let Some(adc) = b.get_config_value(&K::ApplicationCredentials) {
+                        if credentials::gcs_emulator(&adc).is_some() {
+                            b = b.with_service_account_path(adc);
+                        }
+                    }
+                }
+                // An emulator served over plain HTTP, named so by its key: allowed, unless
+                // the options say otherwise.
+                let key = b.get_config_value(&K::ServiceAccountKey).or_else(|| b.get_config_value(&K::ServiceAccount));
+                let allow_http_given = config.iter().any(|(k, _)| k.ends_with("allow_http"));
+                if key.and_then(|k| credentials::gcs_emulator(&k)).is_some_and(|base| base.starts_with("http://"))
+                    && !allow_http_given
+                {
+                    b = b.with_config(K::Client(object_store::ClientConfigKey::AllowHttp), "true");
+                }
+                let gcloud_adc = std::env::var_os("HOME").is_some_and(|h| {
+                    PathBuf::from(h).join(".config/gcloud/application_default_credentials.json").exists()
+                });
+                let explicit = set(&b, K::ServiceAccount)
+                    || set(&b, K::ServiceAccountKey)
+                    || set(&b, K::ApplicationCredentials)
+                    || set(&b, K::BearerToken)
+                    || credentials::truthy(b.get_config_value(&K::SkipSignature))
+                    || gcloud_adc;
+                // Where the client looks, in its order: the metadata host, then its address.
+                let env = |v: &str| std::env::var(v).ok().filter(|h| !h.is_empty());
+                let host = env("GCE_METADATA_HOST").or_else(|| env("GCE_METADATA_ROOT"));
+                let metadata = [
+                    host.unwrap_or_else(|| "metadata.google.internal".into()),
+                    env("GCE_METADATA_IP").unwrap_or_else(|| "169.254.169.254".into()),
+                ]
+                .map(|h| if h.contains("://") { h } else { format!("http://{h}") });
+                let key = b.get_config_value(&K::ServiceAccountKey).or_else(|| b.get_config_value(&K::ServiceAccount));
+                probe_key = format!("{:?}", key.and_then(|k| credentials::gcs_emulator(&k)));
+                fallback = credentials::require_credentials(
+                    url,
+                    "GCS",
+                    explicit,
+                    &metadata,
+                    "GOOGLE_SERVICE_ACCOUNT (or the storage option google_service_account), \
+                     GOOGLE_SERVICE_ACCOUNT_KEY, GOOGLE_APPLICATION_CREDENTIALS, \
+                     ~/.config/gcloud/application_default_credentials.json",
+                )?;
                 let gcs = Arc::new(b.build().map_err(build_err)?);
                 (gcs.clone(), gcs)
             }
             #[cfg(feature = "azure")]
             "az" | "azure" | "abfs" | "abfss" => {
-                use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+                use object_store::azure::{AzureConfigKey as K, MicrosoftAzureBuilder};
+                let is_connection_string = |k: &str| {
+                    matches!(k.to_ascii_lowercase().as_str(), "azure_storage_connection_string" | "connection_string")
+                };
                 let mut b = MicrosoftAzureBuilder::from_env()
                     .with_url(url)
                     .with_retry(retry)
-                    .with_config(AzureConfigKey::Client(timeout_key), &timeout);
-                for (k, v) in &opts.config {
-                    let key: AzureConfigKey = k.parse().map_err(build_err)?;
-                    b = b.with_config(key, v);
+                    .with_config(K::Client(timeout_key), &timeout);
+                // A connection string (the Azure CLI's and SDKs' variable, or the same key in
+                // the options) stands for several keys: over the environment's, under the
+                // options' other keys.
+                let connection = config
+                    .iter()
+                    .rev()
+                    .find(|(k, _)| is_connection_string(k))
+                    .map(|(_, v)| v.clone())
+                    .or_else(|| std::env::var("AZURE_STORAGE_CONNECTION_STRING").ok());
+                if let Some(text) = connection {
+                    for (k, v) in credentials::azure_connection_string(&text)
+                        .map_err(|e| Error::invalid(format!("{url}: {e}")))?
+                    {
+                        b = b.with_config(k.parse::<K>().map_err(|e| key_err(k, e))?, v);
+                    }
                 }
+                for (k, v) in config.iter().filter(|(k, _)| !is_connection_string(k)) {
+                    b = b.with_config(k.parse::<K>().map_err(|e| key_err(k, e))?, v);
+                }
+                let set = |k: K| b.get_config_value(&k).is_some_and(|v| !v.is_empty());
+                let on = |k: K| credentials::truthy(b.get_config_value(&k));
+                let explicit = on(K::UseEmulator)
+                    || set(K::AccessKey)
+                    || set(K::SasKey)
+                    || set(K::Token)
+                    || (set(K::ClientId) && set(K::ClientSecret))
+                    || set(K::FederatedTokenFile)
+                    || on(K::UseAzureCli)
+                    || on(K::SkipSignature)
+                    || b.get_config_value(&K::CredentialType).is_some_and(|t| t != "auto" && t != "managed_identity");
+                let metadata = b.get_config_value(&K::MsiEndpoint).unwrap_or("http://169.254.169.254".into());
+                probe_key = format!(
+                    "{:?} {:?} {}",
+                    b.get_config_value(&K::Endpoint),
+                    b.get_config_value(&K::AccountName),
+                    on(K::UseEmulator)
+                );
+                fallback = credentials::require_credentials(
+                    url,
+                    "Azure",
+                    explicit,
+                    &[metadata],
+                    "AZURE_STORAGE_ACCOUNT_KEY (or the storage option azure_storage_account_key), \
+                     AZURE_STORAGE_SAS_KEY, AZURE_STORAGE_CONNECTION_STRING, AZURE_CLIENT_ID + \
+                     AZURE_CLIENT_SECRET, AZURE_FEDERATED_TOKEN_FILE, AZURE_USE_AZURE_CLI, \
+                     AZURE_STORAGE_USE_EMULATOR",
+                )?;
                 let az = Arc::new(b.build().map_err(build_err)?);
                 (az.clone(), az)
             }
             other => {
-                let _ = (retry, timeout, timeout_key);
+                let _ = (retry, timeout, timeout_key, key_err, config);
+                let built: Vec<&str> =
+                    [(cfg!(feature = "s3"), "s3"), (cfg!(feature = "gcs"), "gcs"), (cfg!(feature = "azure"), "azure")]
+                        .into_iter()
+                        .filter_map(|(on, f)| on.then_some(f))
+                        .collect();
                 return Err(Error::invalid(format!(
-                    "{url:?}: no object store for scheme {other:?} in this build (features: s3, gcs, azure)"
+                    "{url:?}: no object store for scheme {other:?} in this build (built with: {}; features: s3, \
+                     gcs, azure)",
+                    built.join(", ")
                 )));
             }
         };
-        Ok(Self::from_store(url, store, Some(multipart), prefix, opts))
+        let mut storage = Self::from_store(url, store, Some(multipart), prefix, opts);
+        storage.credentials_fallback = fallback;
+        storage.probe_key = format!("{} {probe_key}", storage.probe_key);
+        Ok(storage)
     }
 
     /// A storage over an existing store (tests, custom clients). Without `multipart`, objects
@@ -213,6 +424,8 @@ impl ObjectStorage {
         prefix: Path,
         opts: ObjectStoreOptions,
     ) -> ObjectStorage {
+        // Scheme, bucket (or container) and the store's own description.
+        let probe_key = format!("{} {store}", url.splitn(4, '/').take(3).collect::<Vec<_>>().join("/"));
         ObjectStorage {
             url: url.trim_end_matches('/').to_string(),
             store,
@@ -220,6 +433,8 @@ impl ObjectStorage {
             prefix,
             opts,
             counters: Arc::default(),
+            credentials_fallback: None,
+            probe_key,
         }
     }
 
@@ -239,6 +454,63 @@ impl ObjectStorage {
         }
     }
 
+    /// Whether the store honours conditional creates: a second create-if-absent of one name
+    /// fails. Tested once per store (bucket and endpoint) and process, on the first commit: a
+    /// probe object under this prefix is created twice and deleted (so this call writes).
+    /// Stores that accept the condition and ignore it (some S3-compatible servers and
+    /// emulators) are reported on stderr once, and commits there fall back to check-then-put,
+    /// with the read-back of the commit protocol as the guard (FORMAT.md). Stores that refuse
+    /// the condition outright (`NotImplemented`) count as not honouring it. A probe that fails
+    /// (a request error) is not remembered: the next call probes again.
+    pub fn conditional_put_honoured(&self) -> Result<bool> {
+        type Verdicts = Mutex<HashMap<String, Arc<Mutex<Option<bool>>>>>;
+        static PROBED: OnceLock<Verdicts> = OnceLock::new();
+        let verdict =
+            PROBED.get_or_init(Default::default).lock().unwrap().entry(self.probe_key.clone()).or_default().clone();
+        // One probe per store at a time: concurrent first commits wait for its verdict.
+        let mut verdict = verdict.lock().unwrap();
+        if let Some(known) = *verdict {
+            return Ok(known);
+        }
+        static N: AtomicU64 = AtomicU64::new(0);
+        let name =
+            format!(".tessera-conditional-put-probe-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+        let path = self.path(&name)?;
+        let create = || {
+            add(&self.counters.puts, 1);
+            add(&self.counters.bytes_uploaded, 5);
+            let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
+            block_on(self.store.put_opts(&path, PutPayload::from_static(b"probe"), opts))
+        };
+        let refused = |r: &object_store::Result<_>| {
+            matches!(r, Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. }))
+        };
+        let honoured = match create() {
+            // The first create landed, its answer was lost, and the client's retry was refused:
+            // the condition held.
+            first if refused(&first) => Ok(true),
+            Ok(_) => match create() {
+                second if refused(&second) => Ok(true),
+                Ok(_) => Ok(false),
+                Err(e) => Err(e),
+            },
+            Err(object_store::Error::NotImplemented { .. } | object_store::Error::NotSupported { .. }) => Ok(false),
+            Err(e) => Err(e),
+        };
+        let _ = self.delete(&name);
+        let honoured = honoured.map_err(|e| self.error(&name, e))?;
+        if !honoured {
+            eprintln!(
+                "tessera: warning: {} does not honour conditional puts (a second create-if-absent of one object \
+                 succeeded): commits there check, then put, and two saves racing into one location may both \
+                 report success (FORMAT.md, commit protocol)",
+                self.url
+            );
+        }
+        *verdict = Some(honoured);
+        Ok(honoured)
+    }
+
     fn path(&self, name: &str) -> Result<Path> {
         check_name(name)?;
         Ok(name.split('/').fold(self.prefix.clone(), |p, part| p.join(part)))
@@ -249,12 +521,21 @@ impl ObjectStorage {
     }
 
     fn error(&self, name: &str, e: object_store::Error) -> Error {
+        if let Some(denied) = self.credentials_fallback.as_ref().and_then(|f| f.explain(self.shown(name), &e)) {
+            return denied;
+        }
         match e {
             object_store::Error::NotFound { .. } => Error::NotFound { path: self.shown(name) },
             object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. } => {
                 Error::AlreadyExists { path: self.shown(name) }
             }
-            other => Error::Io { path: self.shown(name), source: std::io::Error::other(other) },
+            // 401 / 403: retrying cannot help; the configuration must change.
+            e @ (object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }) => {
+                Error::AccessDenied { path: self.shown(name), reason: credentials::refusal_text(&e.to_string()) }
+            }
+            // Its text already holds its sources' texts: carried as text, so that error reports
+            // that print each source (anyhow's `{:#}`) do not repeat them.
+            other => Error::Io { path: self.shown(name), source: std::io::Error::other(other.to_string()) },
         }
     }
 
@@ -362,6 +643,17 @@ impl Storage for ObjectStorage {
 
     fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<()> {
         super::check_plain_name(name)?;
+        // A failed probe is no verdict: the conditional put itself decides, as the store
+        // answers it.
+        if let Ok(false) = self.conditional_put_honoured() {
+            // The store would let a second create replace the first: check, then put (the
+            // trait's two-step default), and the commit's read-back judges a race.
+            return match self.size(name) {
+                Ok(_) => Err(Error::AlreadyExists { path: self.shown(name) }),
+                Err(Error::NotFound { .. }) => self.put_atomic(name, bytes),
+                Err(e) => Err(e),
+            };
+        }
         let path = self.path(name)?;
         add(&self.counters.puts, 1);
         add(&self.counters.bytes_uploaded, bytes.len() as u64);
@@ -375,13 +667,6 @@ impl Storage for ObjectStorage {
                     _ => Err(Error::AlreadyExists { path: self.shown(name) }),
                 }
             }
-            Err(object_store::Error::NotImplemented { .. } | object_store::Error::NotSupported { .. }) => {
-                match self.size(name) {
-                    Ok(_) => Err(Error::AlreadyExists { path: self.shown(name) }),
-                    Err(Error::NotFound { .. }) => self.put_atomic(name, bytes),
-                    Err(e) => Err(e),
-                }
-            }
             // The put may have landed and only its answer been lost (a conditional put is not
             // retried after a timeout): what is there now tells.
             Err(e) => match self.read(name) {
@@ -392,11 +677,12 @@ impl Storage for ObjectStorage {
         }
     }
 
-    /// Conditional puts (If-None-Match) are atomic on S3, GCS and Azure. Some S3-compatible
-    /// stores accept the header and ignore it; the commit protocol's read-back catches what
-    /// it can there (FORMAT.md).
+    /// Conditional puts (S3 `If-None-Match: *`, GCS `x-goog-if-generation-match: 0`, Azure
+    /// `If-None-Match: *`) are atomic where the store honours them, which
+    /// [`ObjectStorage::conditional_put_honoured`] tests once per store: the first call writes
+    /// (and deletes) a probe object; false while the probe cannot run (no verdict).
     fn has_atomic_create(&self) -> bool {
-        true
+        self.conditional_put_honoured().unwrap_or(false)
     }
 
     fn list_recursive(&self) -> Result<Vec<String>> {
@@ -439,6 +725,8 @@ impl ObjectStorage {
             prefix: self.prefix.clone(),
             opts: self.opts.clone(),
             counters: self.counters.clone(),
+            credentials_fallback: self.credentials_fallback.clone(),
+            probe_key: self.probe_key.clone(),
         }
     }
 }

@@ -1,6 +1,9 @@
 //! A fault-injecting, request-counting HTTP/1.1 proxy in front of the test S3 endpoint
-//! ([`super::s3::endpoint`]), on a loopback port. An [`ObjectStorage`] pointed at it (through
-//! `aws_endpoint`) runs its real client stack: request signing, retries with backoff, timeouts.
+//! ([`super::s3::endpoint`]) or the test Azure endpoint ([`super::azure::endpoint`]), on a
+//! loopback port. An [`ObjectStorage`] pointed at it (through `aws_endpoint` or
+//! `azure_storage_endpoint`) runs its real client stack: request signing, retries with
+//! backoff, timeouts. (Azure's signature covers the path and headers, not the host, so the
+//! proxy's forwarding leaves it valid.)
 //!
 //! Each connection carries one request (`Connection: close` both ways). The proxy reads the
 //! request (head, then the body by `Content-Length`), logs it, and, as its [`FaultPlan`] says,
@@ -264,6 +267,11 @@ struct PlanState {
 
 struct Shared {
     upstream: String,
+    /// The store behind: S3 (moto) or Azure (Azurite), for the endpoint key of `options`.
+    azure: bool,
+    /// Strip the conditions of conditional puts before forwarding: the store then acts as one
+    /// that accepts them and ignores them.
+    drop_conditions: AtomicBool,
     plan: Mutex<PlanState>,
     log: Mutex<Vec<Logged>>,
     stop: AtomicBool,
@@ -278,7 +286,17 @@ pub struct FaultProxy {
 impl FaultProxy {
     /// A proxy in front of the test S3 endpoint, with `plan`.
     pub fn start(plan: FaultPlan) -> FaultProxy {
-        let upstream = super::s3::endpoint();
+        Self::start_to(super::s3::endpoint(), false, plan)
+    }
+
+    /// A proxy in front of the test Azure endpoint, with `plan`.
+    pub fn start_azure(plan: FaultPlan) -> FaultProxy {
+        let endpoint = super::azure::endpoint();
+        let host = endpoint.rsplit_once('/').map_or(endpoint, |(h, _)| h);
+        Self::start_to(host, true, plan)
+    }
+
+    fn start_to(upstream: &str, azure: bool, plan: FaultPlan) -> FaultProxy {
         let host = upstream
             .strip_prefix("http://")
             .unwrap_or_else(|| panic!("the fault proxy speaks plain HTTP only, not to {upstream}"))
@@ -288,6 +306,8 @@ impl FaultProxy {
         let addr = listener.local_addr().unwrap();
         let shared = Arc::new(Shared {
             upstream: host,
+            azure,
+            drop_conditions: AtomicBool::new(false),
             plan: Mutex::new(PlanState { rng: Rng::new(plan.seed), plan, faulted: HashMap::new() }),
             log: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
@@ -336,13 +356,26 @@ impl FaultProxy {
     /// `base` with the endpoint replaced by this proxy.
     pub fn options(&self, base: ObjectStoreOptions) -> ObjectStoreOptions {
         let mut opts = base;
-        opts.config.retain(|(k, _)| k != "aws_endpoint");
-        opts.config.push(("aws_endpoint".into(), self.url()));
-        opts.config.push(("aws_allow_http".into(), "true".into()));
+        let (key, url) = if self.shared.azure {
+            ("azure_storage_endpoint", format!("{}/{}", self.url(), super::azure::ACCOUNT))
+        } else {
+            ("aws_endpoint", self.url())
+        };
+        opts.config.retain(|(k, _)| k != key);
+        opts.config.push((key.into(), url));
+        opts.config.push((if self.shared.azure { "azure_allow_http" } else { "aws_allow_http" }.into(), "true".into()));
         opts
     }
 
-    /// An object storage at `url` (`s3://bucket/prefix`) talking through this proxy.
+    /// From now on, forwards conditional puts without their condition (`If-None-Match`,
+    /// `x-goog-if-generation-match`): the store behind then looks like one that ignores them.
+    /// (S3 only: moto does not check signatures; Azure's covers the header.)
+    pub fn drop_conditions(&self) {
+        self.shared.drop_conditions.store(true, Ordering::Relaxed);
+    }
+
+    /// An object storage at `url` (`s3://bucket/prefix`, `az://container/prefix`) talking
+    /// through this proxy.
     pub fn storage(&self, url: &str, base: ObjectStoreOptions) -> ObjectStorage {
         ObjectStorage::open(url, self.options(base)).unwrap_or_else(|e| panic!("opening {url}: {e}"))
     }
@@ -377,13 +410,17 @@ fn parse_range(v: &str) -> Option<(u64, u64)> {
 fn classify(method: &str, query: &str, range: bool) -> Kind {
     let has = |k: &str| query.split('&').any(|p| p == k || p.starts_with(&format!("{k}=")));
     match method {
-        "GET" if has("list-type") || has("delimiter") || has("prefix") => Kind::List,
+        "GET" if has("list-type") || has("delimiter") || has("prefix") || has("comp") => Kind::List,
         "GET" if range => Kind::GetRange,
         "GET" => Kind::Get,
         "HEAD" => Kind::Head,
-        "PUT" if has("partNumber") => Kind::PutPart,
+        // Azure: blocks, then the block list that makes them the blob.
+        "PUT" if has("partNumber") || query.contains("comp=block&") || query.ends_with("comp=block") => Kind::PutPart,
+        "PUT" if query.contains("comp=blocklist") => Kind::CompleteUpload,
         "PUT" => Kind::Put,
         "POST" if has("uploads") => Kind::CreateUpload,
+        // S3's multi-object delete, which object_store uses for single deletes too.
+        "POST" if has("delete") => Kind::Delete,
         "POST" if has("uploadId") => Kind::CompleteUpload,
         "DELETE" if has("uploadId") => Kind::AbortUpload,
         "DELETE" => Kind::Delete,
@@ -537,7 +574,11 @@ fn forward(
     let mut req = Vec::with_capacity(1024 + body.len());
     req.extend_from_slice(request_line.trim_end().as_bytes());
     req.extend_from_slice(b"\r\n");
-    for (k, v) in headers.iter().filter(|(k, _)| !hop_by_hop(k)) {
+    let dropped = |k: &str| {
+        shared.drop_conditions.load(Ordering::Relaxed)
+            && (k.eq_ignore_ascii_case("if-none-match") || k.eq_ignore_ascii_case("x-goog-if-generation-match"))
+    };
+    for (k, v) in headers.iter().filter(|(k, _)| !hop_by_hop(k) && !dropped(k)) {
         req.extend_from_slice(format!("{k}: {v}\r\n").as_bytes());
     }
     req.extend_from_slice(b"Connection: close\r\n\r\n");

@@ -4,10 +4,13 @@
 //! reference geometry (extracting a box or a flattened range of a global tensor by brute force).
 #![allow(dead_code)]
 
+pub mod azure;
 pub mod faults;
 pub mod files;
 pub mod fixtures;
+pub mod gcs;
 pub mod s3;
+pub mod server;
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};

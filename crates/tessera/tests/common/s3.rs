@@ -6,10 +6,8 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
 use tessera::{ObjectStorage, ObjectStoreOptions};
 
@@ -57,49 +55,16 @@ fn moto_binary() -> PathBuf {
     "moto_server".into()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 fn start_moto() -> String {
-    let port = free_port();
-    let bin = moto_binary();
-    // A thread that lives as long as the process spawns the server, so that the server's
-    // parent-death signal fires when the test process ends, not when one test thread does.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        use std::os::unix::process::CommandExt;
-        let mut cmd = Command::new(&bin);
-        cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()]).stdout(Stdio::null()).stderr(Stdio::null());
-        // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        match cmd.spawn() {
-            Ok(child) => {
-                tx.send(Ok(())).unwrap();
-                let _keep = child;
-                loop {
-                    std::thread::park();
-                }
-            }
-            Err(e) => tx.send(Err(format!("{}: {e}", bin.display()))).unwrap(),
-        }
-    });
-    if let Err(e) = rx.recv().unwrap() {
-        panic!(
-            "no S3 server for the object-store tests: set TESSERA_TEST_S3_ENDPOINT, or install moto \
-             (`pip install 'moto[server]'`, e.g. into .venv by scripts/python-env.sh): {e}"
-        );
-    }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "moto_server did not start on port {port}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let port = super::server::free_port();
+    let args = ["-H", "127.0.0.1", "-p", &port.to_string()].map(String::from).to_vec();
+    super::server::spawn_on_loopback(
+        moto_binary(),
+        args,
+        port,
+        "no S3 server for the object-store tests: set TESSERA_TEST_S3_ENDPOINT, or install moto \
+         (`pip install 'moto[server]'`, e.g. into .venv by scripts/python-env.sh)",
+    );
     format!("http://127.0.0.1:{port}")
 }
 

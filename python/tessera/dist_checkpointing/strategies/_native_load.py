@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from ..._storage import native_location
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from .base import AsyncSaveShardedStrategy, LoadCommonStrategy, LoadShardedStrategy
 
@@ -87,7 +88,7 @@ class NativeLoadCommonStrategy(LoadCommonStrategy):
 
     def load_common(self, checkpoint_dir: Any) -> StateDict:
         ser = _serialization()
-        return ser._common_from_native(ser._native.load_common(str(checkpoint_dir)))
+        return ser._common_from_native(ser._native.load_common(native_location(checkpoint_dir)))
 
     def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
         return _serialization().load_sharded_objects(sharded_objects_state_dict, checkpoint_dir)

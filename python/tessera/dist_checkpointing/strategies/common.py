@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, Union
 
+from ..._storage import native_location
 from ..mapping import ShardedStateDict, StateDict
 from ._native_load import NativeLoadCommonStrategy
 from .base import SaveCommonStrategy, StrategyAction, register_default_strategy
@@ -83,7 +84,7 @@ class TorchCommonLoadStrategy(NativeLoadCommonStrategy):
 
     def load_common(self, checkpoint_dir: Any) -> StateDict:
         ser = _serialization()
-        data = ser._native.read_file(os.fspath(checkpoint_dir), COMMON_STATE_FNAME)
+        data = ser._native.read_file(native_location(checkpoint_dir), COMMON_STATE_FNAME)
         return super().load_common(checkpoint_dir) if data is None else ser._torch_load_bytes(data)
 
 
