@@ -18,18 +18,13 @@ StorageOptions = Optional[Mapping[str, Any]]
 
 def native_location(location: Any, storage_options: StorageOptions = None) -> Union[str, _native.Location]:
     """``location`` as the native functions take it: a path or URL as a string, or with storage
-    options a :class:`tessera.Location` carrying them. A ``Location`` given passes through,
-    ``storage_options`` (if any) over its own. Values become strings (``True`` is ``"True"``,
-    which the stores read as true)."""
-    if isinstance(location, _native.Location):
-        if not storage_options:
-            return location
-        merged = {**location.storage_options, **{str(k): str(v) for k, v in storage_options.items()}}
-        return _native.Location(location.url, merged)
-    where = os.fspath(location)
-    if not storage_options:
+    options a :class:`tessera.Location` carrying them (``storage_options`` over a given
+    ``Location``'s own). Values become strings (``True`` is ``"True"``, which the stores read
+    as true)."""
+    where, options = split_location(location, storage_options)
+    if not options:
         return where
-    return _native.Location(where, {str(k): str(v) for k, v in storage_options.items()})
+    return _native.Location(where, {str(k): v for k, v in options.items()})
 
 
 def split_location(location: Any, storage_options: StorageOptions = None) -> Tuple[str, StorageOptions]:

@@ -43,10 +43,11 @@ pub const DEFAULT_SIZE: &str = "256MiB";
 
 /// Arguments of the object-store benchmark.
 pub struct S3Args {
-    /// Local directory (the local checkpoint goes to DIR/ckpt).
+    /// Local directory (the local checkpoint goes to DIR/ckpt; with several stores, to
+    /// DIR/store-I/ckpt for the I-th).
     pub dir: Location,
-    /// Object-store URL (the checkpoint goes to URL/ckpt).
-    pub url: Location,
+    /// The stores, each a name and its URL (the checkpoint goes to URL/ckpt).
+    pub stores: Vec<(String, Location)>,
     /// Approximate state size.
     pub size: u64,
     /// Saving ranks.
@@ -317,30 +318,24 @@ fn print_round(i: usize, count: usize, r: &Round) {
     );
 }
 
-/// Runs the object store against local directory benchmark.
-/// Each store of `stores` (a name and its URL) against the local directory `dir` in turn
-/// (its own subdirectory for each), then, for more than one, a table of the median ratios.
-/// With `--json`, one object for one store, an array for several.
-pub fn run_stores(
-    stores: &[(String, Location)],
-    args: impl Fn(Location, Location) -> S3Args,
-    dir: &Location,
-) -> Result<u8> {
+/// Runs the benchmark: each store against the local directory in turn, then, for more than
+/// one, a table of the median ratios. With `--json`, one object for one store, an array for
+/// several.
+pub fn run(args: S3Args) -> Result<u8> {
     let mut worst = 0;
     let mut results = Vec::new();
-    for (i, (name, url)) in stores.iter().enumerate() {
-        let local = if stores.len() == 1 { dir.clone() } else { dir.join(&format!("store-{i}")) };
-        let a = args(url.clone(), local);
-        if !a.json && stores.len() > 1 {
+    let several = args.stores.len() > 1;
+    for (i, (name, url)) in args.stores.iter().enumerate() {
+        let local = if several { args.dir.join(&format!("store-{i}")) } else { args.dir.clone() };
+        if !args.json && several {
             println!("== {name}: {url}");
         }
-        let (code, mut out) = measure(&a)?;
+        let (code, mut out) = measure(&args, url, &local)?;
         out["store"] = json!(name);
         worst = worst.max(code);
         results.push(out);
     }
-    let json_out = args(stores[0].1.clone(), dir.clone()).json;
-    if json_out {
+    if args.json {
         let doc = if results.len() == 1 { results.remove(0) } else { J::Array(results) };
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else if results.len() > 1 {
@@ -362,26 +357,26 @@ pub fn run_stores(
     Ok(worst)
 }
 
-/// One store against the local directory: the rounds, the text report (unless `--json`), and
-/// the figures as one JSON object.
-fn measure(args: &S3Args) -> Result<(u8, J)> {
+/// One store (`store`, against the local directory `dir`): the rounds, the text report
+/// (unless `--json`), and the figures as one JSON object.
+fn measure(args: &S3Args, store: &Location, dir: &Location) -> Result<(u8, J)> {
     anyhow::ensure!(args.ranks >= 1, "--ranks must be at least 1");
     anyhow::ensure!(args.rounds >= 1, "--rounds must be at least 1");
     anyhow::ensure!(args.size > 0, "--size must be positive");
-    anyhow::ensure!(args.dir.local().is_some(), "--dir {}: the local side of --s3 needs a local directory", args.dir);
-    let Location::Url(url, _) = &args.url else {
-        anyhow::bail!("--s3 {}: not an object-store URL (s3://bucket/prefix)", args.url)
+    anyhow::ensure!(dir.local().is_some(), "--dir {dir}: the local side of --s3 needs a local directory");
+    let Location::Url(url, options) = store else {
+        anyhow::bail!("--s3 {store}: not an object-store URL (s3://bucket/prefix)")
     };
-    args.dir.create()?;
-    let remote = args.url.join("ckpt");
+    dir.create()?;
+    let remote = store.join("ckpt");
     let remote_url = remote.to_string();
-    let opts = ObjectStoreOptions { config: args.url.options().to_vec(), ..ObjectStoreOptions::default() };
+    let opts = ObjectStoreOptions { config: options.clone(), ..ObjectStoreOptions::default() };
     let store = ObjectStorage::open(&remote_url, opts).with_context(|| format!("opening {url}"))?;
     let setup = Setup {
         cfg: ModelConfig::for_bytes(args.size),
         save_layout: Layout::Train { tp: args.ranks as u64, dp: 1 },
         load_layout: if args.ranks >= 2 { Layout::TpPp { tp: args.ranks as u64 / 2, pp: 1 } } else { Layout::Whole },
-        local: args.dir.join("ckpt"),
+        local: dir.join("ckpt"),
         remote,
         store,
     };
@@ -456,7 +451,7 @@ fn measure(args: &S3Args) -> Result<(u8, J)> {
 
     let out = json!({
         "mode": "s3",
-        "dir": args.dir.to_string(),
+        "dir": dir.to_string(),
         "url": url,
         "size_bytes": args.size,
         "ranks": args.ranks,

@@ -185,11 +185,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
         } else {
             s3.iter().map(|u| (u.clone(), Location::parse(u).with_options(&storage.storage_options))).collect()
         };
-        return bench_s3::run_stores(
-            &stores,
-            |url, local| bench_s3::S3Args { dir: local, url, size, ranks, rounds, json, keep },
-            &dir,
-        );
+        return bench_s3::run(bench_s3::S3Args { dir, stores, size, ranks, rounds, json, keep });
     }
     if fully_parallel {
         let size = sizes::parse_size(size.as_deref().unwrap_or(bench_parallel::DEFAULT_SIZE))?;

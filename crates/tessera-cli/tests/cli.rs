@@ -223,7 +223,14 @@ mod gcs_server;
 
 /// Runs the binary with `args` and `env` only (no store variables inherited); expects `code`.
 fn run_clean(args: &[String], env: &[(&str, &str)], code: i32) -> String {
-    let mut cmd = std::process::Command::new(BIN);
+    let out = clean_command(args, env).output().expect("run the binary under test");
+    assert_eq!(out.status.code(), Some(code), "{args:?}: {}\n{}", text(&out.stdout), text(&out.stderr));
+    text(&out.stdout)
+}
+
+/// The binary with `args`, the environment without any store's variables, plus `env`.
+fn clean_command<S: AsRef<std::ffi::OsStr>>(args: &[S], env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(BIN);
     cmd.args(args);
     for (k, _) in std::env::vars() {
         if k.starts_with("AWS_") || k.starts_with("AZURE_") || k.starts_with("GOOGLE_") {
@@ -231,9 +238,7 @@ fn run_clean(args: &[String], env: &[(&str, &str)], code: i32) -> String {
         }
     }
     cmd.envs(env.iter().copied());
-    let out = cmd.output().expect("run the binary under test");
-    assert_eq!(out.status.code(), Some(code), "{args:?}: {}\n{}", text(&out.stdout), text(&out.stderr));
-    text(&out.stdout)
+    cmd
 }
 
 /// demo, inspect, verify and unshard at `url`, every command given `extra` (storage options).
@@ -306,22 +311,15 @@ fn missing_credentials_are_one_clear_error() {
     ];
     for (url, store, options) in cases {
         let started = std::time::Instant::now();
-        let mut cmd = std::process::Command::new(BIN);
-        cmd.args(["inspect", url]).args(options);
-        for (k, _) in std::env::vars() {
-            if k.starts_with("AWS_") || k.starts_with("AZURE_") || k.starts_with("GOOGLE_") {
-                cmd.env_remove(k);
-            }
-        }
-        let out = cmd
-            .env("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-            .env("AWS_CONFIG_FILE", "/nonexistent")
-            .env("AZURE_STORAGE_ACCOUNT_NAME", "acc")
-            .env("GCE_METADATA_HOST", "127.0.0.1:9")
-            .env("GCE_METADATA_IP", "127.0.0.1:9")
-            .env("HOME", "/nonexistent")
-            .output()
-            .unwrap();
+        let env = [
+            ("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent"),
+            ("AWS_CONFIG_FILE", "/nonexistent"),
+            ("AZURE_STORAGE_ACCOUNT_NAME", "acc"),
+            ("GCE_METADATA_HOST", "127.0.0.1:9"),
+            ("GCE_METADATA_IP", "127.0.0.1:9"),
+            ("HOME", "/nonexistent"),
+        ];
+        let out = clean_command(&[&["inspect", url][..], &options[..]].concat(), &env).output().unwrap();
         let err = text(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{url}: {err}");
         assert!(err.contains(&format!("no {store} credentials found: tried")), "{url}: {err}");

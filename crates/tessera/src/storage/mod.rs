@@ -120,11 +120,7 @@ pub trait Storage: Send + Sync + fmt::Debug {
     /// between. The commit of a checkpoint is one such call.
     fn put_if_absent(&self, name: &str, bytes: &[u8]) -> Result<()> {
         check_plain_name(name)?;
-        match self.size(name) {
-            Ok(_) => Err(Error::AlreadyExists { path: format!("{}/{name}", self.location()).into() }),
-            Err(Error::NotFound { .. }) => self.put_atomic(name, bytes),
-            Err(e) => Err(e),
-        }
+        check_then_put(self, name, bytes)
     }
 
     /// True when [`Storage::put_if_absent`] is atomic: of concurrent calls for one name, at most
@@ -226,6 +222,16 @@ pub trait StorageExt: Storage {
 }
 
 impl<S: Storage + ?Sized> StorageExt for S {}
+
+/// The two-step create-if-absent of backends without an atomic one: [`Storage::size`], then
+/// [`Storage::put_atomic`] if `name` is not there (a concurrent writer can slip in between).
+pub(crate) fn check_then_put<S: Storage + ?Sized>(storage: &S, name: &str, bytes: &[u8]) -> Result<()> {
+    match storage.size(name) {
+        Ok(_) => Err(Error::AlreadyExists { path: format!("{}/{name}", storage.location()).into() }),
+        Err(Error::NotFound { .. }) => storage.put_atomic(name, bytes),
+        Err(e) => Err(e),
+    }
+}
 
 /// Opens a checkpoint location given as a string: a local directory path (or `file://` URL),
 /// `mem://name` for a process-wide in-memory store (tests, demos), or an object-store URL

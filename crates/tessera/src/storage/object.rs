@@ -298,10 +298,9 @@ impl ObjectStorage {
                 // An emulator served over plain HTTP, named so by its key: allowed, unless
                 // the options say otherwise.
                 let key = b.get_config_value(&K::ServiceAccountKey).or_else(|| b.get_config_value(&K::ServiceAccount));
+                let emulator = key.and_then(|k| credentials::gcs_emulator(&k));
                 let allow_http_given = config.iter().any(|(k, _)| k.ends_with("allow_http"));
-                if key.and_then(|k| credentials::gcs_emulator(&k)).is_some_and(|base| base.starts_with("http://"))
-                    && !allow_http_given
-                {
+                if emulator.as_ref().is_some_and(|base| base.starts_with("http://")) && !allow_http_given {
                     b = b.with_config(K::Client(object_store::ClientConfigKey::AllowHttp), "true");
                 }
                 let gcloud_adc = std::env::var_os("HOME").is_some_and(|h| {
@@ -321,8 +320,7 @@ impl ObjectStorage {
                     env("GCE_METADATA_IP").unwrap_or_else(|| "169.254.169.254".into()),
                 ]
                 .map(|h| if h.contains("://") { h } else { format!("http://{h}") });
-                let key = b.get_config_value(&K::ServiceAccountKey).or_else(|| b.get_config_value(&K::ServiceAccount));
-                probe_key = format!("{:?}", key.and_then(|k| credentials::gcs_emulator(&k)));
+                probe_key = format!("{emulator:?}");
                 fallback = credentials::require_credentials(
                     url,
                     "GCS",
@@ -476,11 +474,12 @@ impl ObjectStorage {
         let name =
             format!(".tessera-conditional-put-probe-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
         let path = self.path(&name)?;
+        const PROBE: &[u8] = b"probe";
         let create = || {
             add(&self.counters.puts, 1);
-            add(&self.counters.bytes_uploaded, 5);
+            add(&self.counters.bytes_uploaded, PROBE.len() as u64);
             let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
-            block_on(self.store.put_opts(&path, PutPayload::from_static(b"probe"), opts))
+            block_on(self.store.put_opts(&path, PutPayload::from_static(PROBE), opts))
         };
         let refused = |r: &object_store::Result<_>| {
             matches!(r, Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. }))
@@ -646,13 +645,9 @@ impl Storage for ObjectStorage {
         // A failed probe is no verdict: the conditional put itself decides, as the store
         // answers it.
         if let Ok(false) = self.conditional_put_honoured() {
-            // The store would let a second create replace the first: check, then put (the
-            // trait's two-step default), and the commit's read-back judges a race.
-            return match self.size(name) {
-                Ok(_) => Err(Error::AlreadyExists { path: self.shown(name) }),
-                Err(Error::NotFound { .. }) => self.put_atomic(name, bytes),
-                Err(e) => Err(e),
-            };
+            // The store would let a second create replace the first: check, then put, and the
+            // commit's read-back judges a race.
+            return super::check_then_put(self, name, bytes);
         }
         let path = self.path(name)?;
         add(&self.counters.puts, 1);
