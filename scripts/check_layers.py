@@ -12,19 +12,20 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "crates/tessera/src"
 
-# What each layer may use besides itself. `error` is the floor; `storage` and `comm` are
-# leaves; `save` may ask `load` what a location holds, never the reverse.
+# What each layer may use besides itself. `error` is the floor; `storage`, `comm` and
+# `threads` (the engines' thread helpers) are leaves; `save` may ask `load` what a location holds, never the reverse.
 ALLOWED = {
     "error": set(),
     "model": {"error"},
     "storage": {"error"},
+    "threads": set(),
     "comm": {"error", "model"},
     "format": {"error", "model", "storage"},
     "plan": {"error", "model", "format", "storage"},
     "formats": {"error", "model", "format", "plan", "storage"},
-    "load": {"error", "model", "format", "formats", "plan", "storage", "comm"},
-    "save": {"error", "model", "format", "formats", "plan", "storage", "comm", "load"},
-    "tools": {"error", "model", "format", "formats", "plan", "storage", "comm", "load", "save"},
+    "load": {"error", "model", "format", "formats", "plan", "storage", "comm", "threads"},
+    "save": {"error", "model", "format", "formats", "plan", "storage", "comm", "threads", "load"},
+    "tools": {"error", "model", "format", "formats", "plan", "storage", "comm", "threads", "load", "save"},
 }
 
 

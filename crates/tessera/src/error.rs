@@ -116,6 +116,20 @@ pub enum Error {
         /// What the store answered, or which credential sources were tried.
         reason: String,
     },
+    /// A save reached its commit, but this rank cannot tell whether the checkpoint committed
+    /// (the commit marker's put, or the verdict that rank 0 sends, failed without saying). The
+    /// save's files are kept: open the location (or `tessera verify` it) to see which checkpoint
+    /// it holds; `tessera gc` removes the files if the save did not commit.
+    #[error(
+        "whether the save into {path} committed is unknown: {reason}; its files were kept (open or `tessera \
+         verify` the location to see which checkpoint it holds; `tessera gc` removes them if it did not commit)"
+    )]
+    CommitUnknown {
+        /// Checkpoint location.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
     /// An operating-system IO error on a path.
     #[error("io error on {path}: {source}")]
     Io {

@@ -54,6 +54,7 @@ mod save;
 mod storage;
 #[cfg(test)]
 mod test_rng;
+mod threads;
 mod tools;
 
 // The data model.
@@ -94,8 +95,10 @@ pub use load::open::{open, open_with, Checkpoint, OpenOptions};
 
 // Saving.
 pub use save::async_save::{AsyncSave, AsyncSaver};
-pub use save::native::{save, validate_sharding_integrity, PlanCache, SaveOptions, SaveReport};
+pub use save::native::save;
 pub use save::olmo::{save_olmo, save_olmo_dirs, OlmoSaveReport};
+pub use save::options::{PlanCache, SaveOptions, SaveReport};
+pub use save::plan::validate_sharding_integrity;
 pub use save::staging::{StagingPool, DEFAULT_STAGING_BUFFER};
 pub use save::torch_dist::{save_torch_dist, TorchDistSave};
 
@@ -106,7 +109,7 @@ pub use tools::diff::{
     diff, CommonDiff, DiffOptions, DiffReport, ObjectDiff, ObjectDifference, TensorDiff, TensorDifference, ValueDiff,
 };
 pub use tools::export::{export_safetensors, ExportOptions, ExportReport};
-pub use tools::maintenance::{gc, remove_sharded_tensors};
+pub use tools::maintenance::{gc, remove_sharded_tensors, GcOptions, GcReport, RunningSave};
 pub use tools::pipeline::DEFAULT_MEMORY_BUDGET;
 pub use tools::verify::{verify, VerifyReport};
 
@@ -117,6 +120,15 @@ pub use tools::verify::{verify, VerifyReport};
 pub mod __plan {
     pub use crate::model::dims;
     pub use crate::plan::{exchange, geometry, load, save, validate};
+}
+
+/// Seams for the fault-injection tests (feature `fault-injection`): an export whose file
+/// operations a test provides, and can fail one by one. Not API: no stability promise.
+#[cfg(feature = "fault-injection")]
+#[doc(hidden)]
+pub mod __testing {
+    pub use crate::save::safetensors::{ExportFileIo, ExportFs, LocalFs};
+    pub use crate::tools::export::export_with;
 }
 
 /// Entry points into crate-private parsers for the fuzz targets in `fuzz/` (feature

@@ -34,6 +34,8 @@ use common::*;
 use tessera::*;
 
 const ROOT_ENV: &str = "TESSERA_CRASH_ROOT";
+/// gc after the child was killed: its leases would hold until they expire.
+const BROKEN: GcOptions = GcOptions { break_leases: true };
 const MODE_ENV: &str = "TESSERA_CRASH_MODE";
 const FIRST_ENV: &str = "TESSERA_CRASH_FIRST";
 const STEPS_ENV: &str = "TESSERA_CRASH_STEPS";
@@ -446,7 +448,9 @@ fn parse_events(stdout: &str) -> std::result::Result<Vec<Event>, String> {
 
 /// Names tessera writes into a checkpoint directory (FORMAT.md), other than the index.
 fn is_tessera_leftover_name(name: &str) -> bool {
-    if name.starts_with(&format!(".{INDEX_FILE}.tmp-")) {
+    // Temporaries of puts that never finished (the index, a lease), and the leases of killed
+    // saves.
+    if (name.starts_with('.') && name.contains(".tmp-")) || name.starts_with(".tessera-lease-") {
         return true;
     }
     let Some(stem) = name.strip_suffix(".safetensors") else { return false };
@@ -575,7 +579,9 @@ fn check_dir(
             let missing: Vec<&String> = referenced.difference(&tessera_files).collect();
             ensure!(missing.is_empty(), "the index references files that are not there: {missing:?}");
             let leftovers: Vec<String> = tessera_files.difference(&referenced).cloned().collect();
-            let removed = gc(&storage).map_err(|e| format!("gc of a committed checkpoint failed: {e}"))?;
+            let removed = gc(&storage, &BROKEN)
+                .map(|r| r.removed)
+                .map_err(|e| format!("gc of a committed checkpoint failed: {e}"))?;
             ensure!(removed == leftovers, "gc removed {removed:?}; the leftovers were {leftovers:?}");
             let after: BTreeSet<String> = names(&storage).into_iter().filter(|n| n != INDEX_FILE).collect();
             ensure!(after == referenced, "after gc: {after:?}; the index references {referenced:?}");
@@ -596,7 +602,9 @@ fn check_dir(
                 matches!(verified, Err(Error::NotCommitted { .. })),
                 "load says NotCommitted, verify says {verified:?}"
             );
-            let removed = gc(&storage).map_err(|e| format!("gc of an uncommitted directory failed: {e}"))?;
+            let removed = gc(&storage, &BROKEN)
+                .map(|r| r.removed)
+                .map_err(|e| format!("gc of an uncommitted directory failed: {e}"))?;
             let leftovers: Vec<String> = tessera_files.iter().cloned().collect();
             ensure!(removed == leftovers, "gc removed {removed:?}; the leftovers were {leftovers:?}");
             let after = names(&storage);
@@ -612,7 +620,9 @@ fn check_dir(
         Err(Error::NotFound { .. }) if before.is_empty() => {
             ensure!(!must_commit, "must hold a committed checkpoint, but it is empty");
             ensure!(matches!(verified, Err(Error::NotFound { .. })), "load says NotFound, verify says {verified:?}");
-            let removed = gc(&storage).map_err(|e| format!("gc of an empty directory failed: {e}"))?;
+            let removed = gc(&storage, &BROKEN)
+                .map(|r| r.removed)
+                .map_err(|e| format!("gc of an empty directory failed: {e}"))?;
             ensure!(removed.is_empty(), "gc of an empty directory removed {removed:?}");
             Ok(DirReport::default())
         }

@@ -954,9 +954,9 @@ fn gc_removes_the_leftovers_of_a_save_that_never_committed() {
     let mut expected = leftovers.clone();
     expected.push(".tessera.index.tmp-1-2".into());
     expected.sort();
-    assert_eq!(gc(&storage).unwrap(), expected);
+    assert_eq!(gc(&storage, &GcOptions::default()).unwrap().removed, expected);
     assert_eq!(names(&storage), ["notes.txt"], "gc removes only tessera's files");
-    assert!(gc(&storage).unwrap().is_empty(), "idempotent");
+    assert!(gc(&storage, &GcOptions::default()).unwrap().removed.is_empty(), "idempotent");
 }
 
 #[test]
@@ -974,7 +974,7 @@ fn gc_after_a_failed_overwrite_keeps_the_committed_checkpoint() {
     assert_eq!(f32s(&open(&storage).and_then(|c| c.read_tensors(None)).unwrap()["w"].data), iota(8, 1.0));
     let all = data_files(&storage);
     assert_eq!(all.len(), 2 + 4);
-    let removed = gc(&storage).unwrap();
+    let removed = gc(&storage, &GcOptions::default()).unwrap().removed;
     assert_eq!(removed.len(), 4);
     assert!(removed.iter().all(|n| !committed.contains(n)));
     assert_eq!(data_files(&storage), committed);
@@ -992,9 +992,9 @@ fn gc_after_a_failed_overwrite_keeps_the_committed_checkpoint() {
 
 #[test]
 fn gc_on_an_empty_location_does_nothing() {
-    assert!(gc(&MemoryStorage::new()).unwrap().is_empty());
+    assert!(gc(&MemoryStorage::new(), &GcOptions::default()).unwrap().removed.is_empty());
     let dir = TempDir::new("gc-absent");
-    assert!(gc(&LocalStorage::new(dir.path())).unwrap().is_empty());
+    assert!(gc(&LocalStorage::new(dir.path()), &GcOptions::default()).unwrap().removed.is_empty());
 }
 
 #[test]

@@ -67,10 +67,12 @@ pub enum Kind {
     Io = 15,
     /// [`Error::AccessDenied`].
     AccessDenied = 16,
+    /// [`Error::CommitUnknown`].
+    CommitUnknown = 17,
 }
 
 impl Kind {
-    const ALL: [Kind; 16] = [
+    const ALL: [Kind; 17] = [
         Kind::NotFound,
         Kind::NotCommitted,
         Kind::AlreadyExists,
@@ -87,6 +89,7 @@ impl Kind {
         Kind::Cancelled,
         Kind::Io,
         Kind::AccessDenied,
+        Kind::CommitUnknown,
     ];
 
     fn from_code(code: u8) -> Option<Kind> {
@@ -125,18 +128,20 @@ impl Failure {
             Error::Cancelled => (Kind::Cancelled, String::new(), String::new()),
             Error::Io { path: p, source } => (Kind::Io, path(p), source.to_string()),
             Error::AccessDenied { path: p, reason } => (Kind::AccessDenied, path(p), reason.clone()),
+            Error::CommitUnknown { path: p, reason } => (Kind::CommitUnknown, path(p), reason.clone()),
         };
         Failure { kind, subject, reason, text: e.to_string() }
     }
 
     /// The error a peer of `rank` (the rank that failed) raises for this failure. Errors about
     /// what the ranks share keep their variant and name the same key or path: an invalid
-    /// sharding (its reason prefixed with the failing rank) and a checkpoint already at the
-    /// location. Any other error is that rank's own: [`Error::PeerFailed`] with its text.
+    /// sharding (its reason prefixed with the failing rank), a checkpoint already at the
+    /// location, a commit whose outcome is unknown. Any other error is that rank's own: [`Error::PeerFailed`] with its text.
     pub fn into_peer_error(self, rank: usize) -> Error {
         match self.kind {
             Kind::InvalidSharding => Error::sharding(self.subject, format!("rank {rank}: {}", self.reason)),
             Kind::AlreadyExists => Error::AlreadyExists { path: self.subject.into() },
+            Kind::CommitUnknown => Error::CommitUnknown { path: self.subject.into(), reason: self.reason },
             _ => Error::PeerFailed { rank, message: self.text },
         }
     }
@@ -294,6 +299,7 @@ mod tests {
             Error::Cancelled,
             Error::Io { path: "/ck/f".into(), source: std::io::Error::other("disk full") },
             Error::AccessDenied { path: "s3://b/ck".into(), reason: "no S3 credentials found".into() },
+            Error::CommitUnknown { path: "s3://b/ck".into(), reason: "the put of tessera.index timed out".into() },
         ]
     }
 
@@ -313,6 +319,9 @@ mod tests {
                     assert_eq!(r, &format!("rank 2: {reason}"));
                 }
                 (Error::AlreadyExists { path }, Error::AlreadyExists { path: p }) => assert_eq!(p, path),
+                (Error::CommitUnknown { path, reason }, Error::CommitUnknown { path: p, reason: r }) => {
+                    assert_eq!((p, r), (path, reason))
+                }
                 (_, Error::PeerFailed { rank: 2, message }) => assert_eq!(message, &e.to_string()),
                 _ => panic!("{e:?} became {peer:?}"),
             }

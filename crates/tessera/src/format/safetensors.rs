@@ -1,9 +1,11 @@
-//! Data files are safetensors files: `u64le header_len | JSON header | data`. The header maps
-//! tensor names to `{dtype, shape, data_offsets}` and its `__metadata__` (string → string)
-//! describes every chunk, so the index can be rebuilt from the data files alone.
+//! Safetensors files, as tessera writes them (its data files, OLMo-core rank files, exports) and
+//! reads them (every format whose data are safetensors): `u64le header_len | JSON header | data`,
+//! the header mapping tensor names to `{dtype, shape, data_offsets}` beside a `__metadata__` map.
+//! [`read_header`] is the one validating reader of headers.
 
 use serde_json::{json, Map, Value as J};
 
+use crate::error::Error;
 use crate::model::dtype::DType;
 
 /// One tensor entry of a data file.
@@ -82,4 +84,95 @@ pub fn parse_header(
     read(8, &mut text).map_err(|e| e.to_string())?;
     let json: J = serde_json::from_slice(&text).map_err(|e| format!("header is not JSON: {e}"))?;
     Ok((json, 8 + n))
+}
+
+/// A tensor entry of a safetensors header, checked against the file.
+#[derive(Debug, Clone)]
+pub struct HeaderTensor {
+    /// Element type.
+    pub dtype: DType,
+    /// Elements stored.
+    pub numel: u64,
+    /// Shape the header gives (its product is `numel`).
+    pub shape: Vec<u64>,
+    /// Absolute byte offset of the data in the file.
+    pub offset: u64,
+}
+
+/// A safetensors header, every entry checked against the file's real size.
+#[derive(Debug, Clone, Default)]
+pub struct SafetensorsHeader {
+    /// Size of the file.
+    pub size: u64,
+    /// Size of the header, length prefix included (where data starts).
+    pub header_len: u64,
+    /// Tensors by name.
+    pub tensors: std::collections::HashMap<String, HeaderTensor>,
+    /// The `__metadata__` map (empty when absent).
+    pub metadata: Map<String, J>,
+}
+
+/// The one reader of safetensors headers every format uses (tessera's data files, OLMo-core's
+/// rank files, plain safetensors): reads the header of a `file_size`-byte file through `read`
+/// and checks every entry (a known dtype, at most [`MAX_AXES`](crate::model::MAX_AXES) axes,
+/// checked arithmetic, data inside the data section, a length matching shape and dtype).
+/// `shown` names the file in errors.
+pub fn read_header(
+    read: &mut dyn FnMut(u64, &mut [u8]) -> crate::error::Result<()>,
+    file_size: u64,
+    shown: &str,
+) -> crate::error::Result<SafetensorsHeader> {
+    let (json, header_len) = parse_header(read, file_size).map_err(|e| Error::corrupt(shown, e))?;
+    validate_header(&json, header_len, file_size, shown)
+}
+
+/// Checks a parsed safetensors header (`json`, `header_len` bytes with its prefix) of a file
+/// of `size` bytes.
+fn validate_header(json: &J, header_len: u64, size: u64, shown: &str) -> crate::error::Result<SafetensorsHeader> {
+    let bad = |reason: String| Error::corrupt(shown, reason);
+    let root = json.as_object().ok_or_else(|| bad("safetensors header is not an object".into()))?;
+    let data_len = size.checked_sub(header_len).ok_or_else(|| bad("header longer than the file".into()))?;
+    let mut out = SafetensorsHeader { size, header_len, ..Default::default() };
+    for (key, v) in root {
+        if key == "__metadata__" {
+            out.metadata = v.as_object().cloned().ok_or_else(|| bad("__metadata__ is not an object".into()))?;
+            continue;
+        }
+        let entry = (|| -> std::result::Result<HeaderTensor, String> {
+            let dtype_name = v.get("dtype").and_then(J::as_str).ok_or("no dtype")?;
+            let dtype = crate::model::dtype::ALL_DTYPES
+                .into_iter()
+                .find(|d| d.safetensors_name() == dtype_name)
+                .ok_or(format!("unknown dtype {dtype_name:?}"))?;
+            let shape = uints(v.get("shape").ok_or("no shape")?, "shape")?;
+            if shape.len() > crate::model::MAX_AXES {
+                return Err(format!("{} axes, more than {}", shape.len(), crate::model::MAX_AXES));
+            }
+            let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or("shape overflows")?;
+            let off = uints(v.get("data_offsets").ok_or("no data_offsets")?, "data_offsets")?;
+            let [start, end] = off[..] else { return Err("data_offsets is not [start, end]".into()) };
+            let want = numel.checked_mul(dtype.size() as u64).ok_or("byte size overflows")?;
+            if start > end || end > data_len || end - start != want {
+                return Err(format!(
+                    "data_offsets [{start}, {end}] do not hold {numel} {dtype_name} elements inside the \
+                     {data_len}-byte data section"
+                ));
+            }
+            Ok(HeaderTensor { dtype, numel, shape, offset: header_len + start })
+        })()
+        .map_err(|e| bad(format!("tensor {key:?}: {e}")))?;
+        out.tensors.insert(key.clone(), entry);
+    }
+    Ok(out)
+}
+
+fn uints(v: &J, what: &str) -> std::result::Result<Vec<u64>, String> {
+    let xs = v.as_array().ok_or_else(|| format!("{what} is {v}, not a list"))?;
+    if xs.len() > crate::model::MAX_AXES {
+        return Err(format!("{what} has {} numbers, more than {}", xs.len(), crate::model::MAX_AXES));
+    }
+    xs.iter()
+        .enumerate()
+        .map(|(i, x)| x.as_u64().ok_or_else(|| format!("{what}[{i}] is {x}, not a non-negative integer")))
+        .collect()
 }

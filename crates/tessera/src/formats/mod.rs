@@ -63,11 +63,11 @@ pub(crate) trait LoadStrategy: Send + Sync {
 }
 
 /// A safetensors data file's header and its crc32c; `None` if the file does not exist.
-pub(crate) type HeaderRead = Option<(crate::formats::olmo::metadata::FileHeader, u32)>;
+pub(crate) type HeaderRead = Option<(crate::format::SafetensorsHeader, u32)>;
 
 /// Reads the safetensors header of `name` (every entry checked against the file's real size:
-/// `formats::olmo::parse_file_header`) and its crc32c, which readers check the header against
-/// before reading by it. Shared by the OLMo-core and the plain safetensors strategies.
+/// `format::read_header`) and its crc32c, which readers check the header against before
+/// reading by it. Shared by the OLMo-core and the plain safetensors strategies.
 pub(crate) fn read_safetensors_header(storage: &dyn Storage, name: &str) -> Result<HeaderRead> {
     let shown = format!("{}/{name}", storage.location());
     let Some(size) = storage.size_if_present(name)? else { return Ok(None) };
@@ -77,8 +77,8 @@ pub(crate) fn read_safetensors_header(storage: &dyn Storage, name: &str) -> Resu
         crc = crate::model::crc::crc32c_append(crc, buf);
         Ok(())
     };
-    let (json, header_len) = crate::format::parse_header(&mut read, size).map_err(|e| Error::corrupt(&shown, e))?;
-    Ok(Some((crate::formats::olmo::metadata::parse_file_header(&json, header_len, size, &shown)?, crc)))
+    let header = crate::format::read_header(&mut read, size, &shown)?;
+    Ok(Some((header, crc)))
 }
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};

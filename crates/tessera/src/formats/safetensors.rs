@@ -2,7 +2,8 @@
 //! (`model.safetensors.index.json` naming the file of every tensor), or a directory of
 //! `*.safetensors` files (one `model.safetensors`, or `tessera unshard`'s output), every tensor
 //! whole in one file. Detected last, so that every other format (tessera's own data files are
-//! safetensors too) wins; tessera's data files of an unfinished save are never taken for one.
+//! safetensors too) wins; the data files of an unfinished save (tessera's, OLMo-core's
+//! `rank_*.safetensors` without `metadata.json`) are never taken for one.
 //! No checksums: `verify` reads and decodes every byte.
 
 use std::collections::BTreeMap;
@@ -13,6 +14,7 @@ use serde_json::Value as J;
 use crate::error::{Error, Result};
 use crate::format::is_data_file_name;
 use crate::format::{CheckpointIndex, Crcs, FileEntry, StoredChunk, TensorEntry};
+use crate::formats::olmo::metadata::parse_rank_file_name;
 use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
 use crate::formats::{ForEach, FormatRecord, LoadStrategy};
 use crate::model::Value;
@@ -89,8 +91,10 @@ fn files(storage: &dyn Storage) -> Result<Option<Layout>> {
         .into_iter()
         .filter(|n| n.ends_with(".safetensors") && !n.contains('/') && !n.starts_with('.'))
         .collect();
-    // tessera's own data files: a native checkpoint (detected before) or an unfinished save.
-    if names.is_empty() || names.iter().any(|n| is_data_file_name(n)) {
+    // tessera's own data files, and OLMo-core's rank files: a checkpoint of those formats
+    // (detected before) or an unfinished save of one, never a plain safetensors checkpoint.
+    let unfinished = |n: &str| is_data_file_name(n) || parse_rank_file_name(n).is_some();
+    if names.is_empty() || names.iter().any(|n| unfinished(n)) {
         return Ok(None);
     }
     names.sort();

@@ -125,7 +125,7 @@ impl Default for LoadOptions {
         LoadOptions {
             verify_checksums: true,
             strict: StrictHandling::default(),
-            threads: crate::load::default_threads(),
+            threads: crate::threads::default_threads(),
             tuning: ReadTuning::default(),
             cancel: None,
             exchange_reads: false,

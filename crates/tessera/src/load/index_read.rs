@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use crate::error::{Error, Result};
 use crate::format::index::IndexHead;
 use crate::format::{CheckpointIndex, TensorEntry, FORMAT_VERSION, INDEX_FILE};
-use crate::load::on_cores;
 use crate::storage::Storage;
+use crate::threads::on_cores;
 
 /// The first read of an index: most heads (every key, file and object) fit in it.
 const FIRST_READ: u64 = 256 << 10;

@@ -62,7 +62,7 @@ const OPEN_THREADS: usize = 16;
 
 /// The [`ForEach`] formats open with: up to [`OPEN_THREADS`] threads.
 fn parallel_open(n: usize, work: &(dyn Fn(usize) + Sync)) {
-    crate::load::parallel_for(n, OPEN_THREADS, work);
+    crate::threads::parallel_for(n, OPEN_THREADS, work);
 }
 
 fn index_path(storage: &dyn Storage) -> std::path::PathBuf {

@@ -167,7 +167,7 @@ pub(crate) fn execute(
     // A local read costs no round trip: a span is then read in pieces the CPU cache holds, and
     // each piece is checksummed and scattered while it is there, instead of the whole span
     // crossing memory once into the scratch buffer and twice more out of it.
-    let piece = if storage.is_local() { crate::load::LOCAL_PIECE } else { u64::MAX };
+    let piece = if storage.is_local() { crate::threads::LOCAL_PIECE } else { u64::MAX };
     execute_in_pieces(storage, index, plan, targets, threads, cancel, piece)
 }
 
@@ -222,7 +222,7 @@ fn execute_in_pieces(
         }
     };
     std::thread::scope(|scope| {
-        if let Err(e) = crate::load::spawn_named(scope, "tessera-read", workers, &reader) {
+        if let Err(e) = crate::threads::spawn_named(scope, "tessera-read", workers, &reader) {
             first_error.lock().unwrap().get_or_insert(Error::io(storage.location(), e));
         }
     });

@@ -131,7 +131,7 @@ fn read_and_checksum(
     let crcs: Vec<AtomicU32> = plan.pieces.iter().map(|_| AtomicU32::new(0)).collect();
     // A needed piece that no read covered (1 + its index), which a consistent plan never has.
     let missing = std::sync::atomic::AtomicUsize::new(0);
-    crate::load::on_cores(plan.pieces.len().div_ceil(PIECES_PER_TASK), &|task| {
+    crate::threads::on_cores(plan.pieces.len().div_ceil(PIECES_PER_TASK), &|task| {
         let first = task * PIECES_PER_TASK;
         for (i, p) in plan.pieces.iter().enumerate().skip(first).take(PIECES_PER_TASK) {
             if p.needed {

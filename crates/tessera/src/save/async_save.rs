@@ -12,7 +12,9 @@ use crate::error::{Error, Result};
 use crate::model::factories::apply_factories_collective;
 use crate::model::StateTree;
 use crate::plan::save::WrittenFile;
-use crate::save::native::{commit, prepare, Prepared, SaveOptions, SaveReport};
+use crate::save::lease::kept_while;
+use crate::save::native::NativeSession;
+use crate::save::options::{SaveOptions, SaveReport};
 use crate::save::staging::{PoolBuffer, StagingPool};
 use crate::storage::{ObjectWriter, Storage};
 
@@ -180,23 +182,27 @@ impl AsyncSaver {
                 self.pool.buffer_size()
             )));
         }
-        let p = prepare(&tree, local_error, storage.as_ref(), comm, opts)?;
+        let (session, bytes) = NativeSession::plan(&tree, local_error, storage.as_ref(), comm, opts)?;
+        // A rank without the bytes it was chosen to write reports it at the commit, like a
+        // failed write: every rank still takes part in the commit's collectives.
+        let checked = session.sources(0, &bytes).map(|_| ());
 
-        let nt = p.layout.tensor_entries.len();
-        let src_blocks: Vec<u64> = (0..p.layout.entries.len()).map(|i| if i < nt { block } else { u64::MAX }).collect();
-        let file_offs: Vec<u64> = p.layout.entries.iter().map(|e| p.layout.header_len + e.start).collect();
+        let layout = session.layout(0);
+        let nt = layout.tensor_entries.len();
+        let src_blocks: Vec<u64> = (0..layout.entries.len()).map(|i| if i < nt { block } else { u64::MAX }).collect();
+        let file_offs: Vec<u64> = layout.entries.iter().map(|e| layout.header_len + e.start).collect();
         let completion = Arc::new(Completion::default());
-        let failed = Arc::new(AtomicBool::new(false));
+        let failed = Arc::new(AtomicBool::new(checked.is_err()));
         let (tx, rx) =
             mpsc::sync_channel::<Job>(self.pool.capacity().div_ceil(self.pool.buffer_size() as u64) as usize);
-        let (p, tensor_data, object_data) = p.split();
         let background = Background {
-            p,
+            session,
             storage,
             comm: self.commit_comm.clone(),
             opts: opts.clone(),
             src_blocks,
             failed: failed.clone(),
+            checked,
             completion: completion.clone(),
         };
         let thread = std::thread::Builder::new()
@@ -204,7 +210,7 @@ impl AsyncSaver {
             .spawn(move || background.run(rx))
             .map_err(|e| Error::Io { path: "(thread)".into(), source: e })?;
 
-        let sources = (&tensor_data[..], &object_data[..]);
+        let sources = (&bytes.tensors[..], &bytes.objects[..]);
         stage(sources, &self.pool, block, &file_offs, &tx, &failed, opts.cancel.as_deref());
         drop(tx);
         self.last = Some(completion.clone());
@@ -293,33 +299,48 @@ fn lower_priority() {
 
 /// What the background thread owns: everything but the caller's bytes.
 struct Background {
-    p: Prepared<'static>,
+    session: NativeSession,
     storage: Arc<dyn Storage>,
     comm: Arc<dyn Communicator>,
     opts: SaveOptions,
     src_blocks: Vec<u64>,
     failed: Arc<AtomicBool>,
+    /// Whether the rank has every byte it was chosen to write (see `AsyncSaver::save`).
+    checked: Result<()>,
     completion: Arc<Completion>,
 }
 
 impl Background {
-    fn run(self, rx: mpsc::Receiver<Job>) {
-        let written = self.write(rx);
-        if written.is_err() {
-            self.failed.store(true, Ordering::Relaxed);
-        }
-        let verdict = commit(&self.p, written, self.storage.as_ref(), self.comm.as_ref(), &self.opts);
-        self.completion.set(verdict);
+    fn run(mut self, rx: mpsc::Receiver<Job>) {
+        let lease = self.session.lease();
+        let storage = self.storage.clone();
+        let checked = std::mem::replace(&mut self.checked, Ok(()));
+        let verdict = kept_while(lease.as_deref().map(|l| (l, storage.as_ref())), move || {
+            let written = match checked {
+                Ok(()) => self.write(rx),
+                Err(e) => {
+                    for _ in rx {}
+                    Err(e)
+                }
+            };
+            if written.is_err() {
+                self.failed.store(true, Ordering::Relaxed);
+            }
+            let Background { session, storage, comm, completion, .. } = self;
+            let verdict = session.commit(written.map(|w| vec![w]), storage.as_ref(), comm.as_ref());
+            (verdict, completion)
+        });
+        verdict.1.set(verdict.0);
     }
 
     fn write(&self, rx: mpsc::Receiver<Job>) -> Result<WrittenFile> {
-        let layout = &self.p.layout;
+        let layout = self.session.layout(0);
         let drain = |rx: mpsc::Receiver<Job>| for _ in rx {};
         if layout.entries.is_empty() {
             drain(rx);
             return Ok(WrittenFile::default());
         }
-        let writer = match self.storage.create(&self.p.file_name(), layout.size) {
+        let writer = match self.storage.create(&self.session.file_name(0), layout.size) {
             Ok(w) => w,
             Err(e) => {
                 self.failed.store(true, Ordering::Relaxed);
@@ -365,10 +386,7 @@ impl Background {
             return Err(Error::Cancelled);
         }
         let crcs: Vec<Vec<u32>> = crcs.into_iter().map(|m| m.into_inner().unwrap()).collect();
-        let (header, written) = self.p.finish_file(crcs, self.opts.block_size)?;
-        writer.write_at(0, &header)?;
-        writer.finish()?;
-        Ok(written)
+        self.session.finish_file(0, writer, crcs)
     }
 
     fn write_job(&self, writer: &dyn ObjectWriter, job: &Job, crcs: &[Mutex<Vec<u32>>]) -> Result<()> {

@@ -9,11 +9,18 @@
 //! size, each a `torch.save` archive written around the caller's bytes, not through a copy),
 //! and rank 0, once every rank's files are complete, writes `common.pt`, `metadata.json` and
 //! last `.metadata`: the commit (DCP's readers and tessera's take a directory without
-//! `.metadata` for an unfinished save). DCP finds data files through `.metadata`, not by name:
-//! in a directory without data files `k` counts from 0 (DCP's own names); where data files
-//! exist (a checkpoint being overwritten, a failed save's leftovers) `k` counts from a number
-//! taken from the save id, so a save never writes into files the committed checkpoint uses:
-//! it stays whole until the new `.metadata` replaces it, and its files are removed after.
+//! `.metadata` for an unfinished save), by the one commit protocol (`save::commit`). DCP finds
+//! data files through `.metadata`, not by name: in a directory without data files `k` counts
+//! from 0 (DCP's own names); where data files exist (a checkpoint being overwritten, a failed
+//! save's leftovers) `k` counts from a number taken from the save id, so a save never writes
+//! into files the committed checkpoint uses: it stays whole until the new `.metadata` replaces
+//! it, and its files are removed after. If the commit fails before `.metadata` is this save's,
+//! the `common.pt` and `metadata.json` it replaced are put back (FORMAT.md says what a crash in
+//! between leaves for Megatron's loader, which reads `common.pt` by name).
+//!
+//! The session is [`TorchDistSave`]: `plan` (from a state tree: the exchange and every check;
+//! or [`TorchDistSave::of_files`], a layout made elsewhere: `convert_to_dcp`) → `write_file(k)`
+//! → `commit`.
 //!
 //! What the format cannot hold is refused on every rank before anything is written: shards
 //! with a flattened range (megatron-core 0.16.1 refuses them too: "ShardedTensor.flattened_range
@@ -21,10 +28,11 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::format::lease::LeaseFiles;
 use crate::formats::torch_dist::{
     common_pt, data_file_name, is_data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace,
     TensorItems, DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA, MEGATRON_METADATA_JSON,
@@ -35,13 +43,12 @@ use crate::model::factories::apply_factories_collective;
 use crate::model::Value;
 use crate::model::{path_string, StatePath, StateTree};
 use crate::plan::save::RankPlan;
-use crate::save::native::{
-    collect, new_save_id, plan_globally, refuse_foreign_files, remove_failed_save_files, Collected, SaveOptions,
-    SaveReport, MEGATRON_COMPANIONS,
-};
-use crate::save::olmo::agree;
+use crate::save::commit::{classify_put, commit, remove_files, Place, Publish, Published};
+use crate::save::lease::{kept_while, live_leases, LeaseHold};
+use crate::save::options::{SaveOptions, SaveReport};
+use crate::save::plan::{collect, new_save_id, plan_globally, refuse_foreign_files, Collected, MEGATRON_COMPANIONS};
 use crate::save::write::{write_sources, Source};
-use crate::storage::{Storage, StorageExt};
+use crate::storage::{ObjectWriter, Storage, StorageExt};
 
 /// Backends a `torch_dist` save may replace with `overwrite` (a DCP directory either way).
 const REPLACEABLE: [&str; 2] = ["torch_dist", "torch_dcp"];
@@ -85,8 +92,11 @@ pub fn save_torch_dist(
     files_per_rank: usize,
 ) -> Result<SaveReport> {
     let save = TorchDistSave::plan(tree, common, storage, comm, opts, files_per_rank)?;
-    let written = (0..save.files()).try_fold(0u64, |n, k| Ok(n + save.write_file(k, storage, opts)?));
-    save.commit(written, storage, comm, opts)
+    let lease = save.lease.clone();
+    kept_while(lease.as_deref().map(|l| (l, storage)), || {
+        let written = (0..save.files()).try_fold(0u64, |n, k| Ok(n + save.write_file(k, storage, opts)?));
+        save.commit(written, storage, comm, opts)
+    })
 }
 
 /// A `torch_dist` save in three steps, for a caller that drives the writing of the data files
@@ -119,8 +129,9 @@ pub fn save_torch_dist(
 /// # Ok::<(), tessera::Error>(())
 /// ```
 pub struct TorchDistSave<'a> {
-    /// The state after its factories were applied: the data files are written from it.
-    tree: StateTree<'a>,
+    /// The state after its factories were applied: the data files are written from it (none:
+    /// the caller writes the files, see [`TorchDistSave::of_files`]).
+    tree: Option<StateTree<'a>>,
     rank: usize,
     plans: Vec<RankPlan>,
     save_id: u64,
@@ -131,9 +142,19 @@ pub struct TorchDistSave<'a> {
     bins: Vec<usize>,
     /// This rank's main objects as DCP byte items.
     object_items: Vec<Vec<u8>>,
-    /// Rank 0: the `common.pt` the caller gave, or the tree's plain values that make it.
-    common_pt: Option<Vec<u8>>,
-    common_values: Vec<(StatePath, Value)>,
+    /// Rank 0: what the commit puts.
+    marker: Option<Marker>,
+    /// Rank 0: the save's lease.
+    lease: Option<Arc<LeaseHold>>,
+}
+
+/// What rank 0 puts at the commit: `common.pt`, `.metadata`, and the names of every data file
+/// of the save (the files the new `.metadata` names; every other DCP data file is replaced).
+struct Marker {
+    common: Vec<u8>,
+    metadata: Vec<u8>,
+    files: BTreeSet<String>,
+    save_id: u64,
 }
 
 impl<'a> TorchDistSave<'a> {
@@ -175,6 +196,8 @@ impl<'a> TorchDistSave<'a> {
                 }
             }
         }
+        let mut common_bytes = None;
+        let mut lease = None;
         if rank == 0 {
             c.plan.save_id = new_save_id();
             // The save id carries where this save's file numbers start (`first_file_number`).
@@ -192,33 +215,49 @@ impl<'a> TorchDistSave<'a> {
                 }
             }
             if c.local_error.is_none() && !c.plan.refuse_overwrite && !opts.overwrite {
-                let ours = |n: &str| is_data_file_name(n) || n == DCP_METADATA || MEGATRON_COMPANIONS.contains(&n);
-                if let Err(e) = refuse_foreign_files(storage, ours, "torch_dist") {
+                if let Err(e) = refuse_foreign_files(storage, is_torch_dist_name, "torch_dist") {
                     c.local_error = Some(e);
                 }
             }
+            // `common.pt` is made now: a value it cannot hold fails every rank before any write.
+            if c.local_error.is_none() {
+                let values = common_values(&c.common, opts);
+                match common
+                    .map(<[u8]>::to_vec)
+                    .map_or_else(|| common_pt(&values, &serialization_id(c.plan.save_id, u64::MAX)), Ok)
+                {
+                    Ok(b) => common_bytes = Some(b),
+                    Err(e) => c.local_error = Some(e),
+                }
+            }
+            if c.local_error.is_none() && !c.plan.refuse_overwrite {
+                let files =
+                    LeaseFiles::Distcp { first: first_file_number(c.plan.save_id), count: files_per_rank as u64 };
+                match LeaseHold::take(storage, c.plan.save_id, files) {
+                    Ok(l) => lease = Some(Arc::new(l)),
+                    Err(e) => c.local_error = Some(e),
+                }
+            }
         }
-        let plans = plan_globally(comm, &mut c, opts, storage, None)?;
+        let plans = match plan_globally(comm, &mut c, opts, storage, None) {
+            Ok(p) => p,
+            Err(e) => {
+                lease.map(|l| l.release(storage));
+                return Err(e);
+            }
+        };
         let save_id = plans[0].save_id;
-        let common_values = std::mem::take(&mut c.common);
         drop(c);
         // Files of this save's own names: what is replaced stays committed until the new
         // `.metadata` replaces it.
         let names = file_names(rank, save_id, files_per_rank);
         let layout = items(&plans[rank], save_id);
         let bins = spread(&layout, files_per_rank);
-        Ok(TorchDistSave {
-            tree,
-            rank,
-            plans,
-            save_id,
-            names,
-            layout,
-            bins,
-            object_items,
-            common_pt: (rank == 0).then(|| common.map(<[u8]>::to_vec)).flatten(),
-            common_values,
-        })
+        let marker = common_bytes.map(|common| {
+            let (metadata, files) = dcp_metadata(&plans, save_id, files_per_rank);
+            Marker { common, metadata, files, save_id }
+        });
+        Ok(TorchDistSave { tree: Some(tree), rank, plans, save_id, names, layout, bins, object_items, marker, lease })
     }
 
     /// How many data files this rank writes (`files_per_rank`; a file may hold no item).
@@ -242,9 +281,15 @@ impl<'a> TorchDistSave<'a> {
                 self.names.len()
             )));
         };
+        let Some(tree) = &self.tree else {
+            return Err(Error::invalid(format!("{name}: this save's files are written by its caller (create_file)")));
+        };
+        if let Some(l) = &self.lease {
+            l.renew_if_due(storage);
+        }
         let plan = &self.plans[self.rank];
         // The state's bytes, found again in the tree (in the plan's order, as `plan` found them).
-        let c = collect(&self.tree, self.rank, true, opts.distribute_replicas);
+        let c = collect(tree, self.rank, true, opts.distribute_replicas);
         let mut tensors: Vec<(usize, &[u8])> = Vec::new();
         let mut parts: Vec<Part> = Vec::new();
         for (item, _) in self.layout.iter().zip(&self.bins).filter(|(_, &b)| b == k) {
@@ -321,9 +366,11 @@ impl<'a> TorchDistSave<'a> {
 
     /// Ends the save (collective over `comm`). `written` is this rank's verdict on its files
     /// (their total size, or the error that stopped one): when every rank's files are whole,
-    /// rank 0 commits (`common.pt`, `metadata.json`, then `.metadata`); otherwise nothing is
-    /// committed, each rank removes the files of this save it may have written, and every rank
-    /// gets the first failure (another rank's as [`Error::PeerFailed`]).
+    /// rank 0 commits (`common.pt`, `metadata.json`, then `.metadata`), by the one commit
+    /// protocol (`save::commit`): a save that fails commits nothing, and every rank removes
+    /// the files of this save it wrote and gets the first failure (another rank's as
+    /// [`Error::PeerFailed`]); one whose outcome a rank cannot know removes nothing
+    /// ([`Error::CommitUnknown`]).
     pub fn commit(
         self,
         written: Result<u64>,
@@ -331,25 +378,12 @@ impl<'a> TorchDistSave<'a> {
         comm: &dyn Communicator,
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
-        // This save's files carry its own numbers: none belongs to a committed checkpoint.
-        let bytes_written = agree(comm, written).map_err(|e| remove_failed_save_files(storage, &self.names, e))?;
-        let mut index_bytes = 0;
-        let committed = if self.rank == 0 {
-            let files_per_rank = self.names.len();
-            commit(
-                &self.plans,
-                self.save_id,
-                files_per_rank,
-                self.common_pt.as_deref(),
-                &self.common_values,
-                storage,
-                opts,
-            )
-            .map(|n| index_bytes = n)
-        } else {
-            Ok(())
-        };
-        agree(comm, committed).map_err(|e| remove_failed_save_files(storage, &self.names, e))?;
+        let bytes_written = *written.as_ref().unwrap_or(&0);
+        let index_bytes = self.marker.as_ref().map_or(0, |m| m.metadata.len() as u64);
+        let mut publish = DcpPublish { marker: self.marker, overwrite: opts.overwrite };
+        let report = written.map(|_| Vec::new());
+        let place = Place { storage, own_files: self.names.clone(), lease: self.lease.as_deref() };
+        let done = commit(comm, &[place], report, &mut publish)?;
         let mains = self.plans.iter().flat_map(|p| p.tensors.iter().filter(|t| t.main));
         let (chunks, total_tensor_bytes) = mains.fold((0, 0), |(n, b), t| (n + 1, b + t.nbytes()));
         Ok(SaveReport {
@@ -359,7 +393,49 @@ impl<'a> TorchDistSave<'a> {
             files: self.plans.len(),
             chunks,
             index_bytes,
+            leftovers: done.leftovers,
         })
+    }
+
+    /// A session for data files laid out elsewhere (`convert_to_dcp`, one process writing every
+    /// file): `files`, each `(name, size)`, all of this save (`save_id`, one file number per
+    /// rank), and what the commit puts (`common.pt` and `.metadata`). Takes the save's lease;
+    /// the caller writes each file through [`TorchDistSave::create_file`].
+    pub(crate) fn of_files(
+        files: Vec<(String, u64)>,
+        save_id: u64,
+        common: Vec<u8>,
+        metadata: Vec<u8>,
+        storage: &dyn Storage,
+    ) -> Result<TorchDistSave<'static>> {
+        let lease =
+            LeaseHold::take(storage, save_id, LeaseFiles::Distcp { first: first_file_number(save_id), count: 1 })?;
+        let names: Vec<String> = files.iter().map(|(n, _)| n.clone()).collect();
+        let marker = Marker { common, metadata, files: names.iter().cloned().collect(), save_id };
+        Ok(TorchDistSave {
+            tree: None,
+            rank: 0,
+            plans: Vec::new(),
+            save_id,
+            names,
+            layout: Vec::new(),
+            bins: Vec::new(),
+            object_items: Vec::new(),
+            marker: Some(marker),
+            lease: Some(Arc::new(lease)),
+        })
+    }
+
+    /// Creates this process's data file `k` (`size` bytes), for a caller that writes its bytes
+    /// itself ([`TorchDistSave::of_files`]).
+    pub(crate) fn create_file(&self, k: usize, size: u64, storage: &dyn Storage) -> Result<Box<dyn ObjectWriter>> {
+        let name = self.names.get(k).ok_or_else(|| Error::invalid(format!("no data file {k} in this save")))?;
+        storage.create(name, size)
+    }
+
+    /// The save's lease (rank 0), for a thread that renews it while the files are written.
+    pub(crate) fn lease(&self) -> Option<Arc<LeaseHold>> {
+        self.lease.clone()
     }
 }
 
@@ -500,18 +576,9 @@ fn parallel_crc32(data: &[(usize, &[u8])], threads: usize) -> Vec<u32> {
     out.into_inner().unwrap()
 }
 
-/// Rank 0, once every rank's file is complete: `common.pt`, `metadata.json`, then `.metadata`
-/// (the commit), then the removal of data files no rank wrote this time. Returns the size of
-/// `.metadata`.
-fn commit(
-    plans: &[RankPlan],
-    save_id: u64,
-    files_per_rank: usize,
-    common: Option<&[u8]>,
-    common_values: &[(StatePath, Value)],
-    storage: &dyn Storage,
-    opts: &SaveOptions,
-) -> Result<u64> {
+/// The `.metadata` of the save of `plans` (every rank's items placed as each rank lays out its
+/// files), and the names of every data file of the save.
+fn dcp_metadata(plans: &[RankPlan], save_id: u64, files_per_rank: usize) -> (Vec<u8>, BTreeSet<String>) {
     let mut tensors: Vec<TensorItems> = Vec::new();
     let mut by_key: HashMap<&str, usize> = HashMap::new();
     let mut bytes = Vec::new();
@@ -548,50 +615,126 @@ fn commit(
             }
         }
     }
-    let common_bytes = match common {
-        Some(b) => b.to_vec(),
-        None => {
-            // Megatron keeps the content metadata in the common dict, under this key.
-            let mut values = common_values.to_vec();
-            if opts.content_metadata != crate::model::Value::Null {
-                values
-                    .push((vec![crate::model::PathSeg::Key("content_metadata".into())], opts.content_metadata.clone()));
-            }
-            common_pt(&values, &serialization_id(save_id, u64::MAX))?
-        }
-    };
     let metadata = metadata_pickle(&tensors, &bytes, &format!("{save_id:016x}"));
     let files = (0..plans.len()).flat_map(|r| file_names(r, save_id, files_per_rank)).collect();
-    publish(storage, &common_bytes, &metadata, opts.overwrite, &files)?;
-    Ok(metadata.len() as u64)
+    (metadata, files)
 }
 
-/// The commit of a torch_dist checkpoint whose data files (`files`) are complete:
-/// `common.pt`, `metadata.json`, then `.metadata` (create-if-absent unless `overwrite`), then
-/// the removal of DCP data files not in `files`. Shared by save and convert.
-pub(crate) fn publish(
-    storage: &dyn Storage,
-    common: &[u8],
-    metadata: &[u8],
+/// The common values that make `common.pt`: the tree's, with `opts.content_metadata` (when set)
+/// under `content_metadata`, where Megatron keeps it.
+fn common_values(values: &[(StatePath, Value)], opts: &SaveOptions) -> Vec<(StatePath, Value)> {
+    let mut values = values.to_vec();
+    if opts.content_metadata != Value::Null {
+        values.push((vec![crate::model::PathSeg::Key("content_metadata".into())], opts.content_metadata.clone()));
+    }
+    values
+}
+
+/// Names a torch_dist save may find in a location it writes into without `overwrite`: DCP data
+/// files (leftovers of saves that never committed), the marker, Megatron's companions, leases
+/// and temporaries of puts that never finished.
+fn is_torch_dist_name(n: &str) -> bool {
+    is_data_file_name(n)
+        || n == DCP_METADATA
+        || MEGATRON_COMPANIONS.contains(&n)
+        || crate::format::lease::parse_lease_name(n).is_some()
+        || crate::storage::temporary_target(n).is_some()
+}
+
+/// The torch_dist commit on rank 0: `common.pt` and `metadata.json`, then `.metadata` (the
+/// commit: create-if-absent unless overwriting), then the removal of DCP data files the new
+/// `.metadata` does not name. Until `.metadata` is this save's, what `common.pt` and
+/// `metadata.json` held is kept, and put back if the commit fails.
+struct DcpPublish {
+    marker: Option<Marker>,
     overwrite: bool,
-    files: &BTreeSet<String>,
-) -> Result<()> {
-    storage.put_atomic(MEGATRON_COMMON, common)?;
-    storage.put_atomic(MEGATRON_METADATA, MEGATRON_METADATA_JSON.as_bytes())?;
-    if overwrite {
-        storage.put_atomic(DCP_METADATA, metadata)?;
-    } else {
-        storage.put_if_absent(DCP_METADATA, metadata)?;
-    }
-    remove_stale_files(storage, files);
-    Ok(())
 }
 
-/// After the commit: DCP data files this save did not write (an earlier save with more ranks,
-/// or one torch wrote with several files per rank) are garbage. Best effort.
-fn remove_stale_files(storage: &dyn Storage, ours: &BTreeSet<String>) {
-    let Ok(names) = storage.list() else { return };
-    for name in names.into_iter().filter(|n| is_data_file_name(n) && !ours.contains(n)) {
-        let _ = storage.delete(&name);
+impl Publish for DcpPublish {
+    fn publish(&mut self, storage: &dyn Storage, _reports: &[&[u8]]) -> Published {
+        let Some(m) = self.marker.take() else {
+            return Published::NotCommitted(Error::invalid("torch_dist commit without its marker (not rank 0?)"));
+        };
+        // What the companions hold now, to put back if the commit fails.
+        let mut before: Vec<(&str, Option<Vec<u8>>)> = Vec::new();
+        for name in [MEGATRON_COMMON, MEGATRON_METADATA] {
+            match storage.read(name) {
+                Ok(b) => before.push((name, Some(b))),
+                Err(Error::NotFound { .. }) => before.push((name, None)),
+                Err(e) => return Published::NotCommitted(e),
+            }
+        }
+        let json = MEGATRON_METADATA_JSON.as_bytes();
+        let mut touched = 0;
+        let mut companions = || -> Result<()> {
+            touched = 1;
+            storage.put_atomic(MEGATRON_COMMON, &m.common)?;
+            if before[1].1.as_deref() != Some(json) {
+                touched = 2;
+                storage.put_atomic(MEGATRON_METADATA, json)?;
+            }
+            Ok(())
+        };
+        if let Err(e) = companions() {
+            return Published::NotCommitted(restore(storage, &before[..touched], e));
+        }
+        let put = if self.overwrite {
+            storage.put_atomic(DCP_METADATA, &m.metadata)
+        } else {
+            storage.put_if_absent(DCP_METADATA, &m.metadata)
+        };
+        let check = !self.overwrite && !storage.has_atomic_create();
+        let ours = || match storage.read(DCP_METADATA) {
+            Ok(b) => Ok(b == m.metadata),
+            Err(Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(e),
+        };
+        match classify_put(storage, DCP_METADATA, put, check, ours) {
+            Ok(()) => {}
+            Err(Published::NotCommitted(e)) => return Published::NotCommitted(restore(storage, &before[..touched], e)),
+            Err(other) => return other,
+        }
+        let leftovers = remove_replaced(storage, &m.files, m.save_id);
+        Published::Committed { summary: Vec::new(), leftovers }
     }
+}
+
+/// Puts back what the companions `before` held (an absent one is removed) after a commit that
+/// failed with `err`; returns `err`, saying so where one could not be put back.
+fn restore(storage: &dyn Storage, before: &[(&str, Option<Vec<u8>>)], err: Error) -> Error {
+    let failed: Vec<String> = before
+        .iter()
+        .filter_map(|(name, old)| {
+            let r = match old {
+                Some(b) => storage.put_atomic(name, b),
+                None => storage.delete(name),
+            };
+            r.err().map(|e| format!("{name} ({e})"))
+        })
+        .collect();
+    if failed.is_empty() {
+        return err;
+    }
+    Error::Io {
+        path: storage.location().into(),
+        source: std::io::Error::other(format!(
+            "{err}; the commit failed and {} could not be put back as it was: the committed checkpoint's \
+             tensors and objects are unchanged (torch.distributed.checkpoint and tessera read them), but \
+             Megatron's loader would read this failed save's common state beside them: save again",
+            failed.join(", ")
+        )),
+    }
+}
+
+/// After the commit: DCP data files the new `.metadata` does not name (an earlier checkpoint's,
+/// a failed save's) are garbage, unless a live lease covers them (a save still running).
+/// Returns those that could not be removed.
+fn remove_replaced(storage: &dyn Storage, ours: &BTreeSet<String>, save_id: u64) -> Vec<String> {
+    let Ok(names) = storage.list() else { return Vec::new() };
+    let leases = live_leases(storage, &names, Some(save_id));
+    let garbage: Vec<String> = names
+        .into_iter()
+        .filter(|n| is_data_file_name(n) && !ours.contains(n) && !leases.iter().any(|l| l.covers(n)))
+        .collect();
+    remove_files(storage, &garbage)
 }

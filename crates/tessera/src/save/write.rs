@@ -40,7 +40,7 @@ fn write_direct(writer: &dyn ObjectWriter, s: &Source<'_>, start: u64, end: u64,
     let mut at = s.file_off + start;
     for block in bytes.chunks(s.block as usize) {
         let mut crc = 0;
-        for piece in block.chunks(crate::load::LOCAL_PIECE as usize) {
+        for piece in block.chunks(crate::threads::LOCAL_PIECE as usize) {
             crc = crate::model::crc::crc32c_append(crc, piece);
             writer.write_at(at, piece)?;
             at += piece.len() as u64;
@@ -131,7 +131,7 @@ pub(crate) fn write_sources(
         }
     };
     std::thread::scope(|scope| {
-        if let Err(e) = crate::load::spawn_named(scope, "tessera-write", workers, &writer_thread) {
+        if let Err(e) = crate::threads::spawn_named(scope, "tessera-write", workers, &writer_thread) {
             first_error.lock().unwrap().get_or_insert(crate::error::Error::io("the save's writer threads", e));
         }
     });

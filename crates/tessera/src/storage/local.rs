@@ -241,7 +241,7 @@ impl LocalStorage {
         fs::create_dir_all(&self.root).map_err(|e| Error::io(&self.root, e))?;
         let nonce =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-        let tmp = self.root.join(format!(".{name}.tmp-{}-{nonce}", std::process::id()));
+        let tmp = self.root.join(super::temporary_name(name, std::process::id(), nonce));
         let write = || -> std::io::Result<()> {
             let f = OpenOptions::new().create_new(true).write(true).open(&tmp)?;
             f.write_all_at(bytes, 0)?;

@@ -381,6 +381,23 @@ pub(crate) fn read_claimed(storage: &dyn Storage, name: &str, offset: u64, len: 
     storage.read_range(name, offset..offset + len)
 }
 
+/// The name of the temporary object an atomic put of `name` writes first (a local directory's
+/// [`Storage::put_atomic`] and [`Storage::put_if_absent`]): `.{name}.tmp-{pid}-{nonce}`, hidden,
+/// and told apart by writer and time.
+pub(crate) fn temporary_name(name: &str, pid: u32, nonce: u128) -> String {
+    format!(".{name}.tmp-{pid}-{nonce}")
+}
+
+/// The object a temporary of [`temporary_name`] is for; `None` for any other name. A temporary
+/// left behind is garbage of a put that never finished (`gc` removes them).
+pub(crate) fn temporary_target(name: &str) -> Option<&str> {
+    let rest = name.strip_prefix('.')?;
+    let at = rest.rfind(".tmp-")?;
+    let (pid, nonce) = rest[at + 5..].split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(pid) && digits(nonce) && at > 0).then(|| &rest[..at])
+}
+
 /// Names tessera writes (and deletes): one plain component.
 pub(crate) fn check_plain_name(name: &str) -> Result<()> {
     names::check_file_name(name).map_err(Error::invalid)

@@ -11,18 +11,18 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::comm::SoloComm;
 use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, DEFAULT_BLOCK_SIZE};
 use crate::load::engine::{read_object, LoadOptions};
-use crate::load::on_cores;
 use crate::load::open::{detect_format, open_checkpoint};
 use crate::plan::geometry::split_box_lazy;
-use crate::plan::save::{
-    data_file_name, layout_file, validate_global_with, FileLayout, ObjectMeta, RankPlan, ShardMeta, WrittenFile,
-};
-use crate::save::native::{commit_index, finish_file, new_save_id, remove_save_files};
+use crate::plan::save::{validate_global_with, ObjectMeta, RankPlan, ShardMeta, WrittenFile};
+use crate::save::lease::kept_while;
+use crate::save::native::NativeSession;
 use crate::save::write::{write_sources, Source};
 use crate::storage::{ObjectWriter, Storage};
+use crate::threads::on_cores;
 use crate::tools::pipeline::{
     batches, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
 };
@@ -49,7 +49,7 @@ impl Default for ConvertOptions {
         ConvertOptions {
             overwrite: false,
             memory_budget: DEFAULT_MEMORY_BUDGET,
-            threads: crate::load::default_threads(),
+            threads: crate::threads::default_threads(),
             block_size: DEFAULT_BLOCK_SIZE,
             max_file_size: 4 << 30,
         }
@@ -71,6 +71,8 @@ pub struct ConvertReport {
     pub bytes: u64,
     /// Size of the index.
     pub index_bytes: u64,
+    /// Files left for `tessera gc` (see [`SaveReport::leftovers`](crate::SaveReport::leftovers)).
+    pub leftovers: Vec<String>,
 }
 
 /// One thing to copy: a (part of a) stored chunk, or an object shard.
@@ -115,8 +117,8 @@ const MAX_EXTRA_PARTS: u64 = 1 << 20;
 /// objects' bytes, the common state and the content metadata. Refused with
 /// [`Error::AlreadyExists`] if `dst` holds a committed checkpoint of any format (native or
 /// foreign: it would be replaced or shadowed), unless `opts.overwrite`; the index is then
-/// committed as a save commits it (create-if-absent unless overwriting). A
-/// failure before the commit removes the data files written; nothing is committed then.
+/// committed as a save commits it (create-if-absent unless overwriting, by the one commit
+/// protocol): a conversion that fails commits nothing and removes its data files.
 /// `progress(bytes_done, bytes_total)` is called as data is written.
 ///
 /// ```
@@ -255,35 +257,27 @@ pub fn convert(
         });
     }
     validate_global_with(&plans, &on_cores)?;
-    let layouts: Vec<FileLayout> = plans.iter().enumerate().map(|(n, p)| layout_file(n, p, opts.block_size)).collect();
-    let save_id = new_save_id();
-
-    let written = match write_files(src, dst, &index, &items, &slots, &plans, &layouts, save_id, opts, progress) {
-        Ok(w) => w,
-        Err(e) => {
-            remove_save_files(dst, save_id);
-            return Err(e);
-        }
-    };
-    // A failed commit removes this conversion's files itself when another save won the location;
-    // after any other failure the index may be committed, so the files stay (gc removes them if not).
-    let (committed, index_bytes) = commit_index(
+    let session = NativeSession::of_plans(
+        plans,
         dst,
-        &plans,
-        written,
         opts.block_size,
+        opts.overwrite,
         index.common.clone(),
         index.content_metadata.clone(),
-        opts.overwrite,
-        save_id,
     )?;
+    let lease = session.lease();
+    let report = kept_while(lease.as_deref().map(|l| (l, dst)), || {
+        let written = write_files(src, dst, &index, &items, &slots, &session, opts, progress);
+        session.commit(written, dst, &SoloComm)
+    })?;
     Ok(ConvertReport {
-        tensors: committed.tensors.len(),
-        chunks: committed.chunk_count(),
-        object_shards: committed.objects.iter().map(|o| o.shards.len()).sum(),
-        files: committed.files.len(),
+        tensors: index.tensors.len(),
+        chunks: report.chunks,
+        object_shards: index.objects.iter().map(|o| o.shards.len()).sum(),
+        files: report.files,
         bytes: items.iter().map(Item::nbytes).sum(),
-        index_bytes,
+        index_bytes: report.index_bytes,
+        leftovers: report.leftovers,
     })
 }
 
@@ -294,8 +288,8 @@ struct Open {
     crcs: Vec<Vec<u32>>,
 }
 
-/// Streams every item into its data file; returns the written files, in file order (plus an
-/// empty report for a trailing plan with nothing to write).
+/// Streams every item into its data file of `session`; returns the written files, in file order
+/// (an empty report for a file with nothing to write).
 #[allow(clippy::too_many_arguments)]
 fn write_files(
     src: &dyn Storage,
@@ -303,9 +297,7 @@ fn write_files(
     index: &CheckpointIndex,
     items: &[Item<'_>],
     slots: &[Slot],
-    plans: &[RankPlan],
-    layouts: &[FileLayout],
-    save_id: u64,
+    session: &NativeSession,
     opts: &ConvertOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Vec<WrittenFile>> {
@@ -349,15 +341,15 @@ fn write_files(
         Ok(buf)
     };
 
-    let mut written: Vec<WrittenFile> = Vec::with_capacity(plans.len());
+    let mut written: Vec<WrittenFile> = Vec::with_capacity(session.files());
     let mut open: Option<Open> = None;
     let mut done = 0u64;
     let finish = |o: Open, written: &mut Vec<WrittenFile>| -> Result<()> {
-        let name = data_file_name(save_id, o.file);
-        let (header, w) = finish_file(o.file, &plans[o.file], &layouts[o.file], name, o.crcs, opts.block_size)?;
-        o.writer.write_at(0, &header)?;
-        o.writer.finish()?;
-        written.push(w);
+        // Files with nothing in them come before (only tensors without chunks).
+        while written.len() < o.file {
+            written.push(WrittenFile::default());
+        }
+        written.push(session.finish_file(o.file, o.writer, o.crcs)?);
         Ok(())
     };
     progress(0, total);
@@ -367,15 +359,15 @@ fn write_files(
             if let Some(o) = open.take() {
                 finish(o, &mut written)?;
             }
-            let layout = &layouts[file];
+            let layout = session.layout(file);
             open = Some(Open {
                 file,
-                writer: dst.create(&data_file_name(save_id, file), layout.size)?,
+                writer: dst.create(&session.file_name(file), layout.size)?,
                 crcs: vec![Vec::new(); layout.entries.len()],
             });
         }
         let o = open.as_mut().expect("opened above");
-        let layout = &layouts[file];
+        let layout = session.layout(file);
         let mut sources = Vec::with_capacity(job.len());
         let mut at = 0usize;
         for i in job.clone() {
@@ -400,7 +392,7 @@ fn write_files(
         finish(o, &mut written)?;
     }
     // A plan with nothing to write (only tensors without chunks, or an empty checkpoint).
-    while written.len() < plans.len() {
+    while written.len() < session.files() {
         written.push(WrittenFile::default());
     }
     Ok(written)

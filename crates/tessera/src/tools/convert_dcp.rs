@@ -15,8 +15,7 @@
 //! metadata under `content_metadata` as Megatron keeps it; a value tessera holds only as
 //! `torch.save` bytes is refused, naming it.
 
-use std::collections::BTreeSet;
-
+use crate::comm::SoloComm;
 use crate::error::{Error, Result};
 use crate::formats::torch_dist::{
     common_pt, is_data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace, TensorItems,
@@ -26,8 +25,10 @@ use crate::load::engine::{read_object, LoadOptions};
 use crate::load::open::open_checkpoint;
 use crate::model::{PathSeg, Value};
 use crate::plan::geometry::{decompose_flat, split_box_lazy, BoxPart};
-use crate::save::native::new_save_id;
-use crate::save::torch_dist::{existing, file_names, publish, serialization_id, with_first_file_number};
+use crate::save::lease::kept_while;
+use crate::save::options::SaveOptions;
+use crate::save::plan::new_save_id;
+use crate::save::torch_dist::{existing, file_names, serialization_id, with_first_file_number, TorchDistSave};
 use crate::save::write::{write_sources, Source};
 use crate::storage::{ObjectWriter, Storage};
 use crate::tools::convert::{ConvertOptions, ConvertReport};
@@ -49,7 +50,8 @@ struct Place {
 /// Copies the checkpoint in `src` (any format [`open`](crate::open) recognises) into
 /// `dst` as a Megatron `torch_dist` checkpoint. Refused with [`Error::AlreadyExists`] if `dst`
 /// holds a committed checkpoint, unless `opts.overwrite` (which replaces only a DCP or
-/// `torch_dist` one; its `.metadata` is removed before any file is rewritten). `opts.block_size`
+/// `torch_dist` one, by the commit protocol of a save: it stays whole until the new `.metadata`
+/// replaces it, and a conversion that fails leaves it as it was). `opts.block_size`
 /// is not used (DCP has no checksums). `progress(bytes_done, bytes_total)` is called as tensor
 /// data is written.
 ///
@@ -156,22 +158,8 @@ pub fn convert_to_dcp(
     // Names of this save's own: a checkpoint being replaced (even the source itself) stays
     // whole until the new `.metadata` commits.
     let names: Vec<String> = (0..sizes.len()).flat_map(|f| file_names(f, save_id, 1)).collect();
-    let bytes = write_files(
-        src,
-        dst,
-        index,
-        &parts,
-        &part_places,
-        &objects,
-        &object_places,
-        &names,
-        &sizes,
-        save_id,
-        opts,
-        progress,
-    )?;
 
-    // The commit.
+    // What the commit puts: `.metadata` names every item where it is laid out.
     let mut tensors: Vec<TensorItems> = Vec::new();
     for (p, at) in parts.iter().zip(&part_places) {
         let t = p.tensor;
@@ -201,15 +189,38 @@ pub fn convert_to_dcp(
         })
         .collect();
     let metadata = metadata_pickle(&tensors, &byte_items, &format!("{save_id:016x}"));
-    let files: BTreeSet<String> = names.iter().cloned().collect();
-    publish(dst, &common_bytes, &metadata, opts.overwrite, &files)?;
+    let index_bytes = metadata.len() as u64;
+
+    // The write session: this process writes every file, then commits as a save does.
+    let files = names.iter().cloned().zip(sizes.iter().copied()).collect();
+    let session = TorchDistSave::of_files(files, save_id, common_bytes, metadata, dst)?;
+    let lease = session.lease();
+    let save_opts = SaveOptions { overwrite: opts.overwrite, ..SaveOptions::default() };
+    let report = kept_while(lease.as_deref().map(|l| (l, dst)), || {
+        let written = write_files(
+            src,
+            dst,
+            index,
+            &parts,
+            &part_places,
+            &objects,
+            &object_places,
+            &session,
+            &sizes,
+            save_id,
+            opts,
+            progress,
+        );
+        session.commit(written, dst, &SoloComm, &save_opts)
+    })?;
     Ok(ConvertReport {
         tensors: tensors.len(),
         chunks: parts.len(),
         object_shards: objects.len(),
         files: names.len(),
-        bytes,
-        index_bytes: metadata.len() as u64,
+        bytes: report.bytes_written,
+        index_bytes,
+        leftovers: report.leftovers,
     })
 }
 
@@ -224,15 +235,15 @@ fn write_files(
     part_places: &[Place],
     objects: &[(String, Vec<u8>)],
     object_places: &[Place],
-    names: &[String],
+    session: &TorchDistSave<'_>,
     sizes: &[u64],
     save_id: u64,
     opts: &ConvertOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<u64> {
-    let mut writers: Vec<Option<Box<dyn ObjectWriter>>> = Vec::with_capacity(names.len());
-    for (name, &size) in names.iter().zip(sizes) {
-        writers.push(Some(dst.create(name, size)?));
+    let mut writers: Vec<Option<Box<dyn ObjectWriter>>> = Vec::with_capacity(sizes.len());
+    for (k, &size) in sizes.iter().enumerate() {
+        writers.push(Some(session.create_file(k, size, dst)?));
     }
     for ((_, item), at) in objects.iter().zip(object_places) {
         writers[at.file].as_ref().expect("open until finished").write_at(at.offset, item)?;

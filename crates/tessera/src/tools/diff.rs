@@ -39,7 +39,7 @@ impl Default for DiffOptions {
             atol: 0.0,
             keys: None,
             memory_budget: DEFAULT_MEMORY_BUDGET,
-            threads: crate::load::default_threads(),
+            threads: crate::threads::default_threads(),
         }
     }
 }

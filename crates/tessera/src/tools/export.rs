@@ -6,11 +6,9 @@
 //! loader, so a tensor larger than the memory budget is never held whole. A background thread
 //! reads (and casts) the next slices while the calling thread writes the previous ones.
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use serde_json::{json, Map, Value as J};
+use serde_json::{Map, Value as J};
 
 use crate::error::{Error, Result};
 use crate::format::{build_header, SafetensorsEntry, TensorEntry, SAFETENSORS_ALIGN};
@@ -18,14 +16,12 @@ use crate::load::engine::LoadOptions;
 use crate::load::open::open_checkpoint;
 use crate::model::dtype::{cast_into, DType};
 use crate::plan::geometry::split_box_lazy;
+use crate::save::outfile;
+use crate::save::safetensors::{ExportFile, ExportFs, LocalFs, SafetensorsExport};
 use crate::storage::Storage;
-use crate::tools::outfile;
 use crate::tools::pipeline::{
     batched, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
 };
-
-/// Name of the index of a sharded export (as Hugging Face `transformers` names it).
-pub const SAFETENSORS_INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// How to export.
 #[derive(Debug, Clone)]
@@ -58,7 +54,7 @@ impl Default for ExportOptions {
             dtype: None,
             max_shard_size: None,
             memory_budget: DEFAULT_MEMORY_BUDGET,
-            threads: crate::load::default_threads(),
+            threads: crate::threads::default_threads(),
             rename: Vec::new(),
         }
     }
@@ -102,15 +98,6 @@ impl Out<'_> {
     }
 }
 
-/// A file being written under a temporary name.
-struct Pending {
-    /// Unpredictable, created with `create_new` ([`outfile`]).
-    tmp: PathBuf,
-    dest: PathBuf,
-    /// Whether `tmp` was created by this export (only then is it removed on failure).
-    created: std::cell::Cell<bool>,
-}
-
 /// Writes the tensors of the checkpoint in `src` as safetensors (see [`ExportOptions`]): a
 /// header with `__metadata__ = {"format": "pt"}` and the tensors in sorted key order, each with
 /// its global shape, C-contiguous. Every file is written under a new temporary name in its final
@@ -150,6 +137,18 @@ pub fn export_safetensors(
     out: &Path,
     opts: &ExportOptions,
     progress: &mut dyn FnMut(u64, u64),
+) -> Result<ExportReport> {
+    export_with(src, out, opts, progress, &LocalFs)
+}
+
+/// [`export_safetensors`] with its file operations through `fs` (tests fail them one by one).
+#[doc(hidden)]
+pub fn export_with(
+    src: &dyn Storage,
+    out: &Path,
+    opts: &ExportOptions,
+    progress: &mut dyn FnMut(u64, u64),
+    fs: &dyn ExportFs,
 ) -> Result<ExportReport> {
     outfile::check_outside(out, &src.location())?;
     let ckpt = open_checkpoint(src)?;
@@ -222,45 +221,8 @@ pub fn export_safetensors(
         tensors.push(t);
     }
     let nfiles = file_bytes.len();
-    let (dir, names): (PathBuf, Vec<String>) = match opts.max_shard_size {
-        None => {
-            let name = out
-                .file_name()
-                .and_then(|n| n.to_str())
-                .ok_or_else(|| Error::invalid(format!("{}: not a file name", out.display())))?;
-            if out.is_dir() {
-                return Err(Error::invalid(format!(
-                    "{} is a directory: give a file name (or a maximum shard size to write shards into it)",
-                    out.display()
-                )));
-            }
-            outfile::check_replaceable(out)?;
-            let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
-            (parent.to_path_buf(), vec![name.to_string()])
-        }
-        Some(_) => {
-            if out.exists() && !out.is_dir() {
-                return Err(Error::invalid(format!(
-                    "{} exists and is not a directory: a sharded export writes its files into a directory",
-                    out.display()
-                )));
-            }
-            std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-            (out.to_path_buf(), (1..=nfiles).map(|i| format!("model-{i:05}-of-{nfiles:05}.safetensors")).collect())
-        }
-    };
-    let pending: Vec<Pending> = names
-        .iter()
-        .map(|n| Pending { tmp: outfile::tmp_name(&dir, n), dest: dir.join(n), created: Default::default() })
-        .collect();
-    for p in &pending {
-        outfile::check_replaceable(&p.dest)?;
-    }
-    let index_dest = opts.max_shard_size.map(|_| dir.join(SAFETENSORS_INDEX_FILE));
-    if let Some(d) = &index_dest {
-        outfile::check_replaceable(d)?;
-    }
+    let names =
+        opts.max_shard_size.map(|_| (1..=nfiles).map(|i| format!("model-{i:05}-of-{nfiles:05}.safetensors")).collect());
     let mut headers: Vec<Vec<u8>> = Vec::with_capacity(nfiles);
     for f in 0..nfiles {
         let mut entries = Vec::new();
@@ -280,46 +242,12 @@ pub fn export_safetensors(
         meta.insert("format".into(), J::String("pt".into()));
         headers.push(build_header(&entries, &meta, SAFETENSORS_ALIGN));
     }
-
-    let result = write_files(src, index, &tensors, &pending, &headers, opts, progress);
+    let weight_map: Vec<(String, usize)> = tensors.iter().map(|t| (t.name.clone(), t.file)).collect();
     let total: u64 = file_bytes.iter().sum();
-    let finish = result.and_then(|()| {
-        // Checked again right before the renames: what appeared meanwhile is not replaced either.
-        for dest in pending.iter().map(|p| &p.dest).chain(&index_dest) {
-            outfile::check_replaceable(dest)?;
-        }
-        for p in &pending {
-            std::fs::rename(&p.tmp, &p.dest).map_err(|e| Error::io(&p.dest, e))?;
-        }
-        let Some(dest) = index_dest else { return Ok(None) };
-        let mut weight_map = Map::new();
-        for t in &tensors {
-            weight_map.insert(t.name.clone(), J::String(names[t.file].clone()));
-        }
-        let json = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        let text = serde_json::to_vec_pretty(&json).expect("JSON of plain values");
-        let tmp = outfile::tmp_name(&dir, SAFETENSORS_INDEX_FILE);
-        outfile::write_new_synced(&tmp, &text)?;
-        let r = std::fs::rename(&tmp, &dest).map_err(|e| Error::io(&dest, e));
-        if r.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        r.map(|()| Some(dest))
-    });
-    match finish {
-        Ok(index_path) => Ok(ExportReport {
-            tensors: tensors.len(),
-            bytes: total,
-            files: pending.into_iter().map(|p| p.dest).collect(),
-            index: index_path,
-        }),
-        Err(e) => {
-            for p in pending.iter().filter(|p| p.created.get()) {
-                let _ = std::fs::remove_file(&p.tmp);
-            }
-            Err(e)
-        }
-    }
+    let session = SafetensorsExport::plan(fs, out, names, headers, &weight_map, total)?;
+    let written = write_files(src, index, &tensors, &session, opts, progress);
+    let (files, index_path) = session.commit(written)?;
+    Ok(ExportReport { tensors: tensors.len(), bytes: total, files, index: index_path })
 }
 
 /// A batch of parts loaded with one call: (tensor, part of it).
@@ -330,8 +258,7 @@ fn write_files(
     src: &dyn Storage,
     index: &crate::format::CheckpointIndex,
     tensors: &[Out<'_>],
-    pending: &[Pending],
-    headers: &[Vec<u8>],
+    session: &SafetensorsExport<'_>,
     opts: &ExportOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
@@ -353,7 +280,7 @@ fn write_files(
     let load_opts = LoadOptions { threads: opts.threads, ..Default::default() };
     let total: u64 = tensors.iter().map(Out::nbytes).sum();
     let mut done = 0u64;
-    let mut current: Option<(usize, BufWriter<File>)> = None;
+    let mut current: Option<(usize, ExportFile)> = None;
     progress(0, total);
 
     let read = |batch: &Job<'_>| -> Result<Vec<u8>> {
@@ -381,18 +308,14 @@ fn write_files(
         for (i, p) in job {
             let t = &tensors[*i];
             if current.as_ref().is_none_or(|(f, _)| *f != t.file) {
-                if let Some((f, w)) = current.take() {
-                    close(w, &pending[f].tmp)?;
+                if let Some((_, w)) = current.take() {
+                    session.finish_file(w)?;
                 }
-                let path = &pending[t.file].tmp;
-                let mut w = BufWriter::with_capacity(1 << 20, outfile::create_new(path)?);
-                pending[t.file].created.set(true);
-                w.write_all(&headers[t.file]).map_err(|e| Error::io(path, e))?;
-                current = Some((t.file, w));
+                current = Some((t.file, session.open_file(t.file)?));
             }
             let len = (p.part.numel() * t.dtype.size() as u64) as usize;
-            let (f, w) = current.as_mut().expect("opened above");
-            w.write_all(&data[at..at + len]).map_err(|e| Error::io(&pending[*f].tmp, e))?;
+            let (_, w) = current.as_mut().expect("opened above");
+            w.write(&data[at..at + len])?;
             at += len;
         }
         done += at as u64;
@@ -400,14 +323,8 @@ fn write_files(
         Ok(())
     };
     pipeline(jobs, opts.memory_budget, |j| j.iter().map(cost_of).sum(), read, &mut write)?;
-    if let Some((f, w)) = current.take() {
-        close(w, &pending[f].tmp)?;
+    if let Some((_, w)) = current.take() {
+        session.finish_file(w)?;
     }
     Ok(())
-}
-
-/// Flushes and syncs a finished file.
-fn close(w: BufWriter<File>, path: &Path) -> Result<()> {
-    let f = w.into_inner().map_err(|e| Error::io(path, e.into_error()))?;
-    f.sync_all().map_err(|e| Error::io(path, e))
 }

@@ -7,6 +7,5 @@ pub(crate) mod convert_dcp;
 pub(crate) mod diff;
 pub(crate) mod export;
 pub(crate) mod maintenance;
-pub(crate) mod outfile;
 pub(crate) mod pipeline;
 pub(crate) mod verify;

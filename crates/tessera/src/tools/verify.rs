@@ -4,11 +4,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::error::Result;
-use crate::format::parse_header;
+use crate::format::data_file::decode_header;
+use crate::format::{read_header, CheckpointIndex, SafetensorsHeader};
 use crate::load::open::open_unvalidated;
-use crate::load::parallel_for;
 use crate::plan::validate::index_defects;
 use crate::storage::Storage;
+use crate::threads::parallel_for;
 
 /// Outcome of [`verify`]: sound when `problems` is empty.
 #[derive(Debug, Clone, Default)]
@@ -23,9 +24,8 @@ pub struct VerifyReport {
     pub checksummed: bool,
     /// Everything found wrong, each naming the file or key.
     pub problems: Vec<String>,
-    /// Files of tessera's own saves beside a committed tessera checkpoint that it does not use
-    /// (left by saves that failed or were replaced): not a defect of the checkpoint; `gc`
-    /// removes them.
+    /// Files of tessera's own saves beside the committed checkpoint that it does not use (left
+    /// by saves that failed or were replaced): not a defect of the checkpoint; `gc` removes them.
     pub leftovers: Vec<String>,
 }
 
@@ -59,12 +59,13 @@ pub struct VerifyReport {
 /// ```
 pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     let ckpt = open_unvalidated(storage)?;
+    // The native index's own files: it may be invalid (then it is the report, not an error).
+    let referenced = (ckpt.index.backend == crate::format::NATIVE_BACKEND)
+        .then(|| ckpt.index.files.iter().map(|f| f.name.clone()).collect());
+    let leftovers = crate::tools::maintenance::analyse(storage, &Default::default(), referenced)?.0;
     let (index, storage) = (&ckpt.index, ckpt.storage());
-    let mut report = VerifyReport { files: index.files.len(), chunks: index.chunk_count(), ..Default::default() };
-    if index.backend == crate::format::NATIVE_BACKEND {
-        let referenced: Vec<String> = index.files.iter().map(|f| f.name.clone()).collect();
-        report.leftovers = crate::tools::maintenance::leftovers(storage, &referenced)?;
-    }
+    let mut report =
+        VerifyReport { files: index.files.len(), chunks: index.chunk_count(), leftovers, ..Default::default() };
     let defects = index_defects(index);
     let invalid = defects.iter().any(|d| !d.uncovered);
     report.problems.extend(defects.iter().map(|d| d.to_string()));
@@ -123,12 +124,15 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
             }
         }
         let mut read = |off: u64, buf: &mut [u8]| storage.read_at(&f.name, off, buf);
-        match parse_header(&mut read, f.size) {
+        match read_header(&mut read, f.size, &path) {
             Err(e) => problems.lock().unwrap().push(format!("{path}: bad safetensors header: {e}")),
-            Ok((_, len)) if len != f.header_len => problems
+            Ok(h) if h.header_len != f.header_len => problems
                 .lock()
                 .unwrap()
-                .push(format!("{path}: safetensors header is {len} bytes, the index says {}", f.header_len)),
+                .push(format!("{path}: safetensors header is {} bytes, the index says {}", h.header_len, f.header_len)),
+            Ok(h) if index.backend == crate::format::NATIVE_BACKEND => {
+                problems.lock().unwrap().extend(header_defects(index, fi, &h, &path))
+            }
             Ok(_) => {}
         }
         if let Err(e) = crate::load::read::verify_headers(storage, index, &[fi as u32]) {
@@ -154,6 +158,86 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     report.bytes_checked = checked.into_inner() as u64;
     report.problems.extend(problems.into_inner().unwrap());
     Ok(report)
+}
+
+/// Where the header of native data file `fi` (read and validated: `h`) disagrees with the index
+/// about what the file holds: each chunk and object shard the index places in the file must be
+/// recorded there (at the same byte offset, with the same key, dtype, shapes, flat range and
+/// checksums), under the index's block size and format version. Records the index does not use
+/// (keys since removed) are no defect.
+fn header_defects(index: &CheckpointIndex, fi: usize, h: &SafetensorsHeader, path: &str) -> Vec<String> {
+    let header = match decode_header(h, path) {
+        Ok(d) => d,
+        Err(e) => return vec![format!("{path}: {e}")],
+    };
+    let mut out = Vec::new();
+    if header.block_size != index.block_size {
+        out.push(format!("{path}: the header's block size is {}, the index's {}", header.block_size, index.block_size));
+    }
+    if header.format_version != index.version {
+        out.push(format!(
+            "{path}: the header says format version {}, the index {}",
+            header.format_version, index.version
+        ));
+    }
+    // Records by byte offset: chunks without elements share the offset of the next one.
+    let mut chunks: std::collections::HashMap<u64, Vec<&crate::format::data_file::HeaderChunk>> = Default::default();
+    for r in &header.chunks {
+        chunks.entry(r.byte_offset).or_default().push(r);
+    }
+    for t in &index.tensors {
+        for c in t.chunks().iter().filter(|c| c.file as usize == fi) {
+            let same = |r: &&crate::format::data_file::HeaderChunk| {
+                r.key == t.key
+                    && r.dtype == t.dtype
+                    && r.global_shape == t.global_shape
+                    && r.offset[..] == c.offset[..]
+                    && r.shape[..] == c.shape[..]
+                    && r.flat == c.flat
+                    && r.crcs[..] == c.crcs[..]
+            };
+            let at = chunks.get(&c.byte_offset).map_or(&[][..], Vec::as_slice);
+            let Some(r) = at.iter().find(|r| r.key == t.key).or(at.first()) else {
+                out.push(format!("{path}: no header record for tensor {:?} at byte {}", t.key, c.byte_offset));
+                continue;
+            };
+            if !at.iter().any(same) {
+                out.push(format!(
+                    "{path}: the header's record at byte {} ({:?} {} {:?} at {:?}, flat {:?}) is not the index's \
+                     chunk of {:?} ({} {:?} at {:?}, flat {:?}) or its checksums differ",
+                    c.byte_offset,
+                    r.key,
+                    r.dtype.name(),
+                    r.shape,
+                    r.offset,
+                    r.flat,
+                    t.key,
+                    t.dtype.name(),
+                    &c.shape[..],
+                    &c.offset[..],
+                    c.flat
+                ));
+            }
+        }
+    }
+    let objects: std::collections::HashMap<u64, &crate::format::data_file::HeaderObject> =
+        header.objects.iter().map(|o| (o.byte_offset, o)).collect();
+    for o in &index.objects {
+        for sh in o.shards.iter().filter(|s| s.file as usize == fi) {
+            match objects.get(&sh.byte_offset) {
+                Some(r) if r.key == o.key && r.offset == sh.offset && r.len == sh.len && r.crc == sh.crc => {}
+                Some(_) => out.push(format!(
+                    "{path}: the header's record at byte {} is not the index's shard {:?} of object {:?}",
+                    sh.byte_offset, sh.offset, o.key
+                )),
+                None => out.push(format!(
+                    "{path}: no header record for shard {:?} of object {:?} at byte {}",
+                    sh.offset, o.key, sh.byte_offset
+                )),
+            }
+        }
+    }
+    out
 }
 
 /// Reads every virtual file of a foreign checkpoint whole, in pieces of at most 8 MiB (a

@@ -118,6 +118,21 @@ impl LoadStrategy for DcpStrategy {
     }
 }
 
+/// The data files the `.metadata` at the root of `storage` names (what a committed DCP
+/// checkpoint there uses); `None` when there is no `.metadata`.
+pub(crate) fn referenced_files(storage: &dyn Storage) -> Result<Option<std::collections::BTreeSet<String>>> {
+    let bytes = match storage.read(DCP_METADATA) {
+        Ok(b) => b,
+        Err(Error::NotFound { .. }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let shown = format!("{}/{DCP_METADATA}", storage.location());
+    let root = unpickle(&bytes, &shown, &limits())?;
+    let meta: DcpMetadata = parse_metadata(&root).map_err(|e| Error::corrupt(&shown, e))?;
+    let chunks = meta.tensors.into_iter().flat_map(|t| t.chunks.into_iter().map(|c| c.location.relative_path));
+    Ok(Some(chunks.chain(meta.bytes.into_iter().map(|b| b.location.relative_path)).collect()))
+}
+
 /// `"key/shard_0.1_2.4"` → `("key", [0, 1], [2, 4])`: Megatron's name for a sharded object.
 pub(crate) fn parse_object_fqn(fqn: &str) -> Option<(&str, Vec<u64>, Vec<u64>)> {
     let (key, rest) = fqn.rsplit_once("/shard_")?;

@@ -24,7 +24,9 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value as J};
 
 use crate::error::{Error, Result};
-use crate::format::{build_header, Crcs, SafetensorsEntry, StoredChunk, TensorEntry, SAFETENSORS_ALIGN};
+use crate::format::{
+    build_header, Crcs, SafetensorsEntry, SafetensorsHeader, StoredChunk, TensorEntry, SAFETENSORS_ALIGN,
+};
 use crate::model::dims::Dims;
 use crate::model::dtype::DType;
 use crate::model::Value;
@@ -83,9 +85,32 @@ pub struct StorageMetadata {
     pub tensors: Vec<(String, TensorMeta)>,
 }
 
-/// The name of rank `rank`'s data file.
-pub fn rank_file_name(rank: usize) -> String {
-    format!("rank_{rank}.safetensors")
+/// The name of rank `rank`'s data file in save `save_id`: OLMo-core's own name
+/// (`rank_{rank}.safetensors`) for save id 0, which a save into a directory without rank files
+/// takes; `rank_{rank}-{save_id:016x}.safetensors` otherwise, so that a save never writes into a
+/// file the committed checkpoint uses (OLMo-core reads the files its `metadata.json` names).
+pub fn rank_file_name(rank: usize, save_id: u64) -> String {
+    match save_id {
+        0 => format!("rank_{rank}.safetensors"),
+        id => format!("rank_{rank}-{id:016x}.safetensors"),
+    }
+}
+
+/// The rank and save id (0 for OLMo-core's own name) of a rank file's name; `None` for any
+/// other name.
+pub fn parse_rank_file_name(name: &str) -> Option<(usize, u64)> {
+    let stem = name.strip_prefix("rank_")?.strip_suffix(".safetensors")?;
+    let (rank, id) = match stem.split_once('-') {
+        Some((r, id)) if id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            (r, u64::from_str_radix(id, 16).ok()?)
+        }
+        Some(_) => return None,
+        None => (stem, 0),
+    };
+    if rank.is_empty() || !rank.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((rank.parse().ok()?, id))
 }
 
 /// Whether `head`, the start of a `metadata.json` (`complete` when it is the whole file), is
@@ -306,67 +331,12 @@ pub fn metadata_json(meta: &StorageMetadata) -> String {
 /// checksums per stored range (in spec order).
 pub type FileCrcs = (u64, HashMap<String, Vec<Vec<u32>>>);
 
-/// A tensor entry of a rank file's safetensors header.
-#[derive(Debug, Clone)]
-pub struct HeaderTensor {
-    /// Element type.
-    pub dtype: DType,
-    /// Elements stored.
-    pub numel: u64,
-    /// Shape the header gives (its product is `numel`).
-    pub shape: Vec<u64>,
-    /// Byte offset of the data in the file.
-    pub offset: u64,
-}
-
-/// What a rank file's safetensors header says, checked against the file's real size.
-#[derive(Debug, Clone, Default)]
-pub struct FileHeader {
-    /// Size of the file.
-    pub size: u64,
-    /// Size of the header, length prefix included (where data starts).
-    pub header_len: u64,
-    /// Tensors by key.
-    pub tensors: HashMap<String, HeaderTensor>,
-    /// tessera's block checksums, when tessera wrote the file.
-    pub crcs: Option<FileCrcs>,
-}
-
-/// Checks a parsed safetensors header (`json`, `header_len` bytes with its prefix) of a file
-/// of `size` bytes.
-pub fn parse_file_header(json: &J, header_len: u64, size: u64, shown: &str) -> Result<FileHeader> {
-    let bad = |reason: String| Error::corrupt(shown, reason);
-    let root = json.as_object().ok_or_else(|| bad("safetensors header is not an object".into()))?;
-    let data_len = size.checked_sub(header_len).ok_or_else(|| bad("header longer than the file".into()))?;
-    let mut out = FileHeader { size, header_len, ..Default::default() };
-    for (key, v) in root {
-        if key == "__metadata__" {
-            if let Some(text) = v.get(CRC_METADATA_KEY) {
-                let text = text.as_str().ok_or_else(|| bad(format!("{CRC_METADATA_KEY} is not a string")))?;
-                out.crcs = Some(parse_crcs(text).map_err(|e| bad(format!("{CRC_METADATA_KEY}: {e}")))?);
-            }
-            continue;
-        }
-        let entry = (|| -> std::result::Result<HeaderTensor, String> {
-            let dtype_name = v.get("dtype").and_then(J::as_str).ok_or("no dtype")?;
-            let dtype = olmo_dtype(dtype_name)?;
-            let shape = dims(v.get("shape").ok_or("no shape")?, "shape")?;
-            let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or("shape overflows")?;
-            let off = dims(v.get("data_offsets").ok_or("no data_offsets")?, "data_offsets")?;
-            let [start, end] = off[..] else { return Err("data_offsets is not [start, end]".into()) };
-            let want = numel.checked_mul(dtype.size() as u64).ok_or("byte size overflows")?;
-            if start > end || end > data_len || end - start != want {
-                return Err(format!(
-                    "data_offsets [{start}, {end}] do not hold {numel} {dtype_name} elements inside the \
-                     {data_len}-byte data section"
-                ));
-            }
-            Ok(HeaderTensor { dtype, numel, shape, offset: header_len + start })
-        })()
-        .map_err(|e| bad(format!("tensor {key:?}: {e}")))?;
-        out.tensors.insert(key.clone(), entry);
-    }
-    Ok(out)
+/// tessera's block checksums in a rank file's header (`None`: OLMo-core wrote the file), from
+/// its `__metadata__`.
+pub fn file_crcs(header: &SafetensorsHeader, shown: &str) -> Result<Option<FileCrcs>> {
+    let Some(text) = header.metadata.get(CRC_METADATA_KEY) else { return Ok(None) };
+    let text = text.as_str().ok_or_else(|| Error::corrupt(shown, format!("{CRC_METADATA_KEY} is not a string")))?;
+    parse_crcs(text).map(Some).map_err(|e| Error::corrupt(shown, format!("{CRC_METADATA_KEY}: {e}")))
 }
 
 fn parse_crcs(text: &str) -> std::result::Result<FileCrcs, String> {
@@ -426,7 +396,9 @@ pub struct IndexedFile<'a> {
     /// Position in the index's file list.
     pub id: u32,
     /// Its checked header.
-    pub header: &'a FileHeader,
+    pub header: &'a SafetensorsHeader,
+    /// tessera's block checksums in it, if any.
+    pub crcs: Option<&'a FileCrcs>,
     /// Its location, for errors.
     pub shown: String,
 }
@@ -476,7 +448,7 @@ pub fn build_tensors<'a>(
                     ),
                 ));
             }
-            let file_crcs = f.header.crcs.as_ref().and_then(|(bs, m)| m.get(key).map(|l| (*bs, l)));
+            let file_crcs = f.crcs.and_then(|(bs, m)| m.get(key).map(|l| (*bs, l)));
             // (placement, first element in the file's data for the key)
             let pieces: Vec<(Placement, u64)> = match spec {
                 ShardSpec::Flat(ranges) => {
@@ -684,9 +656,9 @@ pub fn choose_main_replicas(plans: &mut [RankPlan]) {
     }
 }
 
-/// The `metadata.json` of a save whose ranks' plans (writers assigned) are `plans`: every
-/// key, in the order ranks first hold it, with the file of each rank writing part of it.
-pub fn metadata_from_plans(plans: &[RankPlan]) -> StorageMetadata {
+/// The `metadata.json` of save `save_id` whose ranks' plans (writers assigned) are `plans`:
+/// every key, in the order ranks first hold it, with the file of each rank writing part of it.
+pub fn metadata_from_plans(plans: &[RankPlan], save_id: u64) -> StorageMetadata {
     let mut tensors: Vec<(String, TensorMeta)> = Vec::new();
     let mut at: HashMap<Arc<str>, usize> = HashMap::new();
     for (r, plan) in plans.iter().enumerate() {
@@ -697,7 +669,7 @@ pub fn metadata_from_plans(plans: &[RankPlan]) -> StorageMetadata {
                 tensors.push((k.key.to_string(), meta));
                 tensors.len() - 1
             });
-            tensors[i].1.files.push((rank_file_name(r), k.spec));
+            tensors[i].1.files.push((rank_file_name(r, save_id), k.spec));
         }
     }
     for (_, t) in &mut tensors {

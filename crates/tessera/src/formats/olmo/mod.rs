@@ -11,9 +11,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
-use crate::format::{CheckpointIndex, Crcs, FileEntry, StoredChunk, TensorEntry};
+use crate::format::{CheckpointIndex, Crcs, FileEntry, SafetensorsHeader, StoredChunk, TensorEntry};
 use crate::formats::olmo::metadata::{
-    build_tensors, decode_pickled, is_olmo_metadata, parse_metadata, FileHeader, IndexedFile, BACKEND,
+    build_tensors, decode_pickled, file_crcs, is_olmo_metadata, parse_metadata, FileCrcs, IndexedFile, BACKEND,
     MAX_PICKLED_FIELD, METADATA_FILE, PARTS,
 };
 use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
@@ -76,6 +76,18 @@ pub(crate) fn olmo_parts(storage: &dyn Storage) -> Result<Option<Vec<String>>> {
     Ok((!parts.is_empty()).then_some(parts))
 }
 
+/// The rank files the `metadata.json` of the OLMo-core `Checkpointer` directory `storage` names
+/// (what the committed checkpoint there uses); `None` when there is no OLMo-core
+/// `metadata.json`.
+pub(crate) fn referenced_files(storage: &dyn Storage) -> Result<Option<BTreeSet<String>>> {
+    if !is_olmo_at(storage, METADATA_FILE)? {
+        return Ok(None);
+    }
+    let shown = format!("{}/{METADATA_FILE}", storage.location());
+    let meta = parse_metadata(&storage.read(METADATA_FILE)?, &shown)?;
+    Ok(Some(meta.tensors.iter().flat_map(|(_, t)| t.files.iter().map(|(f, _)| f.clone())).collect()))
+}
+
 pub(crate) fn open_olmo<'s>(
     storage: &'s dyn Storage,
     for_each: ForEach<'_>,
@@ -101,7 +113,8 @@ pub(crate) fn open_olmo<'s>(
         for_each(names.len(), &|i| {
             *headers[i].lock().unwrap() = Some(read_safetensors_header(storage, &format!("{prefix}{}", names[i])));
         });
-        let mut by_name: HashMap<&str, (u32, FileHeader)> = HashMap::with_capacity(names.len());
+        let mut by_name: HashMap<&str, (u32, SafetensorsHeader, Option<FileCrcs>)> =
+            HashMap::with_capacity(names.len());
         for (name, h) in names.iter().zip(headers) {
             if let Some((header, header_crc)) = h.into_inner().unwrap().expect("every header was read")? {
                 let id = u32::try_from(files.len()).map_err(|_| Error::corrupt(&shown, "too many files"))?;
@@ -111,14 +124,16 @@ pub(crate) fn open_olmo<'s>(
                     header_len: header.header_len,
                     header_crc,
                 });
-                by_name.insert(name, (id, header));
+                let crcs = file_crcs(&header, &format!("{}/{prefix}{name}", storage.location()))?;
+                by_name.insert(name, (id, header, crcs));
             }
         }
         let location = storage.location();
         let (part_tensors, part_block) = build_tensors(prefix, &meta, &shown, &|name| {
-            by_name.get(name).map(|(id, header)| IndexedFile {
+            by_name.get(name).map(|(id, header, crcs)| IndexedFile {
                 id: *id,
                 header,
+                crcs: crcs.as_ref(),
                 shown: format!("{location}/{prefix}{name}"),
             })
         })?;

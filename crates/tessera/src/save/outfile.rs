@@ -10,7 +10,6 @@
 
 use std::fs::{File, OpenOptions};
 use std::hash::{BuildHasher, Hasher};
-use std::io::Write;
 use std::path::{Component, Path, PathBuf};
 
 use crate::error::{Error, Result};
@@ -39,12 +38,6 @@ pub(crate) fn create_new(path: &Path) -> Result<File> {
             Error::io(path, e)
         }
     })
-}
-
-/// Writes `bytes` into the new file `path` ([`create_new`]) and syncs it.
-pub(crate) fn write_new_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = create_new(path)?;
-    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| Error::io(path, e))
 }
 
 /// Refuses an output name that exists as anything but a regular file (checked without following
@@ -189,7 +182,7 @@ mod tests {
         std::fs::write(&victim, b"precious").unwrap();
         let link = d.join(".out.tmp");
         std::os::unix::fs::symlink(&victim, &link).unwrap();
-        assert!(matches!(write_new_synced(&link, b"junk"), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(create_new(&link), Err(Error::InvalidArgument { .. })));
         assert!(matches!(create_new(&victim), Err(Error::InvalidArgument { .. })));
         // A dangling link is not followed either (it would create its target).
         let dangling = d.join(".dangling.tmp");
@@ -197,7 +190,7 @@ mod tests {
         assert!(create_new(&dangling).is_err());
         assert!(!d.join("created-through-link").exists());
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
-        write_new_synced(&d.join("fresh"), b"ok").unwrap();
+        std::io::Write::write_all(&mut create_new(&d.join("fresh")).unwrap(), b"ok").unwrap();
         assert_eq!(std::fs::read(d.join("fresh")).unwrap(), b"ok");
         std::fs::remove_dir_all(&d).unwrap();
     }

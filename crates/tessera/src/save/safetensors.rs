@@ -1,0 +1,237 @@
+//! The plain-safetensors write session (the export, `tools::export`): [`SafetensorsExport::plan`]
+//! (names, headers, every check of the output paths) → [`SafetensorsExport::open_file`] /
+//! [`ExportFile`] for each file (its header, then its tensors' bytes in order) →
+//! [`SafetensorsExport::commit`] (every file renamed into place, the index of a sharded export
+//! last). Files are written under new temporary names in their final directory
+//! (`save::outfile`): until the commit nothing at the output names changes, and a failure before
+//! it removes the temporaries. The file operations go through [`ExportFs`], so that tests can
+//! fail any of them.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Map, Value as J};
+
+use crate::error::{Error, Result};
+use crate::save::outfile;
+
+/// Name of the index of a sharded export (as Hugging Face `transformers` names it).
+pub const SAFETENSORS_INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The file operations of an export: the local filesystem ([`LocalFs`]), or a test's.
+#[doc(hidden)]
+pub trait ExportFs: Sync {
+    /// Creates `path`, which must not exist in any form (`O_CREAT | O_EXCL`).
+    fn create_new(&self, path: &Path) -> Result<Box<dyn ExportFileIo>>;
+    /// Renames `from` to `to`, replacing a regular file there.
+    fn rename(&self, from: &Path, to: &Path) -> Result<()>;
+    /// Removes `path` (absent is not an error).
+    fn remove(&self, path: &Path) -> Result<()>;
+}
+
+/// A file being written by an export.
+#[doc(hidden)]
+pub trait ExportFileIo: Send {
+    /// Appends `data`.
+    fn write_all(&mut self, data: &[u8]) -> Result<()>;
+    /// Flushes and syncs the file.
+    fn finish(self: Box<Self>) -> Result<()>;
+}
+
+/// The local filesystem.
+#[doc(hidden)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct LocalFs;
+
+struct LocalFile {
+    writer: std::io::BufWriter<std::fs::File>,
+    path: PathBuf,
+}
+
+impl ExportFs for LocalFs {
+    fn create_new(&self, path: &Path) -> Result<Box<dyn ExportFileIo>> {
+        let f = outfile::create_new(path)?;
+        Ok(Box::new(LocalFile { writer: std::io::BufWriter::with_capacity(1 << 20, f), path: path.into() }))
+    }
+    fn rename(&self, from: &Path, to: &Path) -> Result<()> {
+        std::fs::rename(from, to).map_err(|e| Error::io(to, e))
+    }
+    fn remove(&self, path: &Path) -> Result<()> {
+        match std::fs::remove_file(path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io(path, e)),
+        }
+    }
+}
+
+impl ExportFileIo for LocalFile {
+    fn write_all(&mut self, data: &[u8]) -> Result<()> {
+        self.writer.write_all(data).map_err(|e| Error::io(&self.path, e))
+    }
+    fn finish(self: Box<Self>) -> Result<()> {
+        let f = self.writer.into_inner().map_err(|e| Error::io(&self.path, e.into_error()))?;
+        f.sync_all().map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+/// One output file: its temporary and final names, and its header.
+struct Pending {
+    tmp: PathBuf,
+    dest: PathBuf,
+    header: Vec<u8>,
+    /// Whether `tmp` was created by this export (only then is it removed on failure).
+    created: std::sync::atomic::AtomicBool,
+}
+
+/// An export being written.
+pub(crate) struct SafetensorsExport<'f> {
+    fs: &'f dyn ExportFs,
+    dir: PathBuf,
+    files: Vec<Pending>,
+    /// A sharded export: the index's final name and text.
+    index: Option<(PathBuf, Vec<u8>)>,
+}
+
+/// A file of an export being written, its header already in.
+pub(crate) struct ExportFile {
+    io: Box<dyn ExportFileIo>,
+}
+
+impl ExportFile {
+    /// Appends `data` (the next tensor's bytes, in the header's order).
+    pub fn write(&mut self, data: &[u8]) -> Result<()> {
+        self.io.write_all(data)
+    }
+}
+
+impl<'f> SafetensorsExport<'f> {
+    /// Plans an export to `out`: one file (`names` is None; `out` is the file) or shards in the
+    /// directory `out` (`names` gives each file's name). `headers[k]` is file `k`'s header;
+    /// `weight_map` (tensor name, file index), for a sharded export, makes its index with the
+    /// total size `total`. Refuses, naming the path, an output that exists as anything but a
+    /// regular file (directory, symlink, FIFO, device node), and a single-file output that is a
+    /// directory. Creates the output directory.
+    pub fn plan(
+        fs: &'f dyn ExportFs,
+        out: &Path,
+        names: Option<Vec<String>>,
+        headers: Vec<Vec<u8>>,
+        weight_map: &[(String, usize)],
+        total: u64,
+    ) -> Result<Self> {
+        let sharded = names.is_some();
+        let (dir, names) = match names {
+            None => {
+                let name = out
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .ok_or_else(|| Error::invalid(format!("{}: not a file name", out.display())))?;
+                if out.is_dir() {
+                    return Err(Error::invalid(format!(
+                        "{} is a directory: give a file name (or a maximum shard size to write shards into it)",
+                        out.display()
+                    )));
+                }
+                outfile::check_replaceable(out)?;
+                let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+                (parent.to_path_buf(), vec![name.to_string()])
+            }
+            Some(names) => {
+                if out.exists() && !out.is_dir() {
+                    return Err(Error::invalid(format!(
+                        "{} exists and is not a directory: a sharded export writes its files into a directory",
+                        out.display()
+                    )));
+                }
+                std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+                (out.to_path_buf(), names)
+            }
+        };
+        let files: Vec<Pending> = names
+            .iter()
+            .zip(headers)
+            .map(|(n, header)| Pending {
+                tmp: outfile::tmp_name(&dir, n),
+                dest: dir.join(n),
+                header,
+                created: Default::default(),
+            })
+            .collect();
+        for p in &files {
+            outfile::check_replaceable(&p.dest)?;
+        }
+        let index = if sharded {
+            let dest = dir.join(SAFETENSORS_INDEX_FILE);
+            outfile::check_replaceable(&dest)?;
+            let mut map = Map::new();
+            for (tensor, file) in weight_map {
+                map.insert(tensor.clone(), J::String(names[*file].clone()));
+            }
+            let json = json!({"metadata": {"total_size": total}, "weight_map": map});
+            Some((dest, serde_json::to_vec_pretty(&json).expect("JSON of plain values")))
+        } else {
+            None
+        };
+        Ok(SafetensorsExport { fs, dir, files, index })
+    }
+
+    /// Final paths of the files, in order.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        self.files.iter().map(|p| p.dest.clone()).collect()
+    }
+
+    /// Creates file `k` under its temporary name and writes its header.
+    pub fn open_file(&self, k: usize) -> Result<ExportFile> {
+        let p = &self.files[k];
+        let mut io = self.fs.create_new(&p.tmp)?;
+        p.created.store(true, std::sync::atomic::Ordering::Relaxed);
+        io.write_all(&p.header)?;
+        Ok(ExportFile { io })
+    }
+
+    /// Ends file `k` once every byte is in: flushed and synced.
+    pub fn finish_file(&self, file: ExportFile) -> Result<()> {
+        file.io.finish()
+    }
+
+    /// Ends the export: `written` is the outcome of writing every file. On success every file
+    /// is renamed into place, then (sharded) the index is written and renamed last; returns the
+    /// final paths of the files and of the index. On failure, or if a rename fails, the
+    /// temporaries left are removed and the error returned.
+    pub fn commit(self, written: Result<()>) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
+        let r = written.and_then(|()| self.publish());
+        match r {
+            Ok(done) => Ok(done),
+            Err(e) => {
+                for p in self.files.iter().filter(|p| p.created.load(std::sync::atomic::Ordering::Relaxed)) {
+                    let _ = self.fs.remove(&p.tmp);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn publish(&self) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
+        // Checked again right before the renames: what appeared meanwhile is not replaced either.
+        for dest in self.files.iter().map(|p| &p.dest).chain(self.index.as_ref().map(|(d, _)| d)) {
+            outfile::check_replaceable(dest)?;
+        }
+        for p in &self.files {
+            self.fs.rename(&p.tmp, &p.dest)?;
+        }
+        let Some((dest, text)) = &self.index else { return Ok((self.paths(), None)) };
+        let tmp = outfile::tmp_name(&self.dir, SAFETENSORS_INDEX_FILE);
+        let r = (|| {
+            let mut f = self.fs.create_new(&tmp)?;
+            f.write_all(text)?;
+            f.finish()?;
+            self.fs.rename(&tmp, dest)
+        })();
+        if r.is_err() {
+            let _ = self.fs.remove(&tmp);
+        }
+        r.map(|()| (self.paths(), Some(dest.clone())))
+    }
+}
