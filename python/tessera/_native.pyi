@@ -211,10 +211,12 @@ def save(
     content_metadata: PlainValue = None,
     threads: Optional[int] = None,
     plan_cache: Optional["PlanCache"] = None,
-) -> Dict[str, Union[int, Optional[str]]]:
+) -> Dict[str, Union[int, Optional[str], List[str]]]:
     """Saves this rank's part (collective). Common values are written from rank 0.
 
-    Returns ``{"file", "bytes_written", "total_tensor_bytes", "files", "chunks", "index_bytes"}``.
+    Returns ``{"file", "bytes_written", "total_tensor_bytes", "files", "chunks", "index_bytes",
+    "leftovers"}`` (``leftovers``: files a committed save left for ``tessera gc``, with a
+    ``RuntimeWarning``).
     """
 
 @final
@@ -235,7 +237,7 @@ class AsyncSave:
 
     def is_done(self) -> bool:
         """This rank's part is written and the commit decided (local, no communication)."""
-    def finalize(self) -> Dict[str, Union[int, Optional[str]]]:
+    def finalize(self) -> Dict[str, Union[int, Optional[str], List[str]]]:
         """Waits; returns the report of :func:`save` or raises the save's error (same on every rank)."""
 
 @final
@@ -295,7 +297,7 @@ class TorchDistSave:
         """This rank's data files, in order (empty once committed)."""
     def commit(
         self, bytes_written: int, comm: Optional[Communicator] = None, failure: Optional[str] = None
-    ) -> Dict[str, Union[int, Optional[str]]]:
+    ) -> Dict[str, Union[int, Optional[str], List[str]]]:
         """Ends the save (collective): ``failure`` is this rank's error writing its files. With
         none on any rank, rank 0 commits; otherwise the save's files are removed and every rank
         raises the first failure (another rank's as ``PeerFailedError``)."""
@@ -329,7 +331,7 @@ def save_torch_dist(
     validate: bool = True,
     threads: Optional[int] = None,
     files_per_rank: int = 1,
-) -> Dict[str, Union[int, Optional[str]]]:
+) -> Dict[str, Union[int, Optional[str], List[str]]]:
     """Saves this rank's part as a Megatron ``torch_dist`` checkpoint (collective): DCP
     ``.metadata`` (rank 0, last: the commit), ``files_per_rank`` files ``__{rank}_{k}.distcp``
     per rank (``k`` from 0 in a directory without data files, else numbers of this save's own,
@@ -343,7 +345,9 @@ def save_torch_dist(
     ``bytes``. ``common_pt`` (read on rank 0) is the whole ``common.pt``, ``torch.save`` of the
     common dict; None writes an empty dict.
 
-    Returns ``{"file", "bytes_written", "total_tensor_bytes", "files", "chunks", "index_bytes"}``
+    Returns ``{"file", "bytes_written", "total_tensor_bytes", "files", "chunks", "index_bytes",
+    "leftovers"}`` (``leftovers``: files a committed save left for ``tessera gc``, with a
+    ``RuntimeWarning``)
     (``index_bytes``: the size of ``.metadata`` on rank 0, 0 elsewhere).
     """
 
@@ -354,12 +358,15 @@ def save_olmo(
     threads: Optional[int] = None,
 ) -> List[Dict[str, Union[int, str, List[str]]]]:
     """Saves this rank's tensors as OLMo-core 0.1.x ``Checkpointer`` directories, one per
-    ``(tensors, location)`` (collective): ``rank_{r}.safetensors`` per rank, ``metadata.json``
-    from rank 0 last; every directory validated before any is written, committed in order.
-    Identical shards held by several ranks are replicas, written once.
+    ``(tensors, location)`` (collective): a rank file per rank (``rank_{r}.safetensors`` in a
+    directory without rank files, ``rank_{r}-{save id}.safetensors`` elsewhere, so that the
+    checkpoint replaced stays whole until the commit), ``metadata.json`` from rank 0 last; every
+    directory validated before any is written, committed in order. Identical shards held by
+    several ranks are replicas, written once.
 
     Returns per directory ``{"files": List[str] (created by this rank, relative to it),
-    "bytes_written": int, "metadata": str (the text of metadata.json)}``."""
+    "bytes_written": int, "metadata": str (the text of metadata.json), "leftovers": List[str]
+    (files left for ``tessera gc``, with a ``RuntimeWarning``)}``."""
 
 def olmo_metadata(location: LocationLike) -> str:
     """The text of an OLMo-core ``Checkpointer`` directory's ``metadata.json``, once checked."""
@@ -410,8 +417,10 @@ def remove_sharded_tensors(location: LocationLike, key_prefix: str) -> List[str]
 def verify(location: LocationLike, threads: Optional[int] = None) -> Dict[str, Union[int, List[str]]]:
     """Re-reads every file: ``{"files", "chunks", "bytes_checked", "problems": List[str]}``."""
 
-def gc(location: LocationLike) -> List[str]:
-    """Removes leftovers of saves that never committed; returns the names removed."""
+def gc(location: LocationLike, break_leases: bool = False) -> Dict[str, Any]:
+    """Removes the leftovers of saves that never committed or were replaced, beside running
+    saves: ``{"removed": List[str], "running": [{"save_id", "writer", "expires_in_ms", "files",
+    "unreadable"}], "kept": List[str]}``. ``break_leases`` asserts that no save is running."""
 
 def read_file(location: LocationLike, name: str) -> Optional[bytes]:
     """The bytes of the file ``name`` of the checkpoint at ``location`` (a plain name; locally a
@@ -482,5 +491,9 @@ class StorageIOError(TesseraError, OSError):
     reason: str
 
 class AccessDeniedError(TesseraError, PermissionError):
+    path: str
+    reason: str
+
+class CommitUnknownError(TesseraError, RuntimeError):
     path: str
     reason: str

@@ -9,6 +9,7 @@ from ._native import (
     AccessDeniedError,
     AlreadyExistsError,
     CommError,
+    CommitUnknownError,
     CorruptError,
     IncompatibleVersionError,
     InvalidArgumentError,
@@ -41,4 +42,5 @@ __all__ = [
     "CommError",
     "StorageIOError",
     "AccessDeniedError",
+    "CommitUnknownError",
 ]

@@ -260,6 +260,7 @@ ERRORS = [
     ("CommError", RuntimeError),
     ("StorageIOError", OSError),
     ("AccessDeniedError", PermissionError),
+    ("CommitUnknownError", RuntimeError),
 ]
 
 
@@ -284,7 +285,7 @@ def test_not_found_and_not_committed(tmp_path):
         N.load_common(str(tmp_path / "half"))
     assert ei.value.path == str(tmp_path / "half")
     assert N.detect(str(tmp_path / "half")) is None
-    assert N.gc(str(tmp_path / "half")) == ["0123456789abcdef-r00000.safetensors"]
+    assert N.gc(str(tmp_path / "half"))["removed"] == ["0123456789abcdef-r00000.safetensors"]
 
 
 def test_already_exists(ckpt, ranks):
@@ -347,8 +348,8 @@ def test_verify_gc_detect_remove(ckpt):
     assert N.detect(ckpt) == ("tessera", N.FORMAT_VERSION)
     leftover = os.path.join(ckpt, "fedcba9876543210-r00001.safetensors")
     open(leftover, "wb").write(b"x")
-    assert N.gc(ckpt) == [os.path.basename(leftover)]
-    assert N.gc(ckpt) == []
+    assert N.gc(ckpt)["removed"] == [os.path.basename(leftover)]
+    assert N.gc(ckpt)["removed"] == []
     assert N.remove_sharded_tensors(ckpt, "st") == ["stack"]
     assert "stack" not in N.load_tensors_metadata(ckpt)
     assert N.remove_sharded_tensors(ckpt, "zzz") == []

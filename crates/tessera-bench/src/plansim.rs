@@ -15,11 +15,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde_json::json;
+use tessera::__plan::data_file::data_file_name;
 use tessera::__plan::dims::Dims;
 use tessera::__plan::load::{plan_reads, plan_request, ReadPlan, ReadTuning, Request};
 use tessera::__plan::save::{
-    build_index, cache_hit, data_file_name, layout_file, plan_digest, plan_options, validate_global_with, CacheCheck,
-    ObjectMeta, RankPlan, ShardMeta, WrittenFile,
+    build_index, cache_hit, layout_file, plan_digest, plan_options, validate_global_with, CacheCheck, ObjectMeta,
+    RankPlan, ShardMeta, WrittenFile,
 };
 use tessera::{
     open_with, CheckpointIndex, CountingStorage, DType, MemoryStorage, OpenOptions, PathSeg, Storage, Value,

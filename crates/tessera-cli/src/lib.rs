@@ -91,10 +91,21 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Remove leftovers of saves that never committed.
+    /// Remove the leftovers of saves that never committed or were replaced: data files no
+    /// committed marker names (tessera.index, a DCP .metadata, OLMo-core's metadata.json),
+    /// temporaries of puts that never finished, expired leases. Safe beside running saves: a
+    /// save holds a lease (.tessera-lease-<id>, renewed while it runs, expiring 10 minutes after
+    /// its last renewal), and gc leaves its files alone and lists it. Works on native,
+    /// torch_dist / DCP and OLMo-core locations; never touches other files.
+    #[command(verbatim_doc_comment)]
     Gc {
         /// Checkpoint location: a directory or s3://bucket/prefix.
         dir: String,
+        /// Assert that no save into this location is running (after a job was killed): treat
+        /// every lease as expired, and also remove the common.pt and metadata.json of a
+        /// torch_dist save that never committed.
+        #[arg(long)]
+        break_leases: bool,
     },
     /// Export the tensors as plain Hugging Face safetensors (whole tensors, sorted keys): one
     /// file, or with --max-shard-size shards plus model.safetensors.index.json. Streams with
@@ -177,7 +188,7 @@ impl Command {
     /// The checkpoint locations the command reads (as given), for its error messages.
     fn locations(&self) -> Vec<String> {
         match self {
-            Command::Inspect { dir, .. } | Command::Verify { dir, .. } | Command::Gc { dir } => vec![dir.clone()],
+            Command::Inspect { dir, .. } | Command::Verify { dir, .. } | Command::Gc { dir, .. } => vec![dir.clone()],
             Command::Unshard { src, .. } => vec![src.clone()],
             Command::Convert { src, .. } => vec![src.clone()],
             Command::Diff { a, b, .. } => vec![a.clone(), b.clone()],
@@ -202,8 +213,8 @@ fn dispatch(command: Command, options: &[(String, String)]) -> Result<u8> {
             Ok(0)
         }
         Command::Verify { dir, json } => verify::run(&loc(&dir), json),
-        Command::Gc { dir } => {
-            gc::run(&loc(&dir))?;
+        Command::Gc { dir, break_leases } => {
+            gc::run(&loc(&dir), break_leases)?;
             Ok(0)
         }
         Command::Unshard { src, out, max_shard_size, keys, dtype, rename, strip_prefix, memory } => {

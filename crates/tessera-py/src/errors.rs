@@ -29,10 +29,11 @@ enum Kind {
     Comm,
     StorageIO,
     AccessDenied,
+    CommitUnknown,
 }
 
 /// `(class name, builtin base, docstring)`, indexed by [`Kind`].
-const SPECS: [(&str, &str, &str); 16] = [
+const SPECS: [(&str, &str, &str); 17] = [
     ("TesseraError", "Exception", "Base class of every tessera error."),
     ("NotFoundError", "FileNotFoundError", "A file or directory that must exist does not."),
     ("NotCommittedError", "FileNotFoundError", "The directory holds no committed checkpoint (no index)."),
@@ -52,6 +53,11 @@ const SPECS: [(&str, &str, &str); 16] = [
         "AccessDeniedError",
         "PermissionError",
         "The store refused the credentials, or none were found for it (see the message for what was tried).",
+    ),
+    (
+        "CommitUnknownError",
+        "RuntimeError",
+        "A save reached its commit, but whether it committed is unknown on this rank; its files were kept.",
     ),
 ];
 
@@ -155,6 +161,9 @@ fn build(py: Python<'_>, err: tessera::Error) -> PyResult<PyErr> {
         }
         E::AccessDenied { path: p, reason } => {
             (Kind::AccessDenied, vec![("path", path(&p)?), ("reason", reason.into_py_any(py)?)])
+        }
+        E::CommitUnknown { path: p, reason } => {
+            (Kind::CommitUnknown, vec![("path", path(&p)?), ("reason", reason.into_py_any(py)?)])
         }
         _ => (Kind::Base, Vec::new()),
     };

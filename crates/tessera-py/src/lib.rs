@@ -170,7 +170,24 @@ fn report_to_py<'py>(py: Python<'py>, report: tessera::SaveReport) -> PyResult<B
     out.set_item("files", report.files)?;
     out.set_item("chunks", report.chunks)?;
     out.set_item("index_bytes", report.index_bytes)?;
+    warn_leftovers(py, &report.leftovers)?;
+    out.set_item("leftovers", report.leftovers)?;
     Ok(out)
+}
+
+/// A committed save whose cleanup left files (`leftovers`) says so as a Python warning: the
+/// checkpoint is good, the files are `tessera gc`'s.
+fn warn_leftovers(py: Python<'_>, leftovers: &[String]) -> PyResult<()> {
+    if leftovers.is_empty() {
+        return Ok(());
+    }
+    let message = std::ffi::CString::new(format!(
+        "checkpoint committed; clean-up incomplete: {} left for `tessera gc` ({})",
+        leftovers.len(),
+        leftovers.join(", ")
+    ))
+    .unwrap_or_default();
+    PyErr::warn(py, &py.get_type::<pyo3::exceptions::PyRuntimeWarning>(), &message, 1)
 }
 
 /// Saves this rank's tensors, objects and (from rank 0) common values; collective over `comm`.
@@ -277,6 +294,8 @@ fn save_olmo<'py>(
             out.set_item("files", report.files)?;
             out.set_item("bytes_written", report.bytes_written)?;
             out.set_item("metadata", report.metadata)?;
+            warn_leftovers(py, &report.leftovers)?;
+            out.set_item("leftovers", report.leftovers)?;
             Ok(out)
         })
         .collect()
@@ -481,11 +500,32 @@ fn verify<'py>(py: Python<'py>, location: LocationArg, threads: Option<usize>) -
     Ok(out)
 }
 
-/// Removes leftovers of saves that never committed; returns the names removed.
+/// Removes the leftovers of saves that never committed or were replaced, beside running saves
+/// (see `tessera::gc`); returns `{"removed": [names], "running": [{save_id, writer,
+/// expires_in_ms, files, unreadable}], "kept": [names]}`.
 #[pyfunction]
-fn gc(py: Python<'_>, location: LocationArg) -> PyResult<Vec<String>> {
+#[pyo3(signature = (location, break_leases=false))]
+fn gc<'py>(py: Python<'py>, location: LocationArg, break_leases: bool) -> PyResult<Bound<'py, PyDict>> {
     let storage = open(py, &location)?;
-    lib(py, py.detach(|| tessera::gc(&*storage)))
+    let report = lib(py, py.detach(|| tessera::gc(&*storage, &tessera::GcOptions { break_leases })))?;
+    let out = PyDict::new(py);
+    out.set_item("removed", report.removed)?;
+    let running = report
+        .running
+        .into_iter()
+        .map(|s| {
+            let d = PyDict::new(py);
+            d.set_item("save_id", s.save_id)?;
+            d.set_item("writer", s.writer)?;
+            d.set_item("expires_in_ms", s.expires_in_ms)?;
+            d.set_item("files", s.files)?;
+            d.set_item("unreadable", s.unreadable)?;
+            Ok(d)
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    out.set_item("running", running)?;
+    out.set_item("kept", report.kept)?;
+    Ok(out)
 }
 
 /// The bytes of the file `name` of the checkpoint at `location`, read as every reader reads

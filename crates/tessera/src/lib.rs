@@ -118,6 +118,7 @@ pub use tools::verify::{verify, VerifyReport};
 #[cfg(feature = "plan-internals")]
 #[doc(hidden)]
 pub mod __plan {
+    pub use crate::format::data_file;
     pub use crate::model::dims;
     pub use crate::plan::{exchange, geometry, load, save, validate};
 }

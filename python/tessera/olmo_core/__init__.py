@@ -242,7 +242,8 @@ def save_model_and_optim_state(
     """Saves the model's state to ``dir/model`` and the optimizer's, flattened and keyed by
     parameter name so that it reshards with the parameters, to ``dir/optim``. Every rank calls
     it; returns the files this rank created. Both directories are validated before either is
-    written, and with ``save_overwrite`` both old ones are uncommitted first. An optimizer
+    written; with ``save_overwrite`` the old ones stay whole until the new ``metadata.json``
+    files replace them (a save that fails puts back any it already replaced). An optimizer
     without state gets some first (:func:`init_optimizer_state`: the parameters stay as they
     are), as OLMo-core does, since loading needs every parameter's state."""
     dir, storage_options = split_location(dir, storage_options)

@@ -3,7 +3,7 @@
 //! every format uses (FORMAT.md). Pure data in, data out: nothing here touches storage or starts
 //! a thread.
 
-pub(crate) mod data_file;
+pub mod data_file;
 pub(crate) mod index;
 pub(crate) mod lease;
 pub(crate) mod safetensors;

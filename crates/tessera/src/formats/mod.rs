@@ -268,11 +268,30 @@ impl<'s> ForeignView<'s> {
     }
 
     /// The common state in Megatron's `common.pt`, if the checkpoint has one.
-    pub(crate) fn megatron_common(&self) -> Result<Option<Vec<(StatePath, Value)>>> {
+    /// Megatron's `common.pt` as common values; `None` when there is none. `crc`, when the
+    /// `.metadata` records the checksum of the `common.pt` it was committed with, must match:
+    /// another is a `common.pt` of a save that never committed (an overwrite interrupted
+    /// between its puts), refused rather than read beside the committed tensors.
+    pub(crate) fn megatron_common(&self, crc: Option<u32>) -> Result<Option<Vec<(StatePath, Value)>>> {
         let name = self.real(dcp::MEGATRON_COMMON);
         match self.base.read(&name) {
             Ok(archive) => {
                 let shown = format!("{}/{name}", self.base.location());
+                if let Some(want) = crc {
+                    let got = crate::model::crc::crc32c(&archive);
+                    if got != want {
+                        return Err(Error::corrupt(
+                            &shown,
+                            format!(
+                                "its checksum is {got:08x}, the committed {} records {want:08x}: this common.pt \
+                                 belongs to a save that never committed (an overwrite interrupted between \
+                                 common.pt and .metadata); the tensors are the committed checkpoint's: save \
+                                 again, or restore common.pt",
+                                dcp::DCP_METADATA
+                            ),
+                        ));
+                    }
+                }
                 Ok(Some(common_entries(&self.decode_value(&archive, &shown)?)))
             }
             Err(Error::NotFound { .. }) => Ok(None),

@@ -193,6 +193,22 @@ pub fn metadata_pickle(tensors: &[TensorItems], bytes: &[(String, ItemPlace)], s
     pickle(&root, 4)
 }
 
+/// The `storage_meta.save_id` tessera writes into a `.metadata`: the save's id, and the
+/// crc32c of the `common.pt` that the save commits beside it (torch reads the field as an
+/// opaque string). `common.pt` is put before `.metadata`, by fixed names Megatron reads: a
+/// crash between the two puts of an overwrite pairs the old `.metadata` with the new
+/// `common.pt`, which tessera's reader then tells from this checksum.
+pub fn metadata_save_id(save_id: u64, common: &[u8]) -> String {
+    format!("{save_id:016x}-common-{:08x}", crate::model::crc::crc32c(common))
+}
+
+/// The crc32c of `common.pt` a [`metadata_save_id`] records; `None` for any other save id.
+pub fn common_crc_of(save_id: &str) -> Option<u32> {
+    let (id, crc) = save_id.split_once("-common-")?;
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    (hex(id, 16) && hex(crc, 8)).then(|| u32::from_str_radix(crc, 16).ok())?
+}
+
 /// Prefix of an object payload that is a plain value in tessera's value encoding.
 pub const OBJECT_TAG_VALUE: &[u8; 4] = b"TSV1";
 /// Prefix of an object payload that is the `torch.save` bytes of the object.

@@ -85,14 +85,18 @@ pub(crate) fn commit(
         Err(Step::Verdict(_)) => !wrote,
         Err(Step::Untold(_)) => false,
     };
+    // Names relative to the location; with several locations, `location/name`.
     let mut leftovers = Vec::new();
     for p in places {
+        let mut left = Vec::new();
         if remove {
-            leftovers.extend(remove_files(p.storage, &p.own_files));
+            left.extend(remove_files(p.storage, &p.own_files));
         }
         if let Some(l) = p.lease {
-            leftovers.extend(l.release(p.storage));
+            left.extend(l.release(p.storage));
         }
+        let qualify = places.len() > 1;
+        leftovers.extend(left.into_iter().map(|n| if qualify { format!("{}/{n}", p.storage.location()) } else { n }));
     }
     let location = storage.location();
     match &mut outcome {

@@ -48,6 +48,9 @@ pub struct OlmoSaveReport {
     pub bytes_written: u64,
     /// Text of the committed `metadata.json`.
     pub metadata: String,
+    /// Files of this directory the save left for `tessera gc` (see
+    /// [`SaveReport::leftovers`](crate::SaveReport::leftovers)). Empty as a rule.
+    pub leftovers: Vec<String>,
 }
 
 /// Saves this rank's tensors as one OLMo-core 0.1.x checkpoint directory (what
@@ -260,7 +263,7 @@ impl<'s, 't> OlmoSave<'s, 't> {
             })
             .collect();
         let mut publish = MetadataPublish { dirs: &self.dirs, overwrite: opts.overwrite, rank };
-        commit(comm, &places, written.map(|()| Vec::new()), &mut publish)?;
+        let done = commit(comm, &places, written.map(|()| Vec::new()), &mut publish)?;
         Ok(self
             .dirs
             .iter()
@@ -273,7 +276,14 @@ impl<'s, 't> OlmoSave<'s, 't> {
                     files.push(METADATA_FILE.into());
                 }
                 let bytes_written = if d.layout.keys.is_empty() { 0 } else { d.layout.size };
-                OlmoSaveReport { files, bytes_written, metadata: d.metadata.clone() }
+                let mine = |n: &&String| n.strip_prefix(&d.storage.location()).is_some_and(|r| r.starts_with('/'));
+                let leftovers = done
+                    .leftovers
+                    .iter()
+                    .filter(mine)
+                    .map(|n| n[d.storage.location().len() + 1..].to_string())
+                    .collect();
+                OlmoSaveReport { files, bytes_written, metadata: d.metadata.clone(), leftovers }
             })
             .collect())
     }
@@ -330,9 +340,10 @@ impl Publish for MetadataPublish<'_, '_, '_> {
                 Err(other) => return other,
             }
         }
+        // Leftovers as `location/name`: the commit's list covers every directory.
         let mut leftovers = Vec::new();
         for d in self.dirs {
-            leftovers.extend(remove_replaced(d));
+            leftovers.extend(remove_replaced(d).into_iter().map(|n| format!("{}/{n}", d.storage.location())));
         }
         Published::Committed { summary: Vec::new(), leftovers }
     }

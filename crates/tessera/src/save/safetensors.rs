@@ -25,6 +25,8 @@ pub trait ExportFs: Sync {
     fn create_new(&self, path: &Path) -> Result<Box<dyn ExportFileIo>>;
     /// Renames `from` to `to`, replacing a regular file there.
     fn rename(&self, from: &Path, to: &Path) -> Result<()>;
+    /// Makes `to` (which must not exist) a second name of the file `from`.
+    fn hard_link(&self, from: &Path, to: &Path) -> Result<()>;
     /// Removes `path` (absent is not an error).
     fn remove(&self, path: &Path) -> Result<()>;
 }
@@ -55,6 +57,9 @@ impl ExportFs for LocalFs {
     }
     fn rename(&self, from: &Path, to: &Path) -> Result<()> {
         std::fs::rename(from, to).map_err(|e| Error::io(to, e))
+    }
+    fn hard_link(&self, from: &Path, to: &Path) -> Result<()> {
+        std::fs::hard_link(from, to).map_err(|e| Error::io(to, e))
     }
     fn remove(&self, path: &Path) -> Result<()> {
         match std::fs::remove_file(path) {
@@ -185,8 +190,12 @@ impl<'f> SafetensorsExport<'f> {
     /// Creates file `k` under its temporary name and writes its header.
     pub fn open_file(&self, k: usize) -> Result<ExportFile> {
         let p = &self.files[k];
-        let mut io = self.fs.create_new(&p.tmp)?;
-        p.created.store(true, std::sync::atomic::Ordering::Relaxed);
+        // A create that failed may still have created the file (the name is this export's own,
+        // unpredictable): it is removed on failure, unless something else was at the name.
+        let io = self.fs.create_new(&p.tmp);
+        let exists = matches!(&io, Err(Error::InvalidArgument { .. }));
+        p.created.store(!exists, std::sync::atomic::Ordering::Relaxed);
+        let mut io = io?;
         io.write_all(&p.header)?;
         Ok(ExportFile { io })
     }
@@ -198,40 +207,97 @@ impl<'f> SafetensorsExport<'f> {
 
     /// Ends the export: `written` is the outcome of writing every file. On success every file
     /// is renamed into place, then (sharded) the index is written and renamed last; returns the
-    /// final paths of the files and of the index. On failure, or if a rename fails, the
-    /// temporaries left are removed and the error returned.
-    pub fn commit(self, written: Result<()>) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
-        let r = written.and_then(|()| self.publish());
+    /// final paths of the files and of the index. Each file an output name held before is kept
+    /// under a second name until the export is complete, so that a rename that fails puts every
+    /// output name back as it was (a file that was not there is removed): a failed export leaves
+    /// the old export, or nothing. On any failure the temporaries are removed.
+    pub fn commit(self, written: Result<()>) -> Result<Exported> {
+        let index_tmp = outfile::tmp_name(&self.dir, SAFETENSORS_INDEX_FILE);
+        let mut placed: Vec<Placed> = Vec::new();
+        let r = written.and_then(|()| self.publish(&index_tmp, &mut placed));
+        let undo_failed = if r.is_err() { self.undo(&placed) } else { Vec::new() };
+        // Temporaries, and the second names of replaced files (their work is done): any that
+        // cannot be removed is reported.
+        let created = self.files.iter().filter(|p| p.created.load(std::sync::atomic::Ordering::Relaxed));
+        let temporaries =
+            created.map(|p| &p.tmp).chain([&index_tmp]).chain(placed.iter().filter_map(|p| p.backup.as_ref()));
+        let present = |t: &PathBuf| std::fs::symlink_metadata(t).is_ok();
+        let leftovers: Vec<PathBuf> =
+            temporaries.filter(|t| present(t) && self.fs.remove(t).is_err() && present(t)).cloned().collect();
         match r {
-            Ok(done) => Ok(done),
-            Err(e) => {
-                for p in self.files.iter().filter(|p| p.created.load(std::sync::atomic::Ordering::Relaxed)) {
-                    let _ = self.fs.remove(&p.tmp);
-                }
-                Err(e)
-            }
+            Ok((files, index)) => Ok(Exported { files, index, leftovers }),
+            Err(e) if undo_failed.is_empty() => Err(e),
+            Err(e) => Err(Error::Io {
+                path: self.dir.clone(),
+                source: std::io::Error::other(format!(
+                    "{e}; and {} could not be put back as it was: the output mixes this export's files with the \
+                     earlier ones: export again",
+                    undo_failed.join(", ")
+                )),
+            }),
         }
     }
 
-    fn publish(&self) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
+    /// Puts every file, then the index, at its output name (see [`SafetensorsExport::commit`]),
+    /// recording each step in `placed`.
+    fn publish(&self, index_tmp: &Path, placed: &mut Vec<Placed>) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
         // Checked again right before the renames: what appeared meanwhile is not replaced either.
         for dest in self.files.iter().map(|p| &p.dest).chain(self.index.as_ref().map(|(d, _)| d)) {
             outfile::check_replaceable(dest)?;
         }
-        for p in &self.files {
-            self.fs.rename(&p.tmp, &p.dest)?;
-        }
-        let Some((dest, text)) = &self.index else { return Ok((self.paths(), None)) };
-        let tmp = outfile::tmp_name(&self.dir, SAFETENSORS_INDEX_FILE);
-        let r = (|| {
-            let mut f = self.fs.create_new(&tmp)?;
+        if let Some((_, text)) = &self.index {
+            let mut f = self.fs.create_new(index_tmp)?;
             f.write_all(text)?;
             f.finish()?;
-            self.fs.rename(&tmp, dest)
-        })();
-        if r.is_err() {
-            let _ = self.fs.remove(&tmp);
         }
-        r.map(|()| (self.paths(), Some(dest.clone())))
+        let moves = self.files.iter().map(|p| (p.tmp.clone(), p.dest.clone()));
+        let moves = moves.chain(self.index.as_ref().map(|(dest, _)| (index_tmp.to_path_buf(), dest.clone())));
+        for (tmp, dest) in moves {
+            let name = dest.file_name().and_then(|n| n.to_str()).unwrap_or("output");
+            let backup = dest.exists().then(|| outfile::tmp_name(&self.dir, name));
+            // Recorded first: a link whose answer was lost is still removed at the end.
+            placed.push(Placed { dest: dest.clone(), backup: backup.clone(), attempted: false });
+            if let Some(b) = &backup {
+                self.fs.hard_link(&dest, b)?;
+            }
+            placed.last_mut().expect("pushed above").attempted = true;
+            self.fs.rename(&tmp, &dest)?;
+        }
+        Ok((self.paths(), self.index.as_ref().map(|(d, _)| d.clone())))
     }
+
+    /// Puts back what the output names held before the steps `placed` (last first); returns
+    /// the names that could not be.
+    fn undo(&self, placed: &[Placed]) -> Vec<String> {
+        let mut failed = Vec::new();
+        // A rename that failed may have happened (its answer lost): undone either way.
+        for p in placed.iter().rev().filter(|p| p.attempted) {
+            let r = match &p.backup {
+                Some(b) => self.fs.rename(b, &p.dest),
+                None => self.fs.remove(&p.dest),
+            };
+            if r.is_err() {
+                failed.push(p.dest.display().to_string());
+            }
+        }
+        failed
+    }
+}
+
+/// What a committed export wrote.
+pub(crate) struct Exported {
+    /// The files, in order.
+    pub files: Vec<PathBuf>,
+    /// The index of a sharded export.
+    pub index: Option<PathBuf>,
+    /// Temporary files that could not be removed (the export is complete either way).
+    pub leftovers: Vec<PathBuf>,
+}
+
+/// One step of an export's commit: the output name `dest`, the second name its earlier file got
+/// (`None`: there was none), and whether the rename into it was tried.
+struct Placed {
+    dest: PathBuf,
+    backup: Option<PathBuf>,
+    attempted: bool,
 }

@@ -34,8 +34,8 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::format::lease::LeaseFiles;
 use crate::formats::torch_dist::{
-    common_pt, data_file_name, is_data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace,
-    TensorItems, DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA, MEGATRON_METADATA_JSON,
+    common_pt, data_file_name, is_data_file_name, metadata_pickle, metadata_save_id, object_fqn, object_item,
+    ChunkItem, ItemPlace, TensorItems, DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA, MEGATRON_METADATA_JSON,
 };
 use crate::formats::torch_save::write::{crc32, tensor_archive};
 use crate::load::open::detect_format;
@@ -254,7 +254,7 @@ impl<'a> TorchDistSave<'a> {
         let layout = items(&plans[rank], save_id);
         let bins = spread(&layout, files_per_rank);
         let marker = common_bytes.map(|common| {
-            let (metadata, files) = dcp_metadata(&plans, save_id, files_per_rank);
+            let (metadata, files) = dcp_metadata(&plans, save_id, files_per_rank, &common);
             Marker { common, metadata, files, save_id }
         });
         Ok(TorchDistSave { tree: Some(tree), rank, plans, save_id, names, layout, bins, object_items, marker, lease })
@@ -577,8 +577,9 @@ fn parallel_crc32(data: &[(usize, &[u8])], threads: usize) -> Vec<u32> {
 }
 
 /// The `.metadata` of the save of `plans` (every rank's items placed as each rank lays out its
-/// files), and the names of every data file of the save.
-fn dcp_metadata(plans: &[RankPlan], save_id: u64, files_per_rank: usize) -> (Vec<u8>, BTreeSet<String>) {
+/// files) committed beside `common` (its `common.pt`), and the names of every data file of the
+/// save.
+fn dcp_metadata(plans: &[RankPlan], save_id: u64, files_per_rank: usize, common: &[u8]) -> (Vec<u8>, BTreeSet<String>) {
     let mut tensors: Vec<TensorItems> = Vec::new();
     let mut by_key: HashMap<&str, usize> = HashMap::new();
     let mut bytes = Vec::new();
@@ -615,7 +616,7 @@ fn dcp_metadata(plans: &[RankPlan], save_id: u64, files_per_rank: usize) -> (Vec
             }
         }
     }
-    let metadata = metadata_pickle(&tensors, &bytes, &format!("{save_id:016x}"));
+    let metadata = metadata_pickle(&tensors, &bytes, &metadata_save_id(save_id, common));
     let files = (0..plans.len()).flat_map(|r| file_names(r, save_id, files_per_rank)).collect();
     (metadata, files)
 }

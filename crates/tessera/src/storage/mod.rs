@@ -383,7 +383,7 @@ pub(crate) fn read_claimed(storage: &dyn Storage, name: &str, offset: u64, len: 
 
 /// The name of the temporary object an atomic put of `name` writes first (a local directory's
 /// [`Storage::put_atomic`] and [`Storage::put_if_absent`]): `.{name}.tmp-{pid}-{nonce}`, hidden,
-/// and told apart by writer and time.
+/// and told apart by writer and time (`nonce`: nanoseconds since the Unix epoch).
 pub(crate) fn temporary_name(name: &str, pid: u32, nonce: u128) -> String {
     format!(".{name}.tmp-{pid}-{nonce}")
 }
@@ -391,11 +391,24 @@ pub(crate) fn temporary_name(name: &str, pid: u32, nonce: u128) -> String {
 /// The object a temporary of [`temporary_name`] is for; `None` for any other name. A temporary
 /// left behind is garbage of a put that never finished (`gc` removes them).
 pub(crate) fn temporary_target(name: &str) -> Option<&str> {
+    temporary_parts(name).map(|(target, _)| target)
+}
+
+/// When the temporary `name` of [`temporary_name`] was made, in milliseconds since the Unix
+/// epoch (by its writer's clock); `None` for any other name.
+pub(crate) fn temporary_time_ms(name: &str) -> Option<u64> {
+    temporary_parts(name).and_then(|(_, nonce)| u64::try_from(nonce / 1_000_000).ok())
+}
+
+fn temporary_parts(name: &str) -> Option<(&str, u128)> {
     let rest = name.strip_prefix('.')?;
     let at = rest.rfind(".tmp-")?;
     let (pid, nonce) = rest[at + 5..].split_once('-')?;
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    (digits(pid) && digits(nonce) && at > 0).then(|| &rest[..at])
+    if !(digits(pid) && digits(nonce) && at > 0) {
+        return None;
+    }
+    Some((&rest[..at], nonce.parse().ok()?))
 }
 
 /// Names tessera writes (and deletes): one plain component.

@@ -18,7 +18,8 @@
 use crate::comm::SoloComm;
 use crate::error::{Error, Result};
 use crate::formats::torch_dist::{
-    common_pt, is_data_file_name, metadata_pickle, object_fqn, object_item, ChunkItem, ItemPlace, TensorItems,
+    common_pt, is_data_file_name, metadata_pickle, metadata_save_id, object_fqn, object_item, ChunkItem, ItemPlace,
+    TensorItems,
 };
 use crate::formats::torch_save::write::{crc32, tensor_archive};
 use crate::load::engine::{read_object, LoadOptions};
@@ -188,7 +189,7 @@ pub fn convert_to_dcp(
             (fqn.clone(), ItemPlace { file: names[at.file].clone(), offset: at.offset, length: at.len })
         })
         .collect();
-    let metadata = metadata_pickle(&tensors, &byte_items, &format!("{save_id:016x}"));
+    let metadata = metadata_pickle(&tensors, &byte_items, &metadata_save_id(save_id, &common_bytes));
     let index_bytes = metadata.len() as u64;
 
     // The write session: this process writes every file, then commits as a save does.

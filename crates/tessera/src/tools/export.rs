@@ -81,6 +81,9 @@ pub struct ExportReport {
     pub files: Vec<PathBuf>,
     /// The index written next to them (sharded exports only).
     pub index: Option<PathBuf>,
+    /// Temporary files beside the output that could not be removed (hidden names
+    /// `.NAME.tmp-…`): the export is complete; remove them. Empty as a rule.
+    pub leftovers: Vec<PathBuf>,
 }
 
 /// One tensor of the export.
@@ -246,8 +249,14 @@ pub fn export_with(
     let total: u64 = file_bytes.iter().sum();
     let session = SafetensorsExport::plan(fs, out, names, headers, &weight_map, total)?;
     let written = write_files(src, index, &tensors, &session, opts, progress);
-    let (files, index_path) = session.commit(written)?;
-    Ok(ExportReport { tensors: tensors.len(), bytes: total, files, index: index_path })
+    let done = session.commit(written)?;
+    Ok(ExportReport {
+        tensors: tensors.len(),
+        bytes: total,
+        files: done.files,
+        index: done.index,
+        leftovers: done.leftovers,
+    })
 }
 
 /// A batch of parts loaded with one call: (tensor, part of it).

@@ -4,13 +4,13 @@
 use std::collections::BTreeSet;
 
 use crate::error::{Error, Result};
-use crate::format::lease::{parse_lease_name, Lease};
+use crate::format::lease::{parse_lease_name, Lease, LEASE_TTL_MS};
 use crate::format::{is_data_file_name, INDEX_FILE};
 use crate::formats::olmo::metadata::{parse_rank_file_name, METADATA_FILE as OLMO_METADATA};
 use crate::formats::torch_dist::{is_data_file_name as is_distcp_name, MEGATRON_COMMON, MEGATRON_METADATA};
 use crate::load::open::open_index;
 use crate::save::lease::now_ms;
-use crate::storage::{temporary_target, Storage, StorageExt};
+use crate::storage::{temporary_target, temporary_time_ms, Storage, StorageExt};
 
 /// How to collect garbage.
 #[derive(Debug, Clone, Default)]
@@ -45,8 +45,9 @@ pub struct GcReport {
     pub removed: Vec<String>,
     /// Saves running in the location (unexpired leases), whose files were kept.
     pub running: Vec<RunningSave>,
-    /// Files kept that only [`GcOptions::break_leases`] removes (the companions of an
-    /// unfinished `torch_dist` save).
+    /// Files kept that only [`GcOptions::break_leases`] removes, or time: the companions of an
+    /// unfinished `torch_dist` save, and temporaries of puts younger than a lease's lifetime
+    /// (a save's first lease is being put).
     pub kept: Vec<String>,
 }
 
@@ -162,10 +163,15 @@ pub(crate) fn analyse(
             }
             continue;
         }
-        // A temporary belongs to a put in progress while any save runs.
+        // A temporary belongs to a put in progress while any save runs, and while it is young:
+        // the put of a save's first lease makes one before that lease exists.
         let holder = live.iter().position(|(_, l)| temporary || l.as_ref().map_or(true, |l| l.covers(name)));
+        let young = temporary
+            && !opts.break_leases
+            && temporary_time_ms(name).is_none_or(|t| now.saturating_sub(t) < LEASE_TTL_MS);
         match holder {
             Some(i) => running[i].files.push(name.clone()),
+            None if young => report.kept.push(name.clone()),
             None => garbage.push(name.clone()),
         }
     }

@@ -53,6 +53,9 @@ pub(crate) struct DcpBytes {
 pub(crate) struct DcpMetadata {
     pub tensors: Vec<DcpTensor>,
     pub bytes: Vec<DcpBytes>,
+    /// `storage_meta.save_id`, when recorded (torch: a uuid; tessera: see
+    /// `formats::torch_dist::metadata_save_id`).
+    pub save_id: Option<String>,
 }
 
 type Fields<'a> = &'a [(PickleValue, PickleValue)];
@@ -224,5 +227,9 @@ pub(crate) fn parse_metadata(root: &PickleValue) -> Result<DcpMetadata, String> 
             }
         }
     }
-    Ok(DcpMetadata { tensors, bytes })
+    let save_id = match field(top, "storage_meta").and_then(fields).and_then(|f| field(f, "save_id")) {
+        Some(PickleValue::Str(s)) => Some(s.clone()),
+        _ => None,
+    };
+    Ok(DcpMetadata { tensors, bytes, save_id })
 }

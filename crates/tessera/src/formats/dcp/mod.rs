@@ -149,6 +149,7 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
     let bytes = storage.read(&meta_name)?;
     let root = unpickle(&bytes, &shown, &limits())?;
     let meta: DcpMetadata = parse_metadata(&root).map_err(|e| Error::corrupt(&shown, e))?;
+    let meta_save_id = meta.save_id.clone();
 
     let mut tensors = Vec::with_capacity(meta.tensors.len());
     for t in meta.tensors {
@@ -212,7 +213,7 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
     }
 
     if flavor == DcpFlavor::Megatron {
-        match view.megatron_common()? {
+        match view.megatron_common(meta_save_id.as_deref().and_then(crate::formats::torch_dist::common_crc_of))? {
             Some(entries) => common.extend(entries),
             None => common.extend(common_object.as_ref().map(common_entries).unwrap_or_default()),
         }

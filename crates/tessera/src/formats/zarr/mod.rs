@@ -114,7 +114,7 @@ fn open_zarr(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)
             objects.add(key, offset, shape, file, &format!("{}/{name}", storage.location()))?;
         }
     }
-    let common = view.megatron_common()?.unwrap_or_default();
+    let common = view.megatron_common(None)?.unwrap_or_default();
     let index = foreign_index("zarr", &view, common, tensors, objects);
     Ok((index, view))
 }
