@@ -204,7 +204,7 @@ fn torch_dist_a_failed_overwrite_keeps_the_old_checkpoint_and_its_common_state()
 }
 
 #[test]
-fn torch_dist_a_common_pt_of_a_save_that_never_committed_is_refused() {
+fn torch_dist_a_common_pt_of_a_save_that_never_committed_is_never_read_as_the_committed_one() {
     // A crash between the put of common.pt and that of .metadata pairs them wrongly: as if so.
     let (old, new) = (MemoryStorage::new(), MemoryStorage::new());
     for (s, step) in [(&old, 1), (&new, 2)] {
@@ -213,6 +213,11 @@ fn torch_dist_a_common_pt_of_a_save_that_never_committed_is_refused() {
         }
     }
     old.put_atomic("common.pt", &new.read("common.pt").unwrap()).unwrap();
+    // tessera reads the committed common state from the copy it keeps beside the checkpoint.
+    assert_eq!(step_of(&old, true), 1);
+    // Without that copy the pair is refused, never read as one checkpoint.
+    let copy = names(&old).into_iter().find(|n| n.starts_with(".tessera-common-")).expect("a copy of common.pt");
+    old.delete(&copy).unwrap();
     let Err(e) = open(&old) else { panic!("the pair must be refused, not read as one checkpoint") };
     assert!(matches!(e, Error::Corrupt { .. }) && e.to_string().contains("common.pt"), "{e}");
 }
@@ -357,4 +362,38 @@ fn gc_in_a_loop_beside_running_saves_corrupts_none() {
         assert!(runs.load(Ordering::SeqCst) > 0, "{name}: gc ran");
     }
     println!("gc beside 12 saves of each writer: {removed_total:?} files removed, no save corrupted");
+}
+
+/// `model/` and `optim/` saved as one: opened together they must be of one save. A save of both
+/// killed between their two commits leaves one new beside one old, which is refused as a pair
+/// (each directory alone is whole); one committed beside none is not committed as a pair.
+#[test]
+fn olmo_model_and_optim_of_different_saves_are_refused_as_one_checkpoint() {
+    let dir = TempDir::new("olmo-pair");
+    let save_pair = |parent: &std::path::Path, step: u64| {
+        let (m, o) = (LocalStorage::new(parent.join("model")), LocalStorage::new(parent.join("optim")));
+        for r in run_ranks(WORLD, |c| {
+            let dirs = vec![(state(step, c.rank(), false), &m as &dyn Storage), (state(step, c.rank(), false), &o)];
+            save_olmo_dirs(dirs, c, &SaveOptions { overwrite: true, ..SaveOptions::default() })
+        }) {
+            r.unwrap();
+        }
+    };
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    save_pair(&a, 1);
+    save_pair(&b, 2);
+    assert!(open(&LocalStorage::new(&a)).is_ok(), "one save's pair opens");
+    // As if the save of step 2 into `a` was killed after model/'s commit.
+    for e in std::fs::read_dir(b.join("model")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), a.join("model").join(e.file_name())).unwrap();
+    }
+    let Err(e) = open(&LocalStorage::new(&a)) else { panic!("a mixed pair must be refused") };
+    assert!(matches!(e, Error::Corrupt { .. }) && e.to_string().contains("interrupted"), "{e}");
+    for (sub, step) in [("model", 2), ("optim", 1)] {
+        assert_eq!(step_of(&LocalStorage::new(a.join(sub)), false), step, "{sub}/ alone is whole");
+    }
+    // One directory committed, the other not at all.
+    std::fs::remove_file(a.join("optim").join("metadata.json")).unwrap();
+    assert!(matches!(open(&LocalStorage::new(&a)), Err(Error::NotCommitted { .. })));
 }

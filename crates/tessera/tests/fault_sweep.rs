@@ -292,7 +292,18 @@ fn committed_files(storage: &dyn Storage) -> BTreeSet<String> {
         "tessera" => {
             files.insert(INDEX_FILE.into());
         }
-        "torch_dist" => files.extend([".metadata", "common.pt", "metadata.json"].map(String::from)),
+        "torch_dist" => {
+            files.extend([".metadata", "common.pt", "metadata.json"].map(String::from));
+            // The copy of the committed common.pt tessera keeps beside it: one, the same bytes.
+            let common = storage.read("common.pt").unwrap();
+            let copies: Vec<String> =
+                storage.list().unwrap().into_iter().filter(|n| n.starts_with(".tessera-common-")).collect();
+            if let [copy] = &copies[..] {
+                if storage.read(copy).unwrap() == common {
+                    files.insert(copy.clone());
+                }
+            }
+        }
         "olmo_safetensors" => {
             files.insert("metadata.json".into());
         }

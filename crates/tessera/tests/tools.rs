@@ -795,3 +795,31 @@ fn plain_safetensors_files_and_sharded_directories_read_as_checkpoints() {
     let err = open(&LocalStorage::new(half.path())).map(Checkpoint::into_index).unwrap_err();
     assert!(matches!(err, Error::NotCommitted { .. }), "{err}");
 }
+
+/// `verify` checks each native data file's header against the index that commits it: a header
+/// whose records disagree (here: a chunk's key), even one whose checksum the index carries, is
+/// reported, naming the file.
+#[test]
+fn verify_checks_every_native_header_against_the_index() {
+    let storage = MemoryStorage::new();
+    let w = ShardedTensor::full("w", DType::U8, &[8], TensorData::Owned((0..8).collect()));
+    let file = save(StateTree::map().with("w", StateTree::Tensor(w)), &storage, &SoloComm, &SaveOptions::default())
+        .unwrap()
+        .file
+        .unwrap();
+    assert!(verify(&storage, 2).unwrap().problems.is_empty());
+    // The header says the chunk is of "v"; the index, given the new header's checksum, of "w".
+    let mut bytes = storage.read(&file).unwrap();
+    let header_len = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let text = String::from_utf8(bytes[8..header_len].to_vec()).unwrap();
+    let edited = text.replace("\\\"key\\\":\\\"w\\\"", "\\\"key\\\":\\\"v\\\"");
+    assert_ne!(edited, text, "the record is in the header");
+    bytes[8..header_len].copy_from_slice(edited.as_bytes());
+    storage.put_atomic(&file, &bytes).unwrap();
+    let mut index = open(&storage).unwrap().into_index();
+    index.files[0].header_crc = crc32c(&bytes[..header_len]);
+    storage.put_atomic(INDEX_FILE, &index.encode()).unwrap();
+    let report = verify(&storage, 2).unwrap();
+    assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+    assert!(report.problems[0].contains(&file) && report.problems[0].contains("\"w\""), "{:?}", report.problems);
+}

@@ -95,8 +95,11 @@ class _Model:
 
     @classmethod
     def model_validate(cls, data: Any) -> Any:
-        """Builds the model from a dict (or returns an instance as is)."""
-        return data if isinstance(data, cls) else cls(**data)
+        """Builds the model from a dict (or returns an instance as is). Keys that are no field
+        are ignored, as pydantic's models (OLMo-core's) ignore them."""
+        if isinstance(data, cls):
+            return data
+        return cls(**{k: v for k, v in data.items() if k in cls._fields})
 
     @classmethod
     def model_validate_json(cls, text: str) -> Any:
@@ -281,7 +284,9 @@ class StorageMetadata(_Model):
     @classmethod
     def from_json(cls, text: str) -> "StorageMetadata":
         """From the text of a ``metadata.json``, including the layout before shard specs
-        (``flattened_offsets_per_file``), which it reads as OLMo-core does."""
+        (``flattened_offsets_per_file``), which it reads as OLMo-core does. Keys other than
+        ``tensors`` are ignored, as OLMo-core's pydantic model ignores them (tessera records the
+        save of ``model/`` and ``optim/`` under ``tessera_save``)."""
         data = json.loads(text)
         for t in data.get("tensors", {}).values():
             legacy = t.pop("flattened_offsets_per_file", None)
@@ -289,4 +294,4 @@ class StorageMetadata(_Model):
                 t["shard_spec_per_file"] = {
                     f: {"flattened_offsets": [o] if o and isinstance(o[0], int) else o} for f, o in legacy.items()
                 }
-        return cls(**data)
+        return cls.model_validate(data)

@@ -25,7 +25,8 @@ pub const LEASE_RENEW_MS: u64 = 60 * 1000;
 pub enum LeaseFiles {
     /// Native data files of this save: `<save_id>-r<rank>.safetensors`.
     Native,
-    /// DCP data files `__<rank>_<n>.distcp` with `first <= n < first + count`.
+    /// DCP data files `__<rank>_<n>.distcp` with `first <= n < first + count`, and the save's
+    /// copy of its `common.pt` (`.tessera-common-<save_id>.pt`).
     Distcp {
         /// The first file number.
         first: u64,
@@ -80,8 +81,10 @@ impl Lease {
     pub fn covers(&self, name: &str) -> bool {
         match &self.files {
             LeaseFiles::Native => crate::format::parse_data_file_name(name).is_some_and(|(id, _)| id == self.save_id),
+            // And the copy of the `common.pt` it commits (`formats::torch_dist::common_copy_name`).
             LeaseFiles::Distcp { first, count } => {
                 distcp_number(name).is_some_and(|n| n >= *first && n - first < *count)
+                    || crate::formats::torch_dist::parse_common_copy_name(name) == Some(self.save_id)
             }
             LeaseFiles::Olmo { suffix } => name
                 .strip_prefix("rank_")

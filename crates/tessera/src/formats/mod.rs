@@ -268,28 +268,38 @@ impl<'s> ForeignView<'s> {
     }
 
     /// The common state in Megatron's `common.pt`, if the checkpoint has one.
-    /// Megatron's `common.pt` as common values; `None` when there is none. `crc`, when the
-    /// `.metadata` records the checksum of the `common.pt` it was committed with, must match:
-    /// another is a `common.pt` of a save that never committed (an overwrite interrupted
-    /// between its puts), refused rather than read beside the committed tensors.
-    pub(crate) fn megatron_common(&self, crc: Option<u32>) -> Result<Option<Vec<(StatePath, Value)>>> {
+    /// Megatron's `common.pt` as common values; `None` when there is none. `committed`, when the
+    /// `.metadata` records the save and the checksum of the `common.pt` it was committed with
+    /// (`torch_dist::metadata_save_id`), must match: a `common.pt` of a save that never
+    /// committed (an overwrite interrupted between its puts) is not read beside the committed
+    /// tensors; the committed one is then read from the copy tessera keeps, or refused.
+    pub(crate) fn megatron_common(&self, committed: Option<(u64, u32)>) -> Result<Option<Vec<(StatePath, Value)>>> {
         let name = self.real(dcp::MEGATRON_COMMON);
         match self.base.read(&name) {
-            Ok(archive) => {
-                let shown = format!("{}/{name}", self.base.location());
-                if let Some(want) = crc {
+            Ok(mut archive) => {
+                let mut shown = format!("{}/{name}", self.base.location());
+                if let Some((save_id, want)) = committed {
                     let got = crate::model::crc::crc32c(&archive);
                     if got != want {
-                        return Err(Error::corrupt(
-                            &shown,
-                            format!(
-                                "its checksum is {got:08x}, the committed {} records {want:08x}: this common.pt \
-                                 belongs to a save that never committed (an overwrite interrupted between \
-                                 common.pt and .metadata); the tensors are the committed checkpoint's: save \
-                                 again, or restore common.pt",
-                                dcp::DCP_METADATA
-                            ),
-                        ));
+                        let copy = self.real(&crate::formats::torch_dist::common_copy_name(save_id));
+                        match self.base.read(&copy) {
+                            Ok(b) if crate::model::crc::crc32c(&b) == want => {
+                                archive = b;
+                                shown = format!("{}/{copy}", self.base.location());
+                            }
+                            _ => {
+                                return Err(Error::corrupt(
+                                    &shown,
+                                    format!(
+                                        "its checksum is {got:08x}, the committed {} records {want:08x}, and no \
+                                         intact copy of that one is kept ({copy}): this common.pt belongs to a save \
+                                         that never committed; the tensors are the committed checkpoint's: save \
+                                         again",
+                                        dcp::DCP_METADATA
+                                    ),
+                                ));
+                            }
+                        }
                     }
                 }
                 Ok(Some(common_entries(&self.decode_value(&archive, &shown)?)))

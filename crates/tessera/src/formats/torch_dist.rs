@@ -202,11 +202,29 @@ pub fn metadata_save_id(save_id: u64, common: &[u8]) -> String {
     format!("{save_id:016x}-common-{:08x}", crate::model::crc::crc32c(common))
 }
 
-/// The crc32c of `common.pt` a [`metadata_save_id`] records; `None` for any other save id.
-pub fn common_crc_of(save_id: &str) -> Option<u32> {
+/// The copy of save `save_id`'s `common.pt`, which tessera keeps beside the checkpoint that
+/// commits it: a reader finds the committed common state there when `common.pt` already holds
+/// an interrupted overwrite's (see [`metadata_save_id`]). Hidden; readers of other programs
+/// ignore it.
+pub fn common_copy_name(save_id: u64) -> String {
+    format!(".tessera-common-{save_id:016x}.pt")
+}
+
+/// The save id a [`common_copy_name`] carries; `None` for any other name.
+pub fn parse_common_copy_name(name: &str) -> Option<u64> {
+    let hex = name.strip_prefix(".tessera-common-")?.strip_suffix(".pt")?;
+    (hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit())).then(|| u64::from_str_radix(hex, 16).ok())?
+}
+
+/// The save id and the crc32c of `common.pt` that a [`metadata_save_id`] records; `None` for any
+/// other save id (torch's, Megatron's).
+pub fn committed_common(save_id: &str) -> Option<(u64, u32)> {
     let (id, crc) = save_id.split_once("-common-")?;
     let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-    (hex(id, 16) && hex(crc, 8)).then(|| u32::from_str_radix(crc, 16).ok())?
+    if !(hex(id, 16) && hex(crc, 8)) {
+        return None;
+    }
+    Some((u64::from_str_radix(id, 16).ok()?, u32::from_str_radix(crc, 16).ok()?))
 }
 
 /// Prefix of an object payload that is a plain value in tessera's value encoding.

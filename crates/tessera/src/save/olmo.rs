@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::format::lease::LeaseFiles;
 use crate::formats::olmo::metadata::{
     choose_main_replicas, metadata_from_plans, metadata_json, parse_rank_file_name, rank_file_name, RankFileLayout,
-    BACKEND, METADATA_FILE,
+    SaveMark, BACKEND, METADATA_FILE,
 };
 use crate::load::open::detect_format;
 use crate::model::factories::apply_factories_collective;
@@ -126,7 +126,7 @@ struct Dir<'s, 't> {
     plans: Vec<RankPlan>,
     /// This rank's bytes of each tensor shard (plan order), where it has them.
     data: Vec<Option<&'t [u8]>>,
-    /// What names the files (0: OLMo-core's own names; see `rank_file_name`).
+    /// What names the files: 0 for OLMo-core's own names, else the save's id (`rank_file_name`).
     save_id: u64,
     /// This rank's file.
     layout: RankFileLayout,
@@ -153,7 +153,10 @@ impl<'s, 't> OlmoSave<'s, 't> {
         opts: &SaveOptions,
     ) -> Result<Self> {
         let rank = comm.rank();
-        let mut dirs: Vec<Dir<'s, 't>> = Vec::with_capacity(trees.len());
+        let ndirs = trees.len();
+        let mut dirs: Vec<Dir<'s, 't>> = Vec::with_capacity(ndirs);
+        // One id for the whole save (rank 0's; each directory's plans carry it).
+        let save_id = if rank == 0 { new_save_id() } else { 0 };
         let release = |dirs: &[Dir<'_, '_>]| {
             for d in dirs {
                 if let Some(l) = &d.lease {
@@ -170,11 +173,11 @@ impl<'s, 't> OlmoSave<'s, 't> {
                 match look(storage, opts) {
                     Ok(Look::Refuse) => c.plan.refuse_overwrite = true,
                     Ok(Look::Write { fresh }) => {
-                        let id = new_save_id();
-                        // The plan's save id names the files: 0 for OLMo-core's own names.
-                        c.plan.save_id = if fresh { 0 } else { id };
-                        let suffix = if fresh { String::new() } else { format!("-{id:016x}") };
-                        match LeaseHold::take(storage, id, LeaseFiles::Olmo { suffix }) {
+                        // The save id's lowest bit says whether the files take OLMo-core's own
+                        // names (a directory without rank files) or names of the save's own.
+                        c.plan.save_id = if fresh { save_id | 1 } else { save_id & !1 };
+                        let suffix = if fresh { String::new() } else { format!("-{:016x}", c.plan.save_id) };
+                        match LeaseHold::take(storage, c.plan.save_id, LeaseFiles::Olmo { suffix }) {
                             Ok(l) => lease = Some(Arc::new(l)),
                             Err(e) => c.local_error = Some(e),
                         }
@@ -191,12 +194,17 @@ impl<'s, 't> OlmoSave<'s, 't> {
                 }
             };
             let save_id = plans[0].save_id;
+            let files_id = if save_id & 1 == 1 { 0 } else { save_id };
             let layout = RankFileLayout::new(&plans[rank], opts.block_size);
             // Every rank knows the metadata (callers return it, as OLMo-core's `Checkpointer.save`
-            // does).
-            let metadata = metadata_json(&metadata_from_plans(&plans, save_id));
+            // does). A save of several directories marks each as its own.
+            let mut meta = metadata_from_plans(&plans, files_id);
+            if ndirs > 1 {
+                meta.save = Some(SaveMark { id: save_id >> 1, dirs: ndirs as u32 });
+            }
+            let metadata = metadata_json(&meta);
             let Collected { tensor_data, .. } = c;
-            dirs.push(Dir { storage, plans, data: tensor_data, save_id, layout, metadata, lease });
+            dirs.push(Dir { storage, plans, data: tensor_data, save_id: files_id, layout, metadata, lease });
         }
         Ok(OlmoSave { rank, dirs })
     }

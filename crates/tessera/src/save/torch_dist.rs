@@ -34,8 +34,9 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::format::lease::LeaseFiles;
 use crate::formats::torch_dist::{
-    common_pt, data_file_name, is_data_file_name, metadata_pickle, metadata_save_id, object_fqn, object_item,
-    ChunkItem, ItemPlace, TensorItems, DCP_METADATA, MEGATRON_COMMON, MEGATRON_METADATA, MEGATRON_METADATA_JSON,
+    common_copy_name, common_pt, data_file_name, is_data_file_name, metadata_pickle, metadata_save_id, object_fqn,
+    object_item, parse_common_copy_name, ChunkItem, ItemPlace, TensorItems, DCP_METADATA, MEGATRON_COMMON,
+    MEGATRON_METADATA, MEGATRON_METADATA_JSON,
 };
 use crate::formats::torch_save::write::{crc32, tensor_archive};
 use crate::load::open::detect_format;
@@ -636,6 +637,7 @@ fn common_values(values: &[(StatePath, Value)], opts: &SaveOptions) -> Vec<(Stat
 /// and temporaries of puts that never finished.
 fn is_torch_dist_name(n: &str) -> bool {
     is_data_file_name(n)
+        || parse_common_copy_name(n).is_some()
         || n == DCP_METADATA
         || MEGATRON_COMPANIONS.contains(&n)
         || crate::format::lease::parse_lease_name(n).is_some()
@@ -666,6 +668,14 @@ impl Publish for DcpPublish {
             }
         }
         let json = MEGATRON_METADATA_JSON.as_bytes();
+        // The copy of this save's common.pt, kept beside the checkpoint once committed: a reader
+        // finds the committed common state there if an overwrite is interrupted between the
+        // put of common.pt and that of .metadata.
+        let copy = common_copy_name(m.save_id);
+        if let Err(e) = storage.put_atomic(&copy, &m.common) {
+            let _ = storage.delete(&copy);
+            return Published::NotCommitted(e);
+        }
         let mut touched = 0;
         let mut companions = || -> Result<()> {
             touched = 1;
@@ -677,6 +687,7 @@ impl Publish for DcpPublish {
             Ok(())
         };
         if let Err(e) = companions() {
+            let _ = storage.delete(&copy);
             return Published::NotCommitted(restore(storage, &before[..touched], e));
         }
         let put = if self.overwrite {
@@ -692,10 +703,13 @@ impl Publish for DcpPublish {
         };
         match classify_put(storage, DCP_METADATA, put, check, ours) {
             Ok(()) => {}
-            Err(Published::NotCommitted(e)) => return Published::NotCommitted(restore(storage, &before[..touched], e)),
+            Err(Published::NotCommitted(e)) => {
+                let _ = storage.delete(&copy);
+                return Published::NotCommitted(restore(storage, &before[..touched], e));
+            }
             Err(other) => return other,
         }
-        let leftovers = remove_replaced(storage, &m.files, m.save_id);
+        let leftovers = remove_replaced(storage, &m.files, &copy, m.save_id);
         Published::Committed { summary: Vec::new(), leftovers }
     }
 }
@@ -727,15 +741,16 @@ fn restore(storage: &dyn Storage, before: &[(&str, Option<Vec<u8>>)], err: Error
     }
 }
 
-/// After the commit: DCP data files the new `.metadata` does not name (an earlier checkpoint's,
-/// a failed save's) are garbage, unless a live lease covers them (a save still running).
-/// Returns those that could not be removed.
-fn remove_replaced(storage: &dyn Storage, ours: &BTreeSet<String>, save_id: u64) -> Vec<String> {
+/// After the commit: DCP data files the new `.metadata` does not name, and copies of
+/// `common.pt` but its own (`copy`), are garbage (an earlier checkpoint's, a failed save's),
+/// unless a live lease covers them (a save still running). Returns those that could not be
+/// removed.
+fn remove_replaced(storage: &dyn Storage, ours: &BTreeSet<String>, copy: &str, save_id: u64) -> Vec<String> {
     let Ok(names) = storage.list() else { return Vec::new() };
     let leases = live_leases(storage, &names, Some(save_id));
-    let garbage: Vec<String> = names
-        .into_iter()
-        .filter(|n| is_data_file_name(n) && !ours.contains(n) && !leases.iter().any(|l| l.covers(n)))
-        .collect();
+    let replaced =
+        |n: &str| (is_data_file_name(n) && !ours.contains(n)) || (parse_common_copy_name(n).is_some() && n != copy);
+    let garbage: Vec<String> =
+        names.into_iter().filter(|n| replaced(n) && !leases.iter().any(|l| l.covers(n))).collect();
     remove_files(storage, &garbage)
 }

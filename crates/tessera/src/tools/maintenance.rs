@@ -7,7 +7,9 @@ use crate::error::{Error, Result};
 use crate::format::lease::{parse_lease_name, Lease, LEASE_TTL_MS};
 use crate::format::{is_data_file_name, INDEX_FILE};
 use crate::formats::olmo::metadata::{parse_rank_file_name, METADATA_FILE as OLMO_METADATA};
-use crate::formats::torch_dist::{is_data_file_name as is_distcp_name, MEGATRON_COMMON, MEGATRON_METADATA};
+use crate::formats::torch_dist::{
+    is_data_file_name as is_distcp_name, parse_common_copy_name, MEGATRON_COMMON, MEGATRON_METADATA,
+};
 use crate::load::open::open_index;
 use crate::save::lease::now_ms;
 use crate::storage::{temporary_target, temporary_time_ms, Storage, StorageExt};
@@ -155,7 +157,10 @@ pub(crate) fn analyse(
         .collect();
     let mut garbage = Vec::new();
     for name in &names {
-        let save_file = is_data_file_name(name) || is_distcp_name(name) || parse_rank_file_name(name).is_some();
+        let save_file = is_data_file_name(name)
+            || is_distcp_name(name)
+            || parse_rank_file_name(name).is_some()
+            || parse_common_copy_name(name).is_some();
         let temporary = temporary_target(name).is_some();
         if !(save_file || temporary) || referenced.contains(name) {
             if expired.contains(name) {

@@ -391,3 +391,15 @@ pub fn tensor_at<'s, 'a>(state: &'s StateTree<'a>, dotted: &str) -> &'s ShardedT
 pub fn bytes_at<'s>(state: &'s StateTree<'_>, dotted: &str) -> &'s [u8] {
     tensor_at(state, dotted).data.bytes().unwrap_or_else(|| panic!("tensor at {dotted:?} has no data"))
 }
+
+/// CRC-32C (Castagnoli), bit by bit: the tests' own reference for the checksums tessera writes.
+pub fn crc32c(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in data {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0x82f6_3b78 } else { crc >> 1 };
+        }
+    }
+    !crc
+}

@@ -119,7 +119,8 @@ impl LoadStrategy for DcpStrategy {
 }
 
 /// The data files the `.metadata` at the root of `storage` names (what a committed DCP
-/// checkpoint there uses); `None` when there is no `.metadata`.
+/// checkpoint there uses), with the copy of its `common.pt` tessera keeps; `None` when there is
+/// no `.metadata`.
 pub(crate) fn referenced_files(storage: &dyn Storage) -> Result<Option<std::collections::BTreeSet<String>>> {
     let bytes = match storage.read(DCP_METADATA) {
         Ok(b) => b,
@@ -129,8 +130,10 @@ pub(crate) fn referenced_files(storage: &dyn Storage) -> Result<Option<std::coll
     let shown = format!("{}/{DCP_METADATA}", storage.location());
     let root = unpickle(&bytes, &shown, &limits())?;
     let meta: DcpMetadata = parse_metadata(&root).map_err(|e| Error::corrupt(&shown, e))?;
+    let copy = meta.save_id.as_deref().and_then(crate::formats::torch_dist::committed_common);
+    let copy = copy.map(|(id, _)| crate::formats::torch_dist::common_copy_name(id));
     let chunks = meta.tensors.into_iter().flat_map(|t| t.chunks.into_iter().map(|c| c.location.relative_path));
-    Ok(Some(chunks.chain(meta.bytes.into_iter().map(|b| b.location.relative_path)).collect()))
+    Ok(Some(chunks.chain(meta.bytes.into_iter().map(|b| b.location.relative_path)).chain(copy).collect()))
 }
 
 /// `"key/shard_0.1_2.4"` → `("key", [0, 1], [2, 4])`: Megatron's name for a sharded object.
@@ -213,7 +216,7 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
     }
 
     if flavor == DcpFlavor::Megatron {
-        match view.megatron_common(meta_save_id.as_deref().and_then(crate::formats::torch_dist::common_crc_of))? {
+        match view.megatron_common(meta_save_id.as_deref().and_then(crate::formats::torch_dist::committed_common))? {
             Some(entries) => common.extend(entries),
             None => common.extend(common_object.as_ref().map(common_entries).unwrap_or_default()),
         }

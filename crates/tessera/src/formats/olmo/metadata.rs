@@ -83,7 +83,24 @@ pub struct TensorMeta {
 pub struct StorageMetadata {
     /// Key → tensor.
     pub tensors: Vec<(String, TensorMeta)>,
+    /// What tessera records of the save that wrote it (OLMo-core ignores the field).
+    pub save: Option<SaveMark>,
 }
+
+/// The save that wrote a `metadata.json`, as tessera records it under [`SAVE_KEY`]: a save of
+/// several directories at once (`model/` and `optim/`) marks each with its id, so that a reader
+/// tells a pair committed by one save from one that an interrupted save left mixed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SaveMark {
+    /// The save's id.
+    pub id: u64,
+    /// Directories the save wrote together.
+    pub dirs: u32,
+}
+
+/// The key of [`SaveMark`] in `metadata.json`, after `tensors` (OLMo-core's pydantic model
+/// ignores keys it does not know).
+pub const SAVE_KEY: &str = "tessera_save";
 
 /// The name of rank `rank`'s data file in save `save_id`: OLMo-core's own name
 /// (`rank_{rank}.safetensors`) for save id 0, which a save into a directory without rank files
@@ -241,7 +258,19 @@ pub fn parse_metadata(bytes: &[u8], shown: &str) -> Result<StorageMetadata> {
         let t = tensor_of(v).map_err(|e| Error::corrupt(shown, format!("tensor {key:?}: {e}")))?;
         out.push((key.clone(), t));
     }
-    Ok(StorageMetadata { tensors: out })
+    let save = match root.get(SAVE_KEY) {
+        None => None,
+        Some(v) => {
+            let id =
+                v.get("id").and_then(J::as_str).filter(|s| s.len() == 16).and_then(|s| u64::from_str_radix(s, 16).ok());
+            let dirs = v.get("dirs").and_then(J::as_u64).and_then(|d| u32::try_from(d).ok());
+            match (id, dirs) {
+                (Some(id), Some(dirs)) => Some(SaveMark { id, dirs }),
+                _ => return Err(Error::corrupt(shown, format!("{SAVE_KEY} is {v}, not {{\"id\", \"dirs\"}}"))),
+            }
+        }
+    };
+    Ok(StorageMetadata { tensors: out, save })
 }
 
 /// Python's `json.dumps` of a string (`ensure_ascii`: every character outside printable ASCII
@@ -323,7 +352,11 @@ pub fn metadata_json(meta: &StorageMetadata) -> String {
         }
         out.push_str("}}");
     }
-    out.push_str("}}");
+    out.push('}');
+    if let Some(m) = &meta.save {
+        out.push_str(&format!(", \"{SAVE_KEY}\": {{\"id\": \"{:016x}\", \"dirs\": {}}}", m.id, m.dirs));
+    }
+    out.push('}');
     out
 }
 
@@ -676,7 +709,7 @@ pub fn metadata_from_plans(plans: &[RankPlan], save_id: u64) -> StorageMetadata 
         let n: u64 = t.shape.iter().product();
         t.is_sharded = !matches!(&t.files[..], [(_, ShardSpec::Flat(r))] if r[..] == [(0, n)]);
     }
-    StorageMetadata { tensors }
+    StorageMetadata { tensors, save: None }
 }
 
 /// The layout of a rank's data file: one 1-D tensor per key.

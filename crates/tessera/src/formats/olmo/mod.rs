@@ -13,8 +13,8 @@ use std::sync::Mutex;
 use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, Crcs, FileEntry, SafetensorsHeader, StoredChunk, TensorEntry};
 use crate::formats::olmo::metadata::{
-    build_tensors, decode_pickled, file_crcs, is_olmo_metadata, parse_metadata, FileCrcs, IndexedFile, BACKEND,
-    MAX_PICKLED_FIELD, METADATA_FILE, PARTS,
+    build_tensors, decode_pickled, file_crcs, is_olmo_metadata, parse_metadata, FileCrcs, IndexedFile, SaveMark,
+    BACKEND, MAX_PICKLED_FIELD, METADATA_FILE, PARTS,
 };
 use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
 use crate::formats::{ForEach, FormatRecord, LoadStrategy};
@@ -76,6 +76,34 @@ pub(crate) fn olmo_parts(storage: &dyn Storage) -> Result<Option<Vec<String>>> {
     Ok((!parts.is_empty()).then_some(parts))
 }
 
+/// Directories that one save wrote together (a [`SaveMark`] of several) must all be of that save:
+/// a save of `model/` and `optim/` interrupted between their two commits leaves one new and the
+/// other old, which is refused rather than read as one checkpoint.
+fn check_one_save(marks: &[(String, Option<SaveMark>)], location: &str) -> Result<()> {
+    let Some((shown, claim)) = marks.iter().find_map(|(s, m)| m.filter(|m| m.dirs > 1).map(|m| (s, m))) else {
+        return Ok(());
+    };
+    if marks.len() < claim.dirs as usize {
+        // Committed in one directory only: the save of both never finished (the directory alone
+        // opens, as itself).
+        return Err(Error::NotCommitted { path: location.into() });
+    }
+    for (other, mark) in marks {
+        if mark.map(|m| m.id) != Some(claim.id) {
+            return Err(Error::corrupt(
+                other,
+                format!(
+                    "is not of the save that wrote {shown} ({:016x}, which wrote {} directories together): a save of \
+                     both was interrupted between their commits; each directory alone is whole, together they \
+                     are no checkpoint: save again",
+                    claim.id, claim.dirs
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The rank files the `metadata.json` of the OLMo-core `Checkpointer` directory `storage` names
 /// (what the committed checkpoint there uses); `None` when there is no OLMo-core
 /// `metadata.json`.
@@ -97,10 +125,12 @@ pub(crate) fn open_olmo<'s>(
     let mut tensors: Vec<TensorEntry> = Vec::new();
     let mut common: Vec<(StatePath, Value)> = Vec::new();
     let mut block: Option<Option<u64>> = None;
+    let mut marks: Vec<(String, Option<SaveMark>)> = Vec::new();
     for prefix in &parts {
         let meta_name = format!("{prefix}{METADATA_FILE}");
         let shown = format!("{}/{meta_name}", storage.location());
         let meta = parse_metadata(&storage.read(&meta_name)?, &shown)?;
+        marks.push((shown.clone(), meta.save));
         // Files holding data, each header read once.
         let names: Vec<&str> = meta
             .tensors
@@ -143,6 +173,10 @@ pub(crate) fn open_olmo<'s>(
         };
         common.extend(optimizer_values(storage, prefix, &part_tensors, &files)?);
         tensors.extend(part_tensors);
+    }
+    // A directory opened itself is whole; `model/` and `optim/` opened together must be one save.
+    if parts[0] != "" {
+        check_one_save(&marks, &storage.location())?;
     }
     let block_size = match block {
         Some(Some(bs)) => bs,
