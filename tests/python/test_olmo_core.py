@@ -228,7 +228,11 @@ def test_errors_name_the_key_or_file(tmp_path: Any) -> None:
     with pytest.raises(MismatchError, match='"w"'):
         oc.Checkpointer().load(tmp_path / "ck", {"w": torch.empty(3, 4)})
     meta = json.loads((tmp_path / "ck/metadata.json").read_text())
-    meta["tensors"]["w"]["shard_spec_per_file"]["rank_0.safetensors"]["flattened_offsets"] = [[0, 13]]
+    # The overwrite wrote rank files of its own names beside the old ones (gone since).
+    (rank_file,) = meta["tensors"]["w"]["shard_spec_per_file"]
+    assert rank_file.startswith("rank_0-"), rank_file
+    assert sorted(os.listdir(tmp_path / "ck")) == sorted(["metadata.json", rank_file])
+    meta["tensors"]["w"]["shard_spec_per_file"][rank_file]["flattened_offsets"] = [[0, 13]]
     (tmp_path / "ck/metadata.json").write_text(json.dumps(meta))
     with pytest.raises(CorruptError, match='metadata.json.*"w"'):
         oc.Checkpointer().load(tmp_path / "ck", {"w": torch.empty(4, 3)})

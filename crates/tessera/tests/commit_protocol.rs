@@ -12,44 +12,6 @@ use std::sync::Arc;
 use common::*;
 use tessera::*;
 
-/// A rank's communicator whose `n`-th collective (counted from 0) fails on this rank, after
-/// taking part in it (its peers go on, as after a failure only this rank saw).
-struct FailAt<'c> {
-    inner: &'c InProcessComm,
-    n: Option<usize>,
-    count: AtomicUsize,
-}
-
-impl<'c> FailAt<'c> {
-    fn new(inner: &'c InProcessComm, n: Option<usize>) -> Self {
-        FailAt { inner, n, count: AtomicUsize::new(0) }
-    }
-    fn check<T>(&self, r: Result<T>) -> Result<T> {
-        let k = self.count.fetch_add(1, Ordering::SeqCst);
-        if self.n == Some(k) {
-            return Err(Error::Comm { reason: format!("injected: collective {k} failed") });
-        }
-        r
-    }
-}
-
-impl Communicator for FailAt<'_> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let r = self.inner.all_gather(data);
-        self.check(r)
-    }
-    fn broadcast(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
-        let r = self.inner.broadcast(data, root);
-        self.check(r)
-    }
-}
-
 /// A storage failing the puts (atomic or not) of `name`, and, once `armed`, the size queries of
 /// `size_of`.
 #[derive(Debug, Clone)]
@@ -160,9 +122,9 @@ fn torch_dist_save(storage: &dyn Storage, comm: &dyn Communicator, step: u64, ov
 /// Collectives one rank makes in a clean save with `f`.
 fn collectives(f: impl Fn(&dyn Communicator) -> Result<SaveReport> + Sync) -> usize {
     let counts = run_ranks(WORLD, |c| {
-        let comm = FailAt::new(c, None);
+        let comm = FailingComm::new(c, None);
         f(&comm).unwrap();
-        comm.count.load(Ordering::SeqCst)
+        comm.calls()
     });
     counts[0]
 }
@@ -176,7 +138,7 @@ fn torch_dist_a_collective_failing_after_the_commit_deletes_no_committed_file() 
     }
     // The last collective (after rank 0 put `.metadata`) fails on rank 1 only.
     let out = run_ranks(WORLD, |c| {
-        let comm = FailAt::new(c, (c.rank() == 1).then_some(n - 1));
+        let comm = FailingComm::new(c, (c.rank() == 1).then_some(n - 1));
         torch_dist_save(&storage, &comm, 2, true)
     });
     assert!(out[0].is_ok(), "rank 0 committed: {:?}", out[0]);
@@ -283,7 +245,7 @@ fn native_a_verdict_that_does_not_arrive_leaves_the_files_and_says_so() {
     let n = collectives(|c| native_save(&MemoryStorage::new(), c, 1, false));
     let storage = MemoryStorage::new();
     let out = run_ranks(WORLD, |c| {
-        let comm = FailAt::new(c, (c.rank() == 1).then_some(n - 1));
+        let comm = FailingComm::new(c, (c.rank() == 1).then_some(n - 1));
         native_save(&storage, &comm, 1, false)
     });
     assert!(out[0].is_ok(), "{:?}", out[0]);

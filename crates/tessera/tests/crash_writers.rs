@@ -189,9 +189,13 @@ fn committed_files(storage: &dyn Storage) -> BTreeSet<String> {
     if ckpt.format().backend == "torch_dist" {
         files.extend([".metadata", "common.pt", "metadata.json"].map(String::from));
         let common = storage.read("common.pt").unwrap();
-        files.extend(storage.list().unwrap().into_iter().filter(|n| {
-            n.starts_with(".tessera-common-") && storage.read(n).unwrap() == common
-        }));
+        files.extend(
+            storage
+                .list()
+                .unwrap()
+                .into_iter()
+                .filter(|n| n.starts_with(".tessera-common-") && storage.read(n).unwrap() == common),
+        );
     } else {
         files.insert("metadata.json".into());
     }
@@ -209,7 +213,13 @@ macro_rules! ensure {
 /// Checks one checkpoint location (a `torch_dist` directory, or one of OLMo-core's `model/`,
 /// `optim/`): holds a step of `allowed` (or nothing, unless `must`); verify agrees; gc leaves
 /// exactly the committed files and the same step.
-fn check_location(dir: &Path, keys: &[&str], value: bool, allowed: &[u64], must: bool) -> std::result::Result<Option<u64>, String> {
+fn check_location(
+    dir: &Path,
+    keys: &[&str],
+    value: bool,
+    allowed: &[u64],
+    must: bool,
+) -> std::result::Result<Option<u64>, String> {
     let storage = LocalStorage::new(dir);
     let step = step_of(&storage, keys, value)?;
     match step {
@@ -233,8 +243,10 @@ fn check_dir(mode: Mode, dir: &Path, allowed: &[u64], must: bool) -> std::result
     match mode {
         Mode::TorchDist => check_location(dir, &["w", "b"], true, allowed, must),
         Mode::Olmo => {
-            let m = check_location(&dir.join("model"), &["w"], false, allowed, must).map_err(|e| format!("model/: {e}"))?;
-            let o = check_location(&dir.join("optim"), &["b"], false, allowed, must).map_err(|e| format!("optim/: {e}"))?;
+            let m =
+                check_location(&dir.join("model"), &["w"], false, allowed, must).map_err(|e| format!("model/: {e}"))?;
+            let o =
+                check_location(&dir.join("optim"), &["b"], false, allowed, must).map_err(|e| format!("optim/: {e}"))?;
             // Together: the same step, or refused as one checkpoint.
             let pair = LocalStorage::new(dir);
             match (m, o) {
@@ -329,7 +341,12 @@ fn check_root(mode: Mode, root: &Path, events: &[Event], finished: bool) -> std:
     Ok(outcome)
 }
 
-fn run_child(mode: Mode, root: &Path, steps: u64, kill_after: Option<Duration>) -> (std::process::ExitStatus, String, Duration) {
+fn run_child(
+    mode: Mode,
+    root: &Path,
+    steps: u64,
+    kill_after: Option<Duration>,
+) -> (std::process::ExitStatus, String, Duration) {
     use std::io::{BufRead, Read};
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["crash_writers_child", "--exact", "--nocapture", "--include-ignored", "--test-threads=1"])
@@ -396,9 +413,7 @@ fn campaign(mode: Mode) {
     let saves: Vec<(Duration, Duration)> = events
         .iter()
         .filter(|b| !b.committed)
-        .filter_map(|b| {
-            events.iter().find(|c| c.committed && c.dir == b.dir && c.step == b.step).map(|c| (b.at, c.at))
-        })
+        .filter_map(|b| events.iter().find(|c| c.committed && c.dir == b.dir && c.step == b.step).map(|c| (b.at, c.at)))
         .collect();
 
     let mut rng = Rng::new(seed);
@@ -416,15 +431,19 @@ fn campaign(mode: Mode) {
         let killed = status.signal() == Some(libc::SIGKILL);
         assert!(killed || status.success(), "instant {i}: {status:?}");
         let events = parse_events(&stdout);
-        let outcome = check_root(mode, &root, &events, !killed)
-            .unwrap_or_else(|e| panic!("{} instant {i} (seed {seed}, delay {delay:?}, root {}): {e}", mode.name(), root.display()));
+        let outcome = check_root(mode, &root, &events, !killed).unwrap_or_else(|e| {
+            panic!("{} instant {i} (seed {seed}, delay {delay:?}, root {}): {e}", mode.name(), root.display())
+        });
         if verbose {
             println!("crash [{}] instant {i}: kill at {delay:?}: {outcome:?}", mode.name());
         }
         *counts.entry(outcome).or_default() += 1;
         std::fs::remove_dir_all(&root).unwrap();
     }
-    println!("crash [{}]: {instants} instants: {counts:?}; every directory held a whole step or nothing committed", mode.name());
+    println!(
+        "crash [{}]: {instants} instants: {counts:?}; every directory held a whole step or nothing committed",
+        mode.name()
+    );
 }
 
 #[test]

@@ -141,46 +141,6 @@ impl ObjectWriter for FaultyWriter {
     }
 }
 
-/// A rank's communicator failing its `at`-th collective (on this rank, when the fault is
-/// this rank's or every rank's). The rank still takes part in the collective, so the group
-/// stays in step: the fault is what the rank sees, as after a peer's timeout.
-struct FaultyComm<'c> {
-    inner: &'c dyn Communicator,
-    count: Arc<AtomicUsize>,
-    fail: Option<usize>,
-}
-
-impl FaultyComm<'_> {
-    fn check<T>(&self, what: &str, r: Result<T>) -> Result<T> {
-        let n = self.count.fetch_add(1, Ordering::SeqCst);
-        if self.fail == Some(n) {
-            return Err(Error::Comm { reason: format!("injected fault in {what} (collective {n})") });
-        }
-        r
-    }
-}
-
-impl Communicator for FaultyComm<'_> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let r = self.inner.all_gather(data);
-        self.check("all_gather", r)
-    }
-    fn broadcast(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
-        let r = self.inner.broadcast(data, root);
-        self.check("broadcast", r)
-    }
-    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
-        let r = self.inner.all_to_all(send);
-        self.check("all_to_all", r)
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // The state every writer saves: a function of the step.
 
@@ -450,9 +410,9 @@ fn run(
                         .iter()
                         .map(|d| Arc::new(Faulty { inner: d.clone(), calls: calls.clone() }) as Arc<dyn Storage>)
                         .collect();
-                    let comm = FaultyComm { inner: &groups[0][rank], count: count.clone(), fail: comm_fault };
-                    // The async save's second communicator: 'static, so it owns its group.
-                    let commit: Arc<dyn Communicator> = Arc::new(OwnedFaultyComm {
+                    // Both communicators of the rank count their collectives together.
+                    let comm = FailingComm { inner: groups[0][rank].clone(), count: count.clone(), fail: comm_fault };
+                    let commit: Arc<dyn Communicator> = Arc::new(FailingComm {
                         inner: groups[1][rank].clone(),
                         count: count.clone(),
                         fail: comm_fault,
@@ -475,29 +435,6 @@ fn run(
         collectives.push(c);
     }
     (results, logs, collectives)
-}
-
-/// [`FaultyComm`] owning its communicator (the async save's commit communicator must be
-/// `'static`).
-struct OwnedFaultyComm {
-    inner: InProcessComm,
-    count: Arc<AtomicUsize>,
-    fail: Option<usize>,
-}
-
-impl Communicator for OwnedFaultyComm {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        FaultyComm { inner: &self.inner, count: self.count.clone(), fail: self.fail }.all_gather(data)
-    }
-    fn broadcast(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
-        FaultyComm { inner: &self.inner, count: self.count.clone(), fail: self.fail }.broadcast(data, root)
-    }
 }
 
 fn fresh(writer: Writer) -> Vec<Arc<dyn Storage>> {

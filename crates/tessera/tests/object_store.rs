@@ -947,7 +947,14 @@ fn every_change_to_the_store_loses_its_response_in_turn_and_no_checkpoint_is_los
     let write = |w: W, s: &dyn Storage, c: &dyn Communicator, step: u64, overwrite: bool| -> Result<()> {
         let rank = c.rank();
         let rows = w_of(step)[rank * 128..(rank + 1) * 128].to_vec();
-        let t = ShardedTensor::from_rank_offsets("w", DType::F32, &[4, 8], TensorData::Owned(rows), &[(0, rank as u64, 2)], 0)?;
+        let t = ShardedTensor::from_rank_offsets(
+            "w",
+            DType::F32,
+            &[4, 8],
+            TensorData::Owned(rows),
+            &[(0, rank as u64, 2)],
+            0,
+        )?;
         let mut tree = StateTree::map().with("w", StateTree::Tensor(t));
         if w != W::Olmo {
             tree = tree.with("step", StateTree::Value(Value::Int(step as i64)));
@@ -974,7 +981,10 @@ fn every_change_to_the_store_loses_its_response_in_turn_and_no_checkpoint_is_los
         Some(step)
     };
     let changes = |r: &Logged| {
-        matches!(r.kind, Kind::Put | Kind::PutPart | Kind::CreateUpload | Kind::CompleteUpload | Kind::Delete | Kind::AbortUpload)
+        matches!(
+            r.kind,
+            Kind::Put | Kind::PutPart | Kind::CreateUpload | Kind::CompleteUpload | Kind::Delete | Kind::AbortUpload
+        )
     };
     let mut cases = 0;
     for w in [W::Native, W::TorchDist, W::Olmo] {

@@ -403,3 +403,52 @@ pub fn crc32c(data: &[u8]) -> u32 {
     }
     !crc
 }
+
+/// A rank's communicator whose `fail`-th collective (counted from 0 in `count`, which several
+/// communicators of one rank may share) fails on this rank, after this rank took part in it:
+/// its peers go on, as after a failure only this rank saw.
+pub struct FailingComm {
+    pub inner: InProcessComm,
+    pub count: std::sync::Arc<AtomicUsize>,
+    pub fail: Option<usize>,
+}
+
+impl FailingComm {
+    pub fn new(inner: &InProcessComm, fail: Option<usize>) -> Self {
+        FailingComm { inner: inner.clone(), count: Default::default(), fail }
+    }
+
+    fn check<T>(&self, what: &str, r: Result<T>) -> Result<T> {
+        let n = self.count.fetch_add(1, Ordering::SeqCst);
+        if self.fail == Some(n) {
+            return Err(Error::Comm { reason: format!("injected fault in {what} (collective {n})") });
+        }
+        r
+    }
+
+    /// Collectives this rank made.
+    pub fn calls(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+}
+
+impl Communicator for FailingComm {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let r = self.inner.all_gather(data);
+        self.check("all_gather", r)
+    }
+    fn broadcast(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
+        let r = self.inner.broadcast(data, root);
+        self.check("broadcast", r)
+    }
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        let r = self.inner.all_to_all(send);
+        self.check("all_to_all", r)
+    }
+}

@@ -175,7 +175,7 @@ pub(crate) fn open_olmo<'s>(
         tensors.extend(part_tensors);
     }
     // A directory opened itself is whole; `model/` and `optim/` opened together must be one save.
-    if parts[0] != "" {
+    if !parts[0].is_empty() {
         check_one_save(&marks, &storage.location())?;
     }
     let block_size = match block {
