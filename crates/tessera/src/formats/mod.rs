@@ -510,8 +510,11 @@ pub(crate) struct ObjectShards(BTreeMap<String, ObjectEntry>);
 
 impl ObjectShards {
     /// Adds the shard at grid position `offset` of `key`'s `grid`, stored in virtual file
-    /// `file`; shards of one key must agree on the grid (`shown` names the file otherwise).
+    /// `file`; shards of one key must agree on the grid, of at most
+    /// [`MAX_AXES`](crate::model::dims::MAX_AXES) axes (`shown` names the file otherwise).
     pub(crate) fn add(&mut self, key: &str, offset: Vec<u64>, grid: Vec<u64>, file: u32, shown: &str) -> Result<()> {
+        crate::model::dims::check_axes(grid.len())
+            .map_err(|e| Error::corrupt(shown, format!("object {key:?}: the grid has {e}")))?;
         let entry = self.0.entry(key.to_string()).or_insert_with(|| ObjectEntry {
             key: key.to_string(),
             global_shape: grid.clone(),

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use crate::formats::pickle::PickleValue;
 use crate::formats::torch_save::{as_dims, as_u64, describe, torch_dtype};
+use crate::model::dims::check_axes;
 use crate::model::dtype::DType;
 use crate::model::PathSeg;
 
@@ -187,7 +188,12 @@ pub(crate) fn parse_metadata(root: &PickleValue) -> Result<DcpMetadata, String> 
             Some(chunks) => {
                 let f = f.unwrap();
                 let what = format!("tensor {fqn:?}");
-                let size = as_dims(need(f, "size", &what)?).ok_or_else(|| format!("{what}: size is not a tuple"))?;
+                let size = need(f, "size", &what)?;
+                // Counted before anything walks the axes (the chunks', the geometry's).
+                if let PickleValue::Tuple(xs) | PickleValue::List(xs) = size {
+                    check_axes(xs.len()).map_err(|e| format!("{what}: size has {e}"))?;
+                }
+                let size = as_dims(size).ok_or_else(|| format!("{what}: size is not a tuple"))?;
                 let dtype = properties_dtype(need(f, "properties", &what)?, &fqn)?;
                 let PickleValue::List(cs) = chunks else { return Err(format!("{what}: chunks is not a list")) };
                 let mut out = Vec::with_capacity(cs.len());
