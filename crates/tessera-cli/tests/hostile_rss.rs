@@ -139,6 +139,15 @@ fn hostile_inputs_exit_1_within_bounded_memory() {
     .unwrap();
     check("inspect, zarr grid of 2^24 chunks", &["inspect", &s(&d)], &d, ".zarray", &scratch.0);
 
+    // inspect, verify: a 120 KB safetensors file of one tensor with 60,000 axes (the geometry
+    // recursed once per axis: a stack overflow, SIGABRT).
+    let d = dir("axes");
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("model.safetensors"), plain_safetensors(60_000)).unwrap();
+    for cmd in ["inspect", "verify"] {
+        check(&format!("{cmd}, 60,000 axes"), &[cmd, &s(&d)], &d, "model.safetensors", &scratch.0);
+    }
+
     // unshard --memory 64MiB: one tensor of 2^56 elements.
     let d = dir("huge");
     let side = 1u64 << 28;

@@ -38,15 +38,10 @@ fn assert_too_many_axes<T: std::fmt::Debug>(r: Result<T>, file: &str, key: &str,
     assert!(reason.contains(&format!("{axes} axes")) && reason.contains(&CAP.to_string()), "{reason}");
 }
 
-/// A plain safetensors file holding one f32 tensor `w` of `axes` axes of length 1.
+/// [`plain_safetensors`] written at `path`.
 fn write_plain_safetensors(path: &Path, axes: usize) {
-    let shape = vec!["1"; axes].join(",");
-    let header = format!(r#"{{"w":{{"dtype":"F32","shape":[{shape}],"data_offsets":[0,4]}}}}"#);
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(header.as_bytes());
-    bytes.extend_from_slice(&1.5f32.to_le_bytes());
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    std::fs::write(path, bytes).unwrap();
+    std::fs::write(path, plain_safetensors(axes)).unwrap();
 }
 
 #[test]

@@ -272,6 +272,17 @@ pub fn write_dcp(dir: &Path, items: &[Item]) {
     std::fs::write(dir.join("__0_0.distcp"), file).unwrap();
 }
 
+/// A plain safetensors file holding one f32 tensor `w` (value 1.5) of `axes` axes of length
+/// 1: 2 bytes of header per axis (60,000 axes in 120 KB).
+pub fn plain_safetensors(axes: usize) -> Vec<u8> {
+    let shape = vec!["1"; axes].join(",");
+    let header = format!(r#"{{"w":{{"dtype":"F32","shape":[{shape}],"data_offsets":[0,4]}}}}"#);
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(&1.5f32.to_le_bytes());
+    bytes
+}
+
 /// A pickle whose memo shares one `len`-byte string `copies` times: `len + 2 * copies` bytes
 /// that a naive unpickler expands to `len * copies`.
 pub fn memo_sharing_bomb(len: usize, copies: usize) -> Vec<u8> {
