@@ -9,6 +9,7 @@ pub mod faults;
 pub mod files;
 pub mod fixtures;
 pub mod gcs;
+pub mod rss;
 pub mod s3;
 pub mod server;
 
