@@ -339,6 +339,46 @@ fn verify_of_a_block_size_1_checkpoint_reports_each_damaged_block() {
     assert_eq!(report.problems, want);
 }
 
+/// Runs `test` (the caller) in a child on a DCP checkpoint whose `.metadata` holds `n` plain
+/// values of one opcode `value` each, and checks the child's peak RSS against 2 × the input +
+/// 64 MiB.
+fn plain_values_within_bound(test: &str, what: &str, n: usize, value: &[u8]) {
+    let dir = TempDir::new("plain-values");
+    write_dcp_with(dir.path(), P::Dict(vec![(s("w"), P::Tuple(vec![s("w")])), (s("extra"), plain_values(n, value))]));
+    let input = dir_size(dir.path());
+    let rss = common::rss::child_peak_rss(test, &[(RSS_CHILD, dir.path().as_os_str())]);
+    let limit = common::rss::rss_bound(input);
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    eprintln!("{what}: input {:.1} MiB, peak RSS {:.1} MiB (limit {:.1} MiB)", mib(input), mib(rss), mib(limit));
+    assert!(rss <= limit, "{what}: peak RSS {rss} > {limit} for {input} bytes of checkpoint");
+}
+
+#[test]
+fn dcp_metadata_of_millions_of_small_ints_opens_within_2x_input_plus_64_mib() {
+    if let Some(dir) = std::env::var_os(RSS_CHILD) {
+        // 4 M small ints (8 MB) in the planner's data: read in place, never built as values.
+        let got = open(&LocalStorage::new(dir)).and_then(|c| c.read_tensors(None)).unwrap();
+        assert_eq!(got["w"].data, vec![0u8; 16]);
+        common::rss::report_peak_rss();
+        return;
+    }
+    let test = "dcp_metadata_of_millions_of_small_ints_opens_within_2x_input_plus_64_mib";
+    plain_values_within_bound(test, "4 M small ints", 4_000_000, &[b'K', 7]);
+}
+
+#[test]
+fn dcp_metadata_of_millions_of_nones_is_refused_within_2x_input_plus_64_mib() {
+    if let Some(dir) = std::env::var_os(RSS_CHILD) {
+        // 4 M Nones (4 MB) would be 250 MB as values: over the unpickler's budget.
+        let (path, reason) = corrupt(open(&LocalStorage::new(dir)).map(|_| ()));
+        assert!(path.ends_with(".metadata") && reason.contains("budget"), "{path}: {reason}");
+        common::rss::report_peak_rss();
+        return;
+    }
+    let test = "dcp_metadata_of_millions_of_nones_is_refused_within_2x_input_plus_64_mib";
+    plain_values_within_bound(test, "4 M Nones", 4_000_000, b"N");
+}
+
 /// Which budget ratios a real pickle (`TESSERA_BUDGET_PICKLE`, e.g. from
 /// `scripts/unpickle_budget.sh`) unpickles under; the default must be one of them.
 #[test]

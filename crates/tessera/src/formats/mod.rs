@@ -122,7 +122,7 @@ const OBJECT_DECODE_FLOOR: u64 = 32 << 20;
 #[derive(Debug, Clone)]
 pub(crate) enum Source {
     /// A tensor chunk stored as one DCP item (a `torch.save` archive, maybe zstd-compressed).
-    DcpTensor { item: ItemLocation, dtype: DType, shape: Vec<u64>, key: String },
+    DcpTensor { item: ItemLocation, dtype: DType, shape: Vec<u64>, key: Arc<str> },
     /// A value stored as one DCP item, delivered as an object payload.
     DcpObject { item: ItemLocation, key: String, list_wrapped: bool },
     /// A whole file holding a `torch.save` of an object, delivered as an object payload.

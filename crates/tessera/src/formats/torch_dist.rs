@@ -318,7 +318,7 @@ pub fn common_pt(common: &[(StatePath, Value)], serialization_id: &str) -> Resul
 mod tests {
     use super::*;
     use crate::formats::dcp::metadata::parse_metadata;
-    use crate::formats::pickle::{unpickle, PickleValue, UnpickleLimits};
+    use crate::formats::pickle::{unpickle_view, PickleValue, UnpickleLimits};
     use crate::formats::torch_save::decode_archive;
 
     #[test]
@@ -335,7 +335,7 @@ mod tests {
         }];
         let bytes = vec![(object_fqn("rng", &[1], &[2]), place(20))];
         let pkl = metadata_pickle(&tensors, &bytes, "id");
-        let meta = parse_metadata(&unpickle(&pkl, "m", &UnpickleLimits::default()).unwrap()).unwrap();
+        let meta = parse_metadata(unpickle_view(&pkl, "m", &UnpickleLimits::default()).unwrap().root()).unwrap();
         assert_eq!(meta.tensors.len(), 1);
         let t = &meta.tensors[0];
         assert_eq!((t.fqn.as_str(), t.dtype, t.size.clone()), ("a.w", DType::BF16, vec![4, 2]));
