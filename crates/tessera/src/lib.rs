@@ -159,8 +159,8 @@ pub mod __fuzz {
     /// A DCP `.metadata` pickle as the DCP reader decodes it (its limits), then interpreted:
     /// `(tensors, chunks, byte items)`.
     pub fn dcp_metadata(bytes: &[u8]) -> Result<(usize, usize, usize), String> {
-        let root = pickle::unpickle(bytes, "fuzz/.metadata", &torch_save::limits()).map_err(|e| e.to_string())?;
-        let m = dcp::parse_metadata(&root)?;
+        let root = pickle::unpickle_view(bytes, "fuzz/.metadata", &torch_save::limits()).map_err(|e| e.to_string())?;
+        let m = dcp::parse_metadata(root.root())?;
         Ok((m.tensors.len(), m.tensors.iter().map(|t| t.chunks.len()).sum(), m.bytes.len()))
     }
 

@@ -254,15 +254,7 @@ fn committed_files(storage: &dyn Storage) -> BTreeSet<String> {
         }
         "torch_dist" => {
             files.extend([".metadata", "common.pt", "metadata.json"].map(String::from));
-            // The copy of the committed common.pt tessera keeps beside it: one, the same bytes.
-            let common = storage.read("common.pt").unwrap();
-            let copies: Vec<String> =
-                storage.list().unwrap().into_iter().filter(|n| n.starts_with(".tessera-common-")).collect();
-            if let [copy] = &copies[..] {
-                if storage.read(copy).unwrap() == common {
-                    files.insert(copy.clone());
-                }
-            }
+            files.extend(committed_common_copy(storage));
         }
         "olmo_safetensors" => {
             files.insert("metadata.json".into());

@@ -253,6 +253,132 @@ fn loading_a_claimed_2_56_element_tensor_whole_is_an_error_not_an_abort() {
     }
 }
 
+/// The variable that makes a memory test its own child: the directory of the checkpoint the
+/// child reads (see `common/rss.rs`).
+const RSS_CHILD: &str = "TESSERA_TEST_RSS_CHILD";
+
+/// A native checkpoint in `dir` of one u8 tensor of `len` bytes saved with a checksum per byte
+/// (block size 1): its index holds 4 bytes of checksum per byte of data.
+fn block_size_1_checkpoint(dir: &TempDir, len: usize) -> LocalStorage {
+    let st = LocalStorage::new(dir.path());
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
+    let tree = StateTree::map().with(
+        "model.layers.0.mlp.weight",
+        StateTree::Tensor(ShardedTensor::full(
+            "model.layers.0.mlp.weight",
+            DType::U8,
+            &[len as u64],
+            TensorData::Ref(&data),
+        )),
+    );
+    save(tree, &st, &SoloComm, &SaveOptions { block_size: 1, ..SaveOptions::default() }).unwrap();
+    st
+}
+
+/// Runs `test` (the caller) in a child on a block-size-1 checkpoint of 4 MiB and checks the
+/// child's peak RSS against 2 × the checkpoint's size + 64 MiB.
+fn block_size_1_within_bound(test: &str, what: &str) {
+    let dir = TempDir::new("bs1");
+    block_size_1_checkpoint(&dir, 4 << 20);
+    let input = dir_size(dir.path());
+    let rss = common::rss::child_peak_rss(test, &[(RSS_CHILD, dir.path().as_os_str())]);
+    let limit = common::rss::rss_bound(input);
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    eprintln!("{what}: input {:.1} MiB, peak RSS {:.1} MiB (limit {:.1} MiB)", mib(input), mib(rss), mib(limit));
+    assert!(rss <= limit, "{what}: peak RSS {rss} > {limit} for {input} bytes of checkpoint");
+}
+
+#[test]
+fn verify_of_a_block_size_1_checkpoint_stays_within_2x_input_plus_64_mib() {
+    if let Some(dir) = std::env::var_os(RSS_CHILD) {
+        let st = LocalStorage::new(dir);
+        let report = verify(&st, 2).unwrap();
+        assert!(report.problems.is_empty() && report.checksummed, "{:?}", report.problems);
+        let file_size = open(&st).unwrap().index().files[0].size;
+        assert_eq!(report.bytes_checked, file_size, "the data and its file's header");
+        common::rss::report_peak_rss();
+        return;
+    }
+    block_size_1_within_bound("verify_of_a_block_size_1_checkpoint_stays_within_2x_input_plus_64_mib", "verify");
+}
+
+#[test]
+fn load_of_a_block_size_1_checkpoint_stays_within_2x_input_plus_64_mib() {
+    if let Some(dir) = std::env::var_os(RSS_CHILD) {
+        let got = open(&LocalStorage::new(dir)).and_then(|c| c.read_tensors(None)).unwrap();
+        assert_eq!(got["model.layers.0.mlp.weight"].data.len(), 4 << 20);
+        common::rss::report_peak_rss();
+        return;
+    }
+    block_size_1_within_bound("load_of_a_block_size_1_checkpoint_stays_within_2x_input_plus_64_mib", "load");
+}
+
+#[test]
+fn verify_of_a_block_size_1_checkpoint_reports_each_damaged_block() {
+    let dir = TempDir::new("bs1-damage");
+    let st = block_size_1_checkpoint(&dir, 100_000);
+    let index = open(&st).map(Checkpoint::into_index).unwrap();
+    let (file, header) = (&index.files[0].name, index.files[0].header_len);
+    let mut bytes = std::fs::read(dir.join(file)).unwrap();
+    for at in [0u64, 65_537, 99_999] {
+        bytes[(header + at) as usize] ^= 0x40;
+    }
+    std::fs::write(dir.join(file), &bytes).unwrap();
+    let report = verify(&st, 2).unwrap();
+    let want: Vec<String> = [0u64, 65_537, 99_999]
+        .iter()
+        .map(|at| {
+            let off = header + at;
+            format!(
+                "{}/{file}: checksum mismatch in tensor \"model.layers.0.mlp.weight\" at bytes {off}..{}",
+                st.location(),
+                off + 1
+            )
+        })
+        .collect();
+    assert_eq!(report.problems, want);
+}
+
+/// Runs `test` (the caller) in a child on a DCP checkpoint whose `.metadata` holds `n` plain
+/// values of one opcode `value` each, and checks the child's peak RSS against 2 × the input +
+/// 64 MiB.
+fn plain_values_within_bound(test: &str, what: &str, n: usize, value: &[u8]) {
+    let dir = TempDir::new("plain-values");
+    write_dcp_with(dir.path(), P::Dict(vec![(s("w"), P::Tuple(vec![s("w")])), (s("extra"), plain_values(n, value))]));
+    let input = dir_size(dir.path());
+    let rss = common::rss::child_peak_rss(test, &[(RSS_CHILD, dir.path().as_os_str())]);
+    let limit = common::rss::rss_bound(input);
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    eprintln!("{what}: input {:.1} MiB, peak RSS {:.1} MiB (limit {:.1} MiB)", mib(input), mib(rss), mib(limit));
+    assert!(rss <= limit, "{what}: peak RSS {rss} > {limit} for {input} bytes of checkpoint");
+}
+
+#[test]
+fn dcp_metadata_of_millions_of_small_ints_opens_within_2x_input_plus_64_mib() {
+    if let Some(dir) = std::env::var_os(RSS_CHILD) {
+        // 4 M small ints (8 MB) in the planner's data: read in place, never built as values.
+        let got = open(&LocalStorage::new(dir)).and_then(|c| c.read_tensors(None)).unwrap();
+        assert_eq!(got["w"].data, vec![0u8; 16]);
+        common::rss::report_peak_rss();
+        return;
+    }
+    let test = "dcp_metadata_of_millions_of_small_ints_opens_within_2x_input_plus_64_mib";
+    plain_values_within_bound(test, "4 M small ints", 4_000_000, &[b'K', 7]);
+}
+
+#[test]
+fn dcp_metadata_of_millions_of_nones_is_refused_within_2x_input_plus_64_mib() {
+    if let Some(dir) = std::env::var_os(RSS_CHILD) {
+        // 4 M Nones (4 MB) would be 250 MB as values: over the unpickler's budget.
+        let (path, reason) = corrupt(open(&LocalStorage::new(dir)).map(|_| ()));
+        assert!(path.ends_with(".metadata") && reason.contains("budget"), "{path}: {reason}");
+        common::rss::report_peak_rss();
+        return;
+    }
+    let test = "dcp_metadata_of_millions_of_nones_is_refused_within_2x_input_plus_64_mib";
+    plain_values_within_bound(test, "4 M Nones", 4_000_000, b"N");
+}
+
 /// Which budget ratios a real pickle (`TESSERA_BUDGET_PICKLE`, e.g. from
 /// `scripts/unpickle_budget.sh`) unpickles under; the default must be one of them.
 #[test]

@@ -1046,3 +1046,49 @@ fn every_change_to_the_store_loses_its_response_in_turn_and_no_checkpoint_is_los
     }
     println!("lost-response sweep on S3: {cases} cases; data lost in none");
 }
+
+/// An Azure connection string that names the account's host by `DefaultEndpointsProtocol=http`
+/// and `EndpointSuffix` (a private cloud or a gateway) reaches `http://ACCOUNT.blob.SUFFIX`
+/// over plain HTTP. The host does not resolve here: the client goes through a proxy on
+/// loopback that records each request line and answers that the blob does not exist.
+#[test]
+fn an_azure_connection_string_with_an_http_endpoint_suffix_reaches_the_account_host() {
+    use std::io::{BufRead, BufReader, Write};
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy = format!("http://{}", listener.local_addr().unwrap());
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { return };
+            let mut reader = BufReader::new(conn.try_clone().unwrap());
+            let mut line = String::new();
+            let mut first = None;
+            while reader.read_line(&mut line).is_ok_and(|n| n > 0) && line != "\r\n" {
+                first.get_or_insert_with(|| line.trim_end().to_string());
+                line.clear();
+            }
+            log.lock().unwrap().extend(first);
+            let mut conn = conn;
+            let _ = conn.write_all(
+                b"HTTP/1.1 404 The specified blob does not exist.\r\nx-ms-error-code: BlobNotFound\r\n\
+                  Content-Length: 0\r\nConnection: close\r\n\r\n",
+            );
+        }
+    });
+    let connection = "DefaultEndpointsProtocol=http;AccountName=acct;AccountKey=a2V5;EndpointSuffix=example.test";
+    let config = [("azure_storage_connection_string", connection), ("proxy_url", &proxy)];
+    let opts = ObjectStoreOptions {
+        config: config.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        max_retries: 0,
+        ..Default::default()
+    };
+    let storage = ObjectStorage::open("az://ckpts/run1", opts).unwrap();
+    assert_eq!(storage.size_if_present("tessera.index").unwrap(), None);
+    let seen = seen.lock().unwrap();
+    assert!(
+        seen.iter().any(|l| l.starts_with("HEAD http://acct.blob.example.test/ckpts/run1/tessera.index ")),
+        "{seen:?}"
+    );
+}

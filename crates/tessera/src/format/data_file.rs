@@ -222,9 +222,7 @@ fn text<'a>(r: &'a J, name: &str) -> std::result::Result<&'a str, String> {
 
 fn numbers(r: &J, name: &str) -> std::result::Result<Vec<u64>, String> {
     let list = field(r, name)?.as_array().ok_or_else(|| format!("{name:?} is not a list"))?;
-    if list.len() > crate::model::MAX_AXES {
-        return Err(format!("{name:?} has {} axes, more than {}", list.len(), crate::model::MAX_AXES));
-    }
+    crate::model::dims::check_axes(list.len()).map_err(|e| format!("{name:?} has {e}"))?;
     list.iter().map(|x| x.as_u64().ok_or_else(|| format!("{name:?} holds {x}, not a number"))).collect()
 }
 

@@ -8,8 +8,7 @@ use std::sync::Mutex;
 
 use crate::model::codec::{prealloc, Decoder, Encoder};
 use crate::model::crcs::Crcs;
-use crate::model::dims::numel;
-use crate::model::dims::Dims;
+use crate::model::dims::{check_axes, numel, Dims};
 use crate::model::dtype::DType;
 use crate::model::Value;
 use crate::model::{PathSeg, StatePath};
@@ -523,12 +522,29 @@ fn decode_tensor_head(d: &mut Decoder<'_>) -> Result<(String, DType, Vec<u64>, u
     let key = d.str()?;
     let code = d.u8()?;
     let dtype = DType::from_code(code).ok_or_else(|| format!("{key:?}: unknown dtype code {code}"))?;
-    let global_shape = d.dims()?;
+    let global_shape = decode_shape(d, &key)?;
     let nchunks = d.var()?;
     // Every chunk record takes at least 3 bytes: a count beyond what any section could hold is
     // corruption, and must not size an allocation.
     let nchunks = usize::try_from(nchunks).map_err(|_| format!("{key:?}: chunk count {nchunks} too large"))?;
     Ok((key, dtype, global_shape, nchunks))
+}
+
+/// A tensor's shape or an object's grid (`dims`) of at most
+/// [`MAX_AXES`](crate::model::dims::MAX_AXES) axes, counted before the axes are read: each
+/// axis of a shape is read again in every chunk record and walked by the validation's geometry.
+fn decode_shape(d: &mut Decoder<'_>, key: &str) -> Result<Vec<u64>, String> {
+    let n = d.count()?;
+    check_axes(n).map_err(|e| format!("{key:?}: the shape has {e}"))?;
+    (0..n).map(|_| d.var()).collect()
+}
+
+/// A record's file number: an index into the files, which the validation gate bounds by their
+/// count; one that does not even fit 32 bits is refused here rather than truncated onto
+/// another file.
+fn decode_file_number(d: &mut Decoder<'_>, key: &str) -> Result<u32, String> {
+    let file = d.var()?;
+    u32::try_from(file).map_err(|_| format!("{key:?}: names file {file}, past any file number (2^32)"))
 }
 
 fn encode_chunk(e: &mut Encoder, c: &StoredChunk) {
@@ -573,7 +589,7 @@ fn decode_objects(d: &mut Decoder<'_>) -> Result<Vec<ObjectEntry>, String> {
     let mut objects: Vec<ObjectEntry> = Vec::with_capacity(prealloc(n));
     for _ in 0..n {
         let key = d.str()?;
-        let global_shape = d.dims()?;
+        let global_shape = decode_shape(d, &key)?;
         let ns = d.count()?;
         let mut shards = Vec::with_capacity(prealloc(ns));
         for _ in 0..ns {
@@ -581,11 +597,11 @@ fn decode_objects(d: &mut Decoder<'_>) -> Result<Vec<ObjectEntry>, String> {
             for _ in 0..global_shape.len() {
                 offset.push(d.var()?);
             }
-            let file = d.var()?;
+            let file = decode_file_number(d, &key)?;
             let byte_offset = d.var()?;
             let len = d.var()?;
             let crc = d.u32_le()?;
-            shards.push(StoredObject { offset, file: file as u32, byte_offset, len, crc });
+            shards.push(StoredObject { offset, file, byte_offset, len, crc });
         }
         if objects.last().is_some_and(|prev| prev.key >= key) {
             return Err(format!("object keys not sorted/unique at {key:?}"));
@@ -672,7 +688,7 @@ fn decode_chunks(
     }
     let mut chunks: Vec<StoredChunk> = Vec::with_capacity(prealloc(nchunks));
     for _ in 0..nchunks {
-        let file = d.var()?;
+        let file = decode_file_number(d, key)?;
         let byte_offset = d.var()?;
         let mut offset = Dims::with_capacity(ndim);
         let mut shape = Dims::with_capacity(ndim);
@@ -709,7 +725,7 @@ fn decode_chunks(
         for _ in 0..ncrc {
             crcs.push(d.u32_le()?);
         }
-        let chunk = StoredChunk { file: file as u32, byte_offset, offset, shape, flat, crcs };
+        let chunk = StoredChunk { file, byte_offset, offset, shape, flat, crcs };
         if canonical && chunks.last().is_some_and(|prev| chunk_order(prev, &chunk).is_gt()) {
             return Err(format!("{key:?}: chunks not in canonical order (by offset, then flat range)"));
         }

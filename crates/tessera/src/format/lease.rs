@@ -1,7 +1,8 @@
 //! The lease of a running save (FORMAT.md, "Leases"): the object `.tessera-lease-<save_id>` that
 //! rank 0 puts before any rank writes, renews while the save runs and removes once it has
-//! committed or failed. It names the files the save may create, so that `gc` (and the cleanup
-//! after another save's commit) leaves them alone while the lease has not expired.
+//! committed or failed. It names the files the save may create (by its format's rule; which
+//! names a rule covers is `save::lease::covers`), so that `gc` (and the cleanup after another
+//! save's commit) leaves them alone while the lease has not expired.
 //!
 //! Bytes: one line of JSON, then `crc32c <8 hex digits>` and a newline (the checksum of the JSON
 //! line's bytes): readable by an operator, and self-checking.
@@ -77,23 +78,6 @@ impl Lease {
         now_ms < self.expires_ms
     }
 
-    /// Whether `name` is a file this save may create.
-    pub fn covers(&self, name: &str) -> bool {
-        match &self.files {
-            LeaseFiles::Native => crate::format::parse_data_file_name(name).is_some_and(|(id, _)| id == self.save_id),
-            // And the copy of the `common.pt` it commits (`formats::torch_dist::common_copy_name`).
-            LeaseFiles::Distcp { first, count } => {
-                distcp_number(name).is_some_and(|n| n >= *first && n - first < *count)
-                    || crate::formats::torch_dist::parse_common_copy_name(name) == Some(self.save_id)
-            }
-            LeaseFiles::Olmo { suffix } => name
-                .strip_prefix("rank_")
-                .and_then(|s| s.strip_suffix(".safetensors"))
-                .and_then(|s| s.strip_suffix(suffix.as_str()))
-                .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit())),
-        }
-    }
-
     /// Its bytes.
     pub fn encode(&self) -> Vec<u8> {
         let files = match &self.files {
@@ -165,14 +149,6 @@ impl Lease {
     }
 }
 
-/// The file number `n` of a DCP data file name `__<rank>_<n>.distcp`.
-fn distcp_number(name: &str) -> Option<u64> {
-    let stem = name.strip_prefix("__")?.strip_suffix(".distcp")?;
-    let (rank, n) = stem.split_once('_')?;
-    (!rank.is_empty() && rank.bytes().all(|b| b.is_ascii_digit())).then_some(())?;
-    n.parse().ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,20 +173,5 @@ mod tests {
         }
         assert_eq!(parse_lease_name(&lease(LeaseFiles::Native).name()), Some(0x0123_4567_89ab_cdef));
         assert_eq!(parse_lease_name(".tessera-lease-xyz"), None);
-    }
-
-    #[test]
-    fn a_lease_covers_its_save_files_only() {
-        let native = lease(LeaseFiles::Native);
-        assert!(native.covers("0123456789abcdef-r00003.safetensors"));
-        assert!(!native.covers("0123456789abcdee-r00003.safetensors") && !native.covers("tessera.index"));
-        let dcp = lease(LeaseFiles::Distcp { first: 12, count: 2 });
-        assert!(dcp.covers("__0_12.distcp") && dcp.covers("__7_13.distcp"));
-        assert!(!dcp.covers("__0_14.distcp") && !dcp.covers("__0_11.distcp") && !dcp.covers(".metadata"));
-        let plain = lease(LeaseFiles::Olmo { suffix: String::new() });
-        assert!(plain.covers("rank_3.safetensors") && !plain.covers("rank_3-0123456789abcdef.safetensors"));
-        let suffixed = lease(LeaseFiles::Olmo { suffix: "-0123456789abcdef".into() });
-        assert!(suffixed.covers("rank_3-0123456789abcdef.safetensors") && !suffixed.covers("rank_3.safetensors"));
-        assert!(native.is_live(8) && !native.is_live(9));
     }
 }

@@ -114,7 +114,7 @@ pub struct SafetensorsHeader {
 
 /// The one reader of safetensors headers every format uses (tessera's data files, OLMo-core's
 /// rank files, plain safetensors): reads the header of a `file_size`-byte file through `read`
-/// and checks every entry (a known dtype, at most [`MAX_AXES`](crate::model::MAX_AXES) axes,
+/// and checks every entry (a known dtype, at most [`MAX_AXES`](crate::model::dims::MAX_AXES) axes,
 /// checked arithmetic, data inside the data section, a length matching shape and dtype).
 /// `shown` names the file in errors.
 pub fn read_header(
@@ -145,9 +145,6 @@ fn validate_header(json: &J, header_len: u64, size: u64, shown: &str) -> crate::
                 .find(|d| d.safetensors_name() == dtype_name)
                 .ok_or(format!("unknown dtype {dtype_name:?}"))?;
             let shape = uints(v.get("shape").ok_or("no shape")?, "shape")?;
-            if shape.len() > crate::model::MAX_AXES {
-                return Err(format!("{} axes, more than {}", shape.len(), crate::model::MAX_AXES));
-            }
             let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or("shape overflows")?;
             let off = uints(v.get("data_offsets").ok_or("no data_offsets")?, "data_offsets")?;
             let [start, end] = off[..] else { return Err("data_offsets is not [start, end]".into()) };
@@ -166,11 +163,11 @@ fn validate_header(json: &J, header_len: u64, size: u64, shown: &str) -> crate::
     Ok(out)
 }
 
+/// A list of at most [`MAX_AXES`](crate::model::dims::MAX_AXES) numbers (a shape, offsets),
+/// its length checked before its numbers are read.
 fn uints(v: &J, what: &str) -> std::result::Result<Vec<u64>, String> {
     let xs = v.as_array().ok_or_else(|| format!("{what} is {v}, not a list"))?;
-    if xs.len() > crate::model::MAX_AXES {
-        return Err(format!("{what} has {} numbers, more than {}", xs.len(), crate::model::MAX_AXES));
-    }
+    crate::model::dims::check_axes(xs.len()).map_err(|e| format!("{what} has {e}"))?;
     xs.iter()
         .enumerate()
         .map(|(i, x)| x.as_u64().ok_or_else(|| format!("{what}[{i}] is {x}, not a non-negative integer")))

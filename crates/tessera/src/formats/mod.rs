@@ -122,7 +122,7 @@ const OBJECT_DECODE_FLOOR: u64 = 32 << 20;
 #[derive(Debug, Clone)]
 pub(crate) enum Source {
     /// A tensor chunk stored as one DCP item (a `torch.save` archive, maybe zstd-compressed).
-    DcpTensor { item: ItemLocation, dtype: DType, shape: Vec<u64>, key: String },
+    DcpTensor { item: ItemLocation, dtype: DType, shape: Vec<u64>, key: Arc<str> },
     /// A value stored as one DCP item, delivered as an object payload.
     DcpObject { item: ItemLocation, key: String, list_wrapped: bool },
     /// A whole file holding a `torch.save` of an object, delivered as an object payload.
@@ -539,8 +539,11 @@ pub(crate) struct ObjectShards(BTreeMap<String, ObjectEntry>);
 
 impl ObjectShards {
     /// Adds the shard at grid position `offset` of `key`'s `grid`, stored in virtual file
-    /// `file`; shards of one key must agree on the grid (`shown` names the file otherwise).
+    /// `file`; shards of one key must agree on the grid, of at most
+    /// [`MAX_AXES`](crate::model::dims::MAX_AXES) axes (`shown` names the file otherwise).
     pub(crate) fn add(&mut self, key: &str, offset: Vec<u64>, grid: Vec<u64>, file: u32, shown: &str) -> Result<()> {
+        crate::model::dims::check_axes(grid.len())
+            .map_err(|e| Error::corrupt(shown, format!("object {key:?}: the grid has {e}")))?;
         let entry = self.0.entry(key.to_string()).or_insert_with(|| ObjectEntry {
             key: key.to_string(),
             global_shape: grid.clone(),

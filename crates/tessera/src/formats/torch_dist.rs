@@ -43,14 +43,16 @@ pub fn data_file_name(rank: usize, k: u64) -> String {
 
 /// Whether `name` is a DCP data file (`__{rank}_{k}.distcp`).
 pub fn is_data_file_name(name: &str) -> bool {
-    name.strip_prefix("__").and_then(|s| s.strip_suffix(".distcp")).is_some_and(|s| {
-        s.split_once('_').is_some_and(|(r, k)| {
-            !r.is_empty()
-                && !k.is_empty()
-                && r.bytes().all(|b| b.is_ascii_digit())
-                && k.bytes().all(|b| b.is_ascii_digit())
-        })
-    })
+    parse_data_file_name(name).is_some()
+}
+
+/// The rank and file number `k` of a DCP data file's name (`__{rank}_{k}.distcp`); `None` for
+/// any other name.
+pub fn parse_data_file_name(name: &str) -> Option<(usize, u64)> {
+    let (r, k) = name.strip_prefix("__")?.strip_suffix(".distcp")?.split_once('_')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(r) && digits(k)).then_some(())?;
+    Some((r.parse().ok()?, k.parse().ok()?))
 }
 
 /// Megatron's name for one shard of a sharded object (`ShardedObject.unique_key`).
@@ -352,7 +354,7 @@ pub fn common_pt(common: &[(StatePath, Value)], serialization_id: &str) -> Resul
 mod tests {
     use super::*;
     use crate::formats::dcp::metadata::parse_metadata;
-    use crate::formats::pickle::{unpickle, PickleValue, UnpickleLimits};
+    use crate::formats::pickle::{unpickle_view, PickleValue, UnpickleLimits};
     use crate::formats::torch_save::decode_archive;
 
     #[test]
@@ -369,7 +371,7 @@ mod tests {
         }];
         let bytes = vec![(object_fqn("rng", &[1], &[2]), place(20))];
         let pkl = metadata_pickle(&tensors, &bytes, "id");
-        let meta = parse_metadata(&unpickle(&pkl, "m", &UnpickleLimits::default()).unwrap()).unwrap();
+        let meta = parse_metadata(unpickle_view(&pkl, "m", &UnpickleLimits::default()).unwrap().root()).unwrap();
         assert_eq!(meta.tensors.len(), 1);
         let t = &meta.tensors[0];
         assert_eq!((t.fqn.as_str(), t.dtype, t.size.clone()), ("a.w", DType::BF16, vec![4, 2]));

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 use crate::format::CheckpointIndex;
-use crate::plan::load::{plan_reads, CopySeg, ReadPlan, ReadTuning, Span};
+use crate::plan::load::{plan_reads, BlockRun, CopySeg, ReadPlan, ReadTuning, Span};
 use crate::storage::Storage;
 
 /// Counters of one rank's load.
@@ -254,7 +254,8 @@ fn read_span(
     let inside = |off: u64, len: u64| off >= sp.off && off.checked_add(len).is_some_and(|e| e <= end);
     let segs_ok = segs.iter().all(|s| inside(s.file_off, s.len)) && segs.is_sorted_by_key(|s| s.file_off);
     let blocks_ok = blocks.iter().all(|b| inside(b.file_off, b.len))
-        && blocks.windows(2).all(|w| w[0].file_off + w[0].len <= w[1].file_off);
+        && blocks.windows(2).all(|w| w[0].end() <= w[1].file_off)
+        && (blocks.is_empty() || index.block_size > 0);
     if !segs_ok || !blocks_ok {
         return Err(Error::invalid(format!(
             "read plan: the copies or checks of the read of {name} at {}..{end} are not in file order inside it",
@@ -264,8 +265,15 @@ fn read_span(
     if !direct {
         scratch.resize(piece.min(sp.len) as usize, 0);
     }
-    // The block being checksummed and its crc so far; the first segment not yet passed.
-    let (mut block, mut crc) = (0usize, 0u32);
+    // The run of blocks being checked and its stored checksums, where its block being
+    // checksummed starts and that block's crc so far; the first segment not yet passed.
+    let bs = index.block_size;
+    let mut run = 0usize;
+    let mut run_crcs: &[u32] = match blocks.first() {
+        Some(r) => stored_crcs(index, r, name)?,
+        None => &[],
+    };
+    let (mut block_off, mut crc) = (blocks.first().map_or(0, |r| r.file_off), 0u32);
     let mut first_seg = 0usize;
     let mut at = sp.off;
     while at < end {
@@ -294,29 +302,54 @@ fn read_span(
             }
             buf
         };
-        while let Some(b) = blocks.get(block).filter(|b| b.file_off < at + n) {
-            let (from, to) = (b.file_off.max(at), (b.file_off + b.len).min(at + n));
+        // The blocks of the runs, one after the other, as far as this piece reaches.
+        while let Some(r) = blocks.get(run).filter(|_| block_off < at + n) {
+            let block_end = (block_off + bs).min(r.end());
+            let (from, to) = (block_off.max(at), block_end.min(at + n));
             crc = crate::model::crc::crc32c_append(crc, &bytes[(from - at) as usize..(to - at) as usize]);
-            if b.file_off + b.len > at + n {
+            if block_end > at + n {
                 break;
             }
-            if crc != b.crc {
+            let stored = run_crcs[((block_off - r.file_off) / bs) as usize];
+            if crc != stored {
                 return Err(Error::corrupt(
                     format!("{}/{name}", storage.location()),
                     format!(
-                        "checksum mismatch in {:?} at bytes {}..{} (stored {:08x}, read {crc:08x})",
-                        index.tensors[b.tensor as usize].key,
-                        b.file_off,
-                        b.file_off + b.len,
-                        b.crc
+                        "checksum mismatch in {:?} at bytes {block_off}..{block_end} (stored {stored:08x}, read {crc:08x})",
+                        index.tensors[r.tensor as usize].key,
                     ),
                 ));
             }
-            (block, crc) = (block + 1, 0);
+            (block_off, crc) = (block_end, 0);
+            if block_off == r.end() {
+                run += 1;
+                if let Some(next) = blocks.get(run) {
+                    run_crcs = stored_crcs(index, next, name)?;
+                    block_off = next.file_off;
+                }
+            }
         }
         at += n;
     }
     Ok(())
+}
+
+/// The stored checksums of the blocks of `r` (in the file `name`), one per block: a plan whose
+/// run the index holds no checksums for is refused, not trusted.
+fn stored_crcs<'i>(index: &'i CheckpointIndex, r: &BlockRun, name: &str) -> Result<&'i [u32]> {
+    let blocks = r.len.div_ceil(index.block_size.max(1));
+    let chunk = index.tensors.get(r.tensor as usize).and_then(|t| t.chunks().get(r.chunk as usize));
+    let crcs = chunk.and_then(|c| {
+        let first = usize::try_from(r.first).ok()?;
+        c.crcs.get(first..first.checked_add(usize::try_from(blocks).ok()?)?)
+    });
+    crcs.ok_or_else(|| {
+        Error::invalid(format!(
+            "read plan: the blocks at bytes {}..{} of {name} have no stored checksums",
+            r.file_off,
+            r.end()
+        ))
+    })
 }
 
 /// Bytes of a safetensors header read at once when checking it.
@@ -355,7 +388,7 @@ mod tests {
     use super::*;
     use crate::format::{FileEntry, StoredChunk, TensorEntry};
     use crate::model::dtype::DType;
-    use crate::plan::load::{plan_reads, Block, ReadTuning};
+    use crate::plan::load::{plan_reads, BlockRun, ReadTuning};
     use crate::storage::MemoryStorage;
 
     /// One 16-byte file `d` holding bytes 0..16, and one tensor `x` for the errors to name.
@@ -512,7 +545,7 @@ mod tests {
     fn a_read_whose_copies_or_checks_leave_file_order_is_refused() {
         let (index, storage) = setup();
         let span = |segs, blocks| Span { file: 0, off: 0, len: 8, segs, blocks, direct: false };
-        let block = |file_off| Block { file: 0, file_off, len: 4, crc: 0, tensor: 0 };
+        let block = |file_off| BlockRun { file: 0, file_off, len: 4, tensor: 0, chunk: 0, first: 0 };
         // Copies out of order; a copy past the read; a check past the read.
         let plans = [
             (vec![seg(4, 4, 0, 0), seg(0, 4, 0, 4)], Vec::new(), span(0..2, 0..0)),

@@ -184,6 +184,22 @@ impl<'a> IntoIterator for &'a Dims {
     }
 }
 
+/// Most axes a tensor (or a sharded object's grid) may have: 64, torch's own limit for most
+/// operations, where real models use a handful. Every parser of shapes read from bytes (native
+/// index, safetensors headers, DCP `.metadata`, `torch.save` records, zarr `.zarray`,
+/// OLMo-core metadata) refuses more with `Error::Corrupt` naming the file and the key, and a
+/// save refuses more up front: a 180 KB header can name 60,000 axes, and each axis costs the
+/// planner and the geometry work and memory for every chunk (SECURITY.md).
+pub const MAX_AXES: usize = 64;
+
+/// `Err` with the reason to report when `ndim` axes are more than [`MAX_AXES`].
+pub fn check_axes(ndim: usize) -> Result<(), String> {
+    if ndim > MAX_AXES {
+        return Err(format!("{ndim} axes, more than the {MAX_AXES} a tensor may have"));
+    }
+    Ok(())
+}
+
 /// Number of elements of a shape (1 for a scalar).
 pub fn numel(shape: &[u64]) -> u64 {
     shape.iter().product()

@@ -19,11 +19,6 @@ pub use object::{
 pub use tensor::{ReplicaId, ShardedTensor, TensorData};
 pub use value::Value;
 
-/// Most axes a tensor may have in anything tessera reads (PyTorch's own kernels stop at 64 too):
-/// every parser of shapes from bytes refuses more, so no shape from a file can make a per-axis
-/// walk deep or its buffers large.
-pub const MAX_AXES: usize = 64;
-
 /// Runs `work(i)` for each `i` in `0..n`, in any order and possibly from several threads: how
 /// the caller of a pure function (`plan/`), a decoder (`format/`) or a format's opener
 /// (`formats/`) chooses the threads their independent parts run on. Those modules start no

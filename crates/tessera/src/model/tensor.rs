@@ -293,6 +293,8 @@ impl<'a> ShardedTensor<'a> {
     pub fn check(&self, in_bounds: bool) -> Result<()> {
         let key = &self.key;
         let ndim = self.global_shape.len();
+        // What every reader refuses is refused before it is written.
+        crate::model::dims::check_axes(ndim).map_err(|e| Error::sharding(key, format!("the global shape has {e}")))?;
         if self.prepend_axis_num.checked_add(self.local_shape.len()) != Some(ndim) || self.global_offset.len() != ndim {
             return Err(Error::sharding(
                 key,

@@ -58,7 +58,8 @@ impl Piece {
 }
 
 /// Splits the `[start, end)` range of the row-major flattening of the box
-/// (`box_off`, `box_shape`) into at most `2·ndim - 1` boxes, in flattening order.
+/// (`box_off`, `box_shape`) into at most `2·ndim - 1` boxes, in flattening order. The box
+/// must hold fewer than 2^64 elements (every caller's box lies inside a validated tensor).
 pub fn decompose_flat(box_off: &[u64], box_shape: &[u64], start: u64, end: u64) -> Vec<Piece> {
     let mut out = Vec::new();
     decompose_flat_into(box_off, box_shape, start, end, &mut out);
@@ -67,66 +68,162 @@ pub fn decompose_flat(box_off: &[u64], box_shape: &[u64], start: u64, end: u64) 
 
 /// [`decompose_flat`], appending the boxes to `out` (validation decomposes millions of ranges
 /// into one list per key).
+///
+/// Loops, never recursion per axis: the depth of a shape comes from other people's bytes, and
+/// the parsers' cap on axes (`model::dims::MAX_AXES`) must not be what keeps the stack whole.
+/// The range descends through the axes on which it lies within one index; at the first axis
+/// where it spans several (`split`) it is the tail of one row (a chain of partial rows, emitted
+/// deepest first), whole rows, then the head of one row (emitted outermost first).
 pub fn decompose_flat_into(box_off: &[u64], box_shape: &[u64], start: u64, end: u64, out: &mut Vec<Piece>) {
     if start >= end {
         return;
     }
-    if box_shape.is_empty() {
+    let n = box_shape.len();
+    if n == 0 {
         out.push(Piece::new(&[], &[]));
         return;
     }
-    let mut prefix_off = Dims::with_capacity(box_shape.len());
-    rec(box_off, box_shape, 0, start, end, &mut prefix_off, out);
-}
-
-fn rec(box_off: &[u64], box_shape: &[u64], axis: usize, s: u64, e: u64, prefix: &mut Dims, out: &mut Vec<Piece>) {
-    let n = box_shape.len();
-    let emit = |prefix: &Dims, axis_lo: u64, axis_len: u64, out: &mut Vec<Piece>| {
-        let mut off = prefix.clone();
-        let mut shape = Dims::with_capacity(n);
-        for _ in 0..prefix.len() {
-            shape.push(1);
+    // inner[d]: elements of one index of axis d (saturating only for a box of more than 2^64
+    // elements, which no caller passes).
+    let mut inner = Dims::with_capacity(n);
+    (0..n).for_each(|_| inner.push(1));
+    for d in (0..n - 1).rev() {
+        inner[d] = inner[d + 1].saturating_mul(box_shape[d + 1]);
+    }
+    let cut = Cut { off: box_off, shape: box_shape, inner: &inner };
+    let mut prefix = Dims::with_capacity(n);
+    let (mut s, mut e) = (start, end);
+    let mut axis = 0;
+    let (r0, r1) = loop {
+        if axis == n - 1 {
+            cut.emit(&prefix, s, e - s, out);
+            return;
         }
-        off.push(box_off[axis] + axis_lo);
-        shape.push(axis_len);
-        for d in axis + 1..n {
-            off.push(box_off[d]);
-            shape.push(box_shape[d]);
+        let inner = inner[axis];
+        if inner == 0 {
+            return;
         }
-        out.push(Piece { off, shape });
+        let (r0, r1) = (s / inner, e / inner);
+        if r0 != r1 {
+            break (r0, r1);
+        }
+        prefix.push(box_off[axis] + r0);
+        (s, e) = (s - r0 * inner, e - r0 * inner);
+        axis += 1;
     };
-    if s >= e {
-        return;
-    }
-    if axis == n - 1 {
-        emit(prefix, s, e - s, out);
-        return;
-    }
-    let inner = numel(&box_shape[axis + 1..]);
-    if inner == 0 {
-        return;
-    }
-    let (r0, r1) = (s / inner, e / inner);
-    if r0 == r1 {
-        prefix.push(box_off[axis] + r0);
-        rec(box_off, box_shape, axis + 1, s - r0 * inner, e - r0 * inner, prefix, out);
-        prefix.pop();
-        return;
-    }
+    let split = axis;
+    let inner_split = inner[split];
     let mut first_full = r0;
-    if !s.is_multiple_of(inner) {
-        prefix.push(box_off[axis] + r0);
-        rec(box_off, box_shape, axis + 1, s % inner, inner, prefix, out);
+    if !s.is_multiple_of(inner_split) {
+        prefix.push(box_off[split] + r0);
+        cut.tail(&mut prefix, s % inner_split, out);
         prefix.pop();
         first_full = r0 + 1;
     }
     if r1 > first_full {
-        emit(prefix, first_full, r1 - first_full, out);
+        cut.emit(&prefix, first_full, r1 - first_full, out);
     }
-    if !e.is_multiple_of(inner) {
-        prefix.push(box_off[axis] + r1);
-        rec(box_off, box_shape, axis + 1, 0, e % inner, prefix, out);
-        prefix.pop();
+    if !e.is_multiple_of(inner_split) {
+        prefix.push(box_off[split] + r1);
+        cut.head(&mut prefix, e % inner_split, out);
+    }
+}
+
+/// The box [`decompose_flat_into`] cuts, and the size of one index of each of its axes.
+struct Cut<'a> {
+    off: &'a [u64],
+    shape: &'a [u64],
+    inner: &'a [u64],
+}
+
+impl Cut<'_> {
+    /// The box at index `prefix` of the leading axes, `[lo, lo + len)` on the next one, and
+    /// whole on the axes after it.
+    fn emit(&self, prefix: &[u64], lo: u64, len: u64, out: &mut Vec<Piece>) {
+        let (n, axis) = (self.shape.len(), prefix.len());
+        let mut off = Dims::with_capacity(n);
+        let mut shape = Dims::with_capacity(n);
+        for &p in prefix {
+            off.push(p);
+            shape.push(1);
+        }
+        off.push(self.off[axis] + lo);
+        shape.push(len);
+        for d in axis + 1..n {
+            off.push(self.off[d]);
+            shape.push(self.shape[d]);
+        }
+        out.push(Piece { off, shape });
+    }
+
+    /// The elements `[s, end of the row)` of the row at `prefix` (not empty, `s > 0`): the
+    /// partial rows of the deeper axes, deepest first, then the whole rows after each. `prefix`
+    /// is restored before returning.
+    fn tail(&self, prefix: &mut Dims, mut s: u64, out: &mut Vec<Piece>) {
+        let n = self.shape.len();
+        let top = prefix.len();
+        // Down the axes while the range starts inside a row: each level leaves, for the way
+        // back up, its row index in `prefix`.
+        loop {
+            let axis = prefix.len();
+            let e = self.inner[axis - 1];
+            if s >= e {
+                break;
+            }
+            if axis == n - 1 {
+                self.emit(prefix, s, e - s, out);
+                break;
+            }
+            let inner = self.inner[axis];
+            if inner == 0 {
+                break;
+            }
+            let r0 = s / inner;
+            if s.is_multiple_of(inner) {
+                let r1 = e / inner;
+                if r1 > r0 {
+                    self.emit(prefix, r0, r1 - r0, out);
+                }
+                break;
+            }
+            prefix.push(self.off[axis] + r0);
+            s %= inner;
+        }
+        // Back up: after each partial row, the whole rows to the end of the level above.
+        while prefix.len() > top {
+            let r0 = prefix.pop().unwrap_or_default() - self.off[prefix.len()];
+            let axis = prefix.len();
+            let r1 = self.inner[axis - 1] / self.inner[axis];
+            if r1 > r0 + 1 {
+                self.emit(prefix, r0 + 1, r1 - (r0 + 1), out);
+            }
+        }
+    }
+
+    /// The elements `[0, e)` of the row at `prefix` (`e > 0`): whole rows, then the head of
+    /// the next row, outermost first. Leaves `prefix` longer; the caller drops it.
+    fn head(&self, prefix: &mut Dims, mut e: u64, out: &mut Vec<Piece>) {
+        let n = self.shape.len();
+        loop {
+            let axis = prefix.len();
+            if axis == n - 1 {
+                self.emit(prefix, 0, e, out);
+                return;
+            }
+            let inner = self.inner[axis];
+            if inner == 0 {
+                return;
+            }
+            let r1 = e / inner;
+            if r1 > 0 {
+                self.emit(prefix, 0, r1, out);
+            }
+            if e.is_multiple_of(inner) {
+                return;
+            }
+            prefix.push(self.off[axis] + r1);
+            e %= inner;
+        }
     }
 }
 
@@ -410,13 +507,12 @@ pub fn tiling_faults(global: &[u64], pieces: &[Piece]) -> TilingFaults {
         }
         return faults;
     }
-    let mut prefix = Vec::new();
     // Real layouts (products of splits, flat ranges of them) sweep in O(n log n) piece visits;
     // a crafted one (each column split at another row) makes the sweep quadratic. Past this
     // many visits the layout is refused rather than checked for minutes.
     let n = live.len() as u64;
-    let mut budget = n.saturating_mul(64 * (u64::from(n.max(2).ilog2()) + 1)).saturating_add(1 << 20);
-    if let Err(overlap) = tile(global, &live, 0, &mut prefix, &mut faults.gap, &mut budget) {
+    let budget = n.saturating_mul(64 * (u64::from(n.max(2).ilog2()) + 1)).saturating_add(1 << 20);
+    if let Err(overlap) = tile(global, &live, &mut faults.gap, budget) {
         faults.overlap = Some(overlap);
     }
     faults
@@ -430,78 +526,116 @@ fn gap_at(global: &[u64], prefix: &[u64], v: u64) -> String {
     format!("gap: the element at {c:?} (and those after it on that axis, up to the next chunk) is stored by no chunk")
 }
 
-/// Sweeps `axis`; records the first gap in `gap` and goes on, returns the first overlap.
-fn tile(
-    global: &[u64],
-    pieces: &[&Piece],
-    axis: usize,
-    prefix: &mut Vec<u64>,
-    gap: &mut Option<String>,
-    budget: &mut u64,
-) -> Result<(), String> {
+/// The sweep of one axis (not the last) in progress: its pieces sorted by where they start on
+/// the axis, the boundaries where the set of pieces covering the axis changes, and that set.
+struct Sweep<'p> {
+    sorted: Vec<&'p Piece>,
+    bounds: Vec<u64>,
+    /// The next boundary to visit.
+    at: usize,
+    active: Vec<&'p Piece>,
+    /// The first piece of `sorted` not yet made active.
+    next: usize,
+}
+
+/// Sweeps the axes of `global` depth first: on each axis but the last, between consecutive
+/// boundaries, the pieces covering that stretch are swept on the next axis (once per change
+/// of the set); on the last axis they must follow one another without overlap. Records the
+/// first gap in `gap` and goes on; returns the first overlap.
+///
+/// One [`Sweep`] per axis on a stack of its own, not a recursion per axis: the number of axes
+/// comes from other people's bytes, and no shape may overflow the thread's stack.
+fn tile(global: &[u64], pieces: &[&Piece], gap: &mut Option<String>, mut budget: u64) -> Result<(), String> {
     let n = global.len();
-    let g = global[axis];
-    *budget = budget.checked_sub(pieces.len() as u64).ok_or_else(|| {
-        "the chunk layout is too irregular to check (its tiling sweep exceeds O(n log n) steps)".to_string()
-    })?;
-    let mut sorted: Vec<&Piece> = pieces.to_vec();
-    sorted.sort_by_key(|p| (p.off[axis], p.shape[axis]));
-    if axis == n - 1 {
-        let mut cursor = 0u64;
-        for p in sorted {
-            let (lo, hi) = (p.off[axis], p.off[axis] + p.shape[axis]);
-            if lo > cursor && gap.is_none() {
-                *gap = Some(gap_at(global, prefix, cursor));
+    let mut prefix: Vec<u64> = Vec::with_capacity(n);
+    let mut sweeps: Vec<Sweep<'_>> = Vec::with_capacity(n);
+    // The pieces of the axis to enter next: all of them on axis 0, then the active set of the
+    // boundary the deepest sweep stopped at (whose start is pushed on `prefix`).
+    let mut enter: Option<Vec<&Piece>> = Some(pieces.to_vec());
+    loop {
+        if let Some(mut sorted) = enter.take() {
+            let axis = sweeps.len();
+            budget = budget.checked_sub(sorted.len() as u64).ok_or_else(|| {
+                "the chunk layout is too irregular to check (its tiling sweep exceeds O(n log n) steps)".to_string()
+            })?;
+            sorted.sort_by_key(|p| (p.off[axis], p.shape[axis]));
+            if axis == n - 1 {
+                sweep_last(global, &sorted, &prefix, gap)?;
+                prefix.pop();
+            } else {
+                let g = global[axis];
+                let mut bounds: Vec<u64> = Vec::with_capacity(sorted.len() * 2 + 2);
+                bounds.push(0);
+                bounds.push(g);
+                for p in &sorted {
+                    bounds.push(p.off[axis]);
+                    bounds.push(p.off[axis] + p.shape[axis]);
+                }
+                bounds.sort_unstable();
+                bounds.dedup();
+                sweeps.push(Sweep { sorted, bounds, at: 0, active: Vec::new(), next: 0 });
             }
-            if lo < cursor {
-                let mut c = prefix.clone();
-                c.push(lo);
-                return Err(format!("overlap: the element at {c:?} is stored by more than one chunk"));
-            }
-            cursor = hi;
         }
-        if cursor < g && gap.is_none() {
+        let Some(axis) = sweeps.len().checked_sub(1) else { return Ok(()) };
+        let sweep = &mut sweeps[axis];
+        let g = global[axis];
+        while sweep.at + 1 < sweep.bounds.len() {
+            let lo = sweep.bounds[sweep.at];
+            sweep.at += 1;
+            if lo >= g {
+                sweep.at = sweep.bounds.len();
+                break;
+            }
+            let before = sweep.active.len();
+            sweep.active.retain(|p| p.off[axis] + p.shape[axis] > lo);
+            let mut changed = sweep.active.len() != before;
+            while sweep.next < sweep.sorted.len() && sweep.sorted[sweep.next].off[axis] <= lo {
+                let p = sweep.sorted[sweep.next];
+                if p.off[axis] + p.shape[axis] > lo {
+                    sweep.active.push(p);
+                    changed = true;
+                }
+                sweep.next += 1;
+            }
+            if sweep.active.is_empty() {
+                if gap.is_none() {
+                    *gap = Some(gap_at(global, &prefix, lo));
+                }
+                continue;
+            }
+            if changed || lo == 0 {
+                prefix.push(lo);
+                enter = Some(sweep.active.clone());
+                break;
+            }
+        }
+        if enter.is_none() {
+            // This axis is swept: back to the boundary of the axis before it.
+            sweeps.pop();
+            prefix.pop();
+        }
+    }
+}
+
+/// The last axis of [`tile`]: `sorted` (by start) must follow one another without overlap;
+/// the first uncovered stretch goes to `gap`.
+fn sweep_last(global: &[u64], sorted: &[&Piece], prefix: &[u64], gap: &mut Option<String>) -> Result<(), String> {
+    let axis = global.len() - 1;
+    let mut cursor = 0u64;
+    for p in sorted {
+        let (lo, hi) = (p.off[axis], p.off[axis] + p.shape[axis]);
+        if lo > cursor && gap.is_none() {
             *gap = Some(gap_at(global, prefix, cursor));
         }
-        return Ok(());
+        if lo < cursor {
+            let mut c = prefix.to_vec();
+            c.push(lo);
+            return Err(format!("overlap: the element at {c:?} is stored by more than one chunk"));
+        }
+        cursor = hi;
     }
-    let mut bounds: Vec<u64> = Vec::with_capacity(sorted.len() * 2 + 2);
-    bounds.push(0);
-    bounds.push(g);
-    for p in &sorted {
-        bounds.push(p.off[axis]);
-        bounds.push(p.off[axis] + p.shape[axis]);
-    }
-    bounds.sort_unstable();
-    bounds.dedup();
-    let mut active: Vec<&Piece> = Vec::new();
-    let mut next = 0usize;
-    for &lo in &bounds[..bounds.len() - 1] {
-        if lo >= g {
-            break;
-        }
-        let before = active.len();
-        active.retain(|p| p.off[axis] + p.shape[axis] > lo);
-        let mut changed = active.len() != before;
-        while next < sorted.len() && sorted[next].off[axis] <= lo {
-            if sorted[next].off[axis] + sorted[next].shape[axis] > lo {
-                active.push(sorted[next]);
-                changed = true;
-            }
-            next += 1;
-        }
-        if active.is_empty() {
-            if gap.is_none() {
-                *gap = Some(gap_at(global, prefix, lo));
-            }
-            continue;
-        }
-        if changed || lo == 0 {
-            prefix.push(lo);
-            let r = tile(global, &active, axis + 1, prefix, gap, budget);
-            prefix.pop();
-            r?;
-        }
+    if cursor < global[axis] && gap.is_none() {
+        *gap = Some(gap_at(global, prefix, cursor));
     }
     Ok(())
 }
@@ -509,6 +643,226 @@ fn tile(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_rng::TestRng;
+
+    /// The recursive [`decompose_flat`] the loops replaced: the reference they must match.
+    fn decompose_reference(box_off: &[u64], box_shape: &[u64], start: u64, end: u64) -> Vec<Piece> {
+        fn rec(off: &[u64], shape: &[u64], axis: usize, s: u64, e: u64, prefix: &mut Vec<u64>, out: &mut Vec<Piece>) {
+            let n = shape.len();
+            let emit = |prefix: &[u64], lo: u64, len: u64, out: &mut Vec<Piece>| {
+                let mut o = prefix.to_vec();
+                let mut sh = vec![1; prefix.len()];
+                o.push(off[axis] + lo);
+                sh.push(len);
+                o.extend_from_slice(&off[axis + 1..]);
+                sh.extend_from_slice(&shape[axis + 1..]);
+                out.push(Piece::new(&o, &sh));
+            };
+            if s >= e {
+                return;
+            }
+            if axis == n - 1 {
+                return emit(prefix, s, e - s, out);
+            }
+            let inner = numel(&shape[axis + 1..]);
+            if inner == 0 {
+                return;
+            }
+            let (r0, r1) = (s / inner, e / inner);
+            if r0 == r1 {
+                prefix.push(off[axis] + r0);
+                rec(off, shape, axis + 1, s - r0 * inner, e - r0 * inner, prefix, out);
+                prefix.pop();
+                return;
+            }
+            let mut first_full = r0;
+            if !s.is_multiple_of(inner) {
+                prefix.push(off[axis] + r0);
+                rec(off, shape, axis + 1, s % inner, inner, prefix, out);
+                prefix.pop();
+                first_full = r0 + 1;
+            }
+            if r1 > first_full {
+                emit(prefix, first_full, r1 - first_full, out);
+            }
+            if !e.is_multiple_of(inner) {
+                prefix.push(off[axis] + r1);
+                rec(off, shape, axis + 1, 0, e % inner, prefix, out);
+                prefix.pop();
+            }
+        }
+        let mut out = Vec::new();
+        if start >= end {
+            return out;
+        }
+        if box_shape.is_empty() {
+            return vec![Piece::new(&[], &[])];
+        }
+        rec(box_off, box_shape, 0, start, end, &mut Vec::new(), &mut out);
+        out
+    }
+
+    /// The recursive tiling sweep the loop replaced (with the same budget): the reference.
+    fn tiling_reference(global: &[u64], pieces: &[Piece]) -> TilingFaults {
+        #[allow(clippy::too_many_arguments)]
+        fn rec(
+            global: &[u64],
+            pieces: &[&Piece],
+            axis: usize,
+            prefix: &mut Vec<u64>,
+            gap: &mut Option<String>,
+            budget: &mut u64,
+        ) -> Result<(), String> {
+            let n = global.len();
+            let g = global[axis];
+            *budget = budget.checked_sub(pieces.len() as u64).ok_or_else(|| {
+                "the chunk layout is too irregular to check (its tiling sweep exceeds O(n log n) steps)".to_string()
+            })?;
+            let mut sorted: Vec<&Piece> = pieces.to_vec();
+            sorted.sort_by_key(|p| (p.off[axis], p.shape[axis]));
+            if axis == n - 1 {
+                return sweep_last(global, &sorted, prefix, gap);
+            }
+            let mut bounds: Vec<u64> = vec![0, g];
+            for p in &sorted {
+                bounds.push(p.off[axis]);
+                bounds.push(p.off[axis] + p.shape[axis]);
+            }
+            bounds.sort_unstable();
+            bounds.dedup();
+            let mut active: Vec<&Piece> = Vec::new();
+            let mut next = 0usize;
+            for &lo in &bounds[..bounds.len() - 1] {
+                if lo >= g {
+                    break;
+                }
+                let before = active.len();
+                active.retain(|p| p.off[axis] + p.shape[axis] > lo);
+                let mut changed = active.len() != before;
+                while next < sorted.len() && sorted[next].off[axis] <= lo {
+                    if sorted[next].off[axis] + sorted[next].shape[axis] > lo {
+                        active.push(sorted[next]);
+                        changed = true;
+                    }
+                    next += 1;
+                }
+                if active.is_empty() {
+                    if gap.is_none() {
+                        *gap = Some(gap_at(global, prefix, lo));
+                    }
+                    continue;
+                }
+                if changed || lo == 0 {
+                    prefix.push(lo);
+                    let r = rec(global, &active, axis + 1, prefix, gap, budget);
+                    prefix.pop();
+                    r?;
+                }
+            }
+            Ok(())
+        }
+        let mut faults = TilingFaults::default();
+        let live: Vec<&Piece> = pieces.iter().filter(|p| p.numel() > 0).collect();
+        if global.is_empty() || global.contains(&0) || live.iter().any(|p| p.off.len() != global.len()) {
+            return tiling_faults(global, pieces);
+        }
+        if live.iter().any(|p| (0..global.len()).any(|d| p.off[d] + p.shape[d] > global[d])) {
+            return tiling_faults(global, pieces);
+        }
+        let n = live.len() as u64;
+        let mut budget = n.saturating_mul(64 * (u64::from(n.max(2).ilog2()) + 1)).saturating_add(1 << 20);
+        if let Err(overlap) = rec(global, &live, 0, &mut Vec::new(), &mut faults.gap, &mut budget) {
+            faults.overlap = Some(overlap);
+        }
+        faults
+    }
+
+    #[test]
+    fn decompose_matches_the_recursive_reference() {
+        let mut rng = TestRng::new(7);
+        for case in 0..1000 {
+            let ndim = 1 + rng.below(4) as usize;
+            let shape: Vec<u64> = (0..ndim).map(|_| rng.below(5)).collect();
+            let off: Vec<u64> = (0..ndim).map(|_| rng.below(3)).collect();
+            let total = numel(&shape);
+            for s in 0..=total {
+                for e in s..=total {
+                    assert_eq!(
+                        decompose_flat(&off, &shape, s, e),
+                        decompose_reference(&off, &shape, s, e),
+                        "case {case}: box at {off:?} of {shape:?}, range {s}..{e}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiling_matches_the_recursive_reference() {
+        let mut rng = TestRng::new(11);
+        for case in 0..20_000 {
+            let ndim = 1 + rng.below(4) as usize;
+            let global: Vec<u64> = (0..ndim).map(|_| 1 + rng.below(4)).collect();
+            // Random boxes: some tile, most overlap or leave gaps.
+            let count = rng.below(7) as usize;
+            let pieces: Vec<Piece> = (0..count)
+                .map(|_| {
+                    let off: Vec<u64> = global.iter().map(|&g| rng.below(g)).collect();
+                    let shape: Vec<u64> = off.iter().zip(&global).map(|(&o, &g)| 1 + rng.below(g - o)).collect();
+                    Piece::new(&off, &shape)
+                })
+                .collect();
+            assert_eq!(
+                tiling_faults(&global, &pieces),
+                tiling_reference(&global, &pieces),
+                "case {case}: {global:?} {pieces:?}"
+            );
+            // Exact tilings, cut row-major from flat ranges.
+            let total = numel(&global);
+            let mut cuts: Vec<u64> = (0..rng.below(4)).map(|_| rng.below(total + 1)).collect();
+            cuts.extend([0, total]);
+            cuts.sort_unstable();
+            let zeros = vec![0; ndim];
+            let tiles: Vec<Piece> = cuts.windows(2).flat_map(|w| decompose_flat(&zeros, &global, w[0], w[1])).collect();
+            assert_eq!(tiling_faults(&global, &tiles), TilingFaults::default(), "{global:?} {cuts:?}");
+            assert_eq!(tiling_faults(&global, &tiles), tiling_reference(&global, &tiles));
+        }
+    }
+
+    #[test]
+    fn deep_shapes_do_not_overflow_a_small_stack() {
+        // 20,000 axes (a parser that forgot the cap on axes) on a 128 KiB stack: a frame per
+        // axis would need megabytes.
+        let deep = 20_000;
+        let run = move || {
+            let mut global = vec![1u64; deep];
+            global.extend([3, 5]);
+            let zeros = vec![0u64; deep + 2];
+            // Elements 2..13 of 15: the tail of row 0, row 1, the head of row 2.
+            let pieces = decompose_flat(&zeros, &global, 2, 13);
+            let at = |row: u64, col: u64| {
+                let mut o = vec![0u64; deep];
+                o.extend([row, col]);
+                o
+            };
+            let mut one = vec![1u64; deep];
+            one.extend([1, 3]);
+            let mut row = vec![1u64; deep];
+            row.extend([1, 5]);
+            assert_eq!(
+                pieces,
+                vec![Piece::new(&at(0, 2), &one), Piece::new(&at(1, 0), &row), Piece::new(&at(2, 0), &one)]
+            );
+            // A tiling of the whole tensor, and one with a gap and an overlap.
+            let whole: Vec<Piece> =
+                [(0, 7), (7, 15)].iter().flat_map(|&(s, e)| decompose_flat(&zeros, &global, s, e)).collect();
+            assert_eq!(tiling_faults(&global, &whole), TilingFaults::default());
+            let faults = tiling_faults(&global, &[pieces[0].clone(), pieces[1].clone(), pieces[1].clone()]);
+            assert!(faults.overlap.is_some_and(|o| o.contains("overlap")));
+            assert!(faults.gap.is_some_and(|g| g.contains("gap")));
+        };
+        std::thread::Builder::new().stack_size(128 << 10).spawn(run).unwrap().join().unwrap();
+    }
 
     #[test]
     fn a_layout_that_makes_the_sweep_quadratic_is_refused() {

@@ -230,19 +230,30 @@ fn boxes_meet(a_off: &[u64], a_shape: &[u64], b_off: &[u64], b_shape: &[u64]) ->
         && (0..a_off.len()).all(|d| a_off[d] < b_off[d] + b_shape[d] && b_off[d] < a_off[d] + a_shape[d])
 }
 
-/// A checksum block to verify.
+/// Consecutive checksum blocks of one chunk, to be read whole and verified by one read. Runs,
+/// not one entry per block: a chunk saved with tiny blocks (block size 1) has as many blocks as
+/// bytes, and a list of them would take several times the checkpoint's size in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Block {
+pub struct BlockRun {
     /// File index.
     pub file: u32,
-    /// Byte offset in the file.
+    /// Byte offset in the file of the first block.
     pub file_off: u64,
-    /// Length.
+    /// Bytes of the blocks: whole blocks, but for a chunk's last block, which may be shorter.
     pub len: u64,
-    /// Expected crc32c.
-    pub crc: u32,
-    /// Tensor index (for error messages).
+    /// Tensor index (for error messages, and the checksums).
     pub tensor: u32,
+    /// Chunk index within the tensor.
+    pub chunk: u32,
+    /// Index of the run's first block among the chunk's blocks (and its checksums).
+    pub first: u64,
+}
+
+impl BlockRun {
+    /// One past the run's last byte in the file.
+    pub fn end(&self) -> u64 {
+        self.file_off + self.len
+    }
 }
 
 /// One ranged read.
@@ -256,7 +267,7 @@ pub struct Span {
     pub len: u64,
     /// Segments (indices into [`ReadPlan::segs`]) served by this read.
     pub segs: std::ops::Range<usize>,
-    /// Blocks (indices into [`ReadPlan::blocks`]) checked on this read.
+    /// Runs of blocks (indices into [`ReadPlan::blocks`]) checked on this read, each inside it.
     pub blocks: std::ops::Range<usize>,
     /// The read lands directly in the target (one segment covering the whole span).
     pub direct: bool,
@@ -284,8 +295,8 @@ impl Default for ReadTuning {
 pub struct ReadPlan {
     /// Copy segments, sorted by (file, offset), split at span boundaries.
     pub segs: Vec<CopySeg>,
-    /// Blocks to verify, sorted by (file, offset).
-    pub blocks: Vec<Block>,
+    /// Blocks to verify, in runs sorted by (file, offset), disjoint, each inside one span.
+    pub blocks: Vec<BlockRun>,
     /// The reads.
     pub spans: Vec<Span>,
     /// Bytes the targets need.
@@ -300,68 +311,111 @@ pub fn plan_reads(index: &CheckpointIndex, segs: Vec<CopySeg>, verify: bool, tun
     let verify = verify && index.block_size > 0;
     let tuning = ReadTuning { max_span: tuning.max_span.max(4096), ..tuning };
     let bytes_needed = segs.iter().map(|s| s.len).sum();
-    let mut blocks: Vec<Block> = Vec::new();
+    let mut blocks: Vec<BlockRun> = Vec::new();
     if verify {
-        // Blocks are listed before the segments are sorted: in request order, each tensor's
-        // chunks (and their checksums) are visited in memory order.
+        // The blocks each segment touches, as a run per segment; listed before the segments
+        // are sorted: in request order, each tensor's chunks are visited in memory order.
         let bs = index.block_size;
-        for s in &segs {
+        for s in segs.iter().filter(|s| s.len > 0) {
             let c = &index.tensors[s.tensor as usize].chunks()[s.chunk as usize];
             let esize = index.tensors[s.tensor as usize].dtype.size() as u64;
             let clen = c.numel() * esize;
             let first = (s.file_off - c.byte_offset) / bs;
             let last = (s.file_off + s.len - 1 - c.byte_offset) / bs;
-            for b in first..=last {
-                let boff = c.byte_offset + b * bs;
-                let blen = bs.min(clen - b * bs);
-                blocks.push(Block {
-                    file: s.file,
-                    file_off: boff,
-                    len: blen,
-                    crc: c.crcs[b as usize],
-                    tensor: s.tensor,
-                });
+            let file_off = c.byte_offset + first * bs;
+            let end = c.byte_offset + ((last + 1) * bs).min(clen);
+            blocks.push(BlockRun {
+                file: s.file,
+                file_off,
+                len: end - file_off,
+                tensor: s.tensor,
+                chunk: s.chunk,
+                first,
+            });
+        }
+        // In file order, the runs of one chunk that meet or overlap merged into one.
+        blocks = sort_by_file(blocks, |b| (b.file, b.file_off));
+        let mut merged: Vec<BlockRun> = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            match merged.last_mut() {
+                Some(m) if (m.file, m.tensor, m.chunk) == (b.file, b.tensor, b.chunk) && b.file_off <= m.end() => {
+                    m.len = m.len.max(b.end() - m.file_off);
+                }
+                _ => merged.push(b),
             }
         }
-        blocks = sort_by_file(blocks, |b| (b.file, b.file_off));
-        blocks.dedup_by_key(|b| (b.file, b.file_off));
+        blocks = merged;
     }
     let segs = sort_by_file(segs, |s| (s.file, s.file_off));
     // Units are byte ranges that must be read whole (blocks when verifying, else segments
     // merged where they overlap, cut at `max_span`); spans group nearby units into one read.
     let mut spans: Vec<Span> = Vec::new();
-    let mut add_unit = |i: usize, f: u32, off: u64, len: u64| {
-        let extend = spans.last().is_some_and(|sp| {
+    let joins = |spans: &[Span], f: u32, off: u64, len: u64| {
+        spans.last().is_some_and(|sp| {
             let gap = off.wrapping_sub(sp.off + sp.len);
             sp.file == f
                 && off >= sp.off + sp.len
                 && gap <= tuning.max_gap
                 && gap * 32 <= off + len - sp.off
                 && off + len - sp.off <= tuning.max_span
-        });
-        if extend {
-            let sp = spans.last_mut().unwrap();
-            sp.len = off + len - sp.off;
-            if verify {
-                sp.blocks.end = i + 1;
-            }
-        } else {
-            let blocks = if verify { i..i + 1 } else { 0..0 };
-            spans.push(Span { file: f, off, len, segs: 0..0, blocks, direct: false });
-        }
+        })
     };
     if verify {
-        for (i, b) in blocks.iter().enumerate() {
-            add_unit(i, b.file, b.file_off, b.len);
+        // Each block is a unit. A block joins the last span when it fits; the blocks after it
+        // in its run (no gap) join too, as many as fit in `max_span`: the runs are cut where
+        // the spans are, so that each piece of a run lies inside one span.
+        let bs = index.block_size;
+        let runs = std::mem::take(&mut blocks);
+        for run in runs {
+            let mut off = run.file_off;
+            while off < run.end() {
+                let block_len = bs.min(run.end() - off);
+                let joined = joins(&spans, run.file, off, block_len);
+                let span_start = if joined { spans.last().map_or(off, |sp| sp.off) } else { off };
+                // Whole blocks up to `max_span` from the span's start, at least the first.
+                let limit = span_start.saturating_add(tuning.max_span);
+                let end = if run.end() <= limit {
+                    run.end()
+                } else {
+                    let fit = (limit.saturating_sub(off) / bs).max(1);
+                    off.saturating_add(fit.saturating_mul(bs)).min(run.end())
+                };
+                let first = run.first + (off - run.file_off) / bs;
+                blocks.push(BlockRun { file_off: off, len: end - off, first, ..run });
+                let i = blocks.len() - 1;
+                match spans.last_mut() {
+                    Some(sp) if joined => {
+                        sp.len = end - sp.off;
+                        sp.blocks.end = i + 1;
+                    }
+                    _ => spans.push(Span {
+                        file: run.file,
+                        off,
+                        len: end - off,
+                        segs: 0..0,
+                        blocks: i..i + 1,
+                        direct: false,
+                    }),
+                }
+                off = end;
+            }
         }
     } else {
+        let mut add_unit = |f: u32, off: u64, len: u64| {
+            if joins(&spans, f, off, len) {
+                let sp = spans.last_mut().expect("a span to join");
+                sp.len = off + len - sp.off;
+            } else {
+                spans.push(Span { file: f, off, len, segs: 0..0, blocks: 0..0, direct: false });
+            }
+        };
         let mut emit = |(f, mut off, mut len): (u32, u64, u64)| {
             while len > tuning.max_span {
-                add_unit(0, f, off, tuning.max_span);
+                add_unit(f, off, tuning.max_span);
                 off += tuning.max_span;
                 len -= tuning.max_span;
             }
-            add_unit(0, f, off, len);
+            add_unit(f, off, len);
         };
         let mut unit: Option<(u32, u64, u64)> = None;
         for s in &segs {
@@ -458,6 +512,124 @@ mod tests {
             }
         }
         out
+    }
+
+    /// The reads and checks of a verified plan, planned block by block (one entry per block,
+    /// as before runs): the reference the runs must match, as `(spans, blocks)` with each
+    /// span `(file, off, len)` and each block `(file, off, len, crc)`.
+    #[allow(clippy::type_complexity)]
+    fn block_by_block(
+        index: &CheckpointIndex,
+        segs: &[CopySeg],
+        tuning: ReadTuning,
+    ) -> (Vec<(u32, u64, u64)>, Vec<(u32, u64, u64, u32)>) {
+        let bs = index.block_size;
+        let mut blocks = Vec::new();
+        for s in segs.iter().filter(|s| s.len > 0) {
+            let c = &index.tensors[s.tensor as usize].chunks()[s.chunk as usize];
+            let clen = c.numel() * index.tensors[s.tensor as usize].dtype.size() as u64;
+            for b in (s.file_off - c.byte_offset) / bs..=(s.file_off + s.len - 1 - c.byte_offset) / bs {
+                blocks.push((s.file, c.byte_offset + b * bs, bs.min(clen - b * bs), c.crcs[b as usize]));
+            }
+        }
+        blocks.sort_unstable();
+        blocks.dedup_by_key(|b| (b.0, b.1));
+        let mut spans: Vec<(u32, u64, u64)> = Vec::new();
+        for &(f, off, len, _) in &blocks {
+            match spans.last_mut() {
+                Some(sp)
+                    if sp.0 == f
+                        && off >= sp.1 + sp.2
+                        && off - (sp.1 + sp.2) <= tuning.max_gap
+                        && (off - (sp.1 + sp.2)) * 32 <= off + len - sp.1
+                        && off + len - sp.1 <= tuning.max_span =>
+                {
+                    sp.2 = off + len - sp.1
+                }
+                _ => spans.push((f, off, len)),
+            }
+        }
+        (spans, blocks)
+    }
+
+    #[test]
+    fn runs_of_blocks_plan_the_reads_and_checks_of_block_by_block_planning() {
+        let mut rng = crate::test_rng::TestRng::new(0x5eed);
+        for case in 0..300 {
+            // Two files of u8 chunks, one after another, with gaps; blocks of 1 to 9 bytes and
+            // chunks of up to 40 (many blocks to a read), or blocks of 100 to 3099 bytes and
+            // chunks of up to 12,000 (runs cut where reads reach `max_span`).
+            let big = rng.below(2) == 1;
+            let bs = if big { 100 + rng.below(3000) } else { 1 + rng.below(9) };
+            let mut chunks = Vec::new();
+            let mut at = [0u64; 2];
+            for i in 0..6 {
+                let file = rng.below(2) as u32;
+                at[file as usize] += rng.below(if big { 3000 } else { 20 });
+                let len = 1 + rng.below(if big { 12_000 } else { 40 });
+                let crcs = (0..len.div_ceil(bs)).map(|_| rng.next_u64() as u32).collect();
+                chunks.push(StoredChunk {
+                    file,
+                    byte_offset: at[file as usize],
+                    offset: [i * 12_000].as_slice().into(),
+                    shape: [len].as_slice().into(),
+                    flat: None,
+                    crcs,
+                });
+                at[file as usize] += len;
+            }
+            let index = CheckpointIndex::of_tensors(
+                bs,
+                Vec::new(),
+                vec![TensorEntry::new("x".into(), DType::U8, vec![72_000], chunks)],
+            );
+            // Random pieces of random chunks, overlapping at times.
+            let segs: Vec<CopySeg> = (0..1 + rng.below(8))
+                .map(|_| {
+                    let ci = rng.below(6) as usize;
+                    let c = &index.tensors[0].chunks()[ci];
+                    let len = c.shape[0];
+                    let from = rng.below(len);
+                    let n = 1 + rng.below(len - from);
+                    CopySeg {
+                        file: c.file,
+                        file_off: c.byte_offset + from,
+                        len: n,
+                        target: 0,
+                        dst_off: 0,
+                        tensor: 0,
+                        chunk: ci as u32,
+                    }
+                })
+                .collect();
+            let tuning = ReadTuning { max_span: 4096, max_gap: rng.below(if big { 4000 } else { 16 }) };
+            // `max_span` below 4096 is raised to it: the rule block by block sees the same.
+            for max_span in [4096, 10_000] {
+                let tuning = ReadTuning { max_span, ..tuning };
+                let plan = plan_reads(&index, segs.clone(), true, tuning);
+                let (want_spans, want_blocks) = block_by_block(&index, &segs, tuning);
+                let spans: Vec<(u32, u64, u64)> = plan.spans.iter().map(|s| (s.file, s.off, s.len)).collect();
+                assert_eq!(spans, want_spans, "case {case}");
+                let mut blocks = Vec::new();
+                for (i, sp) in plan.spans.iter().enumerate() {
+                    for r in &plan.blocks[sp.blocks.clone()] {
+                        assert!(
+                            r.file == sp.file && r.file_off >= sp.off && r.end() <= sp.off + sp.len,
+                            "case {case}, span {i}"
+                        );
+                        let c = &index.tensors[r.tensor as usize].chunks()[r.chunk as usize];
+                        let mut off = r.file_off;
+                        while off < r.end() {
+                            let b = (off - c.byte_offset) / bs;
+                            let len = bs.min(r.end() - off);
+                            blocks.push((r.file, off, len, c.crcs[b as usize]));
+                            off += len;
+                        }
+                    }
+                }
+                assert_eq!(blocks, want_blocks, "case {case}");
+            }
+        }
     }
 
     #[test]

@@ -3,12 +3,12 @@
 //! [`validate_index`] on what a strategy produced (the tools' loads reuse an opener's validated
 //! index), and `verify` reports every [`IndexDefect`] it finds.
 //!
-//! After the gate, readers may rely on: every shape's element and byte counts fit in `u64`;
-//! every chunk box lies inside its tensor and every flat range inside its box; every chunk and
-//! object shard names a file of the index and lies inside that file's data (past its header,
-//! before its end); a checksummed index has one checksum per block of every chunk; keys are
-//! sorted and unique; file names are plain names; and no two chunks of a tensor hold the same
-//! element, so the destinations of a load never overlap. The one defect the gate lets through
+//! After the gate, readers may rely on: every shape has at most `MAX_AXES` (64) axes, and its
+//! element and byte counts fit in `u64`; every chunk box lies inside its tensor and every flat
+//! range inside its box; every chunk and object shard names a file of the index and lies inside
+//! that file's data (past its header, before its end); a checksummed index has one checksum per
+//! block of every chunk; keys are sorted and unique; file names are plain names; and no two
+//! chunks of a tensor hold the same element, so the destinations of a load never overlap. The one defect the gate lets through
 //! is a region no chunk stores (a gap): the load of anything touching it fails naming the key
 //! (`NotCovered`), and `verify` reports it.
 
@@ -16,6 +16,7 @@ use std::fmt;
 
 use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, FileEntry, ObjectEntry, TensorEntry};
+use crate::model::dims::check_axes;
 use crate::plan::geometry::{decompose_flat, tiling_faults, Piece};
 use crate::storage::names::check_relative_name;
 
@@ -191,6 +192,8 @@ fn check_bytes(
 fn check_tensor(t: &TensorEntry, files: &[FileEntry], block_size: u64) -> Result<(), Fault> {
     let esize = t.dtype.size() as u64;
     let ndim = t.global_shape.len();
+    // Every parser refuses more axes already; an index built in memory passes here too.
+    check_axes(ndim).map_err(|e| invalid(format!("the global shape has {e}")))?;
     let numel = t.global_shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b));
     if numel.and_then(|n| n.checked_mul(esize)).is_none() {
         return Err(invalid(format!("global shape {:?} of {} holds more than 2^64 bytes", t.global_shape, t.dtype)));
@@ -251,6 +254,7 @@ fn check_tensor(t: &TensorEntry, files: &[FileEntry], block_size: u64) -> Result
 
 fn check_object(o: &ObjectEntry, files: &[FileEntry]) -> Result<(), Fault> {
     let ndim = o.global_shape.len();
+    check_axes(ndim).map_err(|e| invalid(format!("the grid has {e}")))?;
     let Some(cells) = o.global_shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b)) else {
         return Err(invalid(format!("grid {:?} has more than 2^64 cells", o.global_shape)));
     };

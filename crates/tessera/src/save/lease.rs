@@ -7,6 +7,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
 use crate::format::lease::{parse_lease_name, Lease, LeaseFiles, LEASE_RENEW_MS, LEASE_TTL_MS};
+use crate::formats::olmo::metadata::parse_rank_file_name;
+use crate::formats::torch_dist::{parse_common_copy_name, parse_data_file_name as parse_distcp_name};
 use crate::storage::Storage;
 
 /// Milliseconds since the Unix epoch, by this machine's clock.
@@ -122,6 +124,23 @@ pub(crate) fn kept_while<'a, T>(
     })
 }
 
+/// Whether `name` is a file the save of `lease` may create, by its format's rule: the native
+/// data files of its id; the DCP data files of its numbers and its copy of `common.pt`; the
+/// OLMo-core rank files of its names.
+pub(crate) fn covers(lease: &Lease, name: &str) -> bool {
+    match &lease.files {
+        LeaseFiles::Native => crate::format::parse_data_file_name(name).is_some_and(|(id, _)| id == lease.save_id),
+        LeaseFiles::Distcp { first, count } => {
+            parse_distcp_name(name).is_some_and(|(_, n)| n >= *first && n - first < *count)
+                || parse_common_copy_name(name) == Some(lease.save_id)
+        }
+        LeaseFiles::Olmo { suffix } => parse_rank_file_name(name).is_some_and(|(_, id)| match id {
+            0 => suffix.is_empty(),
+            id => *suffix == format!("-{id:016x}"),
+        }),
+    }
+}
+
 /// The leases among `names` (a listing of `storage`) that hold now, but `own`'s: the files they
 /// cover belong to saves that may still be running. A lease that cannot be read (damaged, or of
 /// a newer version) is taken to hold: its save's files cannot be told apart, so none is removed
@@ -157,8 +176,35 @@ impl LiveLease {
     /// Whether `name` may be a file of the lease's save.
     pub fn covers(&self, name: &str) -> bool {
         match self {
-            LiveLease::Read(l) => l.covers(name),
+            LiveLease::Read(l) => covers(l, name),
             LiveLease::Unreadable => true,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(files: LeaseFiles) -> Lease {
+        Lease { save_id: 0x0123_4567_89ab_cdef, writer: "host:7".into(), renewed_ms: 5, expires_ms: 9, files }
+    }
+
+    #[test]
+    fn a_lease_covers_its_save_files_only() {
+        let native = lease(LeaseFiles::Native);
+        assert!(covers(&native, "0123456789abcdef-r00003.safetensors"));
+        assert!(!covers(&native, "0123456789abcdee-r00003.safetensors") && !covers(&native, "tessera.index"));
+        let dcp = lease(LeaseFiles::Distcp { first: 12, count: 2 });
+        assert!(covers(&dcp, "__0_12.distcp") && covers(&dcp, "__7_13.distcp"));
+        assert!(!covers(&dcp, "__0_14.distcp") && !covers(&dcp, "__0_11.distcp") && !covers(&dcp, ".metadata"));
+        assert!(
+            covers(&dcp, ".tessera-common-0123456789abcdef.pt") && !covers(&dcp, ".tessera-common-0123456789abcdee.pt")
+        );
+        let plain = lease(LeaseFiles::Olmo { suffix: String::new() });
+        assert!(covers(&plain, "rank_3.safetensors") && !covers(&plain, "rank_3-0123456789abcdef.safetensors"));
+        let suffixed = lease(LeaseFiles::Olmo { suffix: "-0123456789abcdef".into() });
+        assert!(covers(&suffixed, "rank_3-0123456789abcdef.safetensors") && !covers(&suffixed, "rank_3.safetensors"));
+        assert!(native.is_live(8) && !native.is_live(9));
     }
 }

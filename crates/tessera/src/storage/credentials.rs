@@ -127,7 +127,9 @@ pub(super) fn aws_profile() -> Result<Option<AwsProfile>> {
 /// The `object_store` Azure configuration keys an Azure Storage connection string
 /// (`AZURE_STORAGE_CONNECTION_STRING`, as the Azure CLI and SDKs take it) stands for:
 /// `UseDevelopmentStorage=true` (Azurite), or `AccountName` with `AccountKey` or
-/// `SharedAccessSignature`, and `BlobEndpoint` or `DefaultEndpointsProtocol` + `EndpointSuffix`.
+/// `SharedAccessSignature`, and `BlobEndpoint` or `DefaultEndpointsProtocol` + `EndpointSuffix`
+/// (the endpoint `PROTOCOL://ACCOUNT.blob.SUFFIX`). An `http` endpoint, given either way, also
+/// allows the client plain HTTP.
 pub(super) fn azure_connection_string(text: &str) -> Result<Vec<(&'static str, String)>> {
     let mut fields = HashMap::new();
     for part in text.split(';').map(str::trim).filter(|p| !p.is_empty()) {
@@ -162,8 +164,19 @@ pub(super) fn azure_connection_string(text: &str) -> Result<Vec<(&'static str, S
             out.push(("azure_allow_http", "true".to_string()));
         }
     } else if let (Some(a), Some(suffix)) = (&account, fields.get("endpointsuffix")) {
-        let protocol = fields.get("defaultendpointsprotocol").map_or("https", String::as_str);
+        let protocol = fields.get("defaultendpointsprotocol").map_or("https".to_string(), |p| p.to_ascii_lowercase());
+        if protocol != "https" && protocol != "http" {
+            return Err(Error::invalid(format!(
+                "Azure connection string: DefaultEndpointsProtocol={protocol} is neither https nor http"
+            )));
+        }
         out.push(("azure_storage_endpoint", format!("{protocol}://{a}.blob.{suffix}")));
+        // The client refuses plain HTTP unless allowed (its request fails with "builder
+        // error"): the connection string asking for it is the permission, as a `BlobEndpoint`
+        // of `http://` is above.
+        if protocol == "http" {
+            out.push(("azure_allow_http", "true".to_string()));
+        }
     }
     if account.is_none() && !out.iter().any(|(k, _)| *k == "azure_storage_endpoint") {
         return Err(Error::invalid(
@@ -320,6 +333,31 @@ mod tests {
         assert!(sas.contains(&("azure_storage_sas_key", "sv=1".into())), "{sas:?}");
         let cloud = azure_connection_string("AccountName=acc;AccountKey=k;EndpointSuffix=core.windows.net").unwrap();
         assert!(cloud.contains(&("azure_storage_endpoint", "https://acc.blob.core.windows.net".into())));
+        assert!(!cloud.iter().any(|(k, _)| *k == "azure_allow_http"), "{cloud:?}");
+        // Over plain HTTP from the protocol and the suffix: the endpoint is the account's host
+        // there, and the client must be allowed HTTP (it refused the request with "builder
+        // error" before).
+        let http = azure_connection_string(
+            "DefaultEndpointsProtocol=http;AccountName=acct;AccountKey=a2V5;EndpointSuffix=example.test",
+        )
+        .unwrap();
+        let want = [
+            ("azure_storage_account_name", "acct"),
+            ("azure_storage_account_key", "a2V5"),
+            ("azure_storage_endpoint", "http://acct.blob.example.test"),
+            ("azure_allow_http", "true"),
+        ];
+        assert_eq!(http, want.map(|(k, v)| (k, v.to_string())));
+        let https =
+            azure_connection_string("DefaultEndpointsProtocol=HTTPS;AccountName=a;AccountKey=k;EndpointSuffix=s")
+                .unwrap();
+        assert!(https.contains(&("azure_storage_endpoint", "https://a.blob.s".into())), "{https:?}");
+        assert!(!https.iter().any(|(k, _)| *k == "azure_allow_http"), "{https:?}");
+        let ftp = azure_connection_string("DefaultEndpointsProtocol=ftp;AccountName=a;AccountKey=k;EndpointSuffix=s");
+        assert!(
+            matches!(&ftp, Err(Error::InvalidArgument { reason }) if reason.contains("DefaultEndpointsProtocol=ftp")),
+            "{ftp:?}"
+        );
         assert!(azure_connection_string("AccountKey=k").is_err());
         assert!(azure_connection_string("nonsense").is_err());
     }

@@ -170,7 +170,9 @@ pub(crate) fn analyse(
         }
         // A temporary belongs to a put in progress while any save runs, and while it is young:
         // the put of a save's first lease makes one before that lease exists.
-        let holder = live.iter().position(|(_, l)| temporary || l.as_ref().map_or(true, |l| l.covers(name)));
+        let holder = live
+            .iter()
+            .position(|(_, l)| temporary || l.as_ref().map_or(true, |l| crate::save::lease::covers(l, name)));
         let young = temporary
             && !opts.break_leases
             && temporary_time_ms(name).is_none_or(|t| now.saturating_sub(t) < LEASE_TTL_MS);

@@ -80,31 +80,18 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
         verify_readable(storage, index, threads, &mut report);
         return Ok(report);
     }
-    // Per file: (offset, len, crc, what) of every checksummed range.
-    let mut ranges: Vec<Vec<(u64, u64, u32, String)>> = vec![Vec::new(); index.files.len()];
-    for t in &index.tensors {
-        let esize = t.dtype.size() as u64;
-        for c in t.chunks() {
-            let len = c.numel() * esize;
-            for (b, &crc) in c.crcs.iter().enumerate() {
-                let off = b as u64 * index.block_size;
-                ranges[c.file as usize].push((
-                    c.byte_offset + off,
-                    index.block_size.min(len - off),
-                    crc,
-                    format!("tensor {:?}", t.key),
-                ));
-            }
+    // Per file, what it stores, in the order problems are reported (tensors by key and their
+    // chunks in order, then objects): positions only, so that the walk below needs no memory
+    // per block (a chunk saved with block size 1 has a block per byte).
+    let mut stored: Vec<Vec<Stored>> = vec![Vec::new(); index.files.len()];
+    for (ti, t) in index.tensors.iter().enumerate() {
+        for (ci, c) in t.chunks().iter().enumerate() {
+            stored[c.file as usize].push(Stored::Chunk(ti, ci));
         }
     }
-    for o in &index.objects {
-        for s in &o.shards {
-            ranges[s.file as usize].push((
-                s.byte_offset,
-                s.len,
-                s.crc,
-                format!("object {:?} shard {:?}", o.key, s.offset),
-            ));
+    for (oi, o) in index.objects.iter().enumerate() {
+        for (si, s) in o.shards.iter().enumerate() {
+            stored[s.file as usize].push(Stored::Shard(oi, si));
         }
     }
     let problems = Mutex::new(Vec::new());
@@ -139,19 +126,31 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
             problems.lock().unwrap().push(e.to_string());
         }
         checked.fetch_add(f.header_len as usize, Ordering::Relaxed);
-        let mut buf = Vec::new();
-        for (off, len, crc, what) in &ranges[fi] {
-            buf.resize(*len as usize, 0);
-            if let Err(e) = storage.read_at(&f.name, *off, &mut buf) {
-                problems.lock().unwrap().push(format!("{path}: {e}"));
-                break;
-            }
-            checked.fetch_add(*len as usize, Ordering::Relaxed);
-            if crate::model::crc::crc32c(&buf) != *crc {
-                problems
-                    .lock()
-                    .unwrap()
-                    .push(format!("{path}: checksum mismatch in {what} at bytes {off}..{}", off + len));
+        let mut file = FileCheck { storage, name: &f.name, path: &path, buf: Vec::new(), problems: &problems };
+        for item in &stored[fi] {
+            let r = match *item {
+                Stored::Chunk(ti, ci) => {
+                    let t = &index.tensors[ti];
+                    let c = &t.chunks()[ci];
+                    let len = c.numel() * t.dtype.size() as u64;
+                    file.check(c.byte_offset, len, index.block_size, &c.crcs, &|| format!("tensor {:?}", t.key))
+                }
+                Stored::Shard(oi, si) => {
+                    let (o, s) = (&index.objects[oi], &index.objects[oi].shards[si]);
+                    file.check(s.byte_offset, s.len, s.len, &[s.crc], &|| {
+                        format!("object {:?} shard {:?}", o.key, s.offset)
+                    })
+                }
+            };
+            match r {
+                Ok(n) => {
+                    checked.fetch_add(n as usize, Ordering::Relaxed);
+                }
+                Err(n) => {
+                    // An unreadable file: what was read is counted, the rest of it skipped.
+                    checked.fetch_add(n as usize, Ordering::Relaxed);
+                    break;
+                }
             }
         }
     });
@@ -240,6 +239,69 @@ fn header_defects(index: &CheckpointIndex, fi: usize, h: &SafetensorsHeader, pat
     out
 }
 
+/// A checksummed range of a data file, by position in the index.
+#[derive(Debug, Clone, Copy)]
+enum Stored {
+    /// Chunk `.1` of tensor `.0`.
+    Chunk(usize, usize),
+    /// Shard `.1` of object `.0`.
+    Shard(usize, usize),
+}
+
+/// Bytes read at once by [`FileCheck::check`]: many small blocks per read, a large block in
+/// several reads.
+const READ_BYTES: u64 = 4 << 20;
+
+/// The checksums of one data file being checked, and where its problems go.
+struct FileCheck<'a> {
+    storage: &'a dyn Storage,
+    name: &'a str,
+    /// The file as problems name it.
+    path: &'a str,
+    /// Bytes read, reused from range to range.
+    buf: Vec<u8>,
+    problems: &'a Mutex<Vec<String>>,
+}
+
+impl FileCheck<'_> {
+    /// Checks the bytes `[off, off + len)` as consecutive blocks of `block` bytes (the last
+    /// may be shorter), block `i` against `crcs[i]`, reading at most [`READ_BYTES`] at a time;
+    /// a mismatch is reported naming `what()`. Returns the bytes read; `Err` (with the bytes
+    /// read before) when a read failed, which is reported too.
+    fn check(&mut self, off: u64, len: u64, block: u64, crcs: &[u32], what: &dyn Fn() -> String) -> Result<u64, u64> {
+        let end = off + len;
+        // What `buf` holds: bytes [read_at, read_end) of the file.
+        let (mut read_at, mut read_end) = (off, off);
+        for (b, &stored) in crcs.iter().enumerate() {
+            let block_off = off + b as u64 * block;
+            let block_end = block_off.saturating_add(block).min(end);
+            let mut crc = 0u32;
+            let mut at = block_off;
+            while at < block_end {
+                if at >= read_end {
+                    let n = READ_BYTES.min(end - at);
+                    self.buf.resize(n as usize, 0);
+                    if let Err(e) = self.storage.read_at(self.name, at, &mut self.buf) {
+                        self.problems.lock().unwrap().push(format!("{}: {e}", self.path));
+                        return Err(read_end - off);
+                    }
+                    (read_at, read_end) = (at, at + n);
+                }
+                let to = block_end.min(read_end);
+                crc =
+                    crate::model::crc::crc32c_append(crc, &self.buf[(at - read_at) as usize..(to - read_at) as usize]);
+                at = to;
+            }
+            if crc != stored {
+                let problem =
+                    format!("{}: checksum mismatch in {} at bytes {block_off}..{block_end}", self.path, what());
+                self.problems.lock().unwrap().push(problem);
+            }
+        }
+        Ok(read_end - off)
+    }
+}
+
 /// Reads every virtual file of a foreign checkpoint whole, in pieces of at most 8 MiB (a
 /// virtual file's size is what the metadata claims: the buffer must not follow it).
 fn verify_readable(
@@ -283,4 +345,53 @@ fn verify_readable(
     let mut p = problems.into_inner().unwrap();
     p.sort();
     report.problems.extend(p);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::crc::crc32c;
+    use crate::storage::MemoryStorage;
+
+    /// `bytes` as file `f` of a memory storage.
+    fn stored(bytes: &[u8]) -> MemoryStorage {
+        let storage = MemoryStorage::new();
+        let w = storage.create("f", bytes.len() as u64).unwrap();
+        w.write_at(0, bytes).unwrap();
+        w.finish().unwrap();
+        storage
+    }
+
+    /// Problems `FileCheck::check` reports for bytes `[off, off + len)` of `bytes` in blocks of
+    /// `block`, against the checksums of `clean`; and the bytes it read.
+    fn problems(clean: &[u8], bytes: &[u8], off: u64, len: u64, block: u64) -> (Vec<String>, u64) {
+        let range = &clean[off as usize..(off + len) as usize];
+        let crcs: Vec<u32> = if len == 0 { vec![0] } else { range.chunks(block as usize).map(crc32c).collect() };
+        let storage = stored(bytes);
+        let problems = Mutex::new(Vec::new());
+        let mut file = FileCheck { storage: &storage, name: "f", path: "mem/f", buf: Vec::new(), problems: &problems };
+        let read = file.check(off, len, block, &crcs, &|| "tensor \"w\"".into()).unwrap();
+        (problems.into_inner().unwrap(), read)
+    }
+
+    #[test]
+    fn blocks_smaller_and_larger_than_a_read_are_each_checked() {
+        let clean: Vec<u8> = (0..(7u32 << 20) + 5).map(|i| (i % 251) as u8).collect();
+        let len = clean.len() as u64 - 3;
+        // Blocks of 1 byte (many per read), of 6 MiB (each across two reads), of the whole range.
+        for block in [1u64, 3, 6 << 20, len] {
+            assert_eq!(problems(&clean, &clean, 3, len, block), (vec![], len), "block {block}");
+        }
+        let mut damaged = clean.clone();
+        for at in [3usize, (4 << 20) + 3, (6 << 20) + 4] {
+            damaged[at] ^= 1;
+        }
+        let mismatch = |from: u64, to: u64| format!("mem/f: checksum mismatch in tensor \"w\" at bytes {from}..{to}");
+        let want_1: Vec<String> = [3u64, (4 << 20) + 3, (6 << 20) + 4].iter().map(|&at| mismatch(at, at + 1)).collect();
+        assert_eq!(problems(&clean, &damaged, 3, len, 1).0, want_1);
+        let want_6m = vec![mismatch(3, (6 << 20) + 3), mismatch((6 << 20) + 3, len + 3)];
+        assert_eq!(problems(&clean, &damaged, 3, len, 6 << 20).0, want_6m);
+        // An empty object shard: its checksum is that of no bytes.
+        assert_eq!(problems(&clean, &damaged, 8, 0, 0), (vec![], 0));
+    }
 }

@@ -193,6 +193,12 @@ pub enum Item {
 
 /// The `.metadata` pickle of `items`, laid out back to back in `__0_0.distcp`, and that file.
 pub fn dcp_metadata(items: &[Item]) -> (Vec<u8>, Vec<u8>) {
+    dcp_metadata_with(items, P::None)
+}
+
+/// [`dcp_metadata`] with `planner` as the `Metadata`'s `planner_data` (which the reader reads
+/// only for the paths of byte items).
+pub fn dcp_metadata_with(items: &[Item], planner: P) -> (Vec<u8>, Vec<u8>) {
     let mut file = Vec::new();
     let mut sdm = Vec::new();
     let mut storage = Vec::new();
@@ -257,7 +263,7 @@ pub fn dcp_metadata(items: &[Item]) -> (Vec<u8>, Vec<u8>) {
         "Metadata",
         Box::new(P::Dict(vec![
             (s("state_dict_metadata"), P::Dict(sdm)),
-            (s("planner_data"), P::None),
+            (s("planner_data"), planner),
             (s("storage_data"), P::Dict(storage)),
         ])),
     );
@@ -267,6 +273,43 @@ pub fn dcp_metadata(items: &[Item]) -> (Vec<u8>, Vec<u8>) {
 /// Writes a DCP checkpoint of `items` into `dir` (created).
 pub fn write_dcp(dir: &Path, items: &[Item]) {
     let (meta, file) = dcp_metadata(items);
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join(".metadata"), meta).unwrap();
+    std::fs::write(dir.join("__0_0.distcp"), file).unwrap();
+}
+
+/// A plain safetensors file holding one f32 tensor `w` (value 1.5) of `axes` axes of length
+/// 1: 2 bytes of header per axis (60,000 axes in 120 KB).
+pub fn plain_safetensors(axes: usize) -> Vec<u8> {
+    let shape = vec!["1"; axes].join(",");
+    let header = format!(r#"{{"w":{{"dtype":"F32","shape":[{shape}],"data_offsets":[0,4]}}}}"#);
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(&1.5f32.to_le_bytes());
+    bytes
+}
+
+/// A list of `n` values of one opcode each (`value`: `N` for `None`, `[b'K', x]` for the
+/// small integer `x`), appended in batches of 1000 as Python writes lists: a pickle made of
+/// millions of plain values, one or two bytes each.
+pub fn plain_values(n: usize, value: &[u8]) -> P {
+    let mut v = vec![b']'];
+    for start in (0..n).step_by(1000) {
+        v.push(b'(');
+        for _ in start..n.min(start + 1000) {
+            v.extend_from_slice(value);
+        }
+        v.push(b'e');
+    }
+    P::Raw(v)
+}
+
+/// A one-tensor DCP checkpoint in `dir` whose `.metadata` also holds `planner` (see
+/// [`dcp_metadata_with`]).
+pub fn write_dcp_with(dir: &Path, planner: P) {
+    let item = torch_save_tensor(&[4], &[1], &[0u8; 16]);
+    let (meta, file) =
+        dcp_metadata_with(&[Item::Tensor { fqn: "w", size: vec![4], data: item, transforms: vec![] }], planner);
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join(".metadata"), meta).unwrap();
     std::fs::write(dir.join("__0_0.distcp"), file).unwrap();

@@ -9,6 +9,7 @@ pub mod faults;
 pub mod files;
 pub mod fixtures;
 pub mod gcs;
+pub mod rss;
 pub mod s3;
 pub mod server;
 
@@ -451,4 +452,14 @@ impl Communicator for FailingComm {
         let r = self.inner.all_to_all(send);
         self.check("all_to_all", r)
     }
+}
+
+/// The copy of its `common.pt` a committed `torch_dist` checkpoint tessera wrote keeps
+/// (FORMAT.md, "Writing torch_dist"): named by the save id its `.metadata` records
+/// (`storage_meta.save_id` = `<16 hex>-common-<8 hex>`), found in the pickle's bytes.
+pub fn committed_common_copy(storage: &dyn Storage) -> Option<String> {
+    let meta = storage.read(".metadata").ok()?;
+    let at = meta.windows(8).position(|w| w == b"-common-")?;
+    let id = std::str::from_utf8(meta.get(at.checked_sub(16)?..at)?).ok()?;
+    Some(format!(".tessera-common-{id}.pt"))
 }

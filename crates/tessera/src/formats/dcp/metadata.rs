@@ -4,8 +4,9 @@
 
 use std::collections::HashMap;
 
-use crate::formats::pickle::PickleValue;
-use crate::formats::torch_save::{as_dims, as_u64, describe, torch_dtype};
+use crate::formats::pickle::{Items, PickleRef, PickleView};
+use crate::formats::torch_save::torch_dtype;
+use crate::model::dims::{check_axes, Dims};
 use crate::model::dtype::DType;
 use crate::model::PathSeg;
 
@@ -58,69 +59,78 @@ pub(crate) struct DcpMetadata {
     pub save_id: Option<String>,
 }
 
-type Fields<'a> = &'a [(PickleValue, PickleValue)];
+/// The keys and values of a dict.
+type Fields<'p> = Items<'p>;
 
 /// The field dict of a dataclass instance: its BUILD state (a dict, or the `(dict, slots)`
 /// pair of a slotted class).
-fn fields(v: &PickleValue) -> Option<Fields<'_>> {
-    match v {
-        PickleValue::Object(o) => match o.state.as_ref()? {
-            PickleValue::Dict(d) => Some(d),
-            PickleValue::Tuple(t) => t.iter().rev().find_map(|x| match x {
-                PickleValue::Dict(d) if !d.is_empty() => Some(d.as_slice()),
+fn fields(v: PickleRef<'_>) -> Option<Fields<'_>> {
+    match v.view() {
+        PickleView::Object(o) => match o.state()?.view() {
+            PickleView::Dict(d) => Some(d),
+            PickleView::Tuple(t) => t.iter().collect::<Vec<_>>().into_iter().rev().find_map(|x| match x.view() {
+                PickleView::Dict(d) if d.len() > 0 => Some(d),
                 _ => None,
             }),
             _ => None,
         },
-        PickleValue::Dict(d) => Some(d),
+        PickleView::Dict(d) => Some(d),
         _ => None,
     }
 }
 
-fn field<'a>(f: Fields<'a>, name: &str) -> Option<&'a PickleValue> {
-    f.iter().find(|(k, _)| matches!(k, PickleValue::Str(s) if s == name)).map(|(_, v)| v)
+fn field<'p>(f: Fields<'p>, name: &str) -> Option<PickleRef<'p>> {
+    f.pairs().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v)
 }
 
-fn need<'a>(f: Fields<'a>, name: &str, what: &str) -> Result<&'a PickleValue, String> {
+fn need<'p>(f: Fields<'p>, name: &str, what: &str) -> Result<PickleRef<'p>, String> {
     field(f, name).ok_or_else(|| format!("{what} has no field {name:?}"))
 }
 
-fn string(v: &PickleValue, what: &str) -> Result<String, String> {
-    match v {
-        PickleValue::Str(s) => Ok(s.clone()),
-        other => Err(format!("{what} is {}, expected a string", describe(other))),
+fn string(v: PickleRef<'_>, what: &str) -> Result<String, String> {
+    match v.as_str() {
+        Some(s) => Ok(s.to_string()),
+        None => Err(format!("{what} is {}, expected a string", v.describe())),
     }
 }
 
-fn location(v: &PickleValue, fqn: &str) -> Result<ItemLocation, String> {
+fn location(v: PickleRef<'_>, fqn: &str) -> Result<ItemLocation, String> {
     let what = format!("storage info of {fqn:?}");
-    let f = fields(v).ok_or_else(|| format!("{what} is {}, expected a _StorageInfo", describe(v)))?;
+    let f = fields(v).ok_or_else(|| format!("{what} is {}, expected a _StorageInfo", v.describe()))?;
     let relative_path = string(need(f, "relative_path", &what)?, &what)?;
     // The same rule as every name a Storage reads (plain components: no `..`, `\\`, NUL).
     if crate::storage::names::check_relative_name(&relative_path).is_err() {
         return Err(format!("{what}: data file {relative_path:?} is not a plain relative name"));
     }
-    let offset = as_u64(need(f, "offset", &what)?).ok_or_else(|| format!("{what}: offset is not an int"))?;
-    let length = as_u64(need(f, "length", &what)?).ok_or_else(|| format!("{what}: length is not an int"))?;
+    let offset = need(f, "offset", &what)?.as_u64().ok_or_else(|| format!("{what}: offset is not an int"))?;
+    let length = need(f, "length", &what)?.as_u64().ok_or_else(|| format!("{what}: length is not an int"))?;
     if offset.checked_add(length).is_none() {
         return Err(format!("{what}: offset + length overflows"));
     }
-    let transforms = match field(f, "transform_descriptors") {
-        None | Some(PickleValue::None) => Vec::new(),
-        Some(PickleValue::List(xs)) | Some(PickleValue::Tuple(xs)) => {
+    let transforms = match field(f, "transform_descriptors").map(PickleRef::view) {
+        None | Some(PickleView::None) => Vec::new(),
+        Some(PickleView::List(xs)) | Some(PickleView::Tuple(xs)) => {
             xs.iter().map(|x| string(x, &what)).collect::<Result<_, _>>()?
         }
-        Some(other) => return Err(format!("{what}: transform_descriptors is {}", describe(other))),
+        Some(_) => {
+            let other = field(f, "transform_descriptors").map(PickleRef::describe).unwrap_or_default();
+            return Err(format!("{what}: transform_descriptors is {other}"));
+        }
     };
     Ok(ItemLocation { relative_path, offset, length, transforms })
 }
 
-fn planner_path(v: &PickleValue) -> Option<Vec<PathSeg>> {
-    let (PickleValue::Tuple(xs) | PickleValue::List(xs)) = v else { return None };
-    xs.iter()
-        .map(|x| match x {
-            PickleValue::Str(s) => Some(PathSeg::Key(s.clone())),
-            PickleValue::Int(i) => u64::try_from(*i).ok().map(PathSeg::Index),
+/// Longest path the planner's data may give a byte item (a state dict nested deeper than any
+/// value may be): a longer one is not taken for a path, and the item keeps its key.
+const MAX_PATH_LEN: usize = 256;
+
+fn planner_path(v: PickleRef<'_>) -> Option<Vec<PathSeg>> {
+    let items = v.seq().filter(|xs| xs.len() <= MAX_PATH_LEN)?;
+    items
+        .iter()
+        .map(|x| match x.view() {
+            PickleView::Str(s) => Some(PathSeg::Key(s.to_string())),
+            PickleView::Int(i) => u64::try_from(i).ok().map(PathSeg::Index),
             _ => None,
         })
         .collect()
@@ -128,108 +138,120 @@ fn planner_path(v: &PickleValue) -> Option<Vec<PathSeg>> {
 
 /// The dtype recorded in `TensorProperties`: a tuple state `(dtype, layout, …)` (torch ≥ 2.0)
 /// or a dict state with a `dtype` field.
-fn properties_dtype(v: &PickleValue, fqn: &str) -> Result<DType, String> {
-    let dtype = match v {
-        PickleValue::Object(o) => match &o.state {
-            Some(PickleValue::Tuple(t)) => t.first(),
-            Some(PickleValue::Dict(d)) => field(d, "dtype"),
-            _ => o.args.first(),
+fn properties_dtype(v: PickleRef<'_>, fqn: &str) -> Result<DType, String> {
+    let dtype = match v.view() {
+        PickleView::Object(o) => match o.state().map(PickleRef::view) {
+            Some(PickleView::Tuple(t)) => t.get(0),
+            Some(PickleView::Dict(d)) => field(d, "dtype"),
+            _ => o.args().first().copied(),
         },
         _ => None,
     };
-    match dtype {
-        Some(PickleValue::Global { module, name }) if module == "torch" => {
+    match dtype.map(|d| (d, d.view())) {
+        Some((_, PickleView::Global { module: "torch", name })) => {
             torch_dtype(name).ok_or_else(|| format!("{fqn:?}: unsupported dtype torch.{name}"))
         }
-        Some(other) => Err(format!("{fqn:?}: tensor dtype is {}", describe(other))),
-        None => Err(format!("{fqn:?}: tensor properties carry no dtype ({})", describe(v))),
+        Some((other, _)) => Err(format!("{fqn:?}: tensor dtype is {}", other.describe())),
+        None => Err(format!("{fqn:?}: tensor properties carry no dtype ({})", v.describe())),
     }
 }
 
-/// Interprets a decoded `.metadata` pickle.
-pub(crate) fn parse_metadata(root: &PickleValue) -> Result<DcpMetadata, String> {
-    let top = fields(root).ok_or_else(|| format!("the pickle holds {}, not a DCP Metadata", describe(root)))?;
+/// Interprets a decoded `.metadata` pickle, read in place (`pickle::unpickle_view`).
+pub(crate) fn parse_metadata(root: PickleRef<'_>) -> Result<DcpMetadata, String> {
+    let top = fields(root).ok_or_else(|| format!("the pickle holds {}, not a DCP Metadata", root.describe()))?;
     let sdm = need(top, "state_dict_metadata", "Metadata")?;
-    let PickleValue::Dict(sdm) = sdm else { return Err("state_dict_metadata is not a dict".into()) };
-    let storage = match field(top, "storage_data") {
-        Some(PickleValue::Dict(d)) => d.as_slice(),
-        Some(PickleValue::None) | None => &[],
-        Some(other) => return Err(format!("storage_data is {}", describe(other))),
+    let PickleView::Dict(sdm) = sdm.view() else { return Err("state_dict_metadata is not a dict".into()) };
+    let storage = match field(top, "storage_data").map(|v| (v, v.view())) {
+        Some((_, PickleView::Dict(d))) => Some(d),
+        Some((_, PickleView::None)) | None => None,
+        Some((other, _)) => return Err(format!("storage_data is {}", other.describe())),
     };
-    let planner: HashMap<String, Vec<PathSeg>> = match field(top, "planner_data") {
-        Some(PickleValue::Dict(d)) => d
-            .iter()
-            .filter_map(|(k, v)| match k {
-                PickleValue::Str(k) => planner_path(v).map(|p| (k.clone(), p)),
-                _ => None,
-            })
-            .collect(),
+    // Where each key of the planner's data is: only byte items' paths are read from it.
+    let planner: HashMap<&str, PickleRef<'_>> = match field(top, "planner_data").map(PickleRef::view) {
+        Some(PickleView::Dict(d)) => d.pairs().filter_map(|(k, v)| Some((k.as_str()?, v))).collect(),
         _ => HashMap::new(),
     };
 
     // (fqn, chunk offsets or None for byte items) → location.
-    let mut locations: HashMap<(String, Option<Vec<u64>>), ItemLocation> = HashMap::with_capacity(storage.len());
-    for (k, v) in storage {
-        let kf = fields(k).ok_or_else(|| format!("storage_data key is {}, expected a MetadataIndex", describe(k)))?;
-        let fqn = string(need(kf, "fqn", "MetadataIndex")?, "MetadataIndex fqn")?;
-        let offset = match field(kf, "offset") {
-            None | Some(PickleValue::None) => None,
-            Some(o) => Some(as_dims(o).ok_or_else(|| format!("MetadataIndex of {fqn:?}: offset is not a tuple"))?),
+    // Keyed by the fqn where the pickle holds it (no copy of a million names), to the storage
+    // info where it is: each is checked here and read again where its item is.
+    let mut locations: HashMap<(&str, Option<Dims>), PickleRef<'_>> =
+        HashMap::with_capacity(storage.map_or(0, |d| d.len() / 2));
+    for (k, v) in storage.into_iter().flat_map(Items::pairs) {
+        let kf = fields(k).ok_or_else(|| format!("storage_data key is {}, expected a MetadataIndex", k.describe()))?;
+        let fqn_ref = need(kf, "fqn", "MetadataIndex")?;
+        let fqn = fqn_ref
+            .as_str()
+            .ok_or_else(|| format!("MetadataIndex fqn is {}, expected a string", fqn_ref.describe()))?;
+        let offset = match field(kf, "offset").map(|o| (o, o.view())) {
+            None | Some((_, PickleView::None)) => None,
+            Some((o, _)) => {
+                Some(Dims::from(o.as_dims().ok_or_else(|| format!("MetadataIndex of {fqn:?}: offset is not a tuple"))?))
+            }
         };
-        let loc = location(v, &fqn)?;
-        locations.insert((fqn, offset), loc);
+        location(v, fqn)?;
+        locations.insert((fqn, offset), v);
     }
 
     let mut tensors = Vec::new();
     let mut bytes = Vec::new();
-    for (k, v) in sdm {
-        let fqn = string(k, "state_dict_metadata key")?;
+    for (k, v) in sdm.pairs() {
+        // The fqn as the pickle holds it, for the lookups; a copy for the result.
+        let key =
+            k.as_str().ok_or_else(|| format!("state_dict_metadata key is {}, expected a string", k.describe()))?;
+        let fqn = key.to_string();
         let f = fields(v);
         let chunks_field = f.and_then(|f| field(f, "chunks"));
-        match chunks_field {
-            Some(chunks) => {
-                let f = f.unwrap();
+        match (f, chunks_field) {
+            (Some(f), Some(chunks)) => {
                 let what = format!("tensor {fqn:?}");
-                let size = as_dims(need(f, "size", &what)?).ok_or_else(|| format!("{what}: size is not a tuple"))?;
+                let size = need(f, "size", &what)?;
+                // Counted before anything walks the axes (the chunks', the geometry's).
+                if let Some(xs) = size.seq() {
+                    check_axes(xs.len()).map_err(|e| format!("{what}: size has {e}"))?;
+                }
+                let size = size.as_dims().ok_or_else(|| format!("{what}: size is not a tuple"))?;
                 let dtype = properties_dtype(need(f, "properties", &what)?, &fqn)?;
-                let PickleValue::List(cs) = chunks else { return Err(format!("{what}: chunks is not a list")) };
+                let PickleView::List(cs) = chunks.view() else { return Err(format!("{what}: chunks is not a list")) };
                 let mut out = Vec::with_capacity(cs.len());
-                for c in cs {
-                    let cf = fields(c).ok_or_else(|| format!("{what}: a chunk is {}", describe(c)))?;
+                for c in cs.iter() {
+                    let cf = fields(c).ok_or_else(|| format!("{what}: a chunk is {}", c.describe()))?;
                     let offsets =
-                        as_dims(need(cf, "offsets", &what)?).ok_or_else(|| format!("{what}: chunk offsets"))?;
-                    let sizes = as_dims(need(cf, "sizes", &what)?).ok_or_else(|| format!("{what}: chunk sizes"))?;
+                        need(cf, "offsets", &what)?.as_dims().ok_or_else(|| format!("{what}: chunk offsets"))?;
+                    let sizes = need(cf, "sizes", &what)?.as_dims().ok_or_else(|| format!("{what}: chunk sizes"))?;
                     if offsets.len() != size.len() || sizes.len() != size.len() {
                         return Err(format!(
                             "{what}: chunk at {offsets:?} of shape {sizes:?} does not match rank {}",
                             size.len()
                         ));
                     }
-                    let location = locations
-                        .get(&(fqn.clone(), Some(offsets.clone())))
-                        .cloned()
+                    // Moved out, not copied: each chunk has its own entry (a second chunk at the
+                    // same offsets finds none).
+                    let info = locations
+                        .remove(&(key, Some(Dims::from(offsets.as_slice()))))
                         .ok_or_else(|| format!("{what}: chunk at {offsets:?} has no storage entry"))?;
+                    let location = location(info, key)?;
                     out.push(DcpChunk { offsets, sizes, location });
                 }
                 tensors.push(DcpTensor { fqn, dtype, size, chunks: out });
             }
-            None => {
-                let is_bytes = matches!(v, PickleValue::Object(o) if o.name.ends_with("BytesStorageMetadata"));
+            _ => {
+                let is_bytes =
+                    matches!(v.view(), PickleView::Object(o) if o.class().1.ends_with("BytesStorageMetadata"));
                 if !is_bytes {
-                    return Err(format!("{fqn:?}: unknown storage metadata {}", describe(v)));
+                    return Err(format!("{fqn:?}: unknown storage metadata {}", v.describe()));
                 }
-                let location = locations
-                    .get(&(fqn.clone(), None))
-                    .cloned()
-                    .ok_or_else(|| format!("byte item {fqn:?} has no storage entry"))?;
-                let path = planner.get(&fqn).cloned();
+                let info =
+                    locations.remove(&(key, None)).ok_or_else(|| format!("byte item {fqn:?} has no storage entry"))?;
+                let location = location(info, key)?;
+                let path = planner.get(key).and_then(|&p| planner_path(p));
                 bytes.push(DcpBytes { fqn, path, location });
             }
         }
     }
-    let save_id = match field(top, "storage_meta").and_then(fields).and_then(|f| field(f, "save_id")) {
-        Some(PickleValue::Str(s)) => Some(s.clone()),
-        _ => None,
-    };
+    let save_id = field(top, "storage_meta")
+        .and_then(fields)
+        .and_then(|f| field(f, "save_id"))
+        .and_then(|v| v.as_str().map(str::to_string));
     Ok(DcpMetadata { tensors, bytes, save_id })
 }

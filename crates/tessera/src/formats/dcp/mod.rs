@@ -3,10 +3,12 @@
 
 pub(crate) mod metadata;
 
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, Crcs, StoredChunk, TensorEntry};
 use crate::formats::dcp::metadata::{parse_metadata, DcpMetadata};
-use crate::formats::pickle::unpickle;
+use crate::formats::pickle::unpickle_view;
 use crate::formats::pickle::PickleValue;
 use crate::formats::torch_save::limits;
 use crate::formats::{common_entries, foreign_index, ForeignView, ObjectShards, Source};
@@ -128,8 +130,8 @@ pub(crate) fn referenced_files(storage: &dyn Storage) -> Result<Option<std::coll
         Err(e) => return Err(e),
     };
     let shown = format!("{}/{DCP_METADATA}", storage.location());
-    let root = unpickle(&bytes, &shown, &limits())?;
-    let meta: DcpMetadata = parse_metadata(&root).map_err(|e| Error::corrupt(&shown, e))?;
+    let pickle = unpickle_view(&bytes, &shown, &limits())?;
+    let meta: DcpMetadata = parse_metadata(pickle.root()).map_err(|e| Error::corrupt(&shown, e))?;
     let copy = meta.save_id.as_deref().and_then(crate::formats::torch_dist::committed_common);
     let copy = copy.map(|(id, _)| crate::formats::torch_dist::common_copy_name(id));
     let chunks = meta.tensors.into_iter().flat_map(|t| t.chunks.into_iter().map(|c| c.location.relative_path));
@@ -150,29 +152,27 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
     let meta_name = format!("{}{DCP_METADATA}", flavor.prefix());
     let shown = format!("{}/{meta_name}", storage.location());
     let bytes = storage.read(&meta_name)?;
-    let root = unpickle(&bytes, &shown, &limits())?;
-    let meta: DcpMetadata = parse_metadata(&root).map_err(|e| Error::corrupt(&shown, e))?;
+    // Read in place: a tree of the whole pickle would take several times its arena.
+    let pickle = unpickle_view(&bytes, &shown, &limits())?;
+    let meta: DcpMetadata = parse_metadata(pickle.root()).map_err(|e| Error::corrupt(&shown, e))?;
+    drop(pickle);
+    drop(bytes);
     let meta_save_id = meta.save_id.clone();
 
     let mut tensors = Vec::with_capacity(meta.tensors.len());
     for t in meta.tensors {
         let esize = t.dtype.size() as u64;
         let mut chunks = Vec::with_capacity(t.chunks.len());
+        // One key for the sources of all the tensor's chunks (a tensor may have thousands).
+        let key: Arc<str> = Arc::from(t.fqn.as_str());
         for c in t.chunks {
             let bytes = c.sizes.iter().try_fold(esize, |a, &s| a.checked_mul(s));
             let name = format!("{}@{}", c.location.relative_path, c.location.offset);
-            let source =
-                Source::DcpTensor { item: c.location, dtype: t.dtype, shape: c.sizes.clone(), key: t.fqn.clone() };
+            let (offset, shape) = (c.offsets.as_slice().into(), c.sizes.as_slice().into());
+            let source = Source::DcpTensor { item: c.location, dtype: t.dtype, shape: c.sizes, key: key.clone() };
             let file =
                 view.add(name, Some(bytes.ok_or_else(|| Error::corrupt(&shown, "chunk size overflows"))?), source);
-            chunks.push(StoredChunk {
-                file,
-                byte_offset: 0,
-                offset: c.offsets.as_slice().into(),
-                shape: c.sizes.as_slice().into(),
-                flat: None,
-                crcs: Crcs::new(),
-            });
+            chunks.push(StoredChunk { file, byte_offset: 0, offset, shape, flat: None, crcs: Crcs::new() });
         }
         tensors.push(TensorEntry::new(t.fqn, t.dtype, t.size, chunks));
     }

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::format::{
     build_header, Crcs, SafetensorsEntry, SafetensorsHeader, StoredChunk, TensorEntry, SAFETENSORS_ALIGN,
 };
-use crate::model::dims::Dims;
+use crate::model::dims::{check_axes, Dims};
 use crate::model::dtype::DType;
 use crate::model::Value;
 use crate::plan::save::RankPlan;
@@ -153,6 +153,15 @@ fn dims(v: &J, what: &str) -> std::result::Result<Vec<u64>, String> {
     xs.iter().enumerate().map(|(i, x)| uint(x, &format!("{what}[{i}]"))).collect()
 }
 
+/// A tensor's shape: [`dims`] of at most [`MAX_AXES`](crate::model::dims::MAX_AXES) axes,
+/// counted before the numbers are read.
+fn shape_dims(v: &J, what: &str) -> std::result::Result<Vec<u64>, String> {
+    if let Some(xs) = v.as_array() {
+        check_axes(xs.len()).map_err(|e| format!("{what} has {e}"))?;
+    }
+    dims(v, what)
+}
+
 /// `[[s, e], …]` (or the legacy single `[s, e]`) checked against a tensor of `numel` elements.
 fn ranges(v: &J, numel: u64, what: &str) -> std::result::Result<Vec<(u64, u64)>, String> {
     let xs = v.as_array().ok_or_else(|| format!("{what} is {v}, not a list of [start, end] pairs"))?;
@@ -219,7 +228,7 @@ fn checked_numel(r: &[(u64, u64)]) -> std::result::Result<u64, String> {
 }
 
 fn tensor_of(v: &J) -> std::result::Result<TensorMeta, String> {
-    let shape = dims(v.get("shape").ok_or("no shape")?, "shape")?;
+    let shape = shape_dims(v.get("shape").ok_or("no shape")?, "shape")?;
     let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or(format!("shape {shape:?} overflows"))?;
     let is_sharded = v.get("is_sharded").and_then(J::as_bool).ok_or("no is_sharded boolean")?;
     let dtype_name = v.get("dtype").and_then(J::as_str).ok_or("no dtype string")?;

@@ -4,9 +4,7 @@
 //! object naming its class, and `BUILD` records (or merges) its state. Nothing is imported or
 //! run.
 
-use super::machine::{Id, Machine, Node, ObjNode};
-use super::machine::{Keyed, Slot};
-use super::PickleValue;
+use super::machine::{Id, Keyed, Machine, Node, ObjExtra, ObjNode, Slot};
 use crate::error::Result;
 
 /// Callables and classes the unpickler turns into plain values.
@@ -59,17 +57,14 @@ fn encode_str(s: &str, encoding: &str) -> Option<Vec<u8>> {
 }
 
 impl Machine<'_> {
-    /// An unevaluated call or instance of `class` (a `Leaf(Global)` node), without state yet.
+    /// An unevaluated call or instance of `class` (a `Global` node), without state yet.
     pub(super) fn new_object(&mut self, class: Id, args: Vec<Id>, kwargs: Keyed) -> Result<Id> {
-        self.alloc(Node::Object(Box::new(ObjNode {
-            class,
-            args,
-            kwargs,
-            state: None,
-            state_owned: false,
-            list_items: Vec::new(),
-            dict_items: Keyed::default(),
-        })))
+        let o = u32::try_from(self.objects.len()).map_err(|_| self.err("too many objects"))?;
+        let id = self.alloc(Node::Object(o))?;
+        let (args_at, args_len) = self.pool_ids(&args)?;
+        let extra = (!kwargs.is_empty()).then(|| Box::new(ObjExtra { kwargs, ..ObjExtra::default() }));
+        self.objects.push(ObjNode { class, args_at, args_len, state: None, state_owned: false, extra });
+        Ok(id)
     }
 
     /// A call (`REDUCE`, `OBJ`, `INST`) or instantiation (`NEWOBJ`, `NEWOBJ_EX`) of `class`:
@@ -77,13 +72,13 @@ impl Machine<'_> {
     /// false for the class inside `copyreg.__newobj__`, so that the copyreg helpers do not
     /// nest.
     pub(super) fn call(&mut self, class: Id, args: Vec<Id>, kwargs: Keyed, what: &str, known: bool) -> Result<Id> {
-        let kind = match self.leaf(class) {
-            Some(PickleValue::Global { module, name }) => known_kind(module, name),
-            _ => return Err(self.err(format!("{what} of a value that is not a global"))),
+        let kind = match self.global_of(class) {
+            Some((module, name)) => known_kind(module, name),
+            None => return Err(self.err(format!("{what} of a value that is not a global"))),
         };
         // The copyreg helpers do not nest (their class argument is taken as given).
         let kind = kind.filter(|k| known || !matches!(k, Known::Reconstructor | Known::NewObj | Known::NewObjEx));
-        if let (Some(kind), true) = (kind, kwargs.keys.is_empty()) {
+        if let (Some(kind), true) = (kind, kwargs.is_empty()) {
             if let Some(id) = self.known_call(kind, &args)? {
                 return Ok(id);
             }
@@ -98,22 +93,29 @@ impl Machine<'_> {
             (Known::Dict, [a]) => return self.dict_call(*a),
             (Known::TorchSize, [a]) => {
                 let Some(items) = self.seq(*a) else { return Ok(None) };
-                if !items.iter().all(|&i| matches!(self.leaf(i), Some(PickleValue::Int(_)))) {
+                if !items.iter().all(|&i| matches!(self.get(i), Some(Node::Int(_)))) {
                     return Ok(None);
                 }
                 self.charge_values(items.len())?;
-                self.alloc(Node::Tuple(items))?
+                if matches!(self.get(*a), Some(Node::Tuple { .. })) {
+                    // The size is its argument, a tuple (which nothing can change): the same
+                    // node, charged as a copy.
+                    self.charge_values(1)?;
+                    *a
+                } else {
+                    self.new_tuple(&items)?
+                }
             }
             (Known::CodecsEncode, [s]) => {
                 let Some(b) = self.str_of(*s).map(|s| s.as_bytes().to_vec()) else { return Ok(None) };
-                self.new_bytes(b)?
+                self.new_bytes(&b)?
             }
             (Known::CodecsEncode | Known::Bytes, [s, enc]) => {
                 let (Some(s), Some(enc)) = (self.str_of(*s), self.str_of(*enc)) else { return Ok(None) };
                 let Some(b) = encode_str(s, enc) else { return Ok(None) };
-                self.new_bytes(b)?
+                self.new_bytes(&b)?
             }
-            (Known::Bytes, []) => self.new_bytes(Vec::new())?,
+            (Known::Bytes, []) => self.new_bytes(&[])?,
             (Known::Bytes, [a]) => return self.bytes_call(*a),
             (Known::Set, []) => self.new_set(&[])?,
             (Known::Set, [a]) => {
@@ -121,22 +123,23 @@ impl Machine<'_> {
                 self.charge_values(items.len())?;
                 self.new_set(&items)?
             }
-            (Known::List | Known::Tuple, []) => {
-                let node = if matches!(kind, Known::List) { Node::List(Vec::new()) } else { Node::Tuple(Vec::new()) };
-                self.alloc(node)?
-            }
+            (Known::List, []) => self.new_list(Vec::new())?,
+            (Known::Tuple, []) => self.new_tuple(&[])?,
             (Known::List | Known::Tuple, [a]) => {
                 let Some(items) = self.iterable(*a) else { return Ok(None) };
                 self.charge_values(items.len())?;
-                let node = if matches!(kind, Known::List) { Node::List(items) } else { Node::Tuple(items) };
-                self.alloc(node)?
+                if matches!(kind, Known::List) {
+                    self.new_list(items)?
+                } else {
+                    self.new_tuple(&items)?
+                }
             }
             (Known::Reconstructor, [cls, base, state]) if self.is_global(*cls) => {
-                self.new_object(*cls, vec![*base, *state], Keyed::default())?
+                self.new_object(*cls, vec![*base, *state], Keyed::new(true))?
             }
             (Known::NewObj, [cls, rest @ ..]) if self.is_global(*cls) => {
                 self.charge_values(rest.len())?;
-                self.call(*cls, rest.to_vec(), Keyed::default(), "copyreg.__newobj__", false)?
+                self.call(*cls, rest.to_vec(), Keyed::new(true), "copyreg.__newobj__", false)?
             }
             (Known::NewObjEx, [cls, a, kw]) if self.is_global(*cls) => {
                 let (Some(a), Some(kw)) = (self.seq(*a), self.dict_pairs(*kw)) else { return Ok(None) };
@@ -170,14 +173,14 @@ impl Machine<'_> {
 
     /// `bytes(a)` / `bytearray(a)`: from bytes, or from a list or tuple of ints in `0..256`.
     fn bytes_call(&mut self, a: Id) -> Result<Option<Id>> {
-        let b = match self.leaf(a) {
-            Some(PickleValue::Bytes(b)) => b.clone(),
+        let b = match self.get(a) {
+            Some(Node::Bytes { len, at }) => self.text(super::machine::Text { at, len }).to_vec(),
             _ => {
                 let Some(items) = self.seq(a) else { return Ok(None) };
                 let mut b = Vec::with_capacity(items.len());
                 for i in items {
-                    match self.leaf(i) {
-                        Some(PickleValue::Int(x)) => match u8::try_from(*x) {
+                    match self.get(i) {
+                        Some(Node::Int(x)) => match u8::try_from(x) {
                             Ok(x) => b.push(x),
                             Err(_) => return Ok(None),
                         },
@@ -187,21 +190,25 @@ impl Machine<'_> {
                 b
             }
         };
-        Ok(Some(self.new_bytes(b)?))
+        Ok(Some(self.new_bytes(&b)?))
     }
 
-    /// A bytes leaf, its length charged to `max_bytes`.
-    fn new_bytes(&mut self, b: Vec<u8>) -> Result<Id> {
+    /// A bytes value of `b` (in the own text), its length charged to `max_bytes`.
+    fn new_bytes(&mut self, b: &[u8]) -> Result<Id> {
         self.charge_bytes(b.len())?;
-        self.alloc(Node::Leaf(PickleValue::Bytes(b)))
+        let t = self.own_text(b)?;
+        self.alloc(Node::Bytes { len: t.len, at: t.at })
     }
 
     /// A detached key collection (for keyword arguments) holding `pairs`.
     pub(super) fn keyed_from(&mut self, pairs: &[(Id, Id)]) -> Result<Keyed> {
         // Build it in a scratch dict node, then take it out (the node stays, empty).
         let id = self.new_dict(pairs)?;
-        match self.node_mut(id)? {
-            Node::Dict(k) => Ok(std::mem::take(&mut **k)),
+        match self.node(id)? {
+            Node::Dict(k) => match self.keyeds.get_mut(k as usize) {
+                Some(keyed) => Ok(std::mem::replace(keyed, Keyed::new(true))),
+                None => Err(self.err("internal: not a dict")),
+            },
             _ => Err(self.err("internal: not a dict")),
         }
     }
@@ -209,16 +216,13 @@ impl Machine<'_> {
 
     /// The pairs of a dict node, charged to `max_values` (they are copied).
     fn copied_pairs(&mut self, id: Id) -> Result<Option<Vec<(Id, Id)>>> {
-        let n = match self.nodes.get(id) {
-            Some(Node::Dict(k)) => k.keys.len(),
-            _ => return Ok(None),
-        };
-        self.charge_values(n)?;
-        Ok(self.dict_pairs(id))
+        let Some(pairs) = self.dict_pairs(id) else { return Ok(None) };
+        self.charge_values(pairs.len())?;
+        Ok(Some(pairs))
     }
 
     fn is_dict(&self, id: Id) -> bool {
-        matches!(self.nodes.get(id), Some(Node::Dict(_)))
+        matches!(self.get(id), Some(Node::Dict(_)))
     }
 
     /// `BUILD`: sets the state of the object on top of the stack, merging a dict state into an
@@ -227,7 +231,8 @@ impl Machine<'_> {
         let state = self.pop()?;
         let target = self.top()?;
         match self.node(target)? {
-            Node::Object(o) => {
+            Node::Object(oi) => {
+                let Some(o) = self.objects.get(oi as usize) else { return Err(self.err("internal: bad object")) };
                 let (old, owned) = (o.state, o.state_owned);
                 let (new_state, new_owned) = match old {
                     // dict.update of the earlier dict state: into a copy, unless this object
@@ -245,7 +250,7 @@ impl Machine<'_> {
                     }
                     _ => (state, false),
                 };
-                if let Node::Object(o) = self.node_mut(target)? {
+                if let Some(o) = self.objects.get_mut(oi as usize) {
                     o.state = Some(new_state);
                     o.state_owned = new_owned;
                 }
@@ -253,7 +258,7 @@ impl Machine<'_> {
             }
             Node::Dict(_) => match self.copied_pairs(state)? {
                 Some(pairs) => self.insert_pairs(target, Slot::Main, &pairs),
-                None if matches!(self.leaf(state), Some(PickleValue::None)) => Ok(()),
+                None if matches!(self.get(state), Some(Node::None)) => Ok(()),
                 None => Err(self.err("BUILD of a dict with a state that is not a dict")),
             },
             _ => Err(self.err("BUILD on a value that is neither an object nor a dict")),

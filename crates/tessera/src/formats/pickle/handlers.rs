@@ -2,12 +2,9 @@
 //! its family. Every function reads its arguments from the input, then works on the stack; a
 //! family function handed an opcode not its own returns [`Machine::unknown_opcode`].
 
-use super::machine::{Id, Machine, Node};
-use super::machine::{Keyed, Slot};
+use super::machine::{Id, Keyed, Machine, Node, Slot, Text};
 use super::opcodes::*;
-use super::scalars::{
-    escape_decode, int_from_le_twos, parse_index, parse_int_text, raw_unicode_escape, str_or_bytes, utf8_lossy,
-};
+use super::scalars::{escape_decode, int_from_le_twos, parse_index, parse_int_text, raw_unicode_escape};
 use super::PickleValue;
 use crate::error::Result;
 
@@ -72,7 +69,7 @@ impl Machine<'_> {
                 self.memo_put(u64::from(i))
             }
             MEMOIZE => {
-                let i = self.memo.len() as u64;
+                let i = self.memo_len();
                 self.memo_put(i)
             }
             GET => {
@@ -97,33 +94,39 @@ impl Machine<'_> {
     /// The constants (`NONE`, `NEWTRUE`, `NEWFALSE`), integers and floats.
     pub(super) fn scalar(&mut self, op: u8) -> Result<()> {
         let v = match op {
-            NONE => PickleValue::None,
-            NEWTRUE => PickleValue::Bool(true),
-            NEWFALSE => PickleValue::Bool(false),
+            NONE => Node::None,
+            NEWTRUE => Node::Bool(true),
+            NEWFALSE => Node::Bool(false),
             INT => {
                 let line = self.line()?;
                 match line {
-                    b"00" => PickleValue::Bool(false),
-                    b"01" => PickleValue::Bool(true),
-                    _ => parse_int_text(line).map_err(|e| self.err(e))?,
+                    b"00" => Node::Bool(false),
+                    b"01" => Node::Bool(true),
+                    _ => {
+                        let v = parse_int_text(line).map_err(|e| self.err(e))?;
+                        self.int_node(v)?
+                    }
                 }
             }
             LONG => {
                 let line = self.line()?;
                 let line = line.strip_suffix(b"L").unwrap_or(line);
-                parse_int_text(line).map_err(|e| self.err(e))?
+                let v = parse_int_text(line).map_err(|e| self.err(e))?;
+                self.int_node(v)?
             }
-            BININT => PickleValue::Int(i64::from(self.i32()?)),
-            BININT1 => PickleValue::Int(i64::from(self.u8()?)),
-            BININT2 => PickleValue::Int(i64::from(self.u16()?)),
+            BININT => Node::Int(i64::from(self.i32()?)),
+            BININT1 => Node::Int(i64::from(self.u8()?)),
+            BININT2 => Node::Int(i64::from(self.u16()?)),
             LONG1 => {
                 let n = self.u8()?;
-                int_from_le_twos(self.payload(u64::from(n))?.to_vec())
+                let v = int_from_le_twos(self.payload(u64::from(n))?.to_vec());
+                self.int_node(v)?
             }
             LONG4 => {
                 let n = self.i32()?;
                 let n = u64::try_from(n).map_err(|_| self.err("LONG4 with a negative byte count"))?;
-                int_from_le_twos(self.payload(n)?.to_vec())
+                let v = int_from_le_twos(self.payload(n)?.to_vec());
+                self.int_node(v)?
             }
             FLOAT => {
                 let line = self.line()?;
@@ -131,16 +134,49 @@ impl Machine<'_> {
                     .ok()
                     .and_then(|s| s.trim().parse::<f64>().ok())
                     .ok_or_else(|| self.err("invalid FLOAT"))?;
-                PickleValue::Float(f)
+                Node::Float(f)
             }
-            BINFLOAT => PickleValue::Float(f64::from_be_bytes(self.take_array()?)),
+            BINFLOAT => Node::Float(f64::from_be_bytes(self.take_array()?)),
             _ => return Err(self.unknown_opcode(op)),
         };
-        self.push_leaf(v)
+        self.push_new(v)
+    }
+
+    /// The node of a decoded integer (`Int`, or `BigInt` with its bytes in the own text).
+    fn int_node(&mut self, v: PickleValue) -> Result<Node> {
+        Ok(match v {
+            PickleValue::BigInt(b) => {
+                let Text { at, len } = self.own_text(&b)?;
+                Node::BigInt { len, at }
+            }
+            PickleValue::Int(i) => Node::Int(i),
+            _ => return Err(self.err("internal: not an integer")),
+        })
+    }
+
+    /// A string node of `s`, taken from the input when it is there unchanged (valid UTF-8).
+    fn str_node(&mut self, s: &[u8], from_input: bool) -> Result<Node> {
+        let t = if from_input { self.text_of_input(s)? } else { self.own_text(s)? };
+        Ok(Node::Str { len: t.len, at: t.at })
+    }
+
+    /// A bytes node of `b` (see [`Machine::str_node`]).
+    fn bytes_node(&mut self, b: &[u8], from_input: bool) -> Result<Node> {
+        let t = if from_input { self.text_of_input(b)? } else { self.own_text(b)? };
+        Ok(Node::Bytes { len: t.len, at: t.at })
+    }
+
+    /// Python 2 `str`: text when it is UTF-8, bytes otherwise.
+    fn str_or_bytes_node(&mut self, b: &[u8], from_input: bool) -> Result<Node> {
+        if std::str::from_utf8(b).is_ok() {
+            self.str_node(b, from_input)
+        } else {
+            self.bytes_node(b, from_input)
+        }
     }
 
     /// Strings (Python 2 `str` and text) and bytes.
-    pub(super) fn text(&mut self, op: u8) -> Result<()> {
+    pub(super) fn text_op(&mut self, op: u8) -> Result<()> {
         let v = match op {
             STRING => {
                 let line = self.line()?;
@@ -150,34 +186,43 @@ impl Machine<'_> {
                 };
                 let b = escape_decode(inner).map_err(|e| self.err(e))?;
                 self.charge_bytes(b.len())?;
-                str_or_bytes(b)
+                self.str_or_bytes_node(&b, false)?
             }
             BINSTRING => {
                 let n = self.i32()?;
                 let n = u64::try_from(n).map_err(|_| self.err("BINSTRING with a negative length"))?;
-                str_or_bytes(self.payload(n)?.to_vec())
+                let b = self.payload(n)?;
+                self.str_or_bytes_node(b, true)?
             }
             SHORT_BINSTRING => {
                 let n = self.u8()?;
-                str_or_bytes(self.payload(u64::from(n))?.to_vec())
+                let b = self.payload(u64::from(n))?;
+                self.str_or_bytes_node(b, true)?
             }
             UNICODE => {
                 let line = self.line()?;
                 let s = raw_unicode_escape(line).map_err(|e| self.err(e))?;
                 self.charge_bytes(s.len())?;
-                PickleValue::Str(s)
+                self.str_node(s.as_bytes(), false)?
             }
             BINUNICODE | SHORT_BINUNICODE | BINUNICODE8 => {
                 let n = self.length(op)?;
-                PickleValue::Str(utf8_lossy(self.payload(n)?))
+                let b = self.payload(n)?;
+                // Invalid UTF-8 (lone surrogates, which Python writes with `surrogatepass`)
+                // becomes U+FFFD, in a repaired copy.
+                match std::str::from_utf8(b) {
+                    Ok(_) => self.str_node(b, true)?,
+                    Err(_) => self.str_node(String::from_utf8_lossy(b).as_bytes(), false)?,
+                }
             }
             BINBYTES | SHORT_BINBYTES | BINBYTES8 | BYTEARRAY8 => {
                 let n = self.length(op)?;
-                PickleValue::Bytes(self.payload(n)?.to_vec())
+                let b = self.payload(n)?;
+                self.bytes_node(b, true)?
             }
             _ => return Err(self.unknown_opcode(op)),
         };
-        self.push_leaf(v)
+        self.push_new(v)
     }
 
     /// The length before the payload of a sized text or bytes opcode: one byte for the
@@ -195,29 +240,41 @@ impl Machine<'_> {
     /// `EMPTY_LIST`, `LIST`, `APPEND`, `APPENDS`.
     pub(super) fn list_op(&mut self, op: u8) -> Result<()> {
         match op {
-            EMPTY_LIST => self.push_new(Node::List(Vec::new())),
+            EMPTY_LIST => {
+                let id = self.new_list(Vec::new())?;
+                self.stack.push(id);
+                Ok(())
+            }
             LIST => {
                 let items = self.pop_mark()?;
-                self.push_new(Node::List(items))
+                let id = self.new_list(items)?;
+                self.stack.push(id);
+                Ok(())
             }
             APPEND => {
                 let v = self.pop()?;
-                self.append(vec![v])
+                self.append(&[v])
             }
             APPENDS => {
                 let items = self.pop_mark()?;
-                self.append(items)
+                self.append(&items)
             }
             _ => Err(self.unknown_opcode(op)),
         }
     }
 
     /// Appends to the list (or list subclass object) on top of the stack.
-    fn append(&mut self, items: Vec<Id>) -> Result<()> {
+    fn append(&mut self, items: &[Id]) -> Result<()> {
         let target = self.top()?;
-        match self.node_mut(target)? {
-            Node::List(l) => l.extend(items),
-            Node::Object(o) => o.list_items.extend(items),
+        match self.node(target)? {
+            Node::List(l) => match self.lists.get_mut(l as usize) {
+                Some(list) => list.extend_from_slice(items),
+                None => return Err(self.err("internal: bad list")),
+            },
+            Node::Object(o) => match self.objects.get_mut(o as usize) {
+                Some(o) => o.extra.get_or_insert_with(Box::default).list_items.extend_from_slice(items),
+                None => return Err(self.err("internal: bad object")),
+            },
             _ => return Err(self.err("APPEND to a value that is not a list")),
         }
         Ok(())
@@ -225,28 +282,31 @@ impl Machine<'_> {
 
     /// `EMPTY_TUPLE`, `TUPLE`, `TUPLE1`, `TUPLE2`, `TUPLE3`.
     pub(super) fn tuple_op(&mut self, op: u8) -> Result<()> {
-        match op {
-            EMPTY_TUPLE => self.push_new(Node::Tuple(Vec::new())),
-            TUPLE => {
-                let items = self.pop_mark()?;
-                self.push_new(Node::Tuple(items))
-            }
+        let items = match op {
+            EMPTY_TUPLE => Vec::new(),
+            TUPLE => self.pop_mark()?,
             TUPLE1..=TUPLE3 => {
                 let n = usize::from(op - TUPLE1) + 1;
                 if self.stack.len() < self.floor() + n {
                     return Err(self.err("stack underflow"));
                 }
-                let items = self.stack.split_off(self.stack.len() - n);
-                self.push_new(Node::Tuple(items))
+                self.stack.split_off(self.stack.len() - n)
             }
-            _ => Err(self.unknown_opcode(op)),
-        }
+            _ => return Err(self.unknown_opcode(op)),
+        };
+        let id = self.new_tuple(&items)?;
+        self.stack.push(id);
+        Ok(())
     }
 
     /// `EMPTY_DICT`, `DICT`, `SETITEM`, `SETITEMS`.
     pub(super) fn dict_op(&mut self, op: u8) -> Result<()> {
         match op {
-            EMPTY_DICT => self.push_new(Node::Dict(Box::default())),
+            EMPTY_DICT => {
+                let id = self.new_keyed(true)?;
+                self.stack.push(id);
+                Ok(())
+            }
             DICT => {
                 let items = self.pop_mark()?;
                 let pairs = self.pairs_of(&items, "DICT")?;
@@ -257,32 +317,36 @@ impl Machine<'_> {
             SETITEM => {
                 let v = self.pop()?;
                 let k = self.pop()?;
-                self.setitems(vec![(k, v)])
+                self.setitems(&[(k, v)])
             }
             SETITEMS => {
                 let items = self.pop_mark()?;
                 let pairs = self.pairs_of(&items, "SETITEMS")?;
-                self.setitems(pairs)
+                self.setitems(&pairs)
             }
             _ => Err(self.unknown_opcode(op)),
         }
     }
 
     /// Sets items in the dict (or dict subclass object) on top of the stack.
-    fn setitems(&mut self, pairs: Vec<(Id, Id)>) -> Result<()> {
+    fn setitems(&mut self, pairs: &[(Id, Id)]) -> Result<()> {
         let target = self.top()?;
         let slot = match self.node(target)? {
             Node::Dict(_) => Slot::Main,
             Node::Object(_) => Slot::ObjItems,
             _ => return Err(self.err("SETITEM on a value that is not a dict")),
         };
-        self.insert_pairs(target, slot, &pairs)
+        self.insert_pairs(target, slot, pairs)
     }
 
     /// `EMPTY_SET`, `ADDITEMS`, `FROZENSET`.
     pub(super) fn set_op(&mut self, op: u8) -> Result<()> {
         match op {
-            EMPTY_SET => self.push_new(Node::Set(Box::default())),
+            EMPTY_SET => {
+                let id = self.new_keyed(false)?;
+                self.stack.push(id);
+                Ok(())
+            }
             ADDITEMS => {
                 let items = self.pop_mark()?;
                 let target = self.top()?;
@@ -310,22 +374,32 @@ impl Machine<'_> {
     pub(super) fn global_op(&mut self, op: u8) -> Result<()> {
         let (module, name) = match op {
             GLOBAL => {
-                let module = self.utf8_line()?.to_string();
-                let name = self.utf8_line()?.to_string();
-                self.charge_bytes(module.len() + name.len())?;
+                let module = self.utf8_line()?;
+                let name = self.utf8_line()?;
+                self.charge_bytes(module.len as usize + name.len as usize)?;
                 (module, name)
             }
             STACK_GLOBAL => {
                 let name = self.pop()?;
                 let module = self.pop()?;
-                let (Some(module), Some(name)) = (self.str_of(module), self.str_of(name)) else {
+                let (Some(module), Some(name)) = (self.str_text(module), self.str_text(name)) else {
                     return Err(self.err("STACK_GLOBAL with a module or name that is not a string"));
                 };
-                (module.to_string(), name.to_string())
+                (module, name)
             }
             _ => return Err(self.unknown_opcode(op)),
         };
-        self.push_leaf(PickleValue::Global { module, name })
+        let id = self.new_global(module, name)?;
+        self.stack.push(id);
+        Ok(())
+    }
+
+    /// A global node naming `module`.`name`.
+    pub(super) fn new_global(&mut self, module: Text, name: Text) -> Result<Id> {
+        let g = u32::try_from(self.globals.len()).map_err(|_| self.err("too many globals"))?;
+        let id = self.alloc(Node::Global(g))?;
+        self.globals.push((module, name));
+        Ok(id)
     }
 
     /// `REDUCE`, `NEWOBJ`, `NEWOBJ_EX`, `OBJ`, `INST`: pushes the call ([`Machine::call`]).
@@ -339,14 +413,14 @@ impl Machine<'_> {
                 }
                 let args = self.seq(args).ok_or_else(|| self.err("REDUCE arguments are not a tuple"))?;
                 self.charge_values(args.len())?;
-                self.call(func, args, Keyed::default(), "REDUCE", true)?
+                self.call(func, args, Keyed::new(true), "REDUCE", true)?
             }
             NEWOBJ => {
                 let args = self.pop()?;
                 let cls = self.pop()?;
                 let args = self.seq(args).ok_or_else(|| self.err("NEWOBJ arguments are not a tuple"))?;
                 self.charge_values(args.len())?;
-                self.call(cls, args, Keyed::default(), "NEWOBJ", true)?
+                self.call(cls, args, Keyed::new(true), "NEWOBJ", true)?
             }
             NEWOBJ_EX => self.newobj_ex()?,
             OBJ => {
@@ -354,15 +428,15 @@ impl Machine<'_> {
                 let Some((&cls, args)) = items.split_first() else {
                     return Err(self.err("OBJ without a class"));
                 };
-                self.call(cls, args.to_vec(), Keyed::default(), "OBJ", true)?
+                self.call(cls, args.to_vec(), Keyed::new(true), "OBJ", true)?
             }
             INST => {
-                let module = self.utf8_line()?.to_string();
-                let name = self.utf8_line()?.to_string();
-                self.charge_bytes(module.len() + name.len())?;
+                let module = self.utf8_line()?;
+                let name = self.utf8_line()?;
+                self.charge_bytes(module.len as usize + name.len as usize)?;
                 let args = self.pop_mark()?;
-                let cls = self.alloc(Node::Leaf(PickleValue::Global { module, name }))?;
-                self.call(cls, args, Keyed::default(), "INST", true)?
+                let cls = self.new_global(module, name)?;
+                self.call(cls, args, Keyed::new(true), "INST", true)?
             }
             _ => return Err(self.unknown_opcode(op)),
         };
@@ -391,8 +465,8 @@ impl Machine<'_> {
                     return Err(self.err("persistent IDs in protocol 0 must be ASCII strings"));
                 }
                 self.charge_bytes(line.len())?;
-                let s = String::from_utf8_lossy(line).into_owned();
-                self.alloc(Node::Leaf(PickleValue::Str(s)))?
+                let node = self.str_node(line, true)?;
+                self.alloc(node)?
             }
             BINPERSID => self.pop()?,
             _ => return Err(self.unknown_opcode(op)),

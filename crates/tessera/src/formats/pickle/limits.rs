@@ -40,11 +40,14 @@ impl Default for UnpickleLimits {
     }
 }
 
-/// Estimated bytes one value costs in memory (an arena node and its id on the stack, or a
-/// [`PickleValue`] of the result), for [`UnpickleLimits::output_per_input_byte`].
+/// Estimated bytes one value costs in memory, for [`UnpickleLimits::output_per_input_byte`]:
+/// a [`PickleValue`] of the result and a word of the allocation of the container holding it
+/// (64 bytes), the larger of that and an arena node with its id. The arena's nodes are smaller
+/// (16 bytes, and none for small scalars), so the estimate is the result's, as it was before
+/// the arena was made compact: the same pickles fit the budget.
 const VALUE_COST: u64 = {
     let node = std::mem::size_of::<Node>() + std::mem::size_of::<Id>();
-    let value = std::mem::size_of::<PickleValue>();
+    let value = std::mem::size_of::<PickleValue>() + std::mem::size_of::<u64>();
     (if node > value { node } else { value }) as u64
 };
 

@@ -3,12 +3,14 @@
 //! stream of protocols 0–5 as data only: globals stay names, calls stay unevaluated objects,
 //! and nothing is ever imported or executed. Depth and memory are bounded by [`UnpickleLimits`].
 //!
-//! How it works: the opcodes build values in an arena (one node per value, containers hold
-//! node ids), so the memo and `DUP` share references as Python does: a list memoized, fetched
-//! again and appended to later shows its items everywhere it is referenced. At `STOP` the
-//! arena is checked (no cycles, depth, number of values and bytes the tree will hold, shared
-//! references counted once per copy) and only then materialized into a [`PickleValue`] tree,
-//! iteratively. Behaviour choices:
+//! How it works: the opcodes build values in an arena (one compact node per value, small
+//! scalars as ids of their own, strings as ranges of the input; containers hold ids), so the
+//! memo and `DUP` share references as Python does: a list memoized, fetched again and appended
+//! to later shows its items everywhere it is referenced. At `STOP` the arena is checked (no
+//! cycles, depth, number of values and bytes the tree will hold, shared references counted
+//! once per copy) and only then materialized into a [`PickleValue`] tree, iteratively
+//! ([`unpickle`]), or read in place ([`unpickle_view`], for the large DCP `.metadata`).
+//! Behaviour choices:
 //!
 //! - A recursive structure (a container that contains itself, which Python can pickle) is an
 //!   error ("recursive structure"): a tree cannot hold it.
@@ -39,7 +41,8 @@
 //! to its family in `handlers`; `keys` deduplicates dict and set keys; `globals` turns the
 //! known callables into plain values and records any other call; `limits` has
 //! [`UnpickleLimits`] and the accounting against them; `tree` checks and materializes the
-//! result; `scalars` decodes integer and string arguments; `render` is the lossy rendering.
+//! result; `view` reads it in place; `scalars` decodes integer and string arguments; `render`
+//! is the lossy rendering.
 
 mod globals;
 mod handlers;
@@ -50,6 +53,7 @@ mod opcodes;
 mod render;
 mod scalars;
 mod tree;
+mod view;
 pub(crate) mod write;
 
 #[cfg(test)]
@@ -62,6 +66,7 @@ pub use limits::UnpickleLimits;
 use machine::Machine;
 use render::{bigint_text, lossy_map};
 use scalars::int_from_le_twos;
+pub(crate) use view::{unpickle_view, Items, PickleRef, PickleView};
 
 /// A value decoded from a pickle. Known classes become typed values (`collections.OrderedDict`
 /// is a [`PickleValue::Dict`], `torch.Size` a [`PickleValue::Tuple`], protocol-2 bytes built by
@@ -129,6 +134,7 @@ pub struct PickleObject {
 pub fn unpickle(data: &[u8], origin: &str, limits: &UnpickleLimits) -> Result<PickleValue> {
     let mut m = Machine::new(data, origin, limits);
     let root = m.run()?;
+    m.finish_run();
     m.check_tree(root)?;
     m.materialize(root)
 }

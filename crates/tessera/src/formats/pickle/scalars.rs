@@ -220,23 +220,6 @@ pub(super) fn raw_unicode_escape(s: &[u8]) -> std::result::Result<String, &'stat
     Ok(cps.finish())
 }
 
-/// A string from UTF-8 that may hold surrogates (Python's `surrogatepass`): invalid
-/// sequences become U+FFFD.
-pub(super) fn utf8_lossy(b: &[u8]) -> String {
-    match std::str::from_utf8(b) {
-        Ok(s) => s.to_string(),
-        Err(_) => String::from_utf8_lossy(b).into_owned(),
-    }
-}
-
-/// Python 2 `str`: text when it is UTF-8, bytes otherwise.
-pub(super) fn str_or_bytes(b: Vec<u8>) -> PickleValue {
-    match String::from_utf8(b) {
-        Ok(s) => PickleValue::Str(s),
-        Err(e) => PickleValue::Bytes(e.into_bytes()),
-    }
-}
-
 /// A memo index in text (`PUT`/`GET` of protocol 0).
 pub(super) fn parse_index(line: &[u8]) -> Option<u64> {
     std::str::from_utf8(line).ok()?.trim().parse::<u64>().ok()

@@ -135,11 +135,57 @@ const VALID: &[&[u8]] = &[
 ];
 
 fn load(data: &[u8]) -> PickleValue {
-    unpickle(data, "test", &UnpickleLimits::default()).unwrap()
+    load_with(data, UnpickleLimits::default()).unwrap()
 }
 
+/// The pickle unpickled as a tree and read in place: both must agree, value for value, and
+/// fail alike.
 fn load_with(data: &[u8], limits: UnpickleLimits) -> Result<PickleValue> {
-    unpickle(data, "test", &limits)
+    let tree = unpickle(data, "test", &limits);
+    // On a thread of its own: rebuilding and printing a tree 512 levels deep recurses.
+    std::thread::scope(|s| {
+        let compare = || {
+            let view = unpickle_view(data, "test", &limits).map(|v| tree_of(v.root()));
+            assert_eq!(format!("{tree:?}"), format!("{view:?}"), "tree and view differ");
+        };
+        std::thread::Builder::new().stack_size(256 << 20).spawn_scoped(s, compare).unwrap().join().unwrap();
+    });
+    tree
+}
+
+/// The tree of a value read in place, built from the view alone.
+fn tree_of(r: PickleRef<'_>) -> PickleValue {
+    let all = |xs: view::Items<'_>| xs.iter().map(tree_of).collect::<Vec<_>>();
+    let pairs =
+        |xs: Vec<(PickleRef<'_>, PickleRef<'_>)>| xs.into_iter().map(|(k, v)| (tree_of(k), tree_of(v))).collect();
+    match r.view() {
+        PickleView::None => PickleValue::None,
+        PickleView::Bool(b) => PickleValue::Bool(b),
+        PickleView::Int(i) => PickleValue::Int(i),
+        PickleView::BigInt(b) => PickleValue::BigInt(b.to_vec()),
+        PickleView::Float(f) => PickleValue::Float(f),
+        PickleView::Str(s) => PickleValue::Str(s.to_string()),
+        PickleView::Bytes(b) => PickleValue::Bytes(b.to_vec()),
+        PickleView::List(xs) => PickleValue::List(all(xs)),
+        PickleView::Tuple(xs) => PickleValue::Tuple(all(xs)),
+        PickleView::Set(xs) => PickleValue::Set(all(xs)),
+        PickleView::Dict(xs) => PickleValue::Dict(pairs(xs.pairs().collect())),
+        PickleView::Global { module, name } => PickleValue::Global { module: module.into(), name: name.into() },
+        PickleView::Object(o) => {
+            let (module, name) = o.class();
+            let (kwargs, list_items, dict_items) = o.extra();
+            PickleValue::Object(Box::new(PickleObject {
+                module: module.into(),
+                name: name.into(),
+                args: o.args().into_iter().map(tree_of).collect(),
+                kwargs: pairs(kwargs),
+                state: o.state().map(tree_of),
+                list_items: list_items.into_iter().map(tree_of).collect(),
+                dict_items: pairs(dict_items),
+            }))
+        }
+        PickleView::PersistentId(p) => PickleValue::PersistentId(Box::new(tree_of(p))),
+    }
 }
 
 /// The reason of the error, checked to be a `Corrupt` naming the origin and an offset.
@@ -327,6 +373,45 @@ fn dict_keys_are_deduplicated_as_in_python() {
     assert!(matches!(load(objects), PickleValue::Dict(p) if p.len() == 2));
     assert_eq!(load(b"\x80\x04\x8f(K\x01K\x01K\x02\x90."), PickleValue::Set(vec![i(1), i(2)]));
     assert_eq!(load(b"\x80\x04(K\x02K\x02\x91."), PickleValue::Set(vec![i(2)]));
+}
+
+#[test]
+fn large_dicts_and_sets_deduplicate_as_small_ones_do() {
+    // Past a few keys a collection is indexed by hash: the same keys, first places and last
+    // values as when every key is compared. Keys 0..40, then 1.0 (== 1), True (== 1), the
+    // tuple (3, 4) twice, the string "k" twice, and NaN twice (never equal to itself).
+    let mut p = b"\x80\x02}(".to_vec();
+    for k in 0..40u8 {
+        p.extend_from_slice(&[b'K', k, b'K', k]);
+    }
+    p.extend_from_slice(b"G?\xf0\x00\x00\x00\x00\x00\x00K\x64\x88K\x65");
+    p.extend_from_slice(b"K\x03K\x04\x86K\x66K\x03K\x04\x86K\x67");
+    p.extend_from_slice(b"X\x01\x00\x00\x00kK\x68X\x01\x00\x00\x00kK\x69");
+    let nan = b"G\x7f\xf8\x00\x00\x00\x00\x00\x00";
+    for v in [0x6a, 0x6b] {
+        p.extend_from_slice(nan);
+        p.extend_from_slice(&[b'K', v]);
+    }
+    p.extend_from_slice(b"u.");
+    let PickleValue::Dict(pairs) = load(&p) else { panic!("not a dict") };
+    assert_eq!(pairs.len(), 40 + 1 + 1 + 2, "{pairs:?}");
+    assert_eq!(pairs[1], (i(1), i(0x65)), "1, 1.0 and True are one key, the last value wins");
+    assert_eq!(pairs[40], (tuple(vec![i(3), i(4)]), i(0x67)));
+    assert_eq!(pairs[41], (s("k"), i(0x69)));
+    assert!(matches!(pairs[42].0, PickleValue::Float(f) if f.is_nan()));
+    // A set of 30 keys, each twice.
+    let mut set = b"\x80\x04\x8f(".to_vec();
+    for k in (0..30u8).chain(0..30) {
+        set.extend_from_slice(&[b'K', k]);
+    }
+    set.extend_from_slice(b"\x90.");
+    assert_eq!(load(&set), PickleValue::Set((0..30).map(i).collect()));
+}
+
+#[test]
+fn arena_nodes_are_small() {
+    // The memory of a pickle of millions of values is its nodes (issue 29).
+    assert!(std::mem::size_of::<machine::Node>() <= 16, "{}", std::mem::size_of::<machine::Node>());
 }
 
 #[test]

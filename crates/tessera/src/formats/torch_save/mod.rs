@@ -6,6 +6,7 @@
 pub(crate) mod write;
 
 use crate::formats::pickle::{unpickle, PickleValue, UnpickleLimits};
+use crate::model::dims::check_axes;
 use crate::model::dtype::DType;
 
 /// One entry of a zip archive.
@@ -356,6 +357,7 @@ pub(crate) fn tensor_record(v: &PickleValue) -> Result<TensorRecord, String> {
     let dtype = dtype.ok_or_else(|| format!("unsupported tensor storage {}", describe(class)))?;
     let storage_offset = as_u64(arg(1)?).ok_or("storage offset is not an int")?;
     let size = as_dims(arg(2)?).ok_or("tensor size is not a tuple of ints")?;
+    check_axes(size.len()).map_err(|e| format!("tensor size has {e}"))?;
     let stride = as_dims(arg(3)?).ok_or("tensor stride is not a tuple of ints")?;
     if size.len() != stride.len() {
         return Err(format!("size {size:?} and stride {stride:?} differ in rank"));

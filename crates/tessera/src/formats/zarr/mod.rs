@@ -53,7 +53,8 @@ fn open_zarr(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)
     for name in &names {
         if let Some(key) = name.strip_suffix(&format!("/{ZARRAY}")) {
             let shown = format!("{}/{name}", storage.location());
-            let arr = parse_zarray(&storage.read(name)?).map_err(|e| Error::corrupt(&shown, e))?;
+            let arr =
+                parse_zarray(&storage.read(name)?).map_err(|e| Error::corrupt(&shown, format!("{key:?}: {e}")))?;
             let esize = arr.dtype.size() as u64;
             if arr.shape.iter().try_fold(esize, |a, &n| a.checked_mul(n)).is_none() {
                 return Err(Error::corrupt(

@@ -2,6 +2,7 @@
 //! uncompressed C-order chunks, bf16 as a 2-byte void type whose name Megatron patched to
 //! `"bfloat16"`.
 
+use crate::model::dims::check_axes;
 use crate::model::dtype::DType;
 
 /// What a `.zarray` says about an array.
@@ -70,7 +71,10 @@ pub(crate) fn parse_zarray(bytes: &[u8]) -> Result<ZarrArray, String> {
     if j.get("zarr_format").and_then(|v| v.as_u64()) != Some(2) {
         return Err("not a zarr v2 array (zarr_format is not 2)".into());
     }
-    let shape = dims(j.get("shape").ok_or("no shape")?, "shape")?;
+    let shape = j.get("shape").ok_or("no shape")?;
+    // Counted before anything walks the axes (the grid, the chunk names).
+    check_axes(shape.as_array().map_or(0, Vec::len)).map_err(|e| format!("shape has {e}"))?;
+    let shape = dims(shape, "shape")?;
     let chunks = dims(j.get("chunks").ok_or("no chunks")?, "chunks")?;
     if chunks.len() != shape.len() || chunks.contains(&0) {
         return Err(format!("chunks {chunks:?} do not fit shape {shape:?}"));
