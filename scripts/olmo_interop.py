@@ -222,6 +222,16 @@ def main() -> None:
         OlmoCheckpointer().load(f"{tmp}/plain", target)
         same(target, sd, "OLMo-core loads tessera's Checkpointer dir in place")
         print("tessera -> olmo: Checkpointer dir (f32, bf16, f16, i64, u8, 0-d, empty): exact")
+        # An overwrite writes rank files of its own names beside the old ones, which stay whole
+        # until the new metadata.json replaces the old (FORMAT.md): OLMo-core reads the files
+        # metadata.json names.
+        sd2 = {k: (v + 1 if v.is_floating_point() else v) for k, v in sd.items()}
+        tess.Checkpointer().save(f"{tmp}/plain", sd2, save_overwrite=True)
+        files = sorted(os.listdir(f"{tmp}/plain"))
+        if any(f == "rank_0.safetensors" for f in files) or len(files) != 2:
+            raise AssertionError(f"after the overwrite: {files}")
+        same(OlmoCheckpointer().unshard(f"{tmp}/plain", no_dist=True), sd2, "OLMo-core unshards tessera's overwrite")
+        print(f"tessera -> olmo: an overwrite ({files[1]}): exact")
         print(f"all round trips exact in {time.monotonic() - started:.0f} s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -93,10 +93,11 @@ enum Command {
     },
     /// Remove the leftovers of saves that never committed or were replaced: data files no
     /// committed marker names (tessera.index, a DCP .metadata, OLMo-core's metadata.json),
-    /// temporaries of puts that never finished, expired leases. Safe beside running saves: a
-    /// save holds a lease (.tessera-lease-<id>, renewed while it runs, expiring 10 minutes after
-    /// its last renewal), and gc leaves its files alone and lists it. Works on native,
-    /// torch_dist / DCP and OLMo-core locations; never touches other files.
+    /// temporaries of puts older than a lease's lifetime, expired leases. Safe beside running
+    /// saves: a save holds a lease (.tessera-lease-<id>, renewed while it runs, expiring 10
+    /// minutes after its last renewal), and gc leaves its files alone and lists it. Works on
+    /// native, torch_dist / DCP and OLMo-core locations (for OLMo-core's model/ and optim/, on
+    /// each); never touches a file a committed marker names, nor files of other kinds.
     #[command(verbatim_doc_comment)]
     Gc {
         /// Checkpoint location: a directory or s3://bucket/prefix.

@@ -495,3 +495,23 @@ fn a_location_holding_other_files_is_refused_unless_overwriting() {
     assert_eq!(std::fs::read(dir.join("notes.txt")).unwrap(), b"mine");
     check_written(dir.path(), 2);
 }
+
+/// Uneven shardings leave ranks with empty shards, several at one offset (Megatron's
+/// `test_uneven_1d_sharding`): DCP keys their storage by fqn and offsets, so they share one
+/// entry of `.metadata`, and a reader finds it for each.
+#[test]
+fn empty_shards_at_one_offset_save_and_load() {
+    let storage = tessera::MemoryStorage::new();
+    let data: Vec<u8> = (0..4).collect();
+    for r in run_ranks(3, |c| {
+        let rank = tessera::Communicator::rank(c);
+        let (off, len) = if rank == 0 { (0, 4) } else { (4, 0) };
+        let bytes = data[off as usize..(off + len) as usize].to_vec();
+        let t = shard("a", DType::U8, &[4], &[off], &[len], 0, None, TensorData::Owned(bytes));
+        let tree = StateTree::map().with("a", StateTree::Tensor(t));
+        save_torch_dist(tree, None, &storage, c, &SaveOptions::default(), 1)
+    }) {
+        r.unwrap();
+    }
+    assert_eq!(open(&storage).unwrap().read_tensors(None).unwrap()["a"].data, data);
+}

@@ -225,10 +225,12 @@ pub(crate) fn parse_metadata(root: PickleRef<'_>) -> Result<DcpMetadata, String>
                             size.len()
                         ));
                     }
-                    // Moved out, not copied: each chunk has its own entry (a second chunk at the
-                    // same offsets finds none).
+                    // Looked up, not taken: chunks of no elements at the offsets of another share
+                    // its entry (DCP keys storage by fqn and offsets; uneven shardings write
+                    // them), and the tiling check then sees each where it lies.
                     let info = locations
-                        .remove(&(key, Some(Dims::from(offsets.as_slice()))))
+                        .get(&(key, Some(Dims::from(offsets.as_slice()))))
+                        .copied()
                         .ok_or_else(|| format!("{what}: chunk at {offsets:?} has no storage entry"))?;
                     let location = location(info, key)?;
                     out.push(DcpChunk { offsets, sizes, location });
