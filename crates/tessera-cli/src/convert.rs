@@ -47,5 +47,12 @@ pub fn run(src: &Location, dst: &Location, to: Target, overwrite: bool, memory: 
         report.files,
         fmt_bytes(report.index_bytes)
     );
+    if !report.leftovers.is_empty() {
+        eprintln!(
+            "warning: committed; clean-up incomplete: {} left for `tessera gc {dst}`: {}",
+            report.leftovers.len(),
+            report.leftovers.join(", ")
+        );
+    }
     Ok(())
 }

@@ -65,5 +65,8 @@ pub fn run(args: UnshardArgs) -> Result<()> {
     for f in report.files.iter().chain(&report.index) {
         println!("  {}", f.display());
     }
+    for f in &report.leftovers {
+        eprintln!("warning: the export is complete, but its temporary file {} could not be removed", f.display());
+    }
     Ok(())
 }

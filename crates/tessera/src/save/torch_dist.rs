@@ -77,8 +77,12 @@ const REPLACEABLE: [&str; 2] = ["torch_dist", "torch_dcp"];
 /// let tree = StateTree::map().with("w", StateTree::Tensor(t));
 /// save_torch_dist(tree, None, &storage, &SoloComm, &SaveOptions::default(), 1)?;
 ///
-/// // A DCP directory that Megatron, PyTorch and tessera all load.
-/// assert_eq!(storage.list_sorted()?, [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]);
+/// // A DCP directory that Megatron, PyTorch and tessera all load (with tessera's copy of the
+/// // committed common.pt, `.tessera-common-<save id>.pt`, second in this order).
+/// let names = storage.list_sorted()?;
+/// assert_eq!(names.len(), 5);
+/// assert!(names[1].starts_with(".tessera-common-"));
+/// assert_eq!([&names[0], &names[2], &names[3], &names[4]], [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]);
 /// let ckpt = open(&storage)?;
 /// assert_eq!(ckpt.format().backend, "torch_dist");
 /// assert_eq!(ckpt.read_tensors(None)?["w"].data, w);
