@@ -188,14 +188,7 @@ fn committed_files(storage: &dyn Storage) -> BTreeSet<String> {
         ckpt.index().files.iter().map(|f| f.name.split('@').next().unwrap().to_string()).collect();
     if ckpt.format().backend == "torch_dist" {
         files.extend([".metadata", "common.pt", "metadata.json"].map(String::from));
-        let common = storage.read("common.pt").unwrap();
-        files.extend(
-            storage
-                .list()
-                .unwrap()
-                .into_iter()
-                .filter(|n| n.starts_with(".tessera-common-") && storage.read(n).unwrap() == common),
-        );
+        files.extend(committed_common_copy(storage));
     } else {
         files.insert("metadata.json".into());
     }
