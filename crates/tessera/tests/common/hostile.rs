@@ -348,3 +348,253 @@ pub fn dir_size(dir: &Path) -> u64 {
     }
     total
 }
+
+/// Writes opcodes as Python's pickler does at protocol 4 (`SHORT_BINUNICODE` + `MEMOIZE`,
+/// `STACK_GLOBAL`, memo gets for every value seen before), straight into bytes: the builder for
+/// pickles of millions of entries, which a tree of [`P`] values would take gigabytes to hold.
+pub struct Pickler {
+    pub out: Vec<u8>,
+    memo: u32,
+}
+
+impl Pickler {
+    /// `PROTO 4`.
+    pub fn new() -> Self {
+        Pickler { out: vec![0x80, 4], memo: 0 }
+    }
+    /// `MEMOIZE`: the memo index of the value on top of the stack.
+    pub fn memoize(&mut self) -> u32 {
+        self.out.push(0x94);
+        self.memo += 1;
+        self.memo - 1
+    }
+    /// A string, memoized.
+    pub fn str(&mut self, x: &str) -> u32 {
+        if x.len() < 256 {
+            self.out.extend_from_slice(&[0x8c, x.len() as u8]);
+        } else {
+            self.out.push(b'X');
+            self.out.extend_from_slice(&(x.len() as u32).to_le_bytes());
+        }
+        self.out.extend_from_slice(x.as_bytes());
+        self.memoize()
+    }
+    /// `BINGET` or `LONG_BINGET` of memo entry `i`.
+    pub fn get(&mut self, i: u32) {
+        match u8::try_from(i) {
+            Ok(b) => self.out.extend_from_slice(&[b'h', b]),
+            Err(_) => {
+                self.out.push(b'j');
+                self.out.extend_from_slice(&i.to_le_bytes());
+            }
+        }
+    }
+    /// The string `x`, memoized under `*slot` the first time and fetched from the memo after.
+    pub fn str_once(&mut self, slot: &mut Option<u32>, x: &str) {
+        match *slot {
+            Some(i) => self.get(i),
+            None => *slot = Some(self.str(x)),
+        }
+    }
+    /// The global `module.name` (`STACK_GLOBAL`), memoized under `*slot` the first time;
+    /// `module` is the memo entry of the module's name.
+    pub fn global_once(&mut self, slot: &mut Option<u32>, module: &mut Option<u32>, m: &str, name: &str) {
+        if let Some(i) = *slot {
+            return self.get(i);
+        }
+        self.str_once(module, m);
+        self.str(name);
+        self.out.push(0x93);
+        *slot = Some(self.memoize());
+    }
+    /// A non-negative integer: `BININT1`, `BININT2` or `BININT`.
+    pub fn int(&mut self, x: u32) {
+        if x < 256 {
+            self.out.extend_from_slice(&[b'K', x as u8]);
+        } else if x < 65_536 {
+            self.out.push(b'M');
+            self.out.extend_from_slice(&(x as u16).to_le_bytes());
+        } else {
+            self.out.push(b'J');
+            self.out.extend_from_slice(&(x as i32).to_le_bytes());
+        }
+    }
+    /// `cls()` made with `EMPTY_TUPLE NEWOBJ`, `cls` being on the stack, memoized.
+    pub fn new_obj(&mut self) {
+        self.out.extend_from_slice(&[b')', 0x81]);
+        self.memoize();
+    }
+    /// An empty dict, memoized, and the `MARK` of its first batch of items.
+    pub fn dict_start(&mut self) {
+        self.out.push(b'}');
+        self.memoize();
+        self.out.push(b'(');
+    }
+}
+
+impl Default for Pickler {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The DCP checkpoint torch writes for a flat state dict of `n` non-tensor values and one
+/// tensor (`torch.distributed.checkpoint.save`, torch 2.x, one or more ranks): its `.metadata`
+/// holds `n` `BytesStorageMetadata` entries, each with its `planner_data` path (`(fqn,)`) and its
+/// `_StorageInfo`, pickled op for op as torch's pickler writes them (names and classes shared
+/// through the memo; items in batches of 1000). Every item `optim.param_groups.{i}.lr` points
+/// at `item`, stored once at the start of each of `files` data files `__{r}_0.distcp` (item `i`
+/// in file `i % files`), and the tensor `w` (f32 [4]) follows it in file 0. Returns the
+/// `.metadata` and the data files' names and bytes.
+pub fn dcp_byte_items(n: usize, files: usize, item: &[u8]) -> (Vec<u8>, Vec<(String, Vec<u8>)>) {
+    let tensor = torch_save_tensor(&[4], &[1], &[0u8; 16]);
+    let names: Vec<String> = (0..files).map(|r| format!("__{r}_0.distcp")).collect();
+    let mut data: Vec<(String, Vec<u8>)> = names.iter().map(|f| (f.clone(), item.to_vec())).collect();
+    data[0].1.extend_from_slice(&tensor);
+    let fqn = |i: usize| format!("optim.param_groups.{i}.lr");
+    let mut p = Pickler::new();
+    let (mut metadata_mod, mut filesystem_mod) = (None, None);
+    let (mut bsm, mut mi, mut si) = (None, None, None);
+    let mut keys: [Option<u32>; 6] = [None; 6]; // fqn, index, relative_path, offset, length, offset (tensor)
+    let mut file_names: Vec<Option<u32>> = vec![None; files];
+    let mut fqn_memo = Vec::with_capacity(n);
+
+    let mut top = None;
+    p.global_once(&mut top, &mut metadata_mod, "torch.distributed.checkpoint.metadata", "Metadata");
+    p.new_obj();
+    p.dict_start();
+
+    // state_dict_metadata: the tensor, then the byte items.
+    p.str("state_dict_metadata");
+    p.dict_start();
+    let w = p.str("w");
+    let mut tsm = None;
+    p.global_once(&mut tsm, &mut metadata_mod, "torch.distributed.checkpoint.metadata", "TensorStorageMetadata");
+    p.new_obj();
+    p.dict_start();
+    p.str("properties");
+    let mut props = None;
+    p.global_once(&mut props, &mut metadata_mod, "torch.distributed.checkpoint.metadata", "TensorProperties");
+    p.new_obj();
+    // Its state as torch ≥ 2.0 pickles it: (dtype, layout, requires_grad, memory_format,
+    // pin_memory, strides).
+    p.out.push(b'(');
+    let (mut torch_mod, mut f32_global, mut layout, mut serialization) = (None, None, None, None);
+    p.global_once(&mut f32_global, &mut torch_mod, "torch", "float32");
+    p.global_once(&mut layout, &mut serialization, "torch.serialization", "_get_layout");
+    p.str("torch.strided");
+    p.out.push(0x85);
+    p.memoize();
+    p.out.push(b'R');
+    p.memoize();
+    p.out.push(0x89); // NEWFALSE
+    let mut mem_format = None;
+    p.global_once(&mut mem_format, &mut metadata_mod, "torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING");
+    p.out.extend_from_slice(&[b'K', 0, 0x85]);
+    p.memoize();
+    p.out.push(b'R');
+    p.memoize();
+    p.out.push(0x89);
+    p.out.extend_from_slice(&[b'K', 1, 0x85]);
+    p.memoize();
+    p.out.push(b't');
+    p.memoize();
+    p.out.push(b'b');
+    p.str("size");
+    p.out.push(b'(');
+    p.int(4);
+    p.out.push(b't');
+    p.memoize();
+    p.str("chunks");
+    p.out.push(b']');
+    p.memoize();
+    let mut csm = None;
+    p.global_once(&mut csm, &mut metadata_mod, "torch.distributed.checkpoint.metadata", "ChunkStorageMetadata");
+    p.new_obj();
+    p.dict_start();
+    p.str("offsets");
+    p.out.extend_from_slice(&[b'(', b'K', 0, b't']);
+    p.memoize();
+    p.str("sizes");
+    p.out.extend_from_slice(&[b'(', b'K', 4, b't']);
+    p.memoize();
+    p.out.extend_from_slice(b"ub"); // the chunk's fields, BUILD
+    p.out.extend_from_slice(b"a"); // APPEND to chunks
+    p.out.extend_from_slice(b"ub"); // the tensor metadata's fields, BUILD
+    for i in 0..n {
+        if i > 0 && i % 1000 == 0 {
+            p.out.extend_from_slice(b"u(");
+        }
+        fqn_memo.push(p.str(&fqn(i)));
+        p.global_once(&mut bsm, &mut metadata_mod, "torch.distributed.checkpoint.metadata", "BytesStorageMetadata");
+        p.new_obj();
+    }
+    p.out.push(b'u');
+
+    // planner_data: each key's path in the state dict, `(fqn,)` for a flat one.
+    p.str("planner_data");
+    p.dict_start();
+    p.get(w);
+    p.get(w);
+    p.out.push(0x85); // TUPLE1
+    p.memoize();
+    for (i, &f) in fqn_memo.iter().enumerate() {
+        if i % 1000 == 999 {
+            p.out.extend_from_slice(b"u(");
+        }
+        p.get(f);
+        p.get(f);
+        p.out.push(0x85);
+        p.memoize();
+    }
+    p.out.push(b'u');
+
+    // storage_data: MetadataIndex → _StorageInfo.
+    p.str("storage_data");
+    p.dict_start();
+    let item_len = item.len() as u32;
+    let mut entry = |p: &mut Pickler, fqn: u32, file: usize, offset: u32, length: u32, chunk: bool| {
+        p.global_once(&mut mi, &mut metadata_mod, "torch.distributed.checkpoint.metadata", "MetadataIndex");
+        p.new_obj();
+        p.dict_start();
+        p.str_once(&mut keys[0], "fqn");
+        p.get(fqn);
+        if chunk {
+            p.str_once(&mut keys[5], "offset");
+            p.out.extend_from_slice(&[b'(', b'K', 0, b't']);
+            p.memoize();
+        }
+        p.str_once(&mut keys[1], "index");
+        p.out.push(b'N');
+        p.out.extend_from_slice(b"ub");
+        p.global_once(&mut si, &mut filesystem_mod, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
+        p.new_obj();
+        p.dict_start();
+        p.str_once(&mut keys[2], "relative_path");
+        p.str_once(&mut file_names[file], &names[file]);
+        p.str_once(&mut keys[3], "offset");
+        p.int(offset);
+        p.str_once(&mut keys[4], "length");
+        p.int(length);
+        p.out.extend_from_slice(b"ub");
+    };
+    entry(&mut p, w, 0, item_len, tensor.len() as u32, true);
+    for (i, &f) in fqn_memo.iter().enumerate() {
+        if i % 1000 == 999 {
+            p.out.extend_from_slice(b"u(");
+        }
+        entry(&mut p, f, i % files, 0, item_len, false);
+    }
+    p.out.push(b'u');
+
+    p.str("version");
+    p.str("1.0.0");
+    p.out.extend_from_slice(b"ub.");
+    (p.out, data)
+}
+
+/// The `torch.save` archive of a plain value: `value`'s opcodes as `data.pkl` (what DCP
+/// stores for each non-tensor value of a state dict).
+pub fn torch_save_value(value: &P) -> Vec<u8> {
+    zip(&[("archive/data.pkl", &pickle(value)), ("archive/byteorder", b"little"), ("archive/version", b"3\n")])
+}

@@ -10,13 +10,13 @@ use std::process::{Command, Stdio};
 /// The line a child prints its peak RSS on (in bytes).
 const MARK: &str = "TESSERA_TEST_PEAK_RSS=";
 
-/// Runs the test `test` of the current test binary alone (`--exact`) in a child process with
-/// the variables `env` set; checks that it passed and returns the peak RSS it reported with
-/// [`report_peak_rss`], in bytes.
+/// Runs the test `test` of the current test binary alone (`--exact`; ignored or not) in a child
+/// process with the variables `env` set; checks that it passed and returns the peak RSS it
+/// reported with [`report_peak_rss`], in bytes.
 pub fn child_peak_rss(test: &str, env: &[(&str, &OsStr)]) -> u64 {
     let exe = std::env::current_exe().unwrap();
     let mut cmd = Command::new(exe);
-    cmd.args([test, "--exact", "--nocapture", "--test-threads=1"]).stdin(Stdio::null());
+    cmd.args([test, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"]).stdin(Stdio::null());
     for (k, v) in env {
         cmd.env(k, v);
     }

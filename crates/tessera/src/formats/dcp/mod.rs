@@ -134,8 +134,9 @@ pub(crate) fn referenced_files(storage: &dyn Storage) -> Result<Option<std::coll
     let meta: DcpMetadata = parse_metadata(pickle.root()).map_err(|e| Error::corrupt(&shown, e))?;
     let copy = meta.save_id.as_deref().and_then(crate::formats::torch_dist::committed_common);
     let copy = copy.map(|(id, _)| crate::formats::torch_dist::common_copy_name(id));
-    let chunks = meta.tensors.into_iter().flat_map(|t| t.chunks.into_iter().map(|c| c.location.relative_path));
-    Ok(Some(chunks.chain(meta.bytes.into_iter().map(|b| b.location.relative_path)).chain(copy).collect()))
+    let chunks = meta.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| &*c.location.relative_path));
+    let files = chunks.chain(meta.bytes.iter().map(|b| &*b.location.relative_path)).map(str::to_string);
+    Ok(Some(files.chain(copy).collect()))
 }
 
 /// `"key/shard_0.1_2.4"` → `("key", [0, 1], [2, 4])`: Megatron's name for a sharded object.
@@ -178,9 +179,16 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
     }
 
     let mut objects = ObjectShards::default();
-    let mut common: Vec<(StatePath, Value)> = Vec::new();
+    let mut common: Vec<(StatePath, Value)> = Vec::with_capacity(meta.bytes.len());
     let mut common_object: Option<PickleValue> = None;
-    for b in meta.bytes {
+    // Taken from the end, in order, and the vector shrunk as it empties: the items given back
+    // as common values are not also held as items (a million of them are 96 MB).
+    let mut items = meta.bytes;
+    items.reverse();
+    while let Some(b) = items.pop() {
+        if items.len().is_multiple_of(1 << 16) {
+            items.shrink_to_fit();
+        }
         if flavor == DcpFlavor::Megatron {
             if let Some((key, offset, shape)) = parse_object_fqn(&b.fqn) {
                 if key == MEGATRON_COMMON_OBJECT {
