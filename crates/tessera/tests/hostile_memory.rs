@@ -280,8 +280,16 @@ fn block_size_1_checkpoint(dir: &TempDir, len: usize) -> LocalStorage {
 fn block_size_1_within_bound(test: &str, what: &str) {
     let dir = TempDir::new("bs1");
     block_size_1_checkpoint(&dir, 4 << 20);
+    child_within_bound(test, what, &dir, &[]);
+}
+
+/// Runs `test` (the caller) in a child on the checkpoint in `dir` (with `env` besides) and
+/// checks the child's peak RSS against 2 × the checkpoint's size + 64 MiB.
+fn child_within_bound(test: &str, what: &str, dir: &TempDir, env: &[(&str, &std::ffi::OsStr)]) {
     let input = dir_size(dir.path());
-    let rss = common::rss::child_peak_rss(test, &[(RSS_CHILD, dir.path().as_os_str())]);
+    let mut all = vec![(RSS_CHILD, dir.path().as_os_str())];
+    all.extend_from_slice(env);
+    let rss = common::rss::child_peak_rss(test, &all);
     let limit = common::rss::rss_bound(input);
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     eprintln!("{what}: input {:.1} MiB, peak RSS {:.1} MiB (limit {:.1} MiB)", mib(input), mib(rss), mib(limit));
@@ -345,12 +353,7 @@ fn verify_of_a_block_size_1_checkpoint_reports_each_damaged_block() {
 fn plain_values_within_bound(test: &str, what: &str, n: usize, value: &[u8]) {
     let dir = TempDir::new("plain-values");
     write_dcp_with(dir.path(), P::Dict(vec![(s("w"), P::Tuple(vec![s("w")])), (s("extra"), plain_values(n, value))]));
-    let input = dir_size(dir.path());
-    let rss = common::rss::child_peak_rss(test, &[(RSS_CHILD, dir.path().as_os_str())]);
-    let limit = common::rss::rss_bound(input);
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
-    eprintln!("{what}: input {:.1} MiB, peak RSS {:.1} MiB (limit {:.1} MiB)", mib(input), mib(rss), mib(limit));
-    assert!(rss <= limit, "{what}: peak RSS {rss} > {limit} for {input} bytes of checkpoint");
+    child_within_bound(test, what, &dir, &[]);
 }
 
 #[test]
@@ -407,19 +410,8 @@ fn byte_items_within_bound(test: &str, n: usize) {
         std::fs::write(dir.join(name), bytes).unwrap();
     }
     drop((meta, files));
-    let input = dir_size(dir.path());
     let n_str = n.to_string();
-    let env = [(RSS_CHILD, dir.path().as_os_str()), (BYTE_ITEMS, std::ffi::OsStr::new(&n_str))];
-    let rss = common::rss::child_peak_rss(test, &env);
-    let limit = common::rss::rss_bound(input);
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
-    eprintln!(
-        "{n} byte items: input {:.1} MiB, peak RSS {:.1} MiB (limit {:.1} MiB)",
-        mib(input),
-        mib(rss),
-        mib(limit)
-    );
-    assert!(rss <= limit, "{n} byte items: peak RSS {rss} > {limit} for {input} bytes of checkpoint");
+    child_within_bound(test, &format!("{n} byte items"), &dir, &[(BYTE_ITEMS, std::ffi::OsStr::new(&n_str))]);
 }
 
 /// The variable that tells a child of [`byte_items_within_bound`] how many items to expect.

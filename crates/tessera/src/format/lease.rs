@@ -149,13 +149,17 @@ impl Lease {
     }
 }
 
+/// A lease of save `0123456789abcdef` for the tests (renewed at 5 ms, expiring at 9 ms).
+#[cfg(test)]
+pub(crate) fn example(files: LeaseFiles) -> Lease {
+    Lease { save_id: 0x0123_4567_89ab_cdef, writer: "host:7".into(), renewed_ms: 5, expires_ms: 9, files }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn lease(files: LeaseFiles) -> Lease {
-        Lease { save_id: 0x0123_4567_89ab_cdef, writer: "host:7".into(), renewed_ms: 5, expires_ms: 9, files }
-    }
+    use super::example as lease;
 
     #[test]
     fn leases_round_trip_and_check_themselves() {

@@ -185,10 +185,7 @@ impl LiveLease {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn lease(files: LeaseFiles) -> Lease {
-        Lease { save_id: 0x0123_4567_89ab_cdef, writer: "host:7".into(), renewed_ms: 5, expires_ms: 9, files }
-    }
+    use crate::format::lease::example as lease;
 
     #[test]
     fn a_lease_covers_its_save_files_only() {
