@@ -127,7 +127,7 @@ struct Dir<'s, 't> {
     /// This rank's bytes of each tensor shard (plan order), where it has them.
     data: Vec<Option<&'t [u8]>>,
     /// What names the files: 0 for OLMo-core's own names, else the save's id (`rank_file_name`).
-    save_id: u64,
+    files_id: u64,
     /// This rank's file.
     layout: RankFileLayout,
     /// The text of the `metadata.json` that commits the directory.
@@ -204,7 +204,7 @@ impl<'s, 't> OlmoSave<'s, 't> {
             }
             let metadata = metadata_json(&meta);
             let Collected { tensor_data, .. } = c;
-            dirs.push(Dir { storage, plans, data: tensor_data, save_id: files_id, layout, metadata, lease });
+            dirs.push(Dir { storage, plans, data: tensor_data, files_id, layout, metadata, lease });
         }
         Ok(OlmoSave { rank, dirs })
     }
@@ -220,7 +220,7 @@ impl<'s, 't> OlmoSave<'s, 't> {
         if d.layout.keys.is_empty() {
             return Ok(());
         }
-        let name = rank_file_name(self.rank, d.save_id);
+        let name = rank_file_name(self.rank, d.files_id);
         let writer = d.storage.create(&name, d.layout.size)?;
         let sources = d
             .layout
@@ -266,7 +266,7 @@ impl<'s, 't> OlmoSave<'s, 't> {
             .iter()
             .map(|d| Place {
                 storage: d.storage,
-                own_files: if d.layout.keys.is_empty() { Vec::new() } else { vec![rank_file_name(rank, d.save_id)] },
+                own_files: if d.layout.keys.is_empty() { Vec::new() } else { vec![rank_file_name(rank, d.files_id)] },
                 lease: d.lease.as_deref(),
             })
             .collect();
@@ -278,7 +278,7 @@ impl<'s, 't> OlmoSave<'s, 't> {
             .map(|d| {
                 let mut files = Vec::new();
                 if !d.layout.keys.is_empty() {
-                    files.push(rank_file_name(rank, d.save_id));
+                    files.push(rank_file_name(rank, d.files_id));
                 }
                 if rank == 0 {
                     files.push(METADATA_FILE.into());
@@ -393,7 +393,7 @@ fn remove_replaced(d: &Dir<'_, '_>) -> Vec<String> {
         .iter()
         .enumerate()
         .filter(|(_, p)| p.tensors.iter().any(|t| t.main))
-        .map(|(r, _)| rank_file_name(r, d.save_id))
+        .map(|(r, _)| rank_file_name(r, d.files_id))
         .collect();
     let Ok(names) = d.storage.list() else { return Vec::new() };
     let leases = live_leases(d.storage, &names, d.lease.as_ref().map(|l| l.save_id()));
