@@ -34,7 +34,7 @@ from megatron.core import dist_checkpointing as mdc
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
 from tessera import _native
-from tessera._comm import TorchComm
+from tessera._core.comm import TorchComm
 
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.int64: "i64"}
 LAYERS = 4

@@ -198,6 +198,12 @@ class Communicator(Protocol):
 
 __version__: str
 FORMAT_VERSION: int
+# What the Python package adds to the data model (FORMAT.md, "What the Python package adds").
+OBJECT_TAG_VALUE: bytes
+OBJECT_TAG_TORCH: bytes
+OBJECT_TAG_TORCH_LIST: bytes
+TORCH_SAVE_KEY: str
+INT_KEY_PREFIX: str
 DTYPES: List[str]
 
 def save(

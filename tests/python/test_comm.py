@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from tessera import _comm
+from tessera._core import comm as _comm
 
 
 def test_held_tensors_stay_until_torch_lets_go() -> None:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict
 import pytest
 import torch
 
-from launch import run_ranks
+from tessera._launch import run_ranks
 from tessera import dist_checkpointing as dc
 from tessera.dist_checkpointing import ShardedObject, ShardedTensor, ShardedTensorFactory, StrictHandling
 from tessera.errors import AlreadyExistsError, InvalidShardingError, KeyMismatchError, TesseraError

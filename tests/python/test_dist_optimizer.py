@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from launch import run_ranks
+from tessera._launch import run_ranks
 from tessera import dist_checkpointing as dc
 from tessera.dist_checkpointing import CheckpointingException, ParamRange, ShardedTensor
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import tessera.torch as tt
 from tessera import dist_checkpointing as dc
 from tessera.dist_checkpointing import CheckpointingConfig, ShardedObject, ShardedTensor
-from tessera.dist_checkpointing.serialization import _decode_object
+from tessera._core.values import decode_object as _decode_object
 from tessera.errors import TesseraError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "crates" / "tessera" / "tests" / "fixtures" / "foreign"

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from launch import run_ranks
+from tessera._launch import run_ranks
 import tessera.torch as tt
 
 WORLD = 2

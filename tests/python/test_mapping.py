@@ -20,7 +20,7 @@ from tessera.dist_checkpointing import (
     is_main_replica,
     validate_sharding_integrity,
 )
-from tessera.dist_checkpointing.dtypes import (
+from tessera._core.dtypes import (
     TESSERA_DTYPES,
     numpy_dtype_to_tessera,
     tessera_dtype_to_numpy,

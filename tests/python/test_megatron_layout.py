@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("tessera._native")
 
+from tessera._core.values import torch_load_bytes
 from tessera import dist_checkpointing as dc  # noqa: E402
 from tessera.dist_checkpointing import ShardedTensor, serialization  # noqa: E402
 from tessera.dist_checkpointing.core import CheckpointingException  # noqa: E402
@@ -174,7 +175,7 @@ def test_torch_dist_save_goes_through_one_place(tmp_path, monkeypatch):
     dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "x": 1}, str(tmp_path / "t"), ("torch_dist", 1))
     (tensors, objects, common_pt, location, owners, comm) = calls[0]
     assert [t.key for t in tensors] == ["w"] and objects == [] and location.endswith("t")
-    assert serialization._torch_load_bytes(common_pt) == {"x": 1}
+    assert torch_load_bytes(common_pt) == {"x": 1}
     assert (tmp_path / "t" / ".metadata").is_file()
 
 

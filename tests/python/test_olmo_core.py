@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import tessera.olmo_core as oc
 from tessera.errors import AlreadyExistsError, CorruptError, KeyMismatchError, MismatchError
-from launch import run_ranks
+from tessera._launch import run_ranks
 import olmo_models
 from olmo_models import TinyLM, full_params, wrap
 

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Iterator
 import pytest
 import torch
 
-from launch import run_ranks
+from tessera._launch import run_ranks
 from servers import free_port, start_on_loopback
 from tessera import dist_checkpointing as dc
 from tessera.dist_checkpointing import ShardedObject, ShardedTensor

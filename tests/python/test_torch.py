@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch import run_ranks
+from tessera._launch import run_ranks
 import tessera.torch as tt
 
 ROWS, COLS = 10, 6  # 10 rows over 4 ranks: uneven shards
@@ -301,3 +301,108 @@ def test_key_mismatch_reads_like_pytorch_and_strict_false_keeps_values(tmp_path:
     assert sd["a"].tolist() == [1.0, 1.0] and sd["c"].tolist() == [7.0] * 3 and sd["t"] == (1, 2)
     with pytest.raises(ValueError, match="checkpoint_id"):
         tt.save({"a": torch.ones(1)})
+
+
+# ---------------------------------------------------------------------------------------------
+# A newcomer's first models: ties, fresh optimizers, values the checkpoint lacks
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding tied to the output head, as most language models have it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.emb(x))))
+
+
+def test_tied_weights_load_as_dcp_loads_them(tmp_path: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    ckpt, dcp_ckpt = str(tmp_path / "t"), str(tmp_path / "dcp")
+    tt.save({"model": model}, ckpt)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=dcp_ckpt)
+    for source in (ckpt, dcp_ckpt):
+        fresh = TiedLM()
+        tt.load({"model": fresh}, source)
+        assert fresh.head.weight is fresh.emb.weight  # still tied
+        for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+            assert torch.equal(a, b), (source, name)
+
+
+def test_a_fresh_optimizer_loads_as_a_stateful(tmp_path: Any) -> None:
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, optim, batches(2))
+    ckpt = str(tmp_path / "o")
+    tt.save({"model": model, "optim": optim, "epoch": 3}, ckpt)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    sd = {"optim": fresh_optim, "epoch": 0}
+    tt.load(sd, ckpt)  # the optimizer alone: creating its state must not move the parameters
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+    tt.load({"model": fresh, "optim": fresh_optim, "epoch": 0}, ckpt)
+    want, got = optim.state_dict(), fresh_optim.state_dict()
+    assert got["param_groups"][0]["lr"] == pytest.approx(0.01) and sd["epoch"] == 3
+    for pid, state in want["state"].items():
+        for name, value in state.items():
+            assert torch.equal(got["state"][pid][name], value), (pid, name)
+    train(model, optim, batches(4)[2:])
+    train(fresh, fresh_optim, batches(4)[2:])
+    for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_strict_covers_values(tmp_path: Any) -> None:
+    from tessera.errors import KeyMismatchError
+
+    ckpt = str(tmp_path / "v")
+    tt.save({"w": torch.ones(2), "step": 5}, ckpt)
+    sd = {"w": torch.zeros(2), "step": 0, "epoch": 1, "sched": {"last": 2}}
+    with pytest.raises(KeyMismatchError, match=r'Missing key\(s\) in state_dict: "epoch", "sched"\.') as e:
+        tt.load(sd, ckpt)
+    assert e.value.missing_keys == ["epoch", "sched"] and "strict=False" in str(e.value)
+    tt.load(sd, ckpt, strict=False)
+    assert sd["step"] == 5 and sd["epoch"] == 1 and sd["w"].tolist() == [1.0, 1.0]
+
+
+def test_torch_layout_optimizer_state_loads_whole(tmp_path: Any) -> None:
+    """OLMo-core 3.0's default: the optimizer state unflattened (``param_groups`` a list naming
+    its ``params``), written by torch DCP itself; every value loads, none silently."""
+    import torch.distributed.checkpoint as dcp
+
+    model = make_model()
+    groups = [
+        {"params": [model[0].weight, model[0].bias], "lr": 0.01, "weight_decay": 0.1},
+        {"params": [model[2].weight, model[2].bias], "lr": 0.02, "weight_decay": 0.0, "betas": (0.8, 0.9)},
+    ]
+    optim = torch.optim.AdamW(groups)
+    train(model, optim, batches(2))
+    opts = tt.StateDictOptions(flatten_optimizer_state_dict=False)
+    ckpt = str(tmp_path / "dcp")
+    dcp.save(
+        {"model": tt.get_model_state_dict(model), "optim": tt.get_optimizer_state_dict(model, optim, options=opts)},
+        checkpoint_id=ckpt,
+    )
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    fresh_optim = torch.optim.AdamW(
+        [{"params": list(fresh[0].parameters()), "lr": 1.0}, {"params": list(fresh[2].parameters()), "lr": 1.0}]
+    )
+    tt.load_model_and_optim_state(ckpt, fresh, fresh_optim)
+    want, got = optim.state_dict(), fresh_optim.state_dict()
+    for g_want, g_got in zip(want["param_groups"], got["param_groups"]):
+        assert {k: v for k, v in g_want.items()} == {k: v for k, v in g_got.items()}
+    for pid, state in want["state"].items():
+        for name, value in state.items():
+            assert torch.equal(got["state"][pid][name], value), (pid, name)
+    full = tt.unshard_optim_state(ckpt)
+    assert full["param_groups"]["2.weight"]["betas"] == (0.8, 0.9) or full["param_groups"]["2.weight"]["betas"] == [0.8, 0.9]
+    assert full["param_groups"]["0.bias"]["lr"] == 0.01 and set(full["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}

@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tessera import _native
-from tessera._comm import default_comm
-from tessera.dist_checkpointing._descriptors import save_object, save_tensor
-from launch import run_ranks
+from tessera._core.comm import default_comm
+from tessera._core.descriptors import save_object, save_tensor
+from tessera._launch import run_ranks
 
 
 def full_tensors() -> Dict[str, torch.Tensor]:

@@ -607,6 +607,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add("DTYPES", tessera::DType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
     m.add("FORMAT_VERSION", tessera::FORMAT_VERSION)?;
+    {
+        use tessera::python_conventions as pc;
+        m.add("OBJECT_TAG_VALUE", PyBytes::new(m.py(), pc::OBJECT_TAG_VALUE))?;
+        m.add("OBJECT_TAG_TORCH", PyBytes::new(m.py(), pc::OBJECT_TAG_TORCH))?;
+        m.add("OBJECT_TAG_TORCH_LIST", PyBytes::new(m.py(), pc::OBJECT_TAG_TORCH_LIST))?;
+        m.add("TORCH_SAVE_KEY", pc::TORCH_SAVE_KEY)?;
+        m.add("INT_KEY_PREFIX", pc::INT_KEY_PREFIX)?;
+    }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -113,6 +113,15 @@ pub use tools::maintenance::{gc, remove_sharded_tensors, GcOptions, GcReport, Ru
 pub use tools::pipeline::DEFAULT_MEMORY_BUDGET;
 pub use tools::verify::{verify, VerifyReport};
 
+/// How tessera's Python package stores what the data model has no type for (FORMAT.md, "What
+/// the Python package adds"): the Rust core reads these when it converts a checkpoint to
+/// another program's format, the Python package takes them from here.
+pub mod python_conventions {
+    pub use crate::formats::torch_dist::{
+        INT_KEY_PREFIX, OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE, TORCH_SAVE_KEY,
+    };
+}
+
 /// The planner's pure functions for the plan simulator and benchmarks (`crates/tessera-bench`,
 /// feature `plan-internals`). Not API: no stability promise.
 #[cfg(feature = "plan-internals")]

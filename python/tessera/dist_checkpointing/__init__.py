@@ -8,7 +8,7 @@ The mapping, dict and strategy modules are pure Python; the entry points of ``se
 need the native extension and are exported only when it is available.
 """
 
-from . import core, dict_utils, dtypes, mapping, optimizer, strategies, utils, validation
+from . import core, dict_utils, mapping, optimizer, strategies, utils, validation
 from .core import (
     CheckpointingConfig,
     CheckpointingException,
@@ -30,7 +30,7 @@ from .dict_utils import (
     nested_values,
 )
 from .dist_optimizer import BufferLayout, ParamRange, dist_optimizer_sharded_tensors, dist_optimizer_state_dict, dp_shard_range, param_buffer_layout  # noqa: E501
-from .dtypes import (
+from .._core.dtypes import (
     numpy_dtype_to_tessera,
     tessera_dtype_to_numpy,
     tessera_dtype_to_torch,

@@ -2,9 +2,3 @@
 (megatron-core's module) and are the same objects here."""
 
 from .strategies.async_utils import *  # noqa: F401,F403
-from .strategies.async_utils import (  # noqa: F401
-    _DEFAULT_SAVERS,
-    _PinnedPool,
-    _commit_comm,
-    default_saver,
-)

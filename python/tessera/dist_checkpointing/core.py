@@ -63,7 +63,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 def _detect(checkpoint_dir: PathLike) -> Optional[Tuple[str, int]]:
     try:
         from tessera import _native
-        from tessera._storage import native_location
+        from tessera._core.storage import native_location
     except ImportError as e:
         raise ImportError(
             "tessera's native extension (tessera._native) is not available; build and install the "
@@ -90,7 +90,7 @@ CONFIG_FNAME = MEGATRON_CONFIG_FNAME
 
 def local_dir(checkpoint_dir: PathLike) -> Optional[str]:
     """The local filesystem path of a location (plain path or ``file://``), None for others."""
-    from tessera._storage import location_url
+    from tessera._core.storage import location_url
 
     location = location_url(checkpoint_dir)
     if location.startswith("file://"):
@@ -106,7 +106,7 @@ def _megatron_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
         return None
     try:
         from tessera import _native
-        from tessera._storage import native_location
+        from tessera._core.storage import native_location
 
         # Read by the core, as every checkpoint file is: never through a link out of the directory.
         data = _native.read_file(native_location(checkpoint_dir), MEGATRON_CONFIG_FNAME)

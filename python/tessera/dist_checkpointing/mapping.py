@@ -27,9 +27,9 @@ from .base import (
 )
 from tessera import _native
 
-from ._descriptors import sharded_save_tensor
+from .._core.descriptors import sharded_save_tensor
 from .core import CheckpointingException
-from .dtypes import tessera_dtype_to_torch, torch_dtype_to_tessera
+from .._core.dtypes import tessera_dtype_to_torch, torch_dtype_to_tessera
 from .factories import FactoryBuildFn, FactoryMergeFn, ShardedTensorFactory, apply_factories, apply_factory_merges
 
 __all__ = [

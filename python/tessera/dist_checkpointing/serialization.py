@@ -23,9 +23,24 @@ import os
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union, cast
 
 from .. import _native
-from .._comm import default_comm
-from .._storage import StorageOptions, native_location
-from ._descriptors import sharded_load_object, sharded_load_tensor, sharded_save_object, sharded_save_tensor
+from .._core.comm import default_comm
+from .._core.storage import StorageOptions, native_location
+from .._core.layout import cpu_contiguous
+from .._core.paths import Seg, from_native_path, leaves, set_path, to_native_path
+from .._core.values import (
+    TORCH_SAVE_KEY,
+    decode_object,
+    encode_object,
+    from_plain,
+    is_plain,
+    is_stateful,
+    like_request,
+    match_request,
+    to_plain,
+    torch_load_bytes,
+    torch_save_bytes,
+)
+from .._core.descriptors import sharded_load_object, sharded_load_tensor, sharded_save_object, sharded_save_tensor
 from ..errors import KeyMismatchError, NotCoveredError, TesseraError
 from .core import CheckpointingConfig, CheckpointingException, save_config
 from .dict_utils import extract_matching_values
@@ -72,220 +87,6 @@ CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]
 _CONTENT_METADATA_KEY = "content_metadata"
 
 
-_TORCH_SAVE_KEY = "__tessera_torch_save__"
-# Object shards are opaque bytes to tessera; this prefix says how the Python layer encoded them.
-_PLAIN_OBJECT = b"TSV1"
-_TORCH_OBJECT = b"TPT1"
-# A foreign object stored as torch.save([obj]) (Megatron torch_dist ShardedObjects): the
-# payload is those bytes, the object is the list's only element.
-_TORCH_LIST_OBJECT = b"TPL1"
-
-
-# ---------------------------------------------------------------------------------------------
-# Plain values and their torch.save fallback
-
-
-def _is_plain(value: Any, tuples: bool = False) -> bool:
-    """Exact types only: a subclass (OrderedDict, IntEnum, numpy scalars) would come back as
-    its base type, so it takes the torch.save path and keeps its type. With ``tuples``, a
-    tuple counts as plain and is stored as a list (``tessera.torch``, where a load gives it
-    back as a tuple where the request holds one: ``_like_request``); Megatron's common state
-    keeps exact types, tuples included."""
-    kind = type(value)
-    if value is None or kind in (bool, str, bytes, float):
-        return True
-    if kind is int:
-        return -(2**63) <= value < 2**63
-    if kind is list or (tuples and kind is tuple):
-        return all(_is_plain(v, tuples) for v in value)
-    if kind is dict:
-        return all(type(k) is str and _is_plain(v, tuples) for k, v in value.items())
-    return False
-
-
-def _torch_save_bytes(value: Any) -> bytes:
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
-def _torch_load_bytes(data: bytes) -> Any:
-    import torch
-
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
-    if version < (2, 6):
-        # Checkpoint bytes may come from anyone: before 2.6, weights_only=True could be made to
-        # run code (CVE-2025-32434).
-        raise RuntimeError(
-            f"loading Python objects from a checkpoint needs torch >= 2.6 (this is {torch.__version__}): "
-            "torch.load(weights_only=True) of earlier versions is not safe on untrusted bytes"
-        )
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-
-
-def _to_plain(value: Any, tuples: bool = False) -> Any:
-    """A plain value, or the torch.save wrapper for anything else (``tuples``: see
-    :func:`_is_plain`)."""
-    if _is_plain(value, tuples) and not (isinstance(value, dict) and set(value) == {_TORCH_SAVE_KEY}):
-        return value
-    return {_TORCH_SAVE_KEY: _torch_save_bytes(value)}
-
-
-def _like_request(saved: Any, requested: Any) -> Any:
-    """``saved`` with the tuples the request held where the checkpoint stores lists (plain
-    values keep no tuple type), e.g. Adam's ``betas``."""
-    if isinstance(requested, (tuple, list)) and isinstance(saved, list) and len(saved) == len(requested):
-        items = [_like_request(s, r) for s, r in zip(saved, requested)]
-        return tuple(items) if isinstance(requested, tuple) else items
-    if isinstance(requested, dict) and isinstance(saved, dict):
-        return {k: _like_request(v, requested.get(k)) for k, v in saved.items()}
-    return saved
-
-
-def _is_stateful(value: Any) -> bool:
-    """torch DCP's ``Stateful``: a value with ``state_dict()`` and ``load_state_dict()``, saved
-    as its ``state_dict()`` and handed what was loaded through ``load_state_dict()``."""
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
-
-
-def _match_request(state: Dict[str, Any], request: Dict[str, Any]) -> None:
-    """Gives the loaded ``state`` the request's types where the checkpoint cannot keep them: a
-    tuple leaf of ``request`` stored as a list becomes a tuple again (:func:`_like_request`),
-    and a ``Stateful`` leaf gets its loaded state through ``load_state_dict`` and takes its
-    place in ``state``."""
-    def holds(node: Any, kind: str, seg: Any) -> bool:
-        return isinstance(node, list) and kind == "i" and seg < len(node) or isinstance(node, dict) and seg in node
-
-    for path, leaf in _leaves(request):
-        if not path or not (isinstance(leaf, tuple) or _is_stateful(leaf)):
-            continue
-        node: Any = state
-        for kind, seg in path[:-1]:
-            if not holds(node, kind, seg):
-                break
-            node = node[seg]
-        else:
-            kind, seg = path[-1]
-            if not holds(node, kind, seg):
-                continue
-            if isinstance(leaf, tuple):
-                node[seg] = _like_request(node[seg], leaf)
-            else:
-                leaf.load_state_dict(node[seg])
-                node[seg] = leaf
-
-
-def _from_plain(value: Any) -> Any:
-    if isinstance(value, dict) and set(value) == {_TORCH_SAVE_KEY} and isinstance(value[_TORCH_SAVE_KEY], bytes):
-        return _torch_load_bytes(value[_TORCH_SAVE_KEY])
-    return value
-
-
-def _encode_object(value: Any) -> bytes:
-    if _is_plain(value):
-        return _PLAIN_OBJECT + _native.encode_value(value)
-    return _TORCH_OBJECT + _torch_save_bytes(value)
-
-
-def _decode_object(data: bytes) -> Any:
-    head, body = data[:4], data[4:]
-    if head == _PLAIN_OBJECT:
-        return _native.decode_value(body)
-    if head == _TORCH_OBJECT:
-        return _torch_load_bytes(body)
-    if head == _TORCH_LIST_OBJECT:
-        wrapped = _torch_load_bytes(body)
-        if not isinstance(wrapped, (list, tuple)) or len(wrapped) != 1:
-            raise TesseraError(f"sharded object payload tagged {head!r} is not a one-element list")
-        return wrapped[0]
-    raise TesseraError(f"sharded object payload has an unknown encoding tag {head!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Walking state dicts
-
-
-# A path segment is ("k", key) for a dict key or ("i", index) for a list position. Dict keys
-# may be ints (optimizer state), so the kind must travel with the segment.
-Seg = Tuple[str, Any]
-_INT_KEY = "\x00int:"
-
-
-def _leaves(tree: Any, path: Tuple[Seg, ...] = ()) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
-    """(path, leaf) for every leaf; empty dicts and lists are leaves so that they survive."""
-    if isinstance(tree, dict) and tree:
-        for k, v in tree.items():
-            yield from _leaves(v, path + (("k", k),))
-    elif isinstance(tree, list) and tree:
-        for i, v in enumerate(tree):
-            yield from _leaves(v, path + (("i", i),))
-    else:
-        yield path, tree
-
-
-def _to_native_path(path: Tuple[Seg, ...]) -> List[Union[str, int]]:
-    out: List[Union[str, int]] = []
-    for kind, k in path:
-        if kind == "i":
-            out.append(k)
-        elif isinstance(k, str):
-            out.append(k)
-        elif isinstance(k, int) and not isinstance(k, bool):
-            out.append(f"{_INT_KEY}{k}")
-        else:
-            raise TypeError(f"state dict key {k!r} ({type(k).__name__}) is neither str nor int")
-    return out
-
-
-def _from_native_path(path: Iterable[Union[str, int]]) -> Tuple[Seg, ...]:
-    out: List[Seg] = []
-    for seg in path:
-        if isinstance(seg, int):
-            out.append(("i", seg))
-        elif seg.startswith(_INT_KEY):
-            out.append(("k", int(seg[len(_INT_KEY) :])))
-        else:
-            out.append(("k", seg))
-    return tuple(out)
-
-
-def _set_path(root: Any, path: Tuple[Seg, ...], value: Any) -> None:
-    node: Any = root
-    for (kind, seg), (next_kind, _) in zip(path[:-1], path[1:]):
-        child_kind = list if next_kind == "i" else dict
-        if kind == "i":
-            while len(node) <= seg:
-                node.append(None)
-            if not isinstance(node[seg], child_kind):
-                node[seg] = child_kind()
-            node = node[seg]
-        else:
-            if not isinstance(node.get(seg), child_kind):
-                node[seg] = child_kind()
-            node = node[seg]
-    kind, last = path[-1]
-    if kind == "i":
-        while len(node) <= last:
-            node.append(None)
-    node[last] = value
-
-
-def _cpu_contiguous(t: Any, copy: bool = False) -> Any:
-    """The tensor as CPU C-contiguous memory: CUDA tensors are staged to host (a copy), and
-    non-contiguous tensors are copied into a contiguous one; ``copy``: always a copy (an async
-    save writes after the caller has moved on)."""
-    if copy:
-        return t.detach().to("cpu", copy=True, memory_format=_torch().contiguous_format)
-    if t.device.type != "cpu":
-        t = t.detach().to("cpu")
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.detach()
-
-
 def _save_tensor(sh: ShardedTensor, keep_alive: List[Any], pinned: Any = None, copy: bool = False) -> Any:
     """The core's description of ``sh`` to save, over a host copy of its data when the data is
     not CPU C-contiguous memory already (or when ``copy``), kept in ``keep_alive``."""
@@ -297,7 +98,7 @@ def _save_tensor(sh: ShardedTensor, keep_alive: List[Any], pinned: Any = None, c
         data = pinned.take(sh.data.numel(), sh.data.dtype).view(sh.data.shape)
         data.copy_(sh.data.detach(), non_blocking=True)
     else:
-        data = _cpu_contiguous(sh.data, copy)
+        data = cpu_contiguous(sh.data, copy)
     keep_alive.append(data)
     return sharded_save_tensor(sh, data)
 
@@ -305,7 +106,7 @@ def _save_tensor(sh: ShardedTensor, keep_alive: List[Any], pinned: Any = None, c
 def _split(sharded_state_dict: Dict[str, Any]) -> Tuple[list, list, list]:
     """Sharded tensors, sharded objects and common (path, value) leaves of a state dict."""
     tensors, objects, common = [], [], []
-    for path, leaf in _leaves(sharded_state_dict):
+    for path, leaf in leaves(sharded_state_dict):
         if not path:
             continue  # an empty state dict: the root holds nothing to save
         if isinstance(leaf, ShardedTensor):
@@ -317,7 +118,7 @@ def _split(sharded_state_dict: Dict[str, Any]) -> Tuple[list, list, list]:
         elif isinstance(leaf, ShardedTensorFactory):
             raise TesseraError(f"factory {leaf.key!r} was not applied")
         else:
-            common.append((path, leaf.state_dict() if _is_stateful(leaf) else leaf))
+            common.append((path, leaf.state_dict() if is_stateful(leaf) else leaf))
     return tensors, objects, common
 
 
@@ -388,7 +189,7 @@ def save(
 
         common_state: Dict[str, Any] = {}
         for path, value in common:
-            _set_path(common_state, path, value)
+            set_path(common_state, path, value)
         if preprocess_common_before_consistancy_check is not None:
             common_state = preprocess_common_before_consistancy_check(common_state)
         _validate_common_state_dict(common_state)
@@ -416,13 +217,13 @@ def save(
     native_tensors = [_save_tensor(sh, keep_alive, pinned) for _, sh in tensors]
     if pinned is not None and any(sh.data is not None and sh.data.device.type == "cuda" for _, sh in tensors):
         _torch().cuda.synchronize()
-    native_objects = [sharded_save_object(o, _encode_object(o.data)) for _, o in objects]
-    native_common = [(_to_native_path(p), _to_plain(v)) for p, v in common] if rank == 0 else []
+    native_objects = [sharded_save_object(o, encode_object(o.data)) for _, o in objects]
+    native_common = [(to_native_path(p), to_plain(v)) for p, v in common] if rank == 0 else []
     args = (native_tensors, native_objects, native_common, native_location(checkpoint_dir, storage_options), comm)
     kwargs: Dict[str, Any] = dict(
         overwrite=overwrite,
         validate=validate_access_integrity,
-        content_metadata=_to_plain(content_metadata) if content_metadata is not None else None,
+        content_metadata=to_plain(content_metadata) if content_metadata is not None else None,
     )
     plan_cache = getattr(strategy, "plan_cache", None)
     if plan_cache is None:
@@ -548,7 +349,7 @@ def _save_torch_dist_request(
     keep_alive: List[Any] = []
     # An async save writes after the caller has moved on: it writes copies.
     native_tensors = [_save_tensor(sh, keep_alive, copy=async_save) for _, sh in tensors]
-    native_objects = [sharded_save_object(o, _encode_object(o.data)) for _, o in objects]
+    native_objects = [sharded_save_object(o, encode_object(o.data)) for _, o in objects]
     common_pt = b""
     if rank == 0:
         existing = _native.read_file(location, COMMON_STATE_FNAME) if keep_common_pt and not common else None
@@ -557,8 +358,8 @@ def _save_torch_dist_request(
         else:
             state: Dict[str, Any] = {}
             for path, value in common:
-                _set_path(state, path, value)
-            common_pt = _torch_save_bytes(state)
+                set_path(state, path, value)
+            common_pt = torch_save_bytes(state)
     # The planned save holds keep_alive, the tensors (or copies) whose memory it writes.
     save = _native.plan_torch_dist(
         native_tensors, native_objects, common_pt, location, keep_alive, comm, files_per_rank=files_per_rank, **kwargs
@@ -713,19 +514,19 @@ def load(
         state = _common_from_native(result["common"])
     else:
         state = common_strategy.load_common(checkpoint_dir)
-    for path, leaf in _leaves(sharded_state_dict):
+    for path, leaf in leaves(sharded_state_dict):
         if isinstance(leaf, LocalNonpersistentObject):
-            _set_path(state, path, leaf.unwrap())
+            set_path(state, path, leaf.unwrap())
     for (path, sh), (_, final), loaded in zip(tensors, targets, result["loaded"]):
         if loaded:
             if isinstance(sh.data, _torch().Tensor) and sh.data.device.type != "cpu":
                 final = final.to(sh.data.device)
-            _set_path(state, path, final)
+            set_path(state, path, final)
     for (path, _), data in zip(objects, result["objects"]):
         if data is not None:
-            _set_path(state, path, _decode_object(data))
+            set_path(state, path, decode_object(data))
     apply_factory_merges(state, factories)
-    _match_request(state, sharded_state_dict)
+    match_request(state, sharded_state_dict)
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return state, set(result["missing_keys"]), set(result["unexpected_keys"])
     return state
@@ -869,18 +670,18 @@ def load_common_state_dict(checkpoint_dir: Any) -> Dict[str, Any]:
 def _common_from_native(pairs: Iterable[Tuple[Any, Any]]) -> Dict[str, Any]:
     state: Dict[str, Any] = {}
     for path, value in pairs:
-        _set_path(state, _from_native_path(path), _from_plain(value))
+        set_path(state, from_native_path(path), from_plain(value))
     return state
 
 
 def load_sharded_objects(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any) -> Dict[str, Any]:
     """Replaces every ShardedObject of ``sharded_state_dict`` by its loaded value (in place)."""
-    objects = [(path, leaf) for path, leaf in _leaves(sharded_state_dict) if isinstance(leaf, ShardedObject)]
+    objects = [(path, leaf) for path, leaf in leaves(sharded_state_dict) if isinstance(leaf, ShardedObject)]
     if not objects:
         return sharded_state_dict
     datas = _native.load_objects([sharded_load_object(o) for _, o in objects], native_location(checkpoint_dir))
     for (path, _), data in zip(objects, datas):
-        _set_path(sharded_state_dict, path, _decode_object(data))
+        set_path(sharded_state_dict, path, decode_object(data))
     return sharded_state_dict
 
 
@@ -892,7 +693,7 @@ def load_content_metadata(checkpoint_dir: Optional[Any] = None, *, preloaded_sta
     if checkpoint_dir is None:
         raise ValueError("Both checkpoint_dir and loaded_state_dict cannot be None")
     try:
-        value = _from_plain(_native.load_content_metadata(native_location(checkpoint_dir)))
+        value = from_plain(_native.load_content_metadata(native_location(checkpoint_dir)))
     except CheckpointingException:
         value = None
     if value is None:

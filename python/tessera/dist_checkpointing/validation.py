@@ -13,7 +13,9 @@ import logging
 from enum import Enum
 from typing import Any, Iterable, List, Optional, Set, Tuple, Union
 
-from ._descriptors import sharded_save_object, sharded_save_tensor
+from .. import _native
+from .._core import io
+from .._core.descriptors import sharded_save_object, sharded_save_tensor
 from .core import CheckpointingException, maybe_load_config
 from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 
@@ -243,10 +245,5 @@ def validate_sharding_integrity(sharded_tensors: Iterable[Any], process_group: A
             tensors.append(sharded_save_tensor(sh))
         elif isinstance(sh, ShardedObject):
             objects.append(sharded_save_object(sh))
-    _ser()._native.validate_sharding(tensors, objects, _ser().default_comm(process_group))
-
-
-def _ser() -> Any:
-    from . import serialization
-
-    return serialization
+    comm, _ = io.communicator(process_group)
+    _native.validate_sharding(tensors, objects, comm)

@@ -41,10 +41,10 @@ import torch
 import torch.nn as nn
 
 from .. import _native
-from ..dist_checkpointing.serialization import _from_native_path
-from .._comm import default_comm
-from .._storage import StorageOptions, native_location, split_location
-from ..torch import _is_dtensor
+from .._core.paths import from_native_path
+from .._core import io
+from .._core.storage import StorageOptions, native_location, split_location
+from .._core.layout import is_dtensor
 from ._checkpointer import Checkpointer, FlatShard, PathOrStr, _normalize, _olmo_flat, files_created, save_tensors
 from ._metadata import OverlapType, StorageMetadata, TensorShardSpec, TensorStorageMetadata
 
@@ -134,7 +134,7 @@ def _local(t: Any) -> torch.Tensor:
     """The rank's own elements of a state-dict entry."""
     if isinstance(t, FlatShard):
         return t.data
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _full_shape(t: Any) -> Tuple[int, ...]:
@@ -145,7 +145,7 @@ def _like(param: Any, local: torch.Tensor) -> Any:
     """``local`` (optimizer state of ``param``) laid out as ``param`` is."""
     if isinstance(param, FlatShard):
         return param.like(local)
-    if _is_dtensor(param):
+    if is_dtensor(param):
         from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
@@ -188,7 +188,7 @@ def _flatten_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, mod
             keys.add(k)
             t = t if isinstance(t, torch.Tensor) else torch.tensor(t)
             key = _state_key(name, k)
-            if _is_dtensor(t):
+            if is_dtensor(t):
                 flat[key] = t  # a DTensor (FSDP2) carries its own layout
             elif k != "step" and tuple(t.shape) == tuple(_local(param).shape):
                 flat[key] = _like(param, t)  # the rank's part, laid out as its parameter's
@@ -196,7 +196,7 @@ def _flatten_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, mod
                 flat[key] = t.clone()  # whole (step): written once, by the lowest rank holding it
     # Every rank writes the same list (the union): a rank whose shards are all empty has no
     # state of its own. One small all-gather, before anything that can fail on one rank only.
-    comm = default_comm()
+    comm, _ = io.communicator()
     if comm is not None:
         keys = set().union(*(json.loads(m.decode()) for m in comm.all_gather(json.dumps(sorted(keys)).encode())))
     flat["state_keys"] = _uint8(pickle.dumps(sorted(keys)))
@@ -251,8 +251,7 @@ def save_model_and_optim_state(
     init_optimizer_state(optim)  # OLMo-core loads every parameter's state: there must be some
     model_state = _model_state(model)
     flat_optim = _flatten_optimizer_state(model, optim, model_state)
-    comm = default_comm()
-    rank = comm.rank() if comm is not None else 0
+    comm, rank = io.communicator()
     model_native, keep_model = save_tensors(model_state, rank)
     optim_native, keep_optim = save_tensors(flat_optim, rank)
     # One save of both directories: both validated before either is touched.
@@ -265,7 +264,7 @@ def save_model_and_optim_state(
 
 def _optim_values(dir: str, storage_options: StorageOptions = None) -> Dict[str, Any]:
     """The decoded pickled fields of an ``optim/`` checkpoint (``param_groups``, ``state_keys``)."""
-    return {_from_native_path(p)[-1][1]: v for p, v in _native.load_common(native_location(dir, storage_options))}
+    return {from_native_path(p)[-1][1]: v for p, v in _native.load_common(native_location(dir, storage_options))}
 
 
 @torch.no_grad()
@@ -397,7 +396,7 @@ def unshard_optim_state(
                     wanted[_state_key(name, k)] = (pid, k)
         out["param_groups"].append(g)  # type: ignore[arg-type]
     full = {k: torch.empty(meta[k].shape, dtype=meta[k].torch_dtype) for k in wanted}
-    ck.load(d, full)
+    ck.load(d, full, no_dist=True)  # the unshard reads alone, as rank0_only allows
     for key, (pid, k) in wanted.items():
         t = full[key] if device is None else full[key].to(device)
         out["state"].setdefault(pid, {})[k] = t

@@ -13,11 +13,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 import torch
 
 from .. import _native
-from .._comm import default_comm
-from .._storage import StorageOptions, native_location, split_location
-from ..dist_checkpointing._descriptors import load_tensor, save_tensor
-from ..dist_checkpointing.serialization import _cpu_contiguous
-from ..torch import _is_dtensor, _layout
+from .._core import io
+from .._core.storage import StorageOptions, native_location, split_location
+from .._core.descriptors import load_tensor, save_tensor
+from .._core.layout import cpu_contiguous, is_dtensor, layout
 from ._metadata import StorageMetadata
 
 PathOrStr = Union[Path, str]
@@ -88,8 +87,8 @@ def _pieces(key: str, t: Any, rank: int) -> List[_Piece]:
         return out
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{key!r}: a state dict to checkpoint holds tensors, not {type(t).__name__}")
-    if _is_dtensor(t):
-        local, shape, offset, _ = _layout(t, rank)
+    if is_dtensor(t):
+        local, shape, offset, _ = layout(t, rank)
         return [_Piece(key, local.detach(), shape, offset, tuple(local.shape), None)]
     t = t.detach()
     return [_Piece(key, t, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), None)]
@@ -105,7 +104,7 @@ def save_tensors(state_dict: Dict[str, Any], rank: int) -> Tuple[List[_native.Sa
         for p in _pieces(key, t, rank):
             if p.flat == _NOTHING:
                 continue
-            data = _cpu_contiguous(p.data)
+            data = cpu_contiguous(p.data)
             keep_alive.append(data)
             native.append(
                 save_tensor(p.key, p.data.dtype, p.box, p.full_shape, p.offset, flattened_range=p.flat, data=data)
@@ -127,32 +126,24 @@ def _is_url(d: str) -> bool:
     return "://" in d
 
 
-def _cpu_target(t: torch.Tensor) -> torch.Tensor:
-    """Memory the core can write: ``t`` itself, or a CPU contiguous stand-in."""
-    return t if (t.device.type == "cpu" and t.is_contiguous()) else torch.empty(t.shape, dtype=t.dtype)
-
-
 def _load_pieces(
-    dir: str, pieces: Sequence[_Piece], threads: Optional[int] = None, storage_options: StorageOptions = None
+    dir: str,
+    pieces: Sequence[_Piece],
+    comm: Any = None,
+    threads: Optional[int] = None,
+    storage_options: StorageOptions = None,
 ) -> None:
-    """Fills every piece from the checkpoint at ``dir`` (every key must be stored there)."""
-    native, targets, seen = [], [], {}
+    """Fills every piece from the checkpoint at ``dir`` (every key must be stored there); with
+    ``comm``, the ranks check the checksum blocks they share together."""
+    items: List[io.LoadItem] = []
     for p in pieces:
-        buf = _cpu_target(p.data)
-        nbytes = buf.numel() * buf.element_size()
-        # Tied tensors share their memory: fill it once.
-        span = (buf.data_ptr(), nbytes, p.flat, p.offset)
-        if nbytes and span in seen:
-            continue
-        seen[span] = p.key
-        targets.append((p.data, buf))
-        native.append(load_tensor(p.key, p.data.dtype, p.box, p.full_shape, p.offset, flattened_range=p.flat, data=buf))
+
+        def describe(buf: Any, p: _Piece = p) -> Any:
+            return load_tensor(p.key, p.data.dtype, p.box, p.full_shape, p.offset, flattened_range=p.flat, data=buf)
+
+        items.append((p.data, describe, (p.flat, p.offset)))
     where = native_location(dir, storage_options)
-    _native.load(native, [], where, None, strict="raise_unexpected", threads=threads)
-    with torch.no_grad():
-        for data, buf in targets:
-            if buf is not data:
-                data.copy_(buf)
+    io.load(items, [], where, comm, strict="raise_unexpected", threads=threads)
 
 
 class Checkpointer:
@@ -175,8 +166,8 @@ class Checkpointer:
         file is complete. An existing checkpoint is kept unless ``save_overwrite``."""
         dir, options = split_location(dir, self.storage_options)
         d = _normalize(dir)
-        comm = default_comm()
-        native, keep_alive = save_tensors(state_dict, comm.rank() if comm is not None else 0)
+        comm, rank = io.communicator()
+        native, keep_alive = save_tensors(state_dict, rank)
         report = _native.save_olmo([(native, native_location(d, options))], comm, overwrite=save_overwrite)[0]
         del keep_alive
         # report["metadata"] is the text of metadata.json (see _native.save_olmo)
@@ -193,12 +184,15 @@ class Checkpointer:
     ) -> None:
         """Loads ``state_dict`` in place: each tensor (or this rank's piece of it) is filled from
         the checkpoint, whatever layout it was saved in; only the needed bytes are read. A key
-        the checkpoint lacks, or another dtype or shape, raises naming it. No communication
-        (``no_dist``, ``metadata`` and the private arguments are accepted for compatibility)."""
-        del no_dist, metadata, _safetensors_mfl, _check_for_nans
+        the checkpoint lacks, or another dtype or shape, raises naming it. Collective unless
+        ``no_dist`` (as OLMo-core's): the ranks check the checksum blocks they share together,
+        so from an object store each downloads only the bytes it needs (``metadata`` and the
+        private arguments are accepted for compatibility)."""
+        del metadata, _safetensors_mfl, _check_for_nans
         pieces = [p for key, t in state_dict.items() for p in _pieces(key, t, 0)]
         dir, options = split_location(dir, self.storage_options)
-        _load_pieces(_normalize(dir), pieces, storage_options=options)
+        comm, _ = io.communicator(no_dist=no_dist)
+        _load_pieces(_normalize(dir), pieces, comm, storage_options=options)
 
     def unshard(
         self,
@@ -222,7 +216,7 @@ class Checkpointer:
         pieces = [_Piece(k, t, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), None) for k, t in out.items()]
         # OLMo-core's num_threads=0 means no threading: one thread.
         threads = None if num_threads is None else max(num_threads, 1)
-        _load_pieces(d, pieces, threads=threads, storage_options=options)
+        _load_pieces(d, pieces, None, threads=threads, storage_options=options)
         if device is not None:
             out = {k: t.to(device) for k, t in out.items()}
         return out

@@ -16,7 +16,7 @@ from typing import Any, Dict, Generator, Iterable, Optional, Tuple
 
 import torch
 
-from ..dist_checkpointing.dtypes import _TESSERA_TO_TORCH_NAME, TESSERA_DTYPES, tessera_dtype_to_torch
+from .._core.dtypes import TESSERA_TO_TORCH_NAME, TESSERA_DTYPES, tessera_dtype_to_torch
 
 __all__ = ["OverlapType", "TensorShardSpec", "TensorStorageMetadata", "StorageMetadata", "TORCH_DTYPES"]
 
@@ -29,7 +29,7 @@ def _olmo_name(tessera_name: str) -> str:
 # OLMo-core's dtype names and the torch dtypes they stand for: the package's one dtype table,
 # respelled (and only the types this torch has).
 TORCH_DTYPES: Dict[str, torch.dtype] = {
-    _olmo_name(n): tessera_dtype_to_torch(n) for n in TESSERA_DTYPES if hasattr(torch, _TESSERA_TO_TORCH_NAME[n])
+    _olmo_name(n): tessera_dtype_to_torch(n) for n in TESSERA_DTYPES if hasattr(torch, TESSERA_TO_TORCH_NAME[n])
 }
 TORCH_DTYPE_TO_STR: Dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 

@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
+import torch.distributed.checkpoint.state_dict as torch_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,26 +40,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .. import _native
-from .._comm import default_comm
-from .._storage import StorageOptions, location_url, native_location
+from .._core import io
+from .._core.dtypes import tessera_dtype_to_torch
+from .._core.descriptors import load_tensor, save_tensor
+from .._core.layout import is_dtensor, layout
+from .._core.paths import Seg, dotted, from_native_path, leaves, set_path, to_native_path
+from .._core.storage import StorageOptions, location_url, native_location
+from .._core.values import from_plain, is_stateful, like_request, to_plain
 from ..errors import KeyMismatchError
-from ..dist_checkpointing._descriptors import load_tensor, save_tensor
-from ..dist_checkpointing.mapping import tessera_dtype_to_torch
-from ..dist_checkpointing.serialization import (
-    _cpu_contiguous,
-    _from_native_path,
-    _from_plain,
-    _is_stateful,
-    _leaves,
-    _like_request,
-    _set_path,
-    _to_native_path,
-    _to_plain,
-)
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-    from typing_extensions import TypeGuard
 
 __all__ = [
     "save",
@@ -83,7 +72,7 @@ __all__ = [
 def _flatten_stateful(state_dict: Dict[str, Any]) -> Dict[str, Any]:
     """``state_dict`` with every top-level ``Stateful`` value replaced by its ``state_dict()``
     (as DCP does; nested values are data)."""
-    return {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_dict.items()}
+    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state_dict.items()}
 
 
 def _location(checkpoint_id: Any, storage: Any, what: str) -> Any:
@@ -102,70 +91,27 @@ def _location(checkpoint_id: Any, storage: Any, what: str) -> Any:
     return checkpoint_id if isinstance(checkpoint_id, _native.Location) else os.fspath(checkpoint_id)
 
 
-def _key(path: Tuple[Any, ...]) -> str:
-    return ".".join(str(seg) for _, seg in path)
-
-
-def _is_dtensor(t: Any) -> "TypeGuard[DTensor]":
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(t, DTensor)
-
-
-def _layout(t: torch.Tensor, rank: int) -> Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
-    """(local tensor, global shape, global offset, replica id) of a tensor or DTensor."""
-    if not _is_dtensor(t):
-        return t, tuple(t.shape), (0,) * t.dim(), (rank,)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    for p in t.placements:
-        if p.is_partial():
-            raise ValueError("a DTensor with a Partial placement holds no defined values; redistribute it first")
-        if not (p.is_shard() or p.is_replicate()) or type(p).__name__ == "_StridedShard":
-            raise ValueError(f"unsupported DTensor placement {p!r} (supported: Shard, Replicate)")
-    local = t.to_local()
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    if tuple(local.shape) != tuple(shape):
-        raise ValueError(f"DTensor local shape {tuple(local.shape)} differs from its placement's {tuple(shape)}")
-    coord: Sequence[int] = t.device_mesh.get_coordinate() or []
-    replica = tuple(int(coord[i]) for i, p in enumerate(t.placements) if p.is_replicate()) or (0,)
-    return local, tuple(t.shape), tuple(int(x) for x in offset), replica
-
-
-def _split(state_dict: Dict[str, Any]) -> Tuple[List[Tuple[Tuple[Any, ...], torch.Tensor]], List[Tuple[Tuple[Any, ...], Any]]]:
-    tensors: List[Tuple[Tuple[Any, ...], torch.Tensor]] = []
-    values: List[Tuple[Tuple[Any, ...], Any]] = []
-    for path, leaf in _leaves(state_dict):
+def _split(state_dict: Dict[str, Any]) -> Tuple[List[Tuple[Tuple[Seg, ...], torch.Tensor]], List[Tuple[Tuple[Seg, ...], Any]]]:
+    tensors: List[Tuple[Tuple[Seg, ...], torch.Tensor]] = []
+    values: List[Tuple[Tuple[Seg, ...], Any]] = []
+    for path, leaf in leaves(state_dict):
         (tensors if isinstance(leaf, torch.Tensor) else values).append((path, leaf))
     return tensors, values
 
 
-def _where(checkpoint_id: Any, storage_writer: Any, process_group: Any) -> Tuple[Any, Any, int]:
-    """A save's location, communicator and rank."""
-    location = _location(checkpoint_id, storage_writer, "storage_writer")
-    comm = default_comm(process_group)
-    return location, comm, comm.rank() if comm is not None else 0
-
-
-def _save_request(state_dict: Dict[str, Any], rank: int, pinned: Any = None) -> Tuple[list, list, List[Any]]:
-    """The core's tensor descriptors and common values of a state dict (and what keeps the
-    tensors' memory alive)."""
+def _save_request(state_dict: Dict[str, Any], rank: int) -> Tuple[List[io.SaveItem], list]:
+    """The tensors to save, described for the core, and the common values (rank 0's only)."""
     tensors, values = _split(_flatten_stateful(state_dict))
-    keep_alive: List[Any] = []
-    native = []
+    items: List[io.SaveItem] = []
     for path, t in tensors:
-        local, shape, offset, replica = _layout(t, rank)
-        if pinned is not None and local.device.type == "cuda":
-            data = pinned.take(local.numel(), local.dtype).view(local.shape)
-            data.copy_(local.detach(), non_blocking=True)
-        else:
-            data = _cpu_contiguous(local)
-        keep_alive.append(data)
-        native.append(save_tensor(_key(path), t.dtype, data.shape, shape, offset, replica_id=replica, data=data))
-    common = [(_to_native_path(p), _to_plain(v, tuples=True)) for p, v in values] if rank == 0 else []
-    return native, common, keep_alive
+        local, shape, offset, replica = layout(t, rank)
+
+        def describe(host: Any, key: str = dotted(path), t: Any = t, shape: Any = shape, offset: Any = offset, replica: Any = replica) -> Any:
+            return save_tensor(key, t.dtype, host.shape, shape, offset, replica_id=replica, data=host)
+
+        items.append((local, describe))
+    common = [(to_native_path(p), to_plain(v, tuples=True)) for p, v in values] if rank == 0 else []
+    return items, common
 
 
 def save(
@@ -184,13 +130,12 @@ def save(
     from rank 0. A checkpoint already there is kept unless ``overwrite``. ``storage_options``
     configure an object store (``object_store`` keys, over the environment). Returns the
     report."""
-    location, comm, rank = _where(checkpoint_id, storage_writer, process_group)
-    native, common, keep_alive = _save_request(state_dict, rank)
-    meta = _to_plain(content_metadata) if content_metadata is not None else None
+    location = _location(checkpoint_id, storage_writer, "storage_writer")
+    comm, rank = io.communicator(process_group)
+    items, common = _save_request(state_dict, rank)
+    meta = to_plain(content_metadata) if content_metadata is not None else None
     where = native_location(location, storage_options)
-    report = _native.save(native, [], common, where, comm, overwrite=overwrite, content_metadata=meta)
-    del keep_alive
-    return report
+    return cast(dict, io.save(items, [], common, where, comm, overwrite=overwrite, content_metadata=meta))
 
 
 def async_save(
@@ -207,22 +152,13 @@ def async_save(
     are staged (the state may change from then on) with a ``concurrent.futures.Future`` whose
     ``result()`` is the report, or raises the save's error (the same on every rank; nothing was
     committed). The commit needs no call from the training loop."""
-    from ..dist_checkpointing.strategies.async_utils import default_saver
-
-    location, comm, rank = _where(checkpoint_id, storage_writer, process_group)
-    held = sum(t.numel() * t.element_size() for _, t in _split(_flatten_stateful(state_dict))[0])
-    saver = default_saver(process_group, held)
-    native, common, keep_alive = _save_request(state_dict, rank, saver.pinned)
-    if any(t.device.type == "cuda" for t in keep_alive):
-        torch.cuda.synchronize()
-    meta = _to_plain(content_metadata) if content_metadata is not None else None
-    try:
-        where = native_location(location, storage_options)
-        handle = saver.start(native, [], common, where, comm, overwrite=overwrite, content_metadata=meta)
-    finally:
-        # Staged: the pinned buffers and host copies are free for the next save.
-        del keep_alive
-        saver.pinned.give_back_all()
+    location = _location(checkpoint_id, storage_writer, "storage_writer")
+    comm, rank = io.communicator(process_group)
+    items, common = _save_request(state_dict, rank)
+    saver = io.saver_for(process_group, items)
+    meta = to_plain(content_metadata) if content_metadata is not None else None
+    where = native_location(location, storage_options)
+    handle = io.save(items, [], common, where, comm, saver=saver, overwrite=overwrite, content_metadata=meta)
     future: "Future[dict]" = Future()
 
     def wait() -> None:
@@ -247,40 +183,65 @@ def load(
     """Loads in place: every tensor (or DTensor shard) of ``state_dict`` is filled from the
     checkpoint, whatever layout it was saved in; other values are replaced by the saved ones
     (a tuple stays a tuple); a ``Stateful`` value is loaded into its ``state_dict()`` and
-    given it back through ``load_state_dict()``. With ``strict``, a tensor the checkpoint
-    lacks raises ``KeyMismatchError``. ``process_group`` is accepted for DCP's signature: each
-    rank reads what it needs, no communication."""
+    given it back through ``load_state_dict()`` (an optimizer that has taken no step yet gets
+    its state created first, as ``get_state_dict`` creates it). Tensors that share memory (tied
+    weights) are filled once. With ``strict``, a tensor or value the checkpoint lacks raises
+    ``KeyMismatchError``, as DCP raises.
+
+    Under torch.distributed every rank of ``process_group`` calls it (as DCP's ``load``): the
+    ranks check the checksum blocks they share together, so from an object store each
+    downloads only the bytes it needs."""
     location = _location(checkpoint_id, storage_reader, "storage_reader")
+    where = native_location(location, storage_options)
+    _init_fresh_optimizers(state_dict, where)
     flat = _flatten_stateful(state_dict)
     tensors, _ = _split(flat)
-    targets = []
-    native = []
+    items: List[io.LoadItem] = []
     for path, t in tensors:
-        local, shape, offset, _ = _layout(t, 0)
-        buf = local if (local.device.type == "cpu" and local.is_contiguous()) else torch.empty(
-            local.shape, dtype=local.dtype
-        )
-        targets.append((local, buf))
-        native.append(load_tensor(_key(path), t.dtype, local.shape, shape, offset, data=buf))
+        local, shape, offset, _ = layout(t, 0)
+
+        def describe(buf: Any, key: str = dotted(path), t: Any = t, shape: Any = shape, offset: Any = offset) -> Any:
+            return load_tensor(key, t.dtype, buf.shape, shape, offset, data=buf)
+
+        items.append((local, describe, offset))
+    comm, _ = io.communicator(process_group)
     strict_mode = "raise_unexpected" if strict else "return_unexpected"
     try:
-        # entries of different types (listed in _native.load's docstring)
-        where = native_location(location, storage_options)
-        result = cast(Dict[str, Any], _native.load(native, [], where, None, strict=strict_mode))
+        result = io.load(items, [], where, comm, strict=strict_mode)
     except KeyMismatchError as e:
-        raise _torch_key_error(location_url(location), e) from None
-    with torch.no_grad():
-        for (local, buf), loaded in zip(targets, result["loaded"]):
-            if loaded and buf is not local:
-                local.copy_(buf)
-    saved = {_from_native_path(p): _from_plain(v) for p, v in result["common"]}
+        raise _torch_key_error(location_url(location), list(e.unexpected), list(e.missing)) from None
+    saved = {from_native_path(p): from_plain(v) for p, v in result["common"]}
+    missing: List[str] = []
     for key in flat:  # the request's keys are what is loaded
-        flat[key] = _replace_values(flat[key], (("k", key),), saved)
+        flat[key] = _replace_values(flat[key], (("k", key),), saved, missing)
+    if strict and missing:
+        raise _torch_key_error(location_url(location), missing, [])
     for key, value in state_dict.items():
-        if _is_stateful(value):
+        if is_stateful(value):
             value.load_state_dict(flat[key])
         else:
             state_dict[key] = flat[key]
+
+
+def _init_fresh_optimizers(state_dict: Dict[str, Any], where: Any) -> None:
+    """Gives every top-level optimizer that has no state yet (no step taken) the state the
+    checkpoint holds tensors for, created as ``get_state_dict`` creates it (a step with zero
+    gradients and a zero learning rate: the parameters do not move), so that loading fills it."""
+    fresh = [k for k, v in state_dict.items() if isinstance(v, torch.optim.Optimizer) and not v.state]
+    if not fresh:
+        return
+    stored = _native.load_tensors_metadata(where)
+    for key in fresh:
+        if not any(k.startswith(f"{key}.state.") for k in stored):
+            continue  # saved fresh too: nothing to create
+        init = getattr(torch_state_dict, "_init_optim_state", None)
+        if init is None:
+            raise KeyMismatchError(
+                f"the optimizer {key!r} has no state yet and this torch ({torch.__version__}) cannot create it "
+                "for loading: take one optimizer step before loading, or use "
+                "tessera.torch.load_model_and_optim_state(dir, model, optim)"
+            )
+        init(state_dict[key])
 
 
 def get_metadata(dir: Any, *, storage_options: StorageOptions = None) -> Dict[str, Dict[str, Any]]:
@@ -295,8 +256,8 @@ def _not_rank0(rank0_only: bool, no_dist: bool) -> bool:
     """With ``rank0_only``, ranks other than 0 of an initialized process group get nothing."""
     if not rank0_only or no_dist:
         return False
-    comm = default_comm()
-    return comm is not None and comm.rank() != 0
+    _, rank = io.communicator()
+    return rank != 0
 
 
 def unshard(
@@ -318,8 +279,11 @@ def unshard(
     missing = [k for k in wanted if k not in meta]
     if missing:
         raise KeyError(f"not in the checkpoint: {missing}")
-    native = [load_tensor(k, t.dtype, t.shape, t.shape, (0,) * t.dim(), data=t) for k, t in out.items()]
-    _native.load(native, [], native_location(dir, storage_options), None)
+    items: List[io.LoadItem] = [
+        (t, lambda buf, k=k: load_tensor(k, buf.dtype, buf.shape, buf.shape, (0,) * buf.dim(), data=buf), None)
+        for k, t in out.items()
+    ]
+    io.load(items, [], native_location(dir, storage_options), None)
     if device is not None:
         out = {k: t.to(device) for k, t in out.items()}
     return out
@@ -345,42 +309,45 @@ def _holds_tensor(node: Any) -> bool:
     return False
 
 
-def _replace_values(node: Any, path: Tuple[Any, ...], saved: Dict[Tuple[Any, ...], Any]) -> Any:
+def _replace_values(node: Any, path: Tuple[Seg, ...], saved: Dict[Tuple[Seg, ...], Any], missing: List[str]) -> Any:
     """Gives every part of the request ``node`` (at ``path``) that holds no tensor the value
     saved there (rebuilt whole from the saved leaves under ``path``: a list or dict may have
-    another length than the request's; a tuple the request holds stays a tuple); a part the
-    checkpoint has nothing for is kept. Returns the node to put at ``path``."""
+    another length than the request's; a tuple the request holds stays a tuple). A part the
+    checkpoint has nothing for is kept, and its dotted key added to ``missing``. Returns the
+    node to put at ``path``."""
     if _holds_tensor(node):
         if isinstance(node, dict):
             for k in list(node):
-                node[k] = _replace_values(node[k], path + (("k", k),), saved)
+                node[k] = _replace_values(node[k], path + (("k", k),), saved, missing)
         elif isinstance(node, list):
             for i in range(len(node)):
-                node[i] = _replace_values(node[i], path + (("i", i),), saved)
+                node[i] = _replace_values(node[i], path + (("i", i),), saved, missing)
         return node
     if path in saved:
-        return _like_request(saved[path], node)
+        return like_request(saved[path], node)
     under = [(p, v) for p, v in saved.items() if len(p) > len(path) and p[: len(path)] == path]
     if not under:
+        missing.append(dotted(path))
         return node
     root: Dict[str, Any] = {}
     for p, v in under:
-        _set_path(root, (("k", "value"),) + p[len(path) :], v)
-    return _like_request(root["value"], node)
+        set_path(root, (("k", "value"),) + p[len(path) :], v)
+    return like_request(root["value"], node)
 
 
-def _torch_key_error(location: str, e: Any) -> Exception:
-    """The core's key mismatch in ``Module.load_state_dict``'s words: "missing" are keys the
-    caller asked for that the checkpoint lacks (the core's Megatron-named ``unexpected``)."""
-    missing, unexpected = list(e.unexpected), list(e.missing)
+def _torch_key_error(location: str, missing: List[str], unexpected: List[str]) -> Exception:
+    """A key mismatch in ``Module.load_state_dict``'s words: ``missing`` are keys the caller
+    asked for that the checkpoint lacks (the core's Megatron-named ``unexpected``), and
+    ``unexpected`` keys the checkpoint holds that the caller did not ask for."""
     parts = []
     if missing:
         parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
     if unexpected:
         parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
-    err = KeyMismatchError(f"Error(s) in loading state_dict from {location}:\n\t" + "\n\t".join(parts))
-    err.missing, err.unexpected = e.missing, e.unexpected
-    # torch's names too, set on this instance only (the extension's class declares missing/unexpected)
+    hint = "\n\t(load with strict=False to keep the values the checkpoint lacks)" if missing else ""
+    err = KeyMismatchError(f"Error(s) in loading state_dict from {location}:\n\t" + "\n\t".join(parts) + hint)
+    # The core's names (Megatron's: missing = stored but not requested) and torch's.
+    err.missing, err.unexpected = unexpected, missing
     err.missing_keys, err.unexpected_keys = missing, unexpected  # type: ignore[attr-defined]
     return err
 
@@ -415,20 +382,61 @@ def load_model_and_optim_state(
     storage_options: StorageOptions = None,
 ) -> None:
     """Loads, in place, what `save_model_and_optim_state` saved, into any layout of the same
-    model. The optimizer's state is created for every parameter the checkpoint has state for.
-    With ``strict``, a model or optimizer tensor the checkpoint lacks raises
+    model; or a checkpoint OLMo-core or torchtitan wrote through torch DCP, with the optimizer
+    state flattened (``param_groups.<param>.lr``) or not (``param_groups.0.lr`` with the group's
+    ``params``). The optimizer's state is created for every parameter the checkpoint has state
+    for. With ``strict``, a model or optimizer tensor or value the checkpoint lacks raises
     ``KeyMismatchError`` (as ``Module.load_state_dict(strict=True)``); without, it keeps its
     value."""
     msd = get_model_state_dict(model, options=_state_dict_options())
     sd: Dict[str, Any] = {_MODEL: msd}
+    osd: Dict[str, Any] = {}
+    where = native_location(dir, storage_options)
     if optim is not None:
         osd = get_optimizer_state_dict(model, optim, options=_state_dict_options())
         _add_missing_optim_state(osd, msd, get_metadata(dir, storage_options=storage_options))
-        sd[_OPTIM] = osd
+        # Values are matched by name below, whichever layout the checkpoint has.
+        sd[_OPTIM] = {k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}
     load(sd, dir, strict=strict, process_group=process_group, storage_options=storage_options)
     set_model_state_dict(model, sd[_MODEL], options=_state_dict_options())
     if optim is not None:
-        set_optimizer_state_dict(model, optim, sd[_OPTIM], options=_state_dict_options())
+        saved = _optim_values(where)
+        missing = []
+        for k, v in osd.items():
+            if isinstance(v, torch.Tensor):
+                osd[k] = sd[_OPTIM][k]
+            elif k in saved:
+                osd[k] = like_request(saved[k], v)
+            else:
+                missing.append(f"{_OPTIM}.{k}")
+        if strict and missing:
+            raise _torch_key_error(location_url(dir), missing, [])
+        set_optimizer_state_dict(model, optim, osd, options=_state_dict_options())
+
+
+def _optim_values(where: Any) -> Dict[str, Any]:
+    """The optimizer's saved values by their flattened name (``state.<param>.<name>``,
+    ``param_groups.<param>.<name>``), from either layout: flattened, as tessera and
+    ``flatten_optimizer_state_dict=True`` save it, or torch's own (``param_groups`` a list of
+    groups naming their ``params``, as OLMo-core 3.0 saves by default)."""
+    values: Dict[str, Any] = {}
+    groups: Dict[int, Dict[str, Any]] = {}
+    for native_path, v in _native.load_common(where):
+        path = from_native_path(native_path)
+        if not path or path[0] != ("k", _OPTIM):
+            continue
+        rest = path[1:]
+        if len(rest) >= 3 and rest[0] == ("k", "param_groups") and rest[1][0] == "i":
+            # torch's layout: param_groups.<i>.<name>[...]
+            set_path(groups.setdefault(rest[1][1], {}), rest[2:], from_plain(v))
+            continue
+        values[dotted(rest)] = from_plain(v)
+    for group in groups.values():
+        for param in group.get("params", ()):
+            for name, v in group.items():
+                if name != "params":
+                    values[f"param_groups.{param}.{name}"] = v
+    return values
 
 
 def _add_missing_optim_state(osd: Dict[str, Any], msd: Dict[str, Any], meta: Dict[str, Dict[str, Any]]) -> None:
@@ -479,7 +487,8 @@ def unshard_optim_state(
     *,
     storage_options: StorageOptions = None,
 ) -> Dict[str, Any]:
-    """The full optimizer state: ``{"state": {param: {name: tensor}}, "param_groups": [...]}``."""
+    """The full optimizer state: ``{"state": {param: {name: tensor}}, "param_groups": {param:
+    {name: value}}}``, whichever layout the checkpoint holds it in."""
     if _not_rank0(rank0_only, no_dist):
         return {}
     flat = _unshard_prefixed(dir, _OPTIM, device, rank0_only, no_dist, storage_options)
@@ -489,8 +498,8 @@ def unshard_optim_state(
         state.setdefault(param, {})[name] = v
     groups: Dict[str, Dict[str, Any]] = {}
     group_prefix = "param_groups."
-    for path, v in _native.load_common(native_location(dir, storage_options)):
-        if len(path) == 2 and path[0] == _OPTIM and str(path[1]).startswith(group_prefix):
-            param, _, name = str(path[1])[len(group_prefix) :].rpartition(".")
-            groups.setdefault(param, {})[name] = _from_plain(v)
+    for key, v in _optim_values(native_location(dir, storage_options)).items():
+        if key.startswith(group_prefix):
+            param, _, name = key[len(group_prefix) :].rpartition(".")
+            groups.setdefault(param, {})[name] = v
     return {"state": state, "param_groups": groups}

@@ -261,8 +261,12 @@ pub fn object_item(key: &str, payload: &[u8], serialization_id: &str) -> Result<
 }
 
 /// A map key that Python's glue uses for a value only `torch.load` can rebuild: tessera holds
-/// its `torch.save` bytes, not the value.
-pub(crate) const TORCH_SAVE_KEY: &str = "__tessera_torch_save__";
+/// its `torch.save` bytes, not the value (`{TORCH_SAVE_KEY: bytes}`).
+pub const TORCH_SAVE_KEY: &str = "__tessera_torch_save__";
+/// Prefix of a path segment that stands for an integer dict key (`"\0int:3"` for the key `3`
+/// of an optimizer's `state`): the data model's map keys are strings, and a list index is
+/// another thing than an integer key.
+pub const INT_KEY_PREFIX: &str = "\0int:";
 
 enum Node {
     Leaf(Pk),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from ..._storage import native_location
+from ..._core.storage import native_location
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from .base import AsyncSaveShardedStrategy, LoadCommonStrategy, LoadShardedStrategy
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 from typing import Any, Union
 
-from ..._storage import native_location
+from ... import _native
+from ..._core.storage import native_location
+from ..._core.values import torch_load_bytes
 from ..mapping import ShardedStateDict, StateDict
 from ._native_load import NativeLoadCommonStrategy
 from .base import SaveCommonStrategy, StrategyAction, register_default_strategy
@@ -83,9 +85,8 @@ class TorchCommonLoadStrategy(NativeLoadCommonStrategy):
         super().__init__("torch", 1)
 
     def load_common(self, checkpoint_dir: Any) -> StateDict:
-        ser = _serialization()
-        data = ser._native.read_file(native_location(checkpoint_dir), COMMON_STATE_FNAME)
-        return super().load_common(checkpoint_dir) if data is None else ser._torch_load_bytes(data)
+        data = _native.read_file(native_location(checkpoint_dir), COMMON_STATE_FNAME)
+        return super().load_common(checkpoint_dir) if data is None else torch_load_bytes(data)
 
 
 def register_default_common_strategies() -> None:

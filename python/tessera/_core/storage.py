@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional, Tuple, Union
 
-from . import _native
+from .. import _native
 
 #: ``object_store`` configuration keys and values for object-store locations (``s3://``,
 #: ``gs://``, ``az://``), applied over the environment and credential files: the

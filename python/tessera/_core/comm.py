@@ -9,6 +9,7 @@ padded to the largest.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import time
 from typing import Any, List, Optional
 
@@ -18,6 +19,13 @@ from typing import Any, List, Optional
 # that drop needs the GIL, and at interpreter exit (a rank returning right after a save) the
 # worker is killed while taking it: "terminate called without an active exception", SIGABRT.
 _in_flight: List[Any] = []
+
+
+def _host_bytes(t: Any, n: int) -> bytes:
+    """The first ``n`` bytes of a uint8 tensor, on the host. Read through its address, not
+    ``.numpy()``: numpy is not a dependency of torch, and torch without it cannot convert."""
+    host = t[:n].cpu().contiguous()
+    return ctypes.string_at(host.data_ptr(), n) if n else b""
 
 
 def _hold(*tensors: Any) -> None:
@@ -73,7 +81,7 @@ class TorchComm:
         out = [torch.empty_like(mine) for _ in range(world)]
         self._dist.all_gather(out, mine, group=self._group)
         _hold(mine, *out)
-        return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, lengths)]
+        return [_host_bytes(t, n) for t, n in zip(out, lengths)]
 
     def all_to_all(self, messages: List[bytes]) -> List[bytes]:
         """``messages[r]`` goes to rank ``r``; returns what each rank sent here (sizes first,
@@ -101,7 +109,7 @@ class TorchComm:
         )
         _hold(recv, send)
         out, at = [], 0
-        data = recv.cpu().numpy().tobytes()
+        data = _host_bytes(recv, recv.numel())
         for n in recv_sizes:
             out.append(data[at : at + n])
             at += n
@@ -120,7 +128,7 @@ class TorchComm:
             buf[:n] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self._dist.broadcast(buf, src=src, group=self._group)
         _hold(buf)
-        return bytes(buf[:n].cpu().numpy().tobytes())
+        return _host_bytes(buf, n)
 
 
 def default_comm(process_group: Any = None, no_dist: bool = False) -> Optional[TorchComm]:
@@ -134,3 +142,18 @@ def default_comm(process_group: Any = None, no_dist: bool = False) -> Optional[T
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return TorchComm(process_group)
+
+
+def commit_comm(process_group: Any = None) -> Optional[TorchComm]:
+    """A communicator of its own for async commits: a gloo group of ``process_group``'s ranks
+    (default: all), so that a background commit never meets training traffic; None for a
+    single process. Collective: every rank of the group calls it at the same point."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+    group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
+    return TorchComm(group)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from .core import CheckpointingException
+from ..errors import TesseraError
 
 __all__ = [
     "TESSERA_DTYPES",
@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 # Every element type the format stores, by tessera name, with the torch attribute name.
-_TESSERA_TO_TORCH_NAME: Dict[str, str] = {
+TESSERA_TO_TORCH_NAME: Dict[str, str] = {
     "f64": "float64",
     "f32": "float32",
     "f16": "float16",
@@ -38,12 +38,12 @@ _TESSERA_TO_TORCH_NAME: Dict[str, str] = {
     "bool": "bool",
 }
 
-TESSERA_DTYPES = tuple(_TESSERA_TO_TORCH_NAME)
+TESSERA_DTYPES = tuple(TESSERA_TO_TORCH_NAME)
 
 # numpy has no bf16 or float8 types; those names have no numpy counterpart.
 _TESSERA_TO_NUMPY_NAME: Dict[str, str] = {
     name: torch_name
-    for name, torch_name in _TESSERA_TO_TORCH_NAME.items()
+    for name, torch_name in TESSERA_TO_TORCH_NAME.items()
     if name not in ("bf16", "f8_e4m3fn", "f8_e5m2")
 }
 
@@ -58,7 +58,7 @@ def _tables() -> tuple:
 
         to_tessera: Dict[Any, str] = {}
         to_torch: Dict[str, Any] = {}
-        for name, torch_name in _TESSERA_TO_TORCH_NAME.items():
+        for name, torch_name in TESSERA_TO_TORCH_NAME.items():
             dtype = getattr(torch, torch_name, None)
             if dtype is not None:
                 to_tessera[dtype] = name
@@ -67,8 +67,8 @@ def _tables() -> tuple:
     return _torch_tables
 
 
-def _unsupported(dtype: Any) -> CheckpointingException:
-    return CheckpointingException(
+def _unsupported(dtype: Any) -> TesseraError:
+    return TesseraError(
         f"dtype {dtype} is not supported by tessera checkpoints; supported element types: "
         f"{', '.join(TESSERA_DTYPES)} (torch: float64/32/16, bfloat16, float8_e4m3fn, float8_e5m2, "
         "int64/32/16/8, uint8/16/32/64, bool)"
@@ -78,7 +78,7 @@ def _unsupported(dtype: Any) -> CheckpointingException:
 def torch_dtype_to_tessera(dtype: Any) -> str:
     """The tessera name of a torch dtype (``torch.bfloat16`` -> ``"bf16"``).
 
-    Raises CheckpointingException for dtypes the format cannot store (complex, quantized,
+    Raises TesseraError for dtypes the format cannot store (complex, quantized,
     float8 variants other than e4m3fn/e5m2, sub-byte integers).
     """
     to_tessera, _ = _tables()
@@ -94,13 +94,13 @@ def tessera_dtype_to_torch(name: str) -> Any:
     try:
         return to_torch[name]
     except KeyError:
-        if name in _TESSERA_TO_TORCH_NAME:
+        if name in TESSERA_TO_TORCH_NAME:
             import torch
 
-            raise CheckpointingException(
+            raise TesseraError(
                 f"element type {name!r} needs a newer torch than {torch.__version__}"
             ) from None
-        raise CheckpointingException(
+        raise TesseraError(
             f"unknown tessera element type {name!r}; known: {', '.join(TESSERA_DTYPES)}"
         ) from None
 
@@ -125,15 +125,15 @@ def tessera_dtype_to_numpy(name: str) -> Any:
     import numpy as np
 
     if name not in _TESSERA_TO_NUMPY_NAME:
-        if name in _TESSERA_TO_TORCH_NAME:
-            raise CheckpointingException(f"element type {name!r} has no numpy dtype; load it as a torch tensor")
-        raise CheckpointingException(f"unknown tessera element type {name!r}; known: {', '.join(TESSERA_DTYPES)}")
+        if name in TESSERA_TO_TORCH_NAME:
+            raise TesseraError(f"element type {name!r} has no numpy dtype; load it as a torch tensor")
+        raise TesseraError(f"unknown tessera element type {name!r}; known: {', '.join(TESSERA_DTYPES)}")
     return np.dtype(_TESSERA_TO_NUMPY_NAME[name])
 
 
 def to_tessera_dtype(dtype: Any) -> str:
     """The tessera name of a torch dtype, a numpy dtype or an already tessera name."""
-    if isinstance(dtype, str) and dtype in _TESSERA_TO_TORCH_NAME:
+    if isinstance(dtype, str) and dtype in TESSERA_TO_TORCH_NAME:
         return dtype
     if type(dtype).__module__.startswith("torch"):
         return torch_dtype_to_tessera(dtype)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Tuple, Union
 
-from tessera import _native
+from .. import _native
 
-from .core import CheckpointingException
+from ..errors import TesseraError
 from .dtypes import to_tessera_dtype
 
 __all__ = [
@@ -47,8 +47,8 @@ def memory(data: Any) -> Tuple[int, int]:
 def _dtype(key: str, dtype: Any) -> str:
     try:
         return to_tessera_dtype(dtype)
-    except CheckpointingException as e:
-        raise CheckpointingException(f"{key!r}: {e}") from None
+    except TesseraError as e:
+        raise TesseraError(f"{key!r}: {e}") from None
 
 
 def _flat(r: FlatRange) -> Optional[Tuple[int, int]]:

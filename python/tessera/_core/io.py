@@ -1,0 +1,122 @@
+"""One native save and one native load for every front end.
+
+A front end describes its tensors as ``(tensor, describe)`` pairs: ``describe(host)`` makes the
+core's descriptor (:mod:`.descriptors`) over host memory this module provides. The save owns
+the staging sequence (host or page-locked copies, one device synchronisation, start, give the
+buffers back); the load owns the targets (the caller's memory when the core can write it, a
+host stand-in copied back otherwise) and tied tensors (one memory under several keys is filled
+once, as torch DCP fills it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .. import _native
+from .comm import TorchComm, default_comm
+from .layout import cpu_contiguous
+from .staging import AsyncSaver, default_saver
+
+__all__ = ["communicator", "save", "saver_for", "load", "SaveItem", "LoadItem"]
+
+#: A tensor to save (None: described without data) and how to describe it over host memory.
+SaveItem = Tuple[Any, Callable[[Any], _native.SaveTensor]]
+#: A tensor to fill, how to describe it over host memory, and what else tells its piece apart
+#: from another over the same memory (its flat range or offset), for tied tensors.
+LoadItem = Tuple[Any, Callable[[Any], _native.LoadTensor], Any]
+
+
+def communicator(process_group: Any = None, no_dist: bool = False) -> Tuple[Optional[TorchComm], int]:
+    """The communicator of ``process_group`` (the default group; None for one process or
+    ``no_dist``) and this rank in it: the one choice every front end makes."""
+    comm = default_comm(process_group, no_dist)
+    return comm, comm.rank() if comm is not None else 0
+
+
+def saver_for(process_group: Any, items: Sequence[SaveItem]) -> AsyncSaver:
+    """The async saver of ``process_group``, sized on first use to these tensors' bytes."""
+    held = sum(t.numel() * t.element_size() for t, _ in items if t is not None)
+    return default_saver(process_group, held)
+
+
+def save(
+    items: Sequence[SaveItem],
+    objects: List[Any],
+    common: List[Any],
+    location: Any,
+    comm: Optional[TorchComm],
+    *,
+    saver: Optional[AsyncSaver] = None,
+    **native_kwargs: Any,
+) -> Any:
+    """Saves through the core: the report, or with ``saver`` the native handle of an async
+    save, returned once every tensor is staged (the caller's tensors may change from then on).
+    Tensors that are not CPU C-contiguous memory are copied to the host first (to the saver's
+    page-locked buffers for CUDA tensors of an async save, with one synchronisation)."""
+    keep_alive: List[Any] = []
+    pinned = saver.pinned if saver is not None else None
+    described = []
+    device_copies = False
+    for t, describe in items:
+        if t is None:
+            described.append(describe(None))
+            continue
+        if pinned is not None and t.device.type == "cuda":
+            host = pinned.take(t.numel(), t.dtype).view(t.shape)
+            host.copy_(t.detach(), non_blocking=True)
+            device_copies = True
+        else:
+            host = cpu_contiguous(t)
+        keep_alive.append(host)
+        described.append(describe(host))
+    if saver is None:
+        return _native.save(described, objects, common, location, comm, **native_kwargs)
+    try:
+        if device_copies:
+            import torch
+
+            torch.cuda.synchronize()
+        return saver.start(described, objects, common, location, comm, **native_kwargs)
+    finally:
+        # Staged: the page-locked buffers and host copies are free for the next save.
+        del keep_alive
+        saver.pinned.give_back_all()
+
+
+def load(
+    items: Sequence[LoadItem], objects: List[Any], location: Any, comm: Optional[TorchComm], **native_kwargs: Any
+) -> Dict[str, Any]:
+    """Loads through the core into the items' tensors; returns the core's result with
+    ``loaded`` given per item (a tied item as the one it shares memory with)."""
+    described = []
+    targets: List[Tuple[Any, Any]] = []
+    slot_of: List[int] = []
+    seen: Dict[Tuple[Any, ...], int] = {}
+    for t, describe, extra in items:
+        nbytes = t.numel() * t.element_size()
+        span = (t.device, t.data_ptr(), nbytes, t.dtype, tuple(t.stride()), extra)
+        if nbytes and span in seen:
+            slot_of.append(seen[span])
+            continue
+        buf = t if (t.device.type == "cpu" and t.is_contiguous()) else _host_like(t)
+        seen[span] = len(targets)
+        slot_of.append(len(targets))
+        targets.append((t, buf))
+        described.append(describe(buf))
+    result: Dict[str, Any] = _native.load(described, objects, location, comm, **native_kwargs)
+    loaded = result.get("loaded")
+    if loaded is not None:
+        import torch
+
+        with torch.no_grad():
+            for (t, buf), ok in zip(targets, loaded):
+                if ok and buf is not t:
+                    t.copy_(buf)
+        result["loaded"] = [loaded[i] for i in slot_of]
+    return result
+
+
+def _host_like(t: Any) -> Any:
+    import torch
+
+    return torch.empty(t.shape, dtype=t.dtype)
