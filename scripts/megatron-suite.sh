@@ -2,9 +2,11 @@
 # Megatron-LM's own dist_checkpointing unit tests (tag core_v0.16.1) against tessera, through the
 # plain module alias a user would write (megatron.core.dist_checkpointing[.X] ->
 # tessera.dist_checkpointing[.X]: the harness's tessera-strict mode), on CPU with gloo, 8 ranks.
-# The harness and the tests are the peer's (../shared/peers/megatron-lm, or $MEGATRON_PEER); its
-# run.sh creates .venv-megatron (torch 2.10 + megatron-core 0.16.1) on first use. tessera goes in
-# as a wheel built from this checkout with the project's own target dir.
+# The harness and the tests are the peer's, in the folder $MEGATRON_PEER names (default
+# ../shared/peers/megatron-lm, where this project's machines keep it; a clone of the repository
+# alone has no copy); its run.sh creates .venv-megatron (torch 2.10 + megatron-core 0.16.1, about
+# 7 GB) on first use. tessera goes in as a wheel built from this checkout with the project's own
+# target dir. Without the peer's folder it says so and fails; scripts/test.sh skips it then.
 #
 # usage: scripts/megatron-suite.sh [SUITE ...]   default: the suites CI runs
 #   (test_mapping.py test_serialization.py test_strict.py); "all" runs every suite of run.sh.
@@ -16,7 +18,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 peer=${MEGATRON_PEER:-$root/../shared/peers/megatron-lm}
 if [ ! -x "$peer/run.sh" ] && [ ! -f "$peer/run.sh" ]; then
-  echo "megatron-suite: the peer's harness is not at $peer (set MEGATRON_PEER)" >&2
+  echo "megatron-suite: Megatron-LM's tests and harness are not at $peer: set MEGATRON_PEER to their folder" >&2
   exit 1
 fi
 suites=("$@")
