@@ -279,10 +279,10 @@ def unshard(
     missing = [k for k in wanted if k not in meta]
     if missing:
         raise KeyError(f"not in the checkpoint: {missing}")
-    items: List[io.LoadItem] = [
-        (t, lambda buf, k=k: load_tensor(k, buf.dtype, buf.shape, buf.shape, (0,) * buf.dim(), data=buf), None)
-        for k, t in out.items()
-    ]
+    def whole(key: str) -> Any:
+        return lambda buf: load_tensor(key, buf.dtype, buf.shape, buf.shape, (0,) * buf.dim(), data=buf)
+
+    items: List[io.LoadItem] = [(t, whole(k), None) for k, t in out.items()]
     io.load(items, [], native_location(dir, storage_options), None)
     if device is not None:
         out = {k: t.to(device) for k, t in out.items()}
