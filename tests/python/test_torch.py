@@ -172,10 +172,16 @@ def test_plain_module_save_load_without_process_group(tmp_path: Any) -> None:
     fresh = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
     fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.5)
     tt.load_model_and_optim_state(ckpt, fresh, fresh_optim)
+    assert fresh_optim.state_dict()["param_groups"][0]["lr"] == pytest.approx(0.01)
+    assert_trains_alike(model, optim, fresh, fresh_optim)
+
+
+def assert_trains_alike(model: torch.nn.Module, optim: Any, fresh: torch.nn.Module, fresh_optim: Any) -> None:
+    """``fresh`` holds ``model``'s weights and ``fresh_optim`` ``optim``'s state, and both pairs
+    train on to the same weights."""
     for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), name
     want, got = optim.state_dict(), fresh_optim.state_dict()
-    assert got["param_groups"][0]["lr"] == pytest.approx(0.01)
     for pid, state in want["state"].items():
         for name, value in state.items():
             assert torch.equal(got["state"][pid][name], value), (pid, name)
@@ -350,15 +356,8 @@ def test_a_fresh_optimizer_loads_as_a_stateful(tmp_path: Any) -> None:
     tt.load(sd, ckpt)  # the optimizer alone: creating its state must not move the parameters
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
     tt.load({"model": fresh, "optim": fresh_optim, "epoch": 0}, ckpt)
-    want, got = optim.state_dict(), fresh_optim.state_dict()
-    assert got["param_groups"][0]["lr"] == pytest.approx(0.01) and sd["epoch"] == 3
-    for pid, state in want["state"].items():
-        for name, value in state.items():
-            assert torch.equal(got["state"][pid][name], value), (pid, name)
-    train(model, optim, batches(4)[2:])
-    train(fresh, fresh_optim, batches(4)[2:])
-    for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
-        assert torch.equal(a, b), name
+    assert fresh_optim.state_dict()["param_groups"][0]["lr"] == pytest.approx(0.01) and sd["epoch"] == 3
+    assert_trains_alike(model, optim, fresh, fresh_optim)
 
 
 def test_strict_covers_values(tmp_path: Any) -> None:

@@ -131,15 +131,19 @@ class TorchComm:
         return _host_bytes(buf, n)
 
 
-def default_comm(process_group: Any = None, no_dist: bool = False) -> Optional[TorchComm]:
-    """The communicator for ``process_group`` (default group), or None for a single process."""
-    if no_dist:
-        return None
+def initialized_dist() -> Any:
+    """``torch.distributed`` when a process group is initialized; None without torch, without
+    distributed support, or before ``init_process_group`` (one process, nothing to exchange)."""
     try:
         import torch.distributed as dist
     except ImportError:
         return None
-    if not (dist.is_available() and dist.is_initialized()):
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def default_comm(process_group: Any = None, no_dist: bool = False) -> Optional[TorchComm]:
+    """The communicator for ``process_group`` (default group), or None for a single process."""
+    if no_dist or initialized_dist() is None:
         return None
     return TorchComm(process_group)
 
@@ -148,11 +152,8 @@ def commit_comm(process_group: Any = None) -> Optional[TorchComm]:
     """A communicator of its own for async commits: a gloo group of ``process_group``'s ranks
     (default: all), so that a background commit never meets training traffic; None for a
     single process. Collective: every rank of the group calls it at the same point."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
+    dist = initialized_dist()
+    if dist is None:
         return None
     ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
     group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)

@@ -11,7 +11,7 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _native
-from .comm import commit_comm
+from .comm import commit_comm, initialized_dist
 
 __all__ = ["DEFAULT_STAGING_BUDGET", "PinnedPool", "AsyncSaver", "default_saver"]
 
@@ -99,13 +99,8 @@ def _resolved_group(process_group: Any) -> Any:
     None without torch.distributed."""
     if process_group is not None:
         return process_group
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.distributed_c10d._get_default_group()
+    dist = initialized_dist()
+    return None if dist is None else dist.distributed_c10d._get_default_group()
 
 
 def _is_live(group: Any) -> bool:

@@ -15,6 +15,7 @@ import logging
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..._core.comm import initialized_dist
 from ..._core.staging import DEFAULT_STAGING_BUDGET, AsyncSaver, default_saver
 
 logger = logging.getLogger(__name__)
@@ -72,13 +73,11 @@ def _all_ranks(flag: bool) -> bool:
     """``flag`` and-ed over the default process group (the flag itself without one). The
     reduction runs where Megatron's queue runs it: on the current CUDA device when the default
     group has a CUDA backend (NCCL has no CPU tensors), on the host otherwise (gloo)."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:
+    dist = initialized_dist()
+    if dist is None:
         return flag
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
+    import torch
+
     device = "cpu"
     if torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower():
         device = f"cuda:{torch.cuda.current_device()}"
