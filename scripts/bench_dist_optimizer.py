@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -30,9 +29,9 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tessera import dist_checkpointing as dc
+from tessera._launch import run_ranks
 from tessera.dist_checkpointing import ParamRange, ShardedTensor
 
 STATES = ("exp_avg", "exp_avg_sq")
@@ -91,18 +90,7 @@ def _torch_save(path: str, shards: Dict[str, torch.Tensor], fsync: bool) -> None
             os.fsync(f.fileno())
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, base: str) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        _bench(rank, args, base)
-        # Every rank done with every collective before the group is torn down: a gloo worker
-        # still holding work at teardown aborts ('terminate called without an active exception').
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _bench(rank: int, args: argparse.Namespace, base: str) -> None:
+def _bench(rank: int, world: int, args: argparse.Namespace, base: str) -> None:
     tp_rank, dp_rank = rank % args.tp, rank // args.tp
     params = model_params(args, tp_rank, dp_rank)
     layout = dc.param_buffer_layout(params, args.dp)
@@ -179,12 +167,8 @@ def main() -> None:
     args = parser.parse_args()
     base = args.dir or tempfile.mkdtemp(prefix="tessera-bench-distopt-")
     os.makedirs(base, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     try:
-        world = args.tp * args.dp
-        mp.start_processes(_worker, args=(world, port, args, base), nprocs=world, join=True, start_method="spawn")
+        run_ranks(args.tp * args.dp, _bench, args, base)
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)

@@ -72,7 +72,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -83,6 +82,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from bench_files import drop_cache, files_under, fsync_path, write_all
+from tessera._launch import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -317,27 +317,14 @@ def rotated(methods: List[str], r: int) -> List[str]:
     return methods[k:] + methods[:k]
 
 
-def _worker(rank: int, port: int, opts: Dict[str, Any]) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        run_rank(rank, opts)
-        # Every rank done with every collective before the group is torn down: a gloo worker
-        # still holding work at teardown aborts ('terminate called without an active exception').
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def say(rank: int, text: str, opts: Dict[str, Any]) -> None:
     """A progress line from rank 0 (on stderr when stdout is the JSON)."""
     if rank == 0:
         print(text, file=sys.stderr if opts["json_stdout"] else sys.stdout, flush=True)
 
 
-def run_rank(rank: int, opts: Dict[str, Any]) -> None:
+def run_rank(rank: int, world: int, opts: Dict[str, Any]) -> None:
+    torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1) with several ranks per host
     me = Rank(rank, opts)
     dist = me.dist
     roots = {"warm": opts["warm_root"], "cold": opts["cold_root"]}
@@ -412,13 +399,9 @@ def run_rank(rank: int, opts: Dict[str, Any]) -> None:
     dist.barrier()
 
 
-def run_ranks(opts: Dict[str, Any]) -> Dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, opts), nprocs=WORLD, join=True, start_method="spawn")
+def run_job(opts: Dict[str, Any]) -> Dict[str, Any]:
+    """Runs the ranks; returns rank 0's results."""
+    run_ranks(WORLD, run_rank, opts)
     with open(os.path.join(opts["cold_root"], RESULTS)) as f:
         return json.load(f)
 
@@ -436,12 +419,9 @@ def machine(opts: Dict[str, Any]) -> Dict[str, Any]:
                     ram = int(line.split()[1]) * 1024
     except OSError:
         pass
-    try:
-        import tessera
+    import tessera
 
-        tessera_version = getattr(tessera, "__version__", "?")
-    except ImportError:
-        tessera_version = "?"
+    tessera_version = getattr(tessera, "__version__", "?")
     return {
         "cores": os.cpu_count(),
         "ram_bytes": ram,
@@ -577,7 +557,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{gib(opts['bytes']):.3f} GiB in {tensors} f32 tensors of {side}x{side}, {WORLD} ranks, "
               f"{rounds} round(s); warm: {warm_root}, cold: {cold_root}", flush=True)
     try:
-        doc = summarize(opts, run_ranks(opts))
+        doc = summarize(opts, run_job(opts))
     finally:
         if args.keep:
             print(f"kept {warm_root} and {cold_root}", file=sys.stderr)

@@ -53,6 +53,9 @@ the spawned ranks only, and says so in the report.
 Usage: <venv with megatron-core + tessera>/bin/python scripts/bench_megatron.py
        [--size 512MiB] [--rounds 5] [--hidden 1024] [--load-layout tp1|swap]
        [--dir DIR] [--keep] [--json PATH|-]
+The venv's tessera must be this checkout's (the ranks start through ``tessera._launch``): a wheel
+built from it, as scripts/megatron-suite.sh installs into .venv-megatron, or ``PYTHONPATH=python``
+(the checkout's package and its built extension) ahead of an older installed copy.
 The default run takes about 1.5 min on 2 cores. A bigger one (about 4 GiB of free disk and 8 GiB of
 memory): --size 1GiB --hidden 2048 --rounds 5
 """
@@ -64,7 +67,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -76,6 +78,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from bench_files import drop_cache, files_under, fsync_path
+from tessera._launch import run_ranks
 
 WORLD = 2
 BLOCK = 16 << 20
@@ -482,36 +485,34 @@ class Rank:
                 "bytes_per_rank": self.bytes_per_rank}
 
 
-def _worker(rank: int, port: int, opts: Dict[str, Any]) -> None:
-    import torch.distributed as dist
-
-    os.dup2(2, 1)  # the ranks' stdout (gloo's "connected to 1 peer ranks") to stderr: stdout is the report's
+def _rank_main(rank: int, world: int, opts: Dict[str, Any]) -> None:
     warnings.filterwarnings("ignore")  # Megatron's "Transformer Engine and Apex are not installed", etc.
     if not torch.cuda.is_available():  # Megatron-Core's torch_dist save on a CPU-only host: see the docstring
         torch.cuda.synchronize = lambda *a, **k: None
         torch.cuda.current_device = lambda: "cpu"
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}")
+    torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1) with several ranks per host
     try:
-        torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1) with several ranks per host
         doc = Rank(rank, opts).run()
         if rank == 0:
             with open(os.path.join(opts["dir"], "results.json"), "w") as f:
                 json.dump(doc, f)
-        dist.barrier()
     except Exception:
-        traceback.print_exc()
+        traceback.print_exc()  # every rank's failure, as it happens: the launcher re-raises only the first
         raise
-    finally:
-        dist.destroy_process_group()
 
 
 def run(opts: Dict[str, Any]) -> Dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, opts), nprocs=WORLD, join=True, start_method="spawn")
+    # The ranks' stdout goes to stderr, stdout being the report's (JSON with --json -): the
+    # ranks inherit this process's descriptor 1 when spawned, so gloo's "connected to 1 peer
+    # ranks", which torch 2.10 prints while the launcher creates the group, is caught too.
+    sys.stdout.flush()
+    stdout = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        run_ranks(WORLD, _rank_main, opts)
+    finally:
+        os.dup2(stdout, 1)
+        os.close(stdout)
     with open(os.path.join(opts["dir"], "results.json")) as f:
         return json.load(f)
 

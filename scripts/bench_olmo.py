@@ -60,7 +60,6 @@ import os
 import re
 import resource
 import shutil
-import socket
 import statistics
 import struct
 import subprocess
@@ -69,7 +68,7 @@ import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -187,32 +186,10 @@ def build_fsdp1(layers: int, hidden: int, initialise: bool) -> nn.Module:
     return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu"))
 
 
-def run_ranks(world: int, fn: Callable[..., None], *args: Any) -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(world, port, fn, args), nprocs=world, join=True, start_method="spawn")
-
-
-def _rank_main(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1) with several ranks per host
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        fn(rank, world, *args)
-        # Every rank done with every collective before the group is torn down: a gloo worker
-        # still holding work at teardown aborts ('terminate called without an active exception').
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def _generate_rank(rank: int, world: int, ckpt: str, layers: int, hidden: int) -> None:
     import olmo_core.distributed.checkpoint as olmo
 
+    torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1) with several ranks per host
     model = build_fsdp1(layers, hidden, initialise=True)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -237,6 +214,10 @@ def generate(work: Path, layers: int, hidden: int) -> Dict[str, Any]:
     info_path.unlink(missing_ok=True)
     print(f"generating with ai2-olmo-core: {layers} x Linear({hidden}, {hidden}) f32 + AdamW, FSDP1 on "
           f"{WORLD} ranks -> {ckpt}", flush=True)
+    # Imported here, not at the top: the --child-unshard subprocesses import this module too,
+    # and OLMo-core's should not load tessera's native library before its unshard is measured.
+    from tessera._launch import run_ranks
+
     t0 = time.perf_counter()
     run_ranks(WORLD, _generate_rank, str(ckpt), layers, hidden)
     record = {"options": info, "seconds": round(time.perf_counter() - t0, 1)}
@@ -442,6 +423,7 @@ def _load_rank(rank: int, world: int, ckpt: str, layers: int, hidden: int, round
 
     import tessera.olmo_core as tess
 
+    torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1) with several ranks per host
     model = build_fsdp1(layers, hidden, initialise=False)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     olmo.init_optimizer_state(optim)  # untimed: both methods fill existing state
@@ -468,6 +450,8 @@ def _load_rank(rank: int, world: int, ckpt: str, layers: int, hidden: int, round
 def bench_load(ckpt: Path, work: Path, layers: int, hidden: int, world: int, rounds: int) -> Dict[str, Any]:
     result = work / f"load-w{world}.json"
     result.unlink(missing_ok=True)
+    from tessera._launch import run_ranks  # here, not at the top: see generate()
+
     t0 = time.perf_counter()
     run_ranks(world, _load_rank, str(ckpt), layers, hidden, rounds, str(result))
     job_seconds = time.perf_counter() - t0

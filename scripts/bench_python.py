@@ -40,7 +40,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 
 from bench_files import drop_cache, fsync_path
+from tessera._launch import run_ranks
 
 WORLD = 2
 SAVES = ["tessera", "dcp", "safetensors"]
@@ -137,57 +137,47 @@ def save_method(method: str, sd: Dict[str, Any], path: str, rank: int) -> None:
         raise ValueError(method)
 
 
-def _save_worker(rank: int, port: int, opts: Dict[str, Any]) -> None:
+def _save_rank(rank: int, world: int, opts: Dict[str, Any]) -> None:
     """One rank: build the local shards, warm up, then time the saves; rank 0 writes results."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1) with several ranks per host
-        mesh = init_device_mesh("cpu", (WORLD,))
-        spec = make_spec(opts["size"], opts["hidden"])
-        sd = {}
-        for i, (key, shape, dtype, dim) in enumerate(spec):
-            local = local_shard(full_tensor(i, shape, dtype), dim, rank)
-            sd[key] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=shape,
-                                         stride=(shape[1], 1))
-        root = opts["dir"]
-        warm = {k: sd[k] for k in list(sd)[:2]}  # first use of each library, untimed
+    torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1) with several ranks per host
+    mesh = init_device_mesh("cpu", (WORLD,))
+    spec = make_spec(opts["size"], opts["hidden"])
+    sd = {}
+    for i, (key, shape, dtype, dim) in enumerate(spec):
+        local = local_shard(full_tensor(i, shape, dtype), dim, rank)
+        sd[key] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=shape,
+                                     stride=(shape[1], 1))
+    root = opts["dir"]
+    warm = {k: sd[k] for k in list(sd)[:2]}  # first use of each library, untimed
+    for method in SAVES:
+        save_method(method, warm, os.path.join(root, f"warmup-{method}"), rank)
+    times: Dict[str, List[float]] = {m: [] for m in SAVES}
+    for r in range(opts["rounds"]):
+        order = SAVES[r % len(SAVES):] + SAVES[: r % len(SAVES)]
+        for method in order:
+            path = os.path.join(root, method)
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+                os.sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            save_method(method, sd, path, rank)
+            dist.barrier()
+            times[method].append(time.perf_counter() - t0)
+    if rank == 0:
         for method in SAVES:
-            save_method(method, warm, os.path.join(root, f"warmup-{method}"), rank)
-        times: Dict[str, List[float]] = {m: [] for m in SAVES}
-        for r in range(opts["rounds"]):
-            order = SAVES[r % len(SAVES):] + SAVES[: r % len(SAVES)]
-            for method in order:
-                path = os.path.join(root, method)
-                if rank == 0:
-                    shutil.rmtree(path, ignore_errors=True)
-                    os.sync()
-                dist.barrier()
-                t0 = time.perf_counter()
-                save_method(method, sd, path, rank)
-                dist.barrier()
-                times[method].append(time.perf_counter() - t0)
-        if rank == 0:
-            for method in SAVES:
-                shutil.rmtree(os.path.join(root, f"warmup-{method}"), ignore_errors=True)
-            with open(os.path.join(root, "save-times.json"), "w") as f:
-                json.dump(times, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+            shutil.rmtree(os.path.join(root, f"warmup-{method}"), ignore_errors=True)
+        with open(os.path.join(root, "save-times.json"), "w") as f:
+            json.dump(times, f)
 
 
 def run_saves(opts: Dict[str, Any]) -> Dict[str, List[float]]:
     """Spawns the 2 ranks and returns rank 0's save times per method."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_save_worker, args=(port, opts), nprocs=WORLD, join=True, start_method="spawn")
+    run_ranks(WORLD, _save_rank, opts)
     with open(os.path.join(opts["dir"], "save-times.json")) as f:
         return json.load(f)
 

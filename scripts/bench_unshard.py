@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from tessera._launch import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -98,23 +99,18 @@ def _local_piece(index: int, shape: Tuple[int, ...], dtype: torch.dtype, rank: i
     return torch.randn((local_rows,) + tuple(shape[1:]), generator=g).to(dtype)
 
 
-def _gen_worker(rank: int, port: int, ckpt: str, gib: float, hidden: int) -> None:
-    import torch.distributed as dist
+def _gen_rank(rank: int, world: int, ckpt: str, gib: float, hidden: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        sd: Dict[str, Any] = {}
-        for i, (key, shape, dtype) in enumerate(make_spec(int(gib * GIB), hidden)):
-            local = _local_piece(i, shape, dtype, rank)
-            stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
-            sd[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(ckpt))
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    sd: Dict[str, Any] = {}
+    for i, (key, shape, dtype) in enumerate(make_spec(int(gib * GIB), hidden)):
+        local = _local_piece(i, shape, dtype, rank)
+        stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+        sd[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(ckpt))
 
 
 def generate(ckpt: Path, gib: float, hidden: int) -> Dict[str, Any]:
@@ -128,16 +124,9 @@ def generate(ckpt: Path, gib: float, hidden: int) -> Dict[str, Any]:
             return info
     shutil.rmtree(ckpt, ignore_errors=True)
     info_path.unlink(missing_ok=True)
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     print(f"generating {info['tensors']} tensors, {info['tensor_bytes'] / GIB:.2f} GiB, {WORLD} ranks -> {ckpt}")
     t0 = time.perf_counter()
-    mp.start_processes(
-        _gen_worker, args=(port, str(ckpt), gib, hidden), nprocs=WORLD, join=True, start_method="spawn"
-    )
+    run_ranks(WORLD, _gen_rank, str(ckpt), gib, hidden)
     print(f"  generated in {time.perf_counter() - t0:.1f} s ({dir_bytes(ckpt) / GIB:.2f} GiB on disk)")
     info_path.write_text(json.dumps(info))
     return info

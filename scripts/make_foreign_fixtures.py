@@ -36,7 +36,7 @@ output directory, so no absolute path ends up in a pickle. Every generated check
 back (torch DCP / a zarr chunk reader written here) and compared with its expected tensors.
 
 Needs: torch with torch.distributed (gloo), safetensors, zstandard, ``zarr<3`` (see
-requirements-dev.txt).
+requirements-dev.txt), and tessera (its launcher, ``tessera._launch``, starts the 2 ranks).
 
 Usage: .venv/bin/python scripts/make_foreign_fixtures.py [--out DIR] [--only NAME ...]
 """
@@ -51,7 +51,6 @@ import os
 import pickle
 import pickletools
 import shutil
-import socket
 import sys
 import types
 from contextlib import contextmanager
@@ -61,6 +60,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from tessera._launch import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "crates" / "tessera" / "tests" / "fixtures" / "foreign"
@@ -321,27 +322,20 @@ def _regions(shape: Tuple[int, ...], chunk: Tuple[int, ...]) -> Iterator[Tuple[s
 # The 2-rank job
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, names: List[str]) -> None:
+def _rank_main(rank: int, world: int, out: str, names: List[str]) -> None:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        os.chdir(out)  # relative checkpoint paths: no absolute path in the pickles
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (world,))
-        for name in names:
-            {
-                "dcp_per_item": _write_dcp_per_item,
-                "olmo_core": _write_olmo_core,
-                "dcp_legacy": _write_dcp_legacy_base,
-                "megatron_common_item": _write_megatron_common_item,
-            }[name](rank, mesh)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    os.chdir(out)  # relative checkpoint paths: no absolute path in the pickles
+    mesh = init_device_mesh("cpu", (world,))
+    for name in names:
+        {
+            "dcp_per_item": _write_dcp_per_item,
+            "olmo_core": _write_olmo_core,
+            "dcp_legacy": _write_dcp_legacy_base,
+            "megatron_common_item": _write_megatron_common_item,
+        }[name](rank, mesh)
+        dist.barrier()
 
 
 def _dt(full: torch.Tensor, mesh: Any, placement: Any) -> Any:
@@ -432,18 +426,8 @@ def _write_megatron_common_item(rank: int, mesh: Any) -> None:
         (ckpt / "metadata.json").write_text(json.dumps(MEGATRON_TORCH_DIST_JSON))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_distributed(out: Path, names: List[str]) -> None:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(
-        _rank_main, args=(WORLD, _free_port(), str(out), names), nprocs=WORLD, join=True, start_method="spawn"
-    )
+    run_ranks(WORLD, _rank_main, str(out), names)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,7 +64,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import struct
 import sys
 import tempfile
@@ -75,9 +74,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
+
+from tessera._launch import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests/python"))
 import olmo_models  # noqa: E402  (the model and training the tests share)
@@ -320,33 +320,10 @@ RANK_PROGRAMS: Dict[str, Callable[[int, int, Path, str], None]] = {
 }
 
 
-def _rank_main(rank: int, world: int, port: int, program: str, staging: str, name: str) -> None:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        RANK_PROGRAMS[program](rank, world, Path(staging), name)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(program: str, world: int, staging: Path, name: str) -> None:
-    mp.start_processes(
-        _rank_main,
-        args=(world, _free_port(), program, str(staging), name),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
+def _rank_main(rank: int, world: int, program: str, staging: str, name: str) -> None:
+    warnings.filterwarnings("ignore")  # as main() does: a spawned rank does not inherit its filters
+    torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1) with several ranks per host
+    RANK_PROGRAMS[program](rank, world, Path(staging), name)
 
 
 # --------------------------------------------------------------------------- single process
@@ -760,7 +737,7 @@ def make_fixture(name: str, staging: Path, out: Path) -> None:
     if spec["program"] is None:
         write_single(staging, name)
     else:
-        run_ranks(spec["program"], spec["world"], staging, name)
+        run_ranks(spec["world"], _rank_main, spec["program"], str(staging), name)
     full = verify(staging, name, spec["two_part"])
     truth = TRUTH_NOTE.get(spec["program"], "")
     notes = spec["notes"] + (" " + truth if truth else "") + (PICKLE_NOTE if spec["two_part"] else "")

@@ -28,17 +28,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+
+from tessera._launch import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests/python"))
 import olmo_models  # noqa: E402  (shared with the pytest suite)
@@ -149,24 +149,6 @@ def own_fsdp_step(rank: int, world: int, tmp: str) -> None:
             raise AssertionError(f"OLMo-core FSDP: {n} differs after loading")
 
 
-def run(world: int, fn: Callable[..., None], *args: Any) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, port, fn, args), nprocs=world, join=True, start_method="spawn")
-
-
-def _worker(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        fn(rank, world, *args)
-        # Every rank done with every collective before the group is torn down: a gloo worker
-        # still holding work at teardown aborts ('terminate called without an active exception').
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     import tessera.olmo_core as tess
     from olmo_core.distributed.checkpoint import Checkpointer as OlmoCheckpointer
@@ -179,9 +161,9 @@ def main() -> None:
     started = time.monotonic()
     try:
         # OLMo-core writes, tessera reads.
-        run(2, save_step, tmp, "olmo", "fsdp1", "olmo_fsdp1")
-        run(3, load_step, tmp, "tessera", "fsdp1", "olmo_fsdp1")
-        run(3, load_step, tmp, "tessera", "fsdp2", "olmo_fsdp1")
+        run_ranks(2, save_step, tmp, "olmo", "fsdp1", "olmo_fsdp1")
+        run_ranks(3, load_step, tmp, "tessera", "fsdp1", "olmo_fsdp1")
+        run_ranks(3, load_step, tmp, "tessera", "fsdp2", "olmo_fsdp1")
         load_step(0, 1, tmp, "tessera", "plain", "olmo_fsdp1")
         truth = olmo_unshard(f"{tmp}/olmo_fsdp1")
         same(tessera_unshard(f"{tmp}/olmo_fsdp1"), truth, "tessera's unshard of OLMo-core's checkpoint")
@@ -199,13 +181,13 @@ def main() -> None:
         for kind, reader_world, steps in (("fsdp1", 3, 2), ("fsdp2", 2, 2), ("ddp", 2, 2), ("fsdp1", 2, 0)):
             # steps 0: saved before the first optimizer step (tessera then creates the state).
             name = f"tessera_{kind}_{steps}"
-            run(2, save_step, tmp, "tessera", kind, name, steps)
-            run(reader_world, load_step, tmp, "olmo", kind, name)
+            run_ranks(2, save_step, tmp, "tessera", kind, name, steps)
+            run_ranks(reader_world, load_step, tmp, "olmo", kind, name)
             mine = tessera_unshard(f"{tmp}/{name}")
             same(olmo_unshard(f"{tmp}/{name}"), mine, f"OLMo-core's unshard of tessera's {kind} checkpoint")
             same(tessera_unshard(f"{tmp}/{name}.olmo.{kind}{reader_world}"), mine, f"tessera's {kind} checkpoint through OLMo-core")
             print(f"tessera -> olmo: {kind} w2 ({steps} steps) -> {kind} w{reader_world}: exact")
-        run(2, own_fsdp_step, tmp)
+        run_ranks(2, own_fsdp_step, tmp)
         print("OLMo-core's own FSDP w2: tessera's save = OLMo-core's; each loads the other's: exact")
         sd = {
             "w": torch.randn(5, 3),
