@@ -469,6 +469,9 @@ fn convert_to_dcp_and_back() {
     });
     assert_eq!(data.count(), 1, "rank 0's data file");
     assert_eq!(plain_tensors(Path::new(dcp)), plain_tensors(Path::new(ck)));
+    // The copy holds what its source holds: objects and common state too.
+    let d = expect(&["diff", ck, dcp], 0);
+    assert!(d.contains("equal"), "{d}");
     // And back to the native format (the default target).
     expect(&["convert", dcp, back], 0);
     assert_eq!(plain_tensors(Path::new(back)), plain_tensors(Path::new(ck)));
