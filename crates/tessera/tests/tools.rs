@@ -264,7 +264,7 @@ fn export_of_a_key_subset_and_refusals() {
         |opts: ExportOptions| export_safetensors(&src, &dir.join("no.safetensors"), &opts, &mut no_progress());
     let unknown = refused(ExportOptions { keys: Some(vec!["w".into(), "nope".into()]), ..Default::default() });
     assert!(
-        matches!(&unknown, Err(Error::NotFound { path }) if path.to_string_lossy().contains("nope")),
+        matches!(&unknown, Err(Error::NotFound { path, .. }) if path.to_string_lossy().contains("nope")),
         "{unknown:?}"
     );
     let empty = refused(ExportOptions { keys: Some(Vec::new()), ..Default::default() });

@@ -330,7 +330,7 @@ pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<Diff
     if let Some(ks) = &wanted {
         let known = |i: &CheckpointIndex, k: &str| i.tensor(k).is_some() || i.object(k).is_some();
         if let Some(k) = ks.iter().find(|k| !known(ia, k) && !known(ib, k)) {
-            return Err(Error::NotFound { path: format!("{} and {}: key {k:?}", a.location(), b.location()).into() });
+            return Err(Error::not_found(format!("{} and {}: key {k:?}", a.location(), b.location())));
         }
     }
     let selected = |k: &str| wanted.as_ref().is_none_or(|ks| ks.contains(k));
