@@ -15,7 +15,7 @@ impl<'a> Files<'a> {
     }
 
     fn get(&self, name: &str) -> Result<&'a [u8]> {
-        self.0.get(name).copied().ok_or_else(|| Error::NotFound { path: format!("fuzz://{name}").into() })
+        self.0.get(name).copied().ok_or_else(|| Error::not_found(format!("fuzz://{name}")))
     }
 }
 

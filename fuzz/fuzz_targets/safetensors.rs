@@ -26,7 +26,7 @@ fn header(data: &[u8], claimed: u64) {
                 buf.copy_from_slice(&data[off as usize..end as usize]);
                 Ok(())
             }
-            None => Err(tessera::Error::NotFound { path: "past the end".into() }),
+            None => Err(tessera::Error::not_found("past the end")),
         }
     };
     if let Ok((_, len)) = tessera::__fuzz::parse_header(&mut read, claimed) {

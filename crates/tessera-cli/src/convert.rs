@@ -34,6 +34,14 @@ pub fn run(src: &Location, dst: &Location, to: Target, overwrite: bool, memory: 
         Target::Native => tessera::convert(from.as_ref(), dst_storage.as_ref(), &opts, &mut progress),
         Target::Dcp => tessera::convert_to_dcp(from.as_ref(), dst_storage.as_ref(), &opts, &mut progress),
     }
+    .map_err(|e| match e {
+        // The library's error says "pass overwrite" (its option); here that is the flag.
+        tessera::Error::AlreadyExists { path } => anyhow::anyhow!(
+            "a committed checkpoint already exists at {}: pass --overwrite to replace it",
+            path.display()
+        ),
+        other => other.into(),
+    })
     .with_context(|| format!("converting {src} to {dst}"))?;
     if let Some(b) = &bar {
         b.finish();

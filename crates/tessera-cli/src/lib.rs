@@ -114,8 +114,10 @@ enum Command {
     Unshard {
         /// Checkpoint location (any readable format): a directory or s3://bucket/prefix.
         src: String,
-        /// Output: a .safetensors file, or with --max-shard-size a directory for the shards; outside
-        /// the source checkpoint, and a new name or a regular file (replaced).
+        /// Output: a .safetensors file (a new name or a regular file, replaced), or a directory
+        /// (an existing one, or a path ending with /, created) that receives model.safetensors,
+        /// or with --max-shard-size the shards and model.safetensors.index.json; outside the
+        /// source checkpoint.
         #[arg(long)]
         out: PathBuf,
         /// Write shards of at most this size (e.g. 5GB, 500MiB, bytes); a larger tensor gets a
@@ -268,7 +270,7 @@ where
     match dispatch(cli.command, &cli.storage.storage_options) {
         Ok(code) => code,
         Err(e) => {
-            match location::explain_missing(&e, &locations, &cli.storage.storage_options) {
+            match location::explain_missing(&e, &locations) {
                 Some(message) => eprintln!("tessera: error: {message}"),
                 None => eprintln!("tessera: error: {e:#}"),
             }

@@ -181,45 +181,17 @@ impl fmt::Display for Location {
 
 /// What a command looked for and what it found instead, for an error that says one of the
 /// command's `locations` holds no (committed) checkpoint: `Some(message)` when `err` is such
-/// an error about one of them (not about a file inside one).
-pub fn explain_missing(err: &anyhow::Error, locations: &[String], options: &[(String, String)]) -> Option<String> {
-    let (path, committed_missing) = err.chain().find_map(|c| match c.downcast_ref::<tessera::Error>()? {
-        tessera::Error::NotFound { path } => Some((path.clone(), false)),
-        tessera::Error::NotCommitted { path } => Some((path.clone(), true)),
+/// an error about one of them (not about a file inside one). The message is the library's own
+/// (what Python callers get too): the location's contents and what to do.
+pub fn explain_missing(err: &anyhow::Error, locations: &[String]) -> Option<String> {
+    let (path, detail) = err.chain().find_map(|c| match c.downcast_ref::<tessera::Error>()? {
+        tessera::Error::NotFound { path, detail } | tessera::Error::NotCommitted { path, detail } => {
+            Some((path, detail.as_ref()?))
+        }
         _ => None,
     })?;
     let shown = path.to_str()?;
-    if !locations.iter().any(|l| l.trim_end_matches('/') == shown.trim_end_matches('/')) {
-        return None;
-    }
-    if !shown.contains("://") && !path.exists() {
-        return Some(format!("no checkpoint at {shown}: no such directory"));
-    }
-    let storage = tessera::open_location_with(shown, options).ok()?;
-    let names = match storage.list() {
-        Ok(names) => names,
-        Err(_) if !committed_missing => {
-            return Some(format!("no checkpoint at {}: no such directory", path.display()));
-        }
-        Err(_) => return None,
-    };
-    let looked = "found neither tessera.index (tessera), .metadata (PyTorch DCP, Megatron torch_dist), \
-                  metadata.json (Megatron, OLMo-core) nor model_and_optim/ (OLMo-core)";
-    let data = names.iter().filter(|n| n.ends_with(".safetensors") || n.ends_with(".distcp")).count();
-    Some(if names.is_empty() {
-        format!("no checkpoint in {}: the directory is empty ({looked})", path.display())
-    } else if committed_missing && data > 0 {
-        format!(
-            "no committed checkpoint in {}: {looked}, but {data} data file(s) of a save that never finished (or was \
-             interrupted); `tessera gc {}` removes them",
-            path.display(),
-            path.display()
-        )
-    } else {
-        let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();
-        let more = if names.len() > shown.len() { format!(", … ({} in all)", names.len()) } else { String::new() };
-        format!("no checkpoint in {}: {looked}; it holds {}{more}", path.display(), shown.join(", "))
-    })
+    locations.iter().any(|l| l.trim_end_matches('/') == shown.trim_end_matches('/')).then(|| detail.clone())
 }
 
 #[cfg(test)]

@@ -12,8 +12,7 @@ use crate::sizes::fmt_bytes;
 /// other saves are listed but are not a defect.
 pub fn run(dir: &Location, json: bool) -> Result<u8> {
     let fail = |e: anyhow::Error| {
-        let message =
-            crate::location::explain_missing(&e, &[dir.to_string()], dir.options()).unwrap_or_else(|| format!("{e:#}"));
+        let message = crate::location::explain_missing(&e, &[dir.to_string()]).unwrap_or_else(|| format!("{e:#}"));
         if json {
             println!("{}", json!({ "location": dir.to_string(), "sound": false, "error": message }));
         } else {

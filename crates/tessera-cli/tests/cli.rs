@@ -138,6 +138,35 @@ fn verify_of_a_missing_directory_fails_naming_it() {
     assert!(text(&out.stderr).contains("nothing-here"), "{}", text(&out.stderr));
 }
 
+/// A folder of checkpoints (a run's step directories), an empty one, one of other files: each
+/// is no checkpoint, and the message says what is there and what to do (the library's own
+/// text, which Python callers get too).
+#[test]
+fn a_location_without_a_checkpoint_says_what_it_holds() {
+    let scratch = Scratch::new("no-checkpoint");
+    let run = scratch.path().join("run");
+    for step in ["step100", "step200"] {
+        expect(&["demo", "--size", "1MiB", "--dir", run.join(step).to_str().unwrap()], 0);
+    }
+    let run = run.to_str().unwrap();
+    for command in ["inspect", "verify", "diff"] {
+        let args: Vec<&str> = if command == "diff" { vec![command, run, run] } else { vec![command, run] };
+        let out = tessera(&args);
+        assert_ne!(out.status.code(), Some(0), "{command}");
+        let err = text(&out.stderr);
+        let said = format!("no checkpoint in {run}: it holds step100/, step200/ (checkpoints): pass one of them");
+        assert!(err.contains(&said) && !err.contains("empty"), "{command}: {err}");
+    }
+    let empty = scratch.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = tessera(&["inspect", empty.to_str().unwrap()]);
+    let said = format!("tessera: error: no checkpoint in {}: the directory is empty\n", empty.display());
+    assert_eq!(text(&out.stderr), said);
+    std::fs::write(empty.join("notes.txt"), b"x").unwrap();
+    let out = tessera(&["inspect", empty.to_str().unwrap()]);
+    assert!(text(&out.stderr).contains("; it holds notes.txt"), "{}", text(&out.stderr));
+}
+
 #[test]
 fn the_benchmarks_are_not_a_tessera_command() {
     // They are the tessera-bench binary's.
@@ -440,10 +469,11 @@ fn convert_round_trip_then_verify_and_diff() {
     let d = expect(&["diff", ck, conv], 0);
     assert!(d.contains("equal"), "{d}");
     assert_eq!(plain_tensors(Path::new(conv)), plain_tensors(Path::new(ck)));
-    // A committed destination is refused, unless --overwrite.
+    // A committed destination is refused, unless --overwrite (the flag, as the message says).
     let out = tessera(&["convert", ck, conv]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("already exists"), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(err.contains("already exists") && err.contains("pass --overwrite to replace it"), "{err}");
     expect(&["convert", ck, conv, "--overwrite"], 0);
     expect(&["verify", conv], 0);
     // A source that is not a checkpoint.
@@ -469,6 +499,9 @@ fn convert_to_dcp_and_back() {
     });
     assert_eq!(data.count(), 1, "rank 0's data file");
     assert_eq!(plain_tensors(Path::new(dcp)), plain_tensors(Path::new(ck)));
+    // The copy holds what its source holds: objects and common state too.
+    let d = expect(&["diff", ck, dcp], 0);
+    assert!(d.contains("equal"), "{d}");
     // And back to the native format (the default target).
     expect(&["convert", dcp, back], 0);
     assert_eq!(plain_tensors(Path::new(back)), plain_tensors(Path::new(ck)));
@@ -672,9 +705,14 @@ fn unshard_refuses_outputs_inside_the_source_and_onto_special_files() {
     let dir = outs.join("dir.safetensors");
     std::fs::create_dir(&dir).unwrap();
     let before = snapshot(&outs);
-    for out in [&fifo, &link, &dir] {
+    for out in [&fifo, &link] {
         refused(&["unshard", src, "--out", out.to_str().unwrap()], out);
     }
+    // A directory's model.safetensors, the same way.
+    let inside = dir.join("model.safetensors");
+    std::os::unix::fs::symlink(&victim, &inside).unwrap();
+    refused(&["unshard", src, "--out", dir.to_str().unwrap()], &inside);
+    std::fs::remove_file(&inside).unwrap();
     assert_eq!(snapshot(&outs), before);
     assert_eq!(std::fs::read(&victim).unwrap(), b"user data");
 
@@ -692,6 +730,37 @@ fn unshard_refuses_outputs_inside_the_source_and_onto_special_files() {
     std::fs::write(&regular, b"old").unwrap();
     expect(&["unshard", src, "--out", regular.to_str().unwrap()], 0);
     assert!(std::fs::metadata(&regular).unwrap().len() > 1000);
+}
+
+/// `--out` naming a directory (an existing one, or a path ending with `/`) without
+/// `--max-shard-size`: the one file goes into it as `model.safetensors`, never a file named
+/// like the directory.
+#[test]
+fn unshard_into_a_directory_writes_model_safetensors_there() {
+    let scratch = Scratch::new("unshard-dir");
+    let ck = scratch.path().join("ck");
+    expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
+    let src = ck.to_str().unwrap();
+    let hf = scratch.path().join("hf");
+    let out = expect(&["unshard", src, "--out", &format!("{}/", hf.display())], 0);
+    assert!(hf.is_dir(), "hf/ is a directory");
+    let file = hf.join("model.safetensors");
+    assert!(out.contains(&file.display().to_string()), "{out}");
+    let (_, tensors) = read_safetensors(&file);
+    assert_eq!(tensors.len(), plain_tensors(&ck).len());
+    // An existing directory, named without the slash: the same.
+    std::fs::remove_file(&file).unwrap();
+    expect(&["unshard", src, "--out", hf.to_str().unwrap()], 0);
+    assert!(file.is_file());
+    // A file named with a trailing slash: refused, the file kept.
+    let plain = scratch.path().join("plain.safetensors");
+    std::fs::write(&plain, b"mine").unwrap();
+    let err = refused(&["unshard", src, "--out", &format!("{}/", plain.display())], &plain);
+    assert!(err.contains("is a file"), "{err}");
+    assert_eq!(std::fs::read(&plain).unwrap(), b"mine");
+    // --help says so.
+    let help = expect(&["unshard", "--help"], 0);
+    assert!(help.contains("model.safetensors"), "{help}");
 }
 
 #[test]

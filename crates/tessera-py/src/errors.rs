@@ -116,8 +116,8 @@ fn build(py: Python<'_>, err: tessera::Error) -> PyResult<PyErr> {
     let message = err.to_string();
     let path = |p: &std::path::Path| p.to_string_lossy().into_owned().into_py_any(py);
     let (kind, attrs): (Kind, Vec<(&str, Py<PyAny>)>) = match err {
-        E::NotFound { path: p } => (Kind::NotFound, vec![("path", path(&p)?)]),
-        E::NotCommitted { path: p } => (Kind::NotCommitted, vec![("path", path(&p)?)]),
+        E::NotFound { path: p, .. } => (Kind::NotFound, vec![("path", path(&p)?)]),
+        E::NotCommitted { path: p, .. } => (Kind::NotCommitted, vec![("path", path(&p)?)]),
         E::AlreadyExists { path: p } => (Kind::AlreadyExists, vec![("path", path(&p)?)]),
         E::Corrupt { path: p, reason } => {
             (Kind::Corrupt, vec![("path", path(&p)?), ("reason", reason.into_py_any(py)?)])

@@ -5,17 +5,30 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A file or directory that must exist does not.
-    #[error("not found: {path}")]
+    /// A file or directory that must exist does not. For a checkpoint location that holds
+    /// none, `detail` says what it holds and what to do (the whole message then).
+    #[error("{}", detail.clone().unwrap_or_else(|| format!("not found: {}", path.display())))]
     NotFound {
         /// What was looked for.
         path: PathBuf,
+        /// When `path` is a location opened as a checkpoint: what was looked for there, what it
+        /// holds, what to do (e.g. "no checkpoint in D: it holds step100/, step200/
+        /// (checkpoints): pass one of them").
+        detail: Option<String>,
     },
     /// The directory holds no committed checkpoint (no index: never finished, or crashed).
-    #[error("not a committed checkpoint: {path} (no index; the save never finished or was interrupted)")]
+    #[error(
+        "{}",
+        detail.clone().unwrap_or_else(|| format!(
+            "not a committed checkpoint: {} (no index; the save never finished or was interrupted)",
+            path.display()
+        ))
+    )]
     NotCommitted {
         /// Checkpoint location.
         path: PathBuf,
+        /// What was looked for there, what it holds and what to do, as for [`Error::NotFound`].
+        detail: Option<String>,
     },
     /// A committed checkpoint is already there and overwriting was not asked for.
     #[error("a committed checkpoint already exists at {path}; pass overwrite to replace it")]
@@ -145,10 +158,18 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// [`Error::NotFound`] of `path`, without detail.
+    pub fn not_found(path: impl Into<PathBuf>) -> Self {
+        Error::NotFound { path: path.into(), detail: None }
+    }
+    /// [`Error::NotCommitted`] of `path`, without detail.
+    pub fn not_committed(path: impl Into<PathBuf>) -> Self {
+        Error::NotCommitted { path: path.into(), detail: None }
+    }
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         let path = path.into();
         if source.kind() == std::io::ErrorKind::NotFound {
-            Error::NotFound { path }
+            Error::NotFound { path, detail: None }
         } else {
             Error::Io { path, source }
         }

@@ -106,7 +106,7 @@ impl Storage for Ignoring {
     }
     fn size(&self, name: &str) -> Result<u64> {
         if name == INDEX_FILE && self.checks.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
-            return Err(Error::NotFound { path: name.into() });
+            return Err(Error::not_found(name));
         }
         self.inner.size(name)
     }

@@ -313,7 +313,7 @@ fn a_missing_index_is_not_committed() {
     assert!(matches!(open(&storage).map(|c| c.common_state()), Err(Error::NotCommitted { .. })));
     assert!(matches!(open(&storage).map(|c| c.content_metadata().clone()), Err(Error::NotCommitted { .. })));
     match open(&storage).map(Checkpoint::into_index) {
-        Err(Error::NotCommitted { path }) => assert_eq!(path, fx.dir.path()),
+        Err(Error::NotCommitted { path, .. }) => assert_eq!(path, fx.dir.path()),
         other => panic!("{other:?}"),
     }
 }
@@ -355,7 +355,7 @@ fn a_missing_data_file_names_the_file() {
     std::fs::remove_file(fx.path(&name)).unwrap();
     let storage = fx.storage();
     match load_all(&storage, &fx, true) {
-        Err(Error::NotFound { path }) => {
+        Err(Error::NotFound { path, .. }) => {
             assert!(path.to_string_lossy().ends_with(&name), "{path:?}")
         }
         other => panic!("expected NotFound naming {name}, got {other:?}"),

@@ -113,16 +113,17 @@ fn export_onto_anything_but_a_regular_file_or_a_new_name_is_refused_untouched() 
     std::os::unix::fs::symlink(&victim, &link).unwrap();
     let dangling = outs.join("dangling.safetensors");
     std::os::unix::fs::symlink(dir.join("nowhere"), &dangling).unwrap();
-    // A directory.
+    // A directory, which receives model.safetensors: a link planted under that name.
     let sub = outs.join("sub.safetensors");
     std::fs::create_dir(&sub).unwrap();
     std::fs::write(sub.join("keep"), b"k").unwrap();
+    let planted = sub.join("model.safetensors");
+    std::os::unix::fs::symlink(&victim, &planted).unwrap();
     let before = snapshot(&outs);
     for out in [&fifo, &link, &dangling] {
         assert_refused(export_safetensors(&src, out, &ExportOptions::default(), &mut no_progress()), out);
     }
-    let e = export_safetensors(&src, &sub, &ExportOptions::default(), &mut no_progress());
-    assert!(matches!(e, Err(Error::InvalidArgument { .. })), "{e:?}");
+    assert_refused(export_safetensors(&src, &sub, &ExportOptions::default(), &mut no_progress()), &planted);
     // A sharded export into a FIFO, or whose shard or index name is taken by one of these.
     assert_refused(export_safetensors(&src, &fifo, &sharded(), &mut no_progress()), &fifo);
     let shards = dir.join("shards");

@@ -370,6 +370,10 @@ fn every_readable_fixture_converts_to_dcp_or_names_what_cannot_go() {
             ) {
                 Ok(_) => {
                     same_tensors(&src, dst.path(), &what);
+                    // Objects, common state and content metadata too.
+                    let (a, b) = (LocalStorage::new(&src), LocalStorage::new(dst.path()));
+                    let report = tessera::diff(&a, &b, &tessera::DiffOptions::default()).unwrap();
+                    assert!(report.is_equal(), "{what}: {report:?}");
                     converted += 1;
                 }
                 Err(e) => {

@@ -112,8 +112,8 @@ impl Failure {
     pub fn of(e: &Error) -> Failure {
         let path = |p: &std::path::Path| p.to_string_lossy().into_owned();
         let (kind, subject, reason) = match e {
-            Error::NotFound { path: p } => (Kind::NotFound, path(p), String::new()),
-            Error::NotCommitted { path: p } => (Kind::NotCommitted, path(p), String::new()),
+            Error::NotFound { path: p, .. } => (Kind::NotFound, path(p), String::new()),
+            Error::NotCommitted { path: p, .. } => (Kind::NotCommitted, path(p), String::new()),
             Error::AlreadyExists { path: p } => (Kind::AlreadyExists, path(p), String::new()),
             Error::Corrupt { path: p, reason } => (Kind::Corrupt, path(p), reason.clone()),
             Error::IncompatibleVersion { found, .. } => (Kind::IncompatibleVersion, String::new(), found.clone()),
@@ -283,8 +283,8 @@ mod tests {
 
     fn every_variant() -> Vec<Error> {
         vec![
-            Error::NotFound { path: "/ck/a.bin".into() },
-            Error::NotCommitted { path: "/ck".into() },
+            Error::not_found("/ck/a.bin"),
+            Error::not_committed("/ck"),
             Error::AlreadyExists { path: "s3://b/ck".into() },
             Error::corrupt("/ck/f", "checksum mismatch"),
             Error::IncompatibleVersion { found: "9".into(), supported: "1, 2".into() },

@@ -11,6 +11,7 @@
 //! crcs, and loads read only the requested bytes.
 
 pub(crate) mod dcp;
+pub(crate) mod dcp_values;
 pub(crate) mod olmo;
 pub(crate) mod pickle;
 pub(crate) mod safetensors;

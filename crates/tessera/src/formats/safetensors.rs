@@ -105,7 +105,7 @@ pub(crate) fn open_safetensors<'s>(
     storage: &'s dyn Storage,
     for_each: ForEach<'_>,
 ) -> Result<(CheckpointIndex, ForeignView<'s>)> {
-    let (names, weight_map) = files(storage)?.ok_or_else(|| Error::NotCommitted { path: storage.location().into() })?;
+    let (names, weight_map) = files(storage)?.ok_or_else(|| Error::not_committed(storage.location()))?;
     let read: Vec<Mutex<Option<Result<HeaderRead>>>> = names.iter().map(|_| Mutex::new(None)).collect();
     for_each(names.len(), &|i| {
         *read[i].lock().unwrap() = Some(read_safetensors_header(storage, &names[i]));
@@ -114,11 +114,8 @@ pub(crate) fn open_safetensors<'s>(
     let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
     for (id, (name, r)) in names.iter().zip(read).enumerate() {
         let shown = format!("{}/{name}", storage.location());
-        let (header, header_crc) = r
-            .into_inner()
-            .unwrap()
-            .expect("every header was read")?
-            .ok_or_else(|| Error::NotFound { path: shown.clone().into() })?;
+        let (header, header_crc) =
+            r.into_inner().unwrap().expect("every header was read")?.ok_or_else(|| Error::not_found(shown.clone()))?;
         files.push(FileEntry { name: name.clone(), size: header.size, header_len: header.header_len, header_crc });
         for (key, e) in header.tensors {
             if let Some(map) = &weight_map {

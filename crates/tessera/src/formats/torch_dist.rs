@@ -18,10 +18,11 @@
 //! Pure: descriptions in, bytes out.
 
 use crate::error::{Error, Result};
+use crate::formats::dcp_values::{assemble, to_pickle, DcpSeg};
 use crate::formats::pickle::write::{pickle, Pk};
 use crate::formats::torch_save::write::{torch_dtype_name, value_archive, wrap_archive_in_list};
 use crate::model::dtype::DType;
-use crate::model::{path_string, PathSeg, StatePath, Value};
+use crate::model::{StatePath, Value};
 
 /// DCP's metadata file (the commit marker).
 pub const DCP_METADATA: &str = ".metadata";
@@ -138,8 +139,15 @@ fn tensor_properties(dtype: DType) -> Pk {
 }
 
 /// The `.metadata` pickle (protocol 4, as `pickle.dump` writes it) of a checkpoint holding
-/// `tensors` and the byte items `bytes` (fqn, place). `save_id` names the save.
-pub fn metadata_pickle(tensors: &[TensorItems], bytes: &[(String, ItemPlace)], save_id: &str) -> Vec<u8> {
+/// `tensors` and the byte items `bytes` (fqn, place). `planner` is its `planner_data`: each
+/// key's path in the state dict, as DCP's own save records it (`None`: none, as Megatron's
+/// decentralised plan leaves it). `save_id` names the save.
+pub fn metadata_pickle(
+    tensors: &[TensorItems],
+    bytes: &[(String, ItemPlace)],
+    planner: Option<&[(String, Vec<DcpSeg>)]>,
+    save_id: &str,
+) -> Vec<u8> {
     let mut sdm = Vec::with_capacity(tensors.len() + bytes.len());
     let mut storage = Vec::new();
     for t in tensors {
@@ -185,14 +193,22 @@ pub fn metadata_pickle(tensors: &[TensorItems], bytes: &[(String, ItemPlace)], s
         "Metadata",
         Pk::fields(vec![
             ("state_dict_metadata", Pk::Dict(sdm)),
-            // Megatron plans each rank on its own and records no planner data.
-            ("planner_data", Pk::None),
+            ("planner_data", planner.map_or(Pk::None, planner_data)),
             ("storage_data", Pk::Dict(storage)),
             ("storage_meta", storage_meta),
             ("version", Pk::str(DCP_VERSION)),
         ]),
     );
     pickle(&root, 4)
+}
+
+/// `planner_data`: a dict of each key's path, a tuple of dict keys (strings) and list indices.
+fn planner_data(paths: &[(String, Vec<DcpSeg>)]) -> Pk {
+    let seg = |s: &DcpSeg| match s {
+        DcpSeg::Key(k) => Pk::Str(k.clone()),
+        DcpSeg::Index(i) => Pk::Int(*i as i64),
+    };
+    Pk::Dict(paths.iter().map(|(k, path)| (Pk::Str(k.clone()), Pk::Tuple(path.iter().map(seg).collect()))).collect())
 }
 
 /// The `storage_meta.save_id` tessera writes into a `.metadata`: the save's id, and the
@@ -260,98 +276,24 @@ pub fn object_item(key: &str, payload: &[u8], serialization_id: &str) -> Result<
     }
 }
 
-/// A map key that Python's glue uses for a value only `torch.load` can rebuild: tessera holds
-/// its `torch.save` bytes, not the value (`{TORCH_SAVE_KEY: bytes}`).
-pub const TORCH_SAVE_KEY: &str = "__tessera_torch_save__";
+pub use crate::formats::dcp_values::TORCH_SAVE_KEY;
 /// Prefix of a path segment that stands for an integer dict key (`"\0int:3"` for the key `3`
 /// of an optimizer's `state`): the data model's map keys are strings, and a list index is
 /// another thing than an integer key.
 pub const INT_KEY_PREFIX: &str = "\0int:";
 
-enum Node {
-    Leaf(Pk),
-    Map(Vec<(String, Node)>),
-    List(Vec<(u64, Node)>),
-}
-
-impl Node {
-    fn into_pk(self) -> Pk {
-        match self {
-            Node::Leaf(p) => p,
-            Node::Map(kv) => Pk::Dict(kv.into_iter().map(|(k, v)| (Pk::Str(k), v.into_pk())).collect()),
-            Node::List(mut xs) => {
-                xs.sort_by_key(|(i, _)| *i);
-                let mut out = Vec::with_capacity(xs.len());
-                for (i, v) in xs {
-                    while (out.len() as u64) < i {
-                        out.push(Pk::None);
-                    }
-                    out.push(v.into_pk());
-                }
-                Pk::List(out)
-            }
-        }
-    }
-}
-
-/// The node under `node` at `seg`, created empty if new (an empty map becomes a list when
-/// indexed); `None` if `node` cannot have it (a value, or a map indexed by position).
-fn child<'a>(node: &'a mut Node, seg: &PathSeg) -> Option<&'a mut Node> {
-    if matches!((&*node, seg), (Node::Map(kv), PathSeg::Index(_)) if kv.is_empty()) {
-        *node = Node::List(Vec::new());
-    }
-    match (node, seg) {
-        (Node::Map(kv), PathSeg::Key(k)) => {
-            let at = kv.iter().position(|(x, _)| x == k).unwrap_or_else(|| {
-                kv.push((k.clone(), Node::Map(Vec::new())));
-                kv.len() - 1
-            });
-            Some(&mut kv[at].1)
-        }
-        (Node::List(xs), PathSeg::Index(i)) => {
-            let at = xs.iter().position(|(x, _)| x == i).unwrap_or_else(|| {
-                xs.push((*i, Node::Map(Vec::new())));
-                xs.len() - 1
-            });
-            Some(&mut xs[at].1)
-        }
-        _ => None,
-    }
-}
-
-fn holds_torch_blob(v: &Value) -> bool {
-    match v {
-        Value::Map(kv) => kv.iter().any(|(k, v)| k == TORCH_SAVE_KEY || holds_torch_blob(v)),
-        Value::List(xs) => xs.iter().any(holds_torch_blob),
-        _ => false,
-    }
-}
-
 /// `common.pt`: `torch.save` of the dict the common values make (each at its path: keys make
 /// dicts, indices lists). A value tessera holds only as `torch.save` bytes (a Python object
-/// that is not plain data) cannot be re-pickled into it: an error names it.
+/// that is not plain data) goes in as that object; one holding tensors cannot, and is refused
+/// naming it.
 pub fn common_pt(common: &[(StatePath, Value)], serialization_id: &str) -> Result<Vec<u8>> {
-    let mut root = Node::Map(Vec::new());
-    for (path, value) in common {
-        if holds_torch_blob(value) {
-            return Err(Error::invalid(format!(
-                "common value {:?} is a Python object tessera holds only as torch.save bytes; \
-                 it cannot be written into common.pt (load and re-save it from Python)",
-                path_string(path)
-            )));
-        }
-        let Some((last, parents)) = path.split_last() else {
-            return Err(Error::invalid("a common value has an empty path"));
-        };
-        let mut node = &mut root;
-        for seg in parents.iter().chain(std::iter::once(last)) {
-            node = child(node, seg).ok_or_else(|| {
-                Error::invalid(format!("common value {:?}: its path crosses another value", path_string(path)))
-            })?;
-        }
-        *node = Node::Leaf(Pk::from(value));
+    let root = assemble(common)?;
+    let Value::Map(top) = &root else { unreachable!("the root is a dict") };
+    let mut items = Vec::with_capacity(top.len());
+    for (k, v) in top {
+        items.push((Pk::Str(k.clone()), to_pickle(v, k)?));
     }
-    value_archive(&root.into_pk(), serialization_id)
+    value_archive(&Pk::Dict(items), serialization_id)
 }
 
 #[cfg(test)]
@@ -360,6 +302,7 @@ mod tests {
     use crate::formats::dcp::metadata::parse_metadata;
     use crate::formats::pickle::{unpickle_view, PickleValue, UnpickleLimits};
     use crate::formats::torch_save::decode_archive;
+    use crate::model::PathSeg;
 
     #[test]
     fn metadata_reads_back() {
@@ -374,7 +317,7 @@ mod tests {
             ],
         }];
         let bytes = vec![(object_fqn("rng", &[1], &[2]), place(20))];
-        let pkl = metadata_pickle(&tensors, &bytes, "id");
+        let pkl = metadata_pickle(&tensors, &bytes, None, "id");
         let meta = parse_metadata(unpickle_view(&pkl, "m", &UnpickleLimits::default()).unwrap().root()).unwrap();
         assert_eq!(meta.tensors.len(), 1);
         let t = &meta.tensors[0];
@@ -424,9 +367,21 @@ mod tests {
             ("list".into(), Value::List(vec![Value::Str("a".into()), Value::Str("b".into())])),
         ]);
         assert_eq!(back, expected);
-        let blob = Value::Map(vec![(TORCH_SAVE_KEY.into(), Value::Bytes(vec![1]))]);
-        let err = common_pt(&[(vec![k("opaque")], blob)], "1").unwrap_err().to_string();
+        // A value held as torch.save bytes goes in as its object; one holding tensors, or bytes
+        // that do not read, are refused naming it.
+        let tuple = value_archive(&Pk::Tuple(vec![Pk::Int(1), Pk::Str("x".into())]), "2").unwrap();
+        let blob = |b: Vec<u8>| Value::Map(vec![(TORCH_SAVE_KEY.into(), Value::Bytes(b))]);
+        let back = decode_archive(&common_pt(&[(vec![k("args"), k("t")], blob(tuple))], "1").unwrap(), "c").unwrap();
+        let t = PickleValue::Tuple(vec![PickleValue::Int(1), PickleValue::Str("x".into())]);
+        let args = PickleValue::Dict(vec![(PickleValue::Str("t".into()), t)]);
+        assert_eq!(back, PickleValue::Dict(vec![(PickleValue::Str("args".into()), args)]));
+        let err = common_pt(&[(vec![k("opaque")], blob(vec![1]))], "1").unwrap_err().to_string();
         assert!(err.contains("opaque"), "{err}");
+        let data = [1u8, 0, 0, 0];
+        let t = crate::formats::torch_save::write::tensor_archive(DType::I32, &[1], 0, "3");
+        let tensor = [t.prefix.as_slice(), &data, &t.suffix].concat();
+        let err = common_pt(&[(vec![k("holds"), PathSeg::Index(2)], blob(tensor))], "1").unwrap_err().to_string();
+        assert!(err.contains("\"holds.2\"") && err.contains("tensors"), "{err}");
         assert_eq!(decode_archive(&common_pt(&[], "1").unwrap(), "c").unwrap(), PickleValue::Dict(vec![]));
     }
 }

@@ -822,7 +822,7 @@ pub(crate) fn read_plain_tensors(
     }
     if let Some(ks) = keys {
         if let Some(k) = ks.iter().find(|k| index.tensor(k).is_none()) {
-            return Err(Error::NotFound { path: format!("{}: tensor {k:?}", storage.location()).into() });
+            return Err(Error::not_found(format!("{}: tensor {k:?}", storage.location())));
         }
     }
     let loaded = load_opened(index, tree, storage, &crate::comm::SoloComm, &LoadOptions::default())?;

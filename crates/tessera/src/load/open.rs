@@ -102,10 +102,104 @@ pub(crate) fn detect_format(storage: &dyn Storage) -> Result<(FormatRecord, &'st
         }
     }
     if storage.list()?.is_empty() {
-        Err(Error::NotFound { path: storage.location().into() })
+        Err(Error::not_found(storage.location()))
     } else {
-        Err(Error::NotCommitted { path: storage.location().into() })
+        Err(Error::not_committed(storage.location()))
     }
+}
+
+/// What a reader finds no checkpoint in (the markers of the formats it reads), for messages.
+const LOOKED_FOR: &str = "found neither tessera.index (tessera), .metadata (PyTorch DCP, Megatron torch_dist), \
+                          metadata.json (Megatron, OLMo-core), model_and_optim/ (OLMo-core) nor *.safetensors";
+
+/// Names (relative to a folder) that make it a checkpoint a reader opens: a format's marker.
+fn is_checkpoint_marker(rest: &str) -> bool {
+    matches!(
+        rest,
+        INDEX_FILE
+            | ".metadata"
+            | "metadata.json"
+            | "model_and_optim/.metadata"
+            | "model/metadata.json"
+            | "optim/metadata.json"
+            | "model.safetensors.index.json"
+    ) || (rest.ends_with(".safetensors") && !rest.contains('/'))
+}
+
+/// Up to five names, and how many there are in all when more.
+fn some_of(names: &[String]) -> String {
+    let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();
+    let more = if names.len() > shown.len() { format!(", … ({} in all)", names.len()) } else { String::new() };
+    format!("{}{more}", shown.join(", "))
+}
+
+/// `err` of a reader's detection, with what the location holds and what to do when it says
+/// the location holds no checkpoint (its `detail`): the location is listed, here only, so
+/// that a save's look at its destination costs no more than detection.
+fn explained(storage: &dyn Storage, err: Error) -> Error {
+    let location = storage.location();
+    match err {
+        Error::NotFound { path, detail: None } if path.as_os_str() == location.as_str() => {
+            let detail = absence(storage, false);
+            Error::NotFound { path, detail }
+        }
+        Error::NotCommitted { path, detail: None } if path.as_os_str() == location.as_str() => {
+            let detail = absence(storage, true);
+            Error::NotCommitted { path, detail }
+        }
+        other => other,
+    }
+}
+
+/// What a location holding no checkpoint holds, and what to do; `None` when it cannot be
+/// listed. `files_there`: detection found files at its top (not committed) rather than none.
+fn absence(storage: &dyn Storage, files_there: bool) -> Option<String> {
+    let at = storage.location();
+    let files = storage.list().ok()?;
+    let all = storage.list_recursive().unwrap_or_default();
+    let mut checkpoints = std::collections::BTreeSet::new();
+    let mut folders = std::collections::BTreeSet::new();
+    for name in &all {
+        if let Some((folder, rest)) = name.split_once('/') {
+            if is_checkpoint_marker(rest) {
+                checkpoints.insert(folder.to_string());
+            } else {
+                folders.insert(folder.to_string());
+            }
+        }
+    }
+    let folders: Vec<String> = folders.difference(&checkpoints).map(|f| format!("{f}/")).collect();
+    let checkpoints: Vec<String> = checkpoints.into_iter().map(|f| format!("{f}/")).collect();
+    // A local directory (a location without a URL scheme, as every local storage has).
+    let local = !at.contains("://");
+    Some(if !checkpoints.is_empty() {
+        format!("no checkpoint in {at}: it holds {} (checkpoints): pass one of them", some_of(&checkpoints))
+    } else if files.is_empty() && folders.is_empty() {
+        if local && !std::path::Path::new(&at).exists() {
+            format!("no checkpoint at {at}: no such directory")
+        } else if local {
+            format!("no checkpoint in {at}: the directory is empty")
+        } else {
+            format!("no checkpoint at {at}: nothing is stored there")
+        }
+    } else if files.is_empty() {
+        format!(
+            "no checkpoint in {at}: {LOOKED_FOR}; it holds only folders, none of them a checkpoint: {}",
+            some_of(&folders)
+        )
+    } else {
+        let data = files.iter().filter(|n| n.ends_with(".safetensors") || n.ends_with(".distcp")).count();
+        if files_there && data > 0 {
+            format!(
+                "no committed checkpoint in {at}: {LOOKED_FOR}, but {data} data file(s) of a save that never \
+                 finished (or was interrupted); `tessera gc {at}` removes them"
+            )
+        } else {
+            let mut files = files;
+            files.sort();
+            format!("no checkpoint in {at}: {LOOKED_FOR}; it holds {}", some_of(&files))
+        }
+    })
 }
 
 /// Opens the index of any recognised checkpoint. For a foreign format (DCP, Megatron, OLMo-core)
@@ -139,7 +233,7 @@ impl FormatRecord {
     /// assert!(matches!(FormatRecord::detect(&MemoryStorage::new()), Err(tessera::Error::NotFound { .. })));
     /// ```
     pub fn detect(storage: &dyn Storage) -> Result<FormatRecord> {
-        detect_format(storage).map(|(record, _)| record)
+        detect_format(storage).map(|(record, _)| record).map_err(|e| explained(storage, e))
     }
 }
 
@@ -249,7 +343,7 @@ pub(crate) fn open_checkpoint(storage: &dyn Storage) -> Result<Checkpoint<'_>> {
 /// [`open_checkpoint`] without the validation gate, for `verify`, which reports every defect
 /// of the index instead of stopping at the first. Nothing may read by such an index.
 pub(crate) fn open_unvalidated(storage: &dyn Storage) -> Result<Checkpoint<'_>> {
-    let (record, strategy) = detect_format(storage)?;
+    let (record, strategy) = detect_format(storage).map_err(|e| explained(storage, e))?;
     let (index, view) = strategy.open_checkpoint(storage, &parallel_open)?;
     Ok(Checkpoint { record, index, base: storage, view })
 }
@@ -258,7 +352,7 @@ pub(crate) fn open_unvalidated(storage: &dyn Storage) -> Result<Checkpoint<'_>> 
 /// read and decoded for those tensors alone (the others are listed in the index's
 /// `omitted_tensors`). Objects, common state and files are always complete.
 pub(crate) fn open_checkpoint_key_set<'s>(storage: &'s dyn Storage, keys: &BTreeSet<String>) -> Result<Checkpoint<'s>> {
-    let (record, strategy) = detect_format(storage)?;
+    let (record, strategy) = detect_format(storage).map_err(|e| explained(storage, e))?;
     let (index, view) = strategy.open_checkpoint_keys(storage, keys, &parallel_open)?;
     validate_index(&index, &metadata_path(storage, &record))?;
     Ok(Checkpoint { record, index, base: storage, view })

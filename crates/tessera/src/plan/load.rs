@@ -87,10 +87,18 @@ fn plan_request_with(index: &CheckpointIndex, req: &Request, fast_rows: bool) ->
         region: "(the whole tensor: key not in checkpoint)".into(),
     })?;
     let entry = &index.tensors[ti];
+    // The reasons name no option of any API (the front ends differ in what they offer: a
+    // Megatron-style load casts and may allow a shape mismatch, a DCP-style one does neither);
+    // each starts with a fixed phrase, "stored dtype is" or "stored global shape is", after
+    // which a front end may add its own way out.
     if entry.dtype != req.dtype {
         return Err(Error::Mismatch {
             key: req.key.clone(),
-            reason: format!("stored dtype is {}, the request has {}", entry.dtype, req.dtype),
+            reason: format!(
+                "stored dtype is {}, the request has {}: load it into a {} tensor (the checkpoint's dtype) and \
+                 convert that after loading",
+                entry.dtype, req.dtype, entry.dtype
+            ),
         });
     }
     if entry.global_shape.len() != req.global_shape.len()
@@ -99,7 +107,7 @@ fn plan_request_with(index: &CheckpointIndex, req: &Request, fast_rows: bool) ->
         return Err(Error::Mismatch {
             key: req.key.clone(),
             reason: format!(
-                "stored global shape is {:?}, the request has {:?} (allow_shape_mismatch is off)",
+                "stored global shape is {:?}, the request has {:?}: load it into a tensor of the stored shape",
                 entry.global_shape, req.global_shape
             ),
         });

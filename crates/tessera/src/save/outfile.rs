@@ -112,7 +112,7 @@ pub(crate) fn resolve(path: &Path) -> Result<PathBuf> {
                 if !name.is_empty() {
                     rest.push(name);
                 }
-                existing = existing.parent().ok_or_else(|| Error::NotFound { path: path.into() })?;
+                existing = existing.parent().ok_or_else(|| Error::not_found(path))?;
             }
             Err(e) => return Err(Error::io(existing, e)),
         }

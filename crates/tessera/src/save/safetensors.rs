@@ -110,6 +110,27 @@ impl ExportFile {
     }
 }
 
+/// The file an unsharded export writes into a directory: Hugging Face's name for one file.
+const SINGLE_FILE_NAME: &str = "model.safetensors";
+
+/// Where an unsharded export named `out` writes its one file: `out` itself, or
+/// `out/model.safetensors` when `out` names a directory (one that exists, or a path ending with
+/// a separator, `hf/`, which a file of the bare name may not be: refused, naming it).
+pub(crate) fn single_file_path(out: &Path) -> Result<std::borrow::Cow<'_, Path>> {
+    let text = out.as_os_str().to_str().unwrap_or_default();
+    let bare = text.trim_end_matches(['/', std::path::MAIN_SEPARATOR]);
+    // By length: paths compare by components, which a trailing separator is not.
+    let slash = !bare.is_empty() && bare.len() < text.len();
+    if slash && Path::new(bare).exists() && !Path::new(bare).is_dir() {
+        return Err(Error::invalid(format!(
+            "{} names a directory (it ends with a separator) but {bare} is a file: give the file's name without \
+             the separator to replace it",
+            out.display()
+        )));
+    }
+    Ok(if slash || out.is_dir() { out.join(SINGLE_FILE_NAME).into() } else { out.into() })
+}
+
 impl<'f> SafetensorsExport<'f> {
     /// Plans an export to `out`: one file (`names` is None; `out` is the file) or shards in the
     /// directory `out` (`names` gives each file's name). `headers[k]` is file `k`'s header;
@@ -132,12 +153,6 @@ impl<'f> SafetensorsExport<'f> {
                     .file_name()
                     .and_then(|n| n.to_str())
                     .ok_or_else(|| Error::invalid(format!("{}: not a file name", out.display())))?;
-                if out.is_dir() {
-                    return Err(Error::invalid(format!(
-                        "{} is a directory: give a file name (or a maximum shard size to write shards into it)",
-                        out.display()
-                    )));
-                }
                 outfile::check_replaceable(out)?;
                 let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
                 std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;

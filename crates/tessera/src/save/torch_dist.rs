@@ -621,7 +621,7 @@ fn dcp_metadata(plans: &[RankPlan], save_id: u64, files_per_rank: usize, common:
             }
         }
     }
-    let metadata = metadata_pickle(&tensors, &bytes, &metadata_save_id(save_id, common));
+    let metadata = metadata_pickle(&tensors, &bytes, None, &metadata_save_id(save_id, common));
     let files = (0..plans.len()).flat_map(|r| file_names(r, save_id, files_per_rank)).collect();
     (metadata, files)
 }

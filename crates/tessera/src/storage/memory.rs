@@ -41,7 +41,7 @@ impl MemoryStorage {
             .unwrap()
             .get(name)
             .cloned()
-            .ok_or_else(|| Error::NotFound { path: format!("mem://{}/{name}", self.name).into() })
+            .ok_or_else(|| Error::not_found(format!("mem://{}/{name}", self.name)))
     }
 }
 

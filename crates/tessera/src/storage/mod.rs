@@ -320,7 +320,7 @@ impl OneFile {
         if name == self.name {
             Ok(())
         } else {
-            Err(Error::NotFound { path: format!("{}: {name}", self.shown).into() })
+            Err(Error::not_found(format!("{}: {name}", self.shown)))
         }
     }
     fn read_only(&self) -> Error {

@@ -524,7 +524,7 @@ impl ObjectStorage {
             return denied;
         }
         match e {
-            object_store::Error::NotFound { .. } => Error::NotFound { path: self.shown(name) },
+            object_store::Error::NotFound { .. } => Error::not_found(self.shown(name)),
             object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. } => {
                 Error::AlreadyExists { path: self.shown(name) }
             }
@@ -550,7 +550,7 @@ impl ObjectStorage {
                 }
                 Ok(bytes.to_vec())
             }
-            Err(object_store::Error::NotFound { .. }) => Err(Error::NotFound { path: self.shown(name) }),
+            Err(object_store::Error::NotFound { .. }) => Err(Error::not_found(self.shown(name))),
             Err(e) => {
                 // A range past the end is refused by the store: report it as truncation.
                 match self.size(name) {

@@ -11,12 +11,20 @@
 //! `max_file_size` each; `.metadata` is written last, the commit.
 //!
 //! Sharded objects become byte items as the writer makes them ([`object_item`]: their payloads
-//! are read whole, before any tensor). The common state becomes `common.pt`, with the content
-//! metadata under `content_metadata` as Megatron keeps it; a value tessera holds only as
-//! `torch.save` bytes is refused, naming it.
+//! are read whole, before any tensor). The common state, with the content metadata under
+//! `content_metadata` as Megatron keeps it, is written twice: as DCP stores a state dict's
+//! values (byte items under the keys DCP's flattening gives them, `dcp_values`), which
+//! `torch.distributed.checkpoint.load` finds, and as `common.pt`, which Megatron reads.
+//! `planner_data` records every key's path, as DCP's own save does. tessera's reader takes the
+//! common state from `common.pt` (where it has a key) and not again from the byte items.
+
+use std::collections::HashMap;
 
 use crate::comm::SoloComm;
 use crate::error::{Error, Result};
+use crate::format::CheckpointIndex;
+use crate::formats::dcp::parse_object_fqn;
+use crate::formats::dcp_values::{flatten, python_path, DcpSeg, DcpValues};
 use crate::formats::torch_dist::{
     common_pt, is_data_file_name, metadata_pickle, metadata_save_id, object_fqn, object_item, ChunkItem, ItemPlace,
     TensorItems,
@@ -24,7 +32,7 @@ use crate::formats::torch_dist::{
 use crate::formats::torch_save::write::{crc32, tensor_archive};
 use crate::load::engine::{read_object, LoadOptions};
 use crate::load::open::open_checkpoint;
-use crate::model::{PathSeg, Value};
+use crate::model::{path_string, PathSeg, Value};
 use crate::plan::geometry::{decompose_flat, split_box_lazy, BoxPart};
 use crate::save::lease::kept_while;
 use crate::save::options::SaveOptions;
@@ -88,12 +96,24 @@ pub fn convert_to_dcp(
     let fresh = !dst.list()?.iter().any(|n| is_data_file_name(n));
     let save_id = with_first_file_number(new_save_id(), fresh);
 
-    // The common state first: a value that cannot go into common.pt fails before any write.
+    // The common state first: a value that cannot be written fails before any write.
     let mut common = index.common.clone();
     if index.content_metadata != Value::Null {
-        common.push((vec![PathSeg::Key("content_metadata".into())], index.content_metadata.clone()));
+        if let Some((path, _)) = common.iter().find(|(p, _)| p.first() == Some(&PathSeg::Key(CONTENT_METADATA.into())))
+        {
+            return Err(Error::invalid(format!(
+                "{}: common value {:?} and the content metadata would both be {CONTENT_METADATA:?} in the copy \
+                 (Megatron keeps the content metadata in the common state under that key)",
+                src.location(),
+                path_string(path)
+            )));
+        }
+        common.push((vec![PathSeg::Key(CONTENT_METADATA.into())], index.content_metadata.clone()));
     }
     let common_bytes = common_pt(&common, &serialization_id(save_id, u64::MAX))?;
+    // And as DCP itself stores values: byte items under their flattened keys, which a DCP load
+    // of the state dict looks for (common.pt is Megatron's alone).
+    let values = flatten(&common, &|n| serialization_id(save_id, u64::MAX - 1 - n as u64))?;
 
     // Objects, read whole (they are small: RNG states, optimizer hyperparameters).
     let mut objects = Vec::new();
@@ -104,6 +124,10 @@ pub fn convert_to_dcp(
             objects.push((object_fqn(&o.key, &s.offset, &o.global_shape), item));
         }
     }
+    let planner = planner_data(index, &objects, &values, &src.location())?;
+    // The values' items are written as the objects' are.
+    let object_shards = objects.len();
+    objects.extend(values.values.into_iter().map(|v| (v.fqn, v.item)));
 
     // Tensor parts: boxes only, each at most a job's share of the budget.
     let per_job = job_bytes(opts.memory_budget);
@@ -189,7 +213,7 @@ pub fn convert_to_dcp(
             (fqn.clone(), ItemPlace { file: names[at.file].clone(), offset: at.offset, length: at.len })
         })
         .collect();
-    let metadata = metadata_pickle(&tensors, &byte_items, &metadata_save_id(save_id, &common_bytes));
+    let metadata = metadata_pickle(&tensors, &byte_items, Some(&planner), &metadata_save_id(save_id, &common_bytes));
     let index_bytes = metadata.len() as u64;
 
     // The write session: this process writes every file, then commits as a save does.
@@ -217,12 +241,60 @@ pub fn convert_to_dcp(
     Ok(ConvertReport {
         tensors: tensors.len(),
         chunks: parts.len(),
-        object_shards: objects.len(),
+        object_shards,
         files: names.len(),
         bytes: report.bytes_written,
         index_bytes,
         leftovers: report.leftovers,
     })
+}
+
+/// The key Megatron keeps the content metadata under in the common state.
+const CONTENT_METADATA: &str = "content_metadata";
+
+/// `planner_data` of the copy: every key's path in the state dict, as DCP's save records it
+/// (a load of every key rebuilds the nesting from it: OLMo-core's `load_keys` and
+/// `unshard_checkpoint`). Values have their own paths; tensors the paths
+/// [`DcpValues::tensor_path`] finds; a sharded object's item (Megatron's, no nesting) its key.
+/// Two items under one key are refused, naming both.
+fn planner_data(
+    index: &CheckpointIndex,
+    objects: &[(String, Vec<u8>)],
+    values: &DcpValues,
+    location: &str,
+) -> Result<Vec<(String, Vec<DcpSeg>)>> {
+    let mut planner = Vec::with_capacity(index.tensors.len() + objects.len() + values.values.len());
+    let mut owner: HashMap<String, String> = HashMap::new();
+    let mut claim = |fqn: &str, what: String| -> Result<()> {
+        if let Some(first) = owner.insert(fqn.to_string(), what.clone()) {
+            return Err(Error::invalid(format!(
+                "{location}: {first} and {what} would both be stored under the DCP key {fqn:?}: rename one of them"
+            )));
+        }
+        Ok(())
+    };
+    for t in &index.tensors {
+        claim(&t.key, format!("tensor {:?}", t.key))?;
+        planner.push((t.key.clone(), values.tensor_path(&t.key)));
+    }
+    for (fqn, _) in objects {
+        claim(fqn, format!("a shard of object {:?}", fqn.rsplit_once("/shard_").map_or(fqn.as_str(), |(k, _)| k)))?;
+        planner.push((fqn.clone(), vec![DcpSeg::Key(fqn.clone())]));
+    }
+    for v in &values.values {
+        // Megatron's loader (and tessera's reader of torch_dist) take such a key for a sharded
+        // object's.
+        if parse_object_fqn(&v.fqn).is_some() {
+            return Err(Error::invalid(format!(
+                "{location}: common value {:?} would be read as a shard of a sharded object (its DCP key ends \
+                 like Megatron's /shard_<offsets>_<grid>): rename it",
+                v.fqn
+            )));
+        }
+        claim(&v.fqn, format!("common value {}", python_path(&v.path)))?;
+        planner.push((v.fqn.clone(), v.path.clone()));
+    }
+    Ok(planner)
 }
 
 /// Writes every data file: the objects at once, the tensor parts streamed through the load
@@ -231,7 +303,7 @@ pub fn convert_to_dcp(
 fn write_files(
     src: &dyn Storage,
     dst: &dyn Storage,
-    index: &crate::format::CheckpointIndex,
+    index: &CheckpointIndex,
     parts: &[TensorPart<'_>],
     part_places: &[Place],
     objects: &[(String, Vec<u8>)],

@@ -6,11 +6,16 @@ use std::fmt;
 
 use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, ObjectEntry, TensorEntry};
+use crate::formats::common_value;
+use crate::formats::dcp_values::{assemble, torch_blob};
+use crate::formats::pickle::PickleValue;
+use crate::formats::torch_save::{decode_archive, zip_entries};
+use crate::formats::{OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE};
 use crate::load::engine::{read_object, LoadOptions};
 use crate::load::open::open_checkpoint;
 use crate::model::dtype::elements_to_f64;
 use crate::model::dtype::{element_to_f64, DType};
-use crate::model::{path_string, StatePath, Value};
+use crate::model::{path_string, PathSeg, StatePath, Value};
 use crate::plan::geometry::split_box_lazy;
 use crate::storage::Storage;
 use crate::tools::pipeline::{
@@ -285,8 +290,9 @@ type DiffPart<'i> = (usize, u64, TensorPart<'i>, TensorPart<'i>);
 /// Compares the checkpoints in `a` and `b` (any formats [`open`](crate::open) recognises): which
 /// tensors and sharded objects are on one side only, dtype and shape differences, element
 /// values (see [`DiffOptions::atol`]) with the largest difference and the first differing
-/// element per tensor, object payloads shard by shard, the common state path by path, and the
-/// content metadata. Tensors are read in slices of rows, both sides at once, the next slices
+/// element per tensor, object payloads shard by shard (as the objects they encode: one object
+/// stored by two formats is equal), the common state leaf by leaf, and the content metadata
+/// (values compared through the shapes formats give them: see `compared_common`). Tensors are read in slices of rows, both sides at once, the next slices
 /// being read while the previous are compared.
 ///
 /// ```
@@ -324,7 +330,7 @@ pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<Diff
     if let Some(ks) = &wanted {
         let known = |i: &CheckpointIndex, k: &str| i.tensor(k).is_some() || i.object(k).is_some();
         if let Some(k) = ks.iter().find(|k| !known(ia, k) && !known(ib, k)) {
-            return Err(Error::NotFound { path: format!("{} and {}: key {k:?}", a.location(), b.location()).into() });
+            return Err(Error::not_found(format!("{} and {}: key {k:?}", a.location(), b.location())));
         }
     }
     let selected = |k: &str| wanted.as_ref().is_none_or(|ks| ks.contains(k));
@@ -446,7 +452,11 @@ pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<Diff
         for (x, _) in batch {
             let (sa, sb) = (&pa[x.key.as_str()], &pb[x.key.as_str()]);
             let cells: BTreeSet<&Vec<u64>> = sa.keys().chain(sb.keys()).collect();
-            let differing: Vec<Vec<u64>> = cells.into_iter().filter(|c| sa.get(*c) != sb.get(*c)).cloned().collect();
+            let same = |c: &Vec<u64>| match (sa.get(c), sb.get(c)) {
+                (Some(x), Some(y)) => x == y || held(x) == held(y),
+                _ => false,
+            };
+            let differing: Vec<Vec<u64>> = cells.into_iter().filter(|c| !same(c)).cloned().collect();
             if !differing.is_empty() {
                 report.objects.push(ObjectDiff { key: x.key.clone(), difference: ObjectDifference::Shards(differing) });
             }
@@ -456,21 +466,158 @@ pub fn diff(a: &dyn Storage, b: &dyn Storage, opts: &DiffOptions) -> Result<Diff
 
     // Common state and content metadata (whole-checkpoint comparisons only).
     if wanted.is_none() {
-        let ca: BTreeMap<&StatePath, &Value> = ia.common.iter().map(|(p, v)| (p, v)).collect();
-        let cb: BTreeMap<&StatePath, &Value> = ib.common.iter().map(|(p, v)| (p, v)).collect();
-        let paths: BTreeSet<&StatePath> = ca.keys().chain(cb.keys()).copied().collect();
+        let (ca, ma) = compared_common(ia);
+        let (cb, mb) = compared_common(ib);
+        let paths: BTreeSet<&StatePath> = ca.keys().chain(cb.keys()).collect();
         for path in paths {
-            let (x, y) = (ca.get(path).copied(), cb.get(path).copied());
+            let (x, y) = (ca.get(path), cb.get(path));
             let same = matches!((x, y), (Some(x), Some(y)) if values_equal(x, y));
             if !same {
                 report.common.push(CommonDiff { path: path.clone(), a: x.cloned(), b: y.cloned() });
             }
         }
-        if !values_equal(&ia.content_metadata, &ib.content_metadata) {
-            report.content_metadata = Some((ia.content_metadata.clone(), ib.content_metadata.clone()));
+        if !values_equal(&ma, &mb) {
+            report.content_metadata = Some((ma, mb));
         }
     }
     Ok(report)
+}
+
+/// The common state of `index` as compared, one entry per leaf, and its content metadata.
+/// Formats hold one state in different shapes, and a comparison sees through them:
+/// - a value is split into its leaves (dicts and lists descended into; an empty one is a leaf),
+///   so a list stored whole equals the same list stored element by element;
+/// - a value held as `torch.save` bytes without tensors compares as what it decodes to (plain,
+///   or rendered as plain data as a foreign common state is), so an object equals the same
+///   object read from another format; one holding tensors compares by its bytes;
+/// - without content metadata, the common value `content_metadata` is the content metadata
+///   (where Megatron keeps it, and a torch_dist checkpoint has it).
+fn compared_common(index: &CheckpointIndex) -> (BTreeMap<StatePath, Value>, Value) {
+    let key = PathSeg::Key("content_metadata".into());
+    let is_metadata = |p: &StatePath| p.first() == Some(&key);
+    let mut metadata = index.content_metadata.clone();
+    let moved = metadata == Value::Null && index.common.iter().any(|(p, _)| is_metadata(p));
+    let mut leaves = BTreeMap::new();
+    let mut moved_leaves = Vec::new();
+    for (path, v) in &index.common {
+        let mut at = path.clone();
+        if moved && is_metadata(path) {
+            moved_leaves.push((path[1..].to_vec(), decoded(v)));
+        } else {
+            split_leaves(&mut at, &decoded(v), &mut leaves);
+        }
+    }
+    if moved {
+        metadata = match moved_leaves.as_slice() {
+            [(rest, v)] if rest.is_empty() => v.clone(),
+            // Given leaf by leaf; paths that do not make one value (never written so) compare
+            // as no value.
+            _ => assemble(&moved_leaves).unwrap_or(Value::Null),
+        };
+    }
+    (leaves, metadata)
+}
+
+/// `v` with each value held as `torch.save` bytes (and holding no tensor) replaced by what it
+/// decodes to; bytes that do not decode stay as they are.
+fn decoded(v: &Value) -> Value {
+    if let Some(bytes) = torch_blob(v) {
+        let plain = zip_entries(bytes).ok().filter(|es| !es.iter().any(|e| e.inner_name().starts_with("data/")));
+        return match plain.and_then(|_| decode_archive(bytes, "common value").ok()) {
+            Some(p) => common_value(&p),
+            None => v.clone(),
+        };
+    }
+    match v {
+        Value::Map(kv) => Value::Map(kv.iter().map(|(k, x)| (k.clone(), decoded(x))).collect()),
+        Value::List(xs) => Value::List(xs.iter().map(decoded).collect()),
+        other => other.clone(),
+    }
+}
+
+/// The leaves of `v` at `path`, into `out`.
+fn split_leaves(path: &mut StatePath, v: &Value, out: &mut BTreeMap<StatePath, Value>) {
+    match v {
+        Value::Map(kv) if !kv.is_empty() && torch_blob(v).is_none() => {
+            for (k, x) in kv {
+                path.push(PathSeg::Key(k.clone()));
+                split_leaves(path, x, out);
+                path.pop();
+            }
+        }
+        Value::List(xs) if !xs.is_empty() => {
+            for (i, x) in xs.iter().enumerate() {
+                path.push(PathSeg::Index(i as u64));
+                split_leaves(path, x, out);
+                path.pop();
+            }
+        }
+        _ => {
+            out.insert(path.clone(), v.clone());
+        }
+    }
+}
+
+/// What an object payload holds, for comparison across the encodings of one object (the
+/// payload tags of FORMAT.md): a plain value, whatever encoding holds it (`TSV1`, a
+/// `torch.save` archive of plain data, bytes stored untagged, which a DCP copy keeps as a
+/// Python `bytes`); otherwise the decoded pickle and its storages.
+#[derive(PartialEq)]
+enum Held {
+    Plain(ComparedValue),
+    Pickled(PickleValue, Vec<(String, Vec<u8>)>),
+    Undecodable(Vec<u8>),
+}
+
+/// A plain value compared as [`values_equal`] does.
+struct ComparedValue(Value);
+
+impl PartialEq for ComparedValue {
+    fn eq(&self, other: &Self) -> bool {
+        values_equal(&self.0, &other.0)
+    }
+}
+
+fn held(payload: &[u8]) -> Held {
+    let (tag, body) = payload.split_at(payload.len().min(4));
+    let pickled = |unwrap: bool| -> Held {
+        let Ok(mut v) = decode_archive(body, "object payload") else { return Held::Undecodable(payload.to_vec()) };
+        if unwrap {
+            match v {
+                PickleValue::List(mut xs) if xs.len() == 1 => v = xs.pop().expect("one element"),
+                _ => return Held::Undecodable(payload.to_vec()),
+            }
+        }
+        match v.to_plain() {
+            Some(p) => Held::Plain(ComparedValue(p)),
+            None => {
+                let entries = zip_entries(body).unwrap_or_default();
+                let storages = entries
+                    .iter()
+                    .filter_map(|e| {
+                        let key = e.inner_name().strip_prefix("data/")?;
+                        Some((
+                            key.to_string(),
+                            body[e.data_offset as usize..(e.data_offset + e.size) as usize].to_vec(),
+                        ))
+                    })
+                    .collect();
+                Held::Pickled(v, storages)
+            }
+        }
+    };
+    if tag == OBJECT_TAG_VALUE {
+        match Value::from_bytes(body) {
+            Ok(v) => Held::Plain(ComparedValue(v)),
+            Err(_) => Held::Undecodable(payload.to_vec()),
+        }
+    } else if tag == OBJECT_TAG_TORCH {
+        pickled(false)
+    } else if tag == OBJECT_TAG_TORCH_LIST {
+        pickled(true)
+    } else {
+        Held::Plain(ComparedValue(Value::Bytes(payload.to_vec())))
+    }
 }
 
 /// Payloads of the shards of some objects: by key, then grid position.

@@ -17,7 +17,7 @@ use crate::load::open::open_checkpoint;
 use crate::model::dtype::{cast_into, DType};
 use crate::plan::geometry::split_box_lazy;
 use crate::save::outfile;
-use crate::save::safetensors::{ExportFile, ExportFs, LocalFs, SafetensorsExport};
+use crate::save::safetensors::{single_file_path, ExportFile, ExportFs, LocalFs, SafetensorsExport};
 use crate::storage::Storage;
 use crate::tools::pipeline::{
     batched, check_memory_budget, job_bytes, load_parts, pipeline, TensorPart, DEFAULT_MEMORY_BUDGET,
@@ -34,7 +34,9 @@ pub struct ExportOptions {
     /// Shard the output: `out` is then a directory that receives
     /// `model-00001-of-0000N.safetensors`, … and `model.safetensors.index.json`. Tensors are
     /// packed in key order, a new file starting when the next tensor would pass this size; a
-    /// tensor larger than it gets a file of its own. `None`: `out` is one `.safetensors` file.
+    /// tensor larger than it gets a file of its own. `None`: one file, `out` itself, or
+    /// `out/model.safetensors` when `out` is a directory (one that exists, or a path ending
+    /// with a separator, `hf/`: the directory is created).
     pub max_shard_size: Option<u64>,
     /// About the most bytes of tensor data held in memory at once (default 512 MiB).
     pub memory_budget: u64,
@@ -106,7 +108,8 @@ impl Out<'_> {
 /// its global shape, C-contiguous. Every file is written under a new temporary name in its final
 /// directory (created exclusively: nothing already there is opened or followed) and renamed
 /// into place once all are complete; an existing regular file of the same name is replaced.
-/// Refused ([`Error::InvalidArgument`], naming the path) before anything is written: an output
+/// An unsharded export into a directory (existing, or `out` ending with a separator) writes
+/// `model.safetensors` there. Refused ([`Error::InvalidArgument`], naming the path) before anything is written: an output
 /// that is the source checkpoint's directory or inside it, and an output name that exists as
 /// anything but a regular file (directory, symlink, FIFO, device node). `progress(bytes_done,
 /// bytes_total)` is called as data is written.
@@ -153,6 +156,14 @@ pub fn export_with(
     progress: &mut dyn FnMut(u64, u64),
     fs: &dyn ExportFs,
 ) -> Result<ExportReport> {
+    let single;
+    let out = match opts.max_shard_size {
+        None => {
+            single = single_file_path(out)?;
+            single.as_ref()
+        }
+        Some(_) => out,
+    };
     outfile::check_outside(out, &src.location())?;
     let ckpt = open_checkpoint(src)?;
     check_memory_budget(opts.memory_budget, &ckpt.index, &src.location())?;
@@ -169,11 +180,7 @@ pub fn export_with(
             keys.sort();
             keys.dedup();
             keys.into_iter()
-                .map(|k| {
-                    index
-                        .tensor(k)
-                        .ok_or_else(|| Error::NotFound { path: format!("{}: tensor {k:?}", src.location()).into() })
-                })
+                .map(|k| index.tensor(k).ok_or_else(|| Error::not_found(format!("{}: tensor {k:?}", src.location()))))
                 .collect::<Result<_>>()?
         }
     };

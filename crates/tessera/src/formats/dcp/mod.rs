@@ -3,6 +3,7 @@
 
 pub(crate) mod metadata;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
@@ -181,6 +182,23 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
     let mut objects = ObjectShards::default();
     let mut common: Vec<(StatePath, Value)> = Vec::with_capacity(meta.bytes.len());
     let mut common_object: Option<PickleValue> = None;
+    // Megatron's common state is common.pt. A torch_dist copy tessera writes holds its values
+    // there and also as DCP byte items (what DCP's load reads): a byte item under a top-level
+    // key common.pt has is the same value again, and is not read.
+    let megatron_common = match flavor {
+        DcpFlavor::Megatron => {
+            view.megatron_common(meta_save_id.as_deref().and_then(crate::formats::torch_dist::committed_common))?
+        }
+        _ => None,
+    };
+    let in_common_pt: BTreeSet<&str> = megatron_common
+        .iter()
+        .flatten()
+        .filter_map(|(path, _)| match path.first() {
+            Some(PathSeg::Key(k)) => Some(k.as_str()),
+            _ => None,
+        })
+        .collect();
     // Taken from the end, in order, and the vector shrunk as it empties: the items given back
     // as common values are not also held as items (a million of them are 96 MB).
     let mut items = meta.bytes;
@@ -211,6 +229,14 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
                 continue;
             }
         }
+        let top = match b.path.as_deref().and_then(<[PathSeg]>::first) {
+            Some(PathSeg::Key(k)) => k.as_str(),
+            Some(PathSeg::Index(_)) => "",
+            None => b.fqn.as_str(),
+        };
+        if in_common_pt.contains(top) {
+            continue;
+        }
         let archive = view.read_item(&b.location, None, &b.fqn)?;
         let item_shown = format!("{}/{}", storage.location(), b.location.relative_path);
         let v = view.decode_value(&archive, &item_shown)?;
@@ -224,7 +250,7 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
     }
 
     if flavor == DcpFlavor::Megatron {
-        match view.megatron_common(meta_save_id.as_deref().and_then(crate::formats::torch_dist::committed_common))? {
+        match megatron_common {
             Some(entries) => common.extend(entries),
             None => common.extend(common_object.as_ref().map(common_entries).unwrap_or_default()),
         }

@@ -86,7 +86,7 @@ fn check_one_save(marks: &[(String, Option<SaveMark>)], location: &str) -> Resul
     if marks.len() < claim.dirs as usize {
         // Committed in one directory only: the save of both never finished (the directory alone
         // opens, as itself).
-        return Err(Error::NotCommitted { path: location.into() });
+        return Err(Error::not_committed(location));
     }
     for (other, mark) in marks {
         if mark.map(|m| m.id) != Some(claim.id) {
@@ -120,7 +120,7 @@ pub(crate) fn open_olmo<'s>(
     storage: &'s dyn Storage,
     for_each: ForEach<'_>,
 ) -> Result<(CheckpointIndex, ForeignView<'s>)> {
-    let parts = olmo_parts(storage)?.ok_or_else(|| Error::NotCommitted { path: storage.location().into() })?;
+    let parts = olmo_parts(storage)?.ok_or_else(|| Error::not_committed(storage.location()))?;
     let mut files: Vec<FileEntry> = Vec::new();
     let mut tensors: Vec<TensorEntry> = Vec::new();
     let mut common: Vec<(StatePath, Value)> = Vec::new();

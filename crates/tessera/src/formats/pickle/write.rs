@@ -36,6 +36,12 @@ pub(crate) enum Pk {
     },
     /// A persistent id (`torch.save`'s reference to a storage).
     PersId(Box<Pk>),
+    /// The opcodes of one value taken from another pickle of protocol 2 or 3 (its body: no
+    /// `PROTO`, no `STOP`), spliced in as they are: how a value tessera holds only as
+    /// `torch.save` bytes goes into a pickle it writes. Sound because this writer keeps no
+    /// memo: the fragment's `PUT`s and `GET`s refer to its own objects only (a later fragment's
+    /// `PUT` to the same index replaces the entry, after the earlier fragment is done with it).
+    Raw(Vec<u8>),
 }
 
 impl Pk {
@@ -210,6 +216,7 @@ impl Writer {
                 self.value(pid);
                 self.out.push(BINPERSID);
             }
+            Pk::Raw(body) => self.out.extend_from_slice(body),
         }
     }
 

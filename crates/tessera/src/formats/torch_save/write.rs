@@ -373,6 +373,7 @@ pub(crate) fn value_archive(value: &Pk, serialization_id: &str) -> crate::error:
             Pk::List(xs) | Pk::Tuple(xs) => xs.iter().map(longest).max().unwrap_or(0),
             Pk::Dict(kv) => kv.iter().map(|(k, v)| longest(k).max(longest(v))).max().unwrap_or(0),
             Pk::Reduce(f, args) => longest(f).max(args.iter().map(longest).max().unwrap_or(0)),
+            Pk::Raw(body) => body.len(),
             _ => 0,
         }
     }
@@ -398,11 +399,14 @@ pub(crate) fn archive_of_pickle(pkl: &[u8], storages: &[(&str, &[u8])], serializ
     prefix
 }
 
-/// `torch.save([obj])` from the archive of `torch.save(obj)` (Megatron stores sharded objects
-/// in a one-element list): the same entries, `data.pkl` wrapped in a list. The inner pickle
-/// must be protocol ≤ 3 (what `torch.save` writes): later protocols frame their opcodes, and
-/// a frame cannot be spliced into another pickle.
-pub(crate) fn wrap_archive_in_list(archive: &[u8], serialization_id: &str) -> Result<Vec<u8>, String> {
+/// The storage entries of a `torch.save` archive: `(key, bytes)` of each `data/<key>`.
+pub(crate) type Storages = Vec<(String, Vec<u8>)>;
+
+/// The pickle body of a `torch.save` archive (its `data.pkl` without `PROTO` and `STOP`, for
+/// splicing into another pickle: [`Pk::Raw`]) and its storage entries (`data/<key>`, in order).
+/// The pickle must be protocol ≤ 3 (what `torch.save` writes): later protocols frame their
+/// opcodes, and a frame cannot be spliced into another pickle.
+pub(crate) fn archive_parts(archive: &[u8]) -> Result<(Vec<u8>, Storages), String> {
     use crate::formats::torch_save::{find_entry, zip_entries};
     let entries = zip_entries(archive)?;
     let slice =
@@ -410,21 +414,30 @@ pub(crate) fn wrap_archive_in_list(archive: &[u8], serialization_id: &str) -> Re
     let pkl = slice(find_entry(&entries, "data.pkl").ok_or("no data.pkl in the torch.save archive")?);
     let body = match pkl {
         [0x80, p, body @ .., b'.'] if *p <= 3 => body,
-        [0x80, p, ..] => return Err(format!("data.pkl is pickle protocol {p}; only protocols 2-3 can be wrapped")),
+        [0x80, p, ..] => return Err(format!("data.pkl is pickle protocol {p}; only protocols 2-3 can be spliced")),
         [.., b'.'] => pkl.strip_suffix(b".").unwrap_or(pkl),
         _ => return Err("data.pkl does not end with STOP".into()),
     };
-    // EMPTY_LIST, the object, APPEND: the memo indices the object uses are unchanged because
-    // nothing before it is memoized.
-    let mut wrapped = vec![0x80, 2, b']'];
-    wrapped.extend_from_slice(body);
-    wrapped.extend_from_slice(b"a.");
     let mut storages = Vec::new();
     for e in &entries {
         if let Some(key) = e.inner_name().strip_prefix("data/") {
-            storages.push((key, slice(e)));
+            storages.push((key.to_string(), slice(e).to_vec()));
         }
     }
+    Ok((body.to_vec(), storages))
+}
+
+/// `torch.save([obj])` from the archive of `torch.save(obj)` (Megatron stores sharded objects
+/// in a one-element list): the same entries, `data.pkl` wrapped in a list (see
+/// [`archive_parts`] for the pickles this takes).
+pub(crate) fn wrap_archive_in_list(archive: &[u8], serialization_id: &str) -> Result<Vec<u8>, String> {
+    let (body, storages) = archive_parts(archive)?;
+    // EMPTY_LIST, the object, APPEND: the memo indices the object uses are unchanged because
+    // nothing before it is memoized.
+    let mut wrapped = vec![0x80, 2, b']'];
+    wrapped.extend_from_slice(&body);
+    wrapped.extend_from_slice(b"a.");
+    let storages: Vec<(&str, &[u8])> = storages.iter().map(|(k, d)| (k.as_str(), d.as_slice())).collect();
     Ok(archive_of_pickle(&wrapped, &storages, serialization_id))
 }
 
