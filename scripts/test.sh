@@ -2,8 +2,8 @@
 # Runs every test of the project: the Rust workspace (unit, integration, CLI tests), a short
 # fuzzing of every parser (scripts/fuzz.sh ci), then the Python package's tests (pytest, real
 # torch on CPU, multi-process with gloo), then the MPI example, the round trips with
-# ai2-olmo-core 0.1.0 (.venv-olmo) and three suites of Megatron-LM's own tests
-# (.venv-megatron). The object-store tests run against moto_server (an S3 implementation,
+# ai2-olmo-core 0.1.0 (.venv-olmo), a DCP copy loaded by ai2-olmo-core 3.0.0 (.venv-olmo3) and,
+# where Megatron-LM's tests are (MEGATRON_PEER), three of its suites (.venv-megatron). The object-store tests run against moto_server (an S3 implementation,
 # installed into .venv with the Python test requirements), started here on a free loopback
 # port and stopped on exit; and against Azurite (Azure Blob, npm; scripts/azurite-env.sh) and
 # fake-gcs-server (GCS, from .venv), which the tests start themselves, in memory, on loopback.
@@ -44,6 +44,9 @@ bash scripts/fuzz.sh ci
 bash scripts/mpi-example.sh
 # OLMo-core: round trips with ai2-olmo-core 0.1.0 itself, both ways (its own venv, torch 2.7.1).
 bash scripts/olmo_interop.sh
+# OLMo-core 3.0 (its own venv, torch 2.13): a checkpoint it wrote, converted by tessera to its
+# format and back to a DCP copy, loads into ai2-olmo-core 3.0.0 itself with every value.
+bash scripts/olmo3_interop.sh --tessera-copy
 # Megatron-LM's own dist_checkpointing tests (test_mapping, test_serialization, test_strict) with
 # megatron.core.dist_checkpointing aliased to tessera's, when the peer's tests and harness are
 # here: the folder $MEGATRON_PEER names (.ci/run sets it to ../shared/peers/megatron-lm, where

@@ -240,9 +240,12 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
         let archive = view.read_item(&b.location, None, &b.fqn)?;
         let item_shown = format!("{}/{}", storage.location(), b.location.relative_path);
         let v = view.decode_value(&archive, &item_shown)?;
-        let value = match v.to_plain() {
+        // A tuple has no plain form that keeps it a tuple (Adam's `betas`; OLMo-core 3.0 reads
+        // them back and compares types): such a value, like any other that is not plain, stays
+        // its torch.save bytes, from which Python callers rebuild the exact object and which a
+        // DCP copy stores again as they are.
+        let value = match v.to_plain().filter(|_| !holds_tuple(&v)) {
             Some(p) => p,
-            // Python callers can still rebuild the exact object from its torch.save bytes.
             None => Value::Map(vec![(TORCH_SAVE_KEY.to_string(), Value::Bytes(archive))]),
         };
         let path = b.path.unwrap_or_else(|| vec![PathSeg::Key(b.fqn.clone())]);
@@ -260,6 +263,16 @@ fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex
 }
 
 pub(crate) use crate::formats::torch_dist::TORCH_SAVE_KEY;
+
+/// Whether a tuple is anywhere in `v`.
+fn holds_tuple(v: &PickleValue) -> bool {
+    match v {
+        PickleValue::Tuple(_) => true,
+        PickleValue::List(items) | PickleValue::Set(items) => items.iter().any(holds_tuple),
+        PickleValue::Dict(pairs) => pairs.iter().any(|(k, v)| holds_tuple(k) || holds_tuple(v)),
+        _ => false,
+    }
+}
 
 #[cfg(test)]
 mod tests {
