@@ -65,13 +65,14 @@ def state(fill: bool) -> Dict[str, Any]:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Equal values; a tuple equals the list of its items (the copy keeps plain data)."""
+    """Equal values of the same types: a tuple stays a tuple through the copy (Adam's
+    ``betas``; OLMo-core 3.0 compares them by type)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
 
 

@@ -405,3 +405,21 @@ def test_torch_layout_optimizer_state_loads_whole(tmp_path: Any) -> None:
     full = tt.unshard_optim_state(ckpt)
     assert full["param_groups"]["2.weight"]["betas"] == (0.8, 0.9) or full["param_groups"]["2.weight"]["betas"] == [0.8, 0.9]
     assert full["param_groups"]["0.bias"]["lr"] == 0.01 and set(full["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_messages_say_what_was_looked_for_and_what_to_do(tmp_path: Any) -> None:
+    from tessera.errors import NotFoundError, TesseraError
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NotFoundError, match="the directory is empty"):
+        tt.load({"w": torch.zeros(2)}, str(tmp_path / "empty"))
+    runs = tmp_path / "runs"
+    for step in ("step100", "step200"):
+        tt.save({"w": torch.ones(2, 2)}, str(runs / step))
+    with pytest.raises(NotFoundError, match=r"step100/, step200/ \(checkpoints\): pass one of them"):
+        tt.load({"w": torch.zeros(2, 2)}, str(runs))
+    with pytest.raises(TesseraError, match=r"stored global shape is \[2, 2\].*tensor of the stored shape") as e:
+        tt.load({"w": torch.zeros(4, 1)}, str(runs / "step100"))
+    assert "allow_shape_mismatch" not in str(e.value)  # not an argument tt.load takes
+    with pytest.raises(TesseraError, match=r"stored dtype is f32, the request has bf16: load it into a f32 tensor"):
+        tt.load({"w": torch.zeros(2, 2, dtype=torch.bfloat16)}, str(runs / "step100"))
