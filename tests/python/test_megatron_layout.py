@@ -10,7 +10,7 @@ pytest.importorskip("tessera._native")
 
 from tessera._core.values import torch_load_bytes
 from tessera import dist_checkpointing as dc  # noqa: E402
-from tessera.dist_checkpointing import ShardedTensor, serialization  # noqa: E402
+from tessera.dist_checkpointing import ShardedTensor, _engine, serialization  # noqa: E402
 from tessera.dist_checkpointing.core import CheckpointingException  # noqa: E402
 from tessera.dist_checkpointing.strategies.base import SaveShardedStrategy, LoadShardedStrategy  # noqa: E402
 
@@ -219,6 +219,105 @@ def test_checkpointable_sharded_tensors_go_through_plain_dcp(tmp_path):
     assert loaded["s"]._sh_ten.data.tolist() == [3.0, 4.0, 5.0, 6.0]
 
 
+def _package_imports(package_dir):
+    """Module -> [(imported package-internal module, nested in a statement)] of every module
+    under ``package_dir`` (the ``tessera`` package), read from the source: ``from a import b``
+    counts as an import of module ``a.b`` when that is a module, of ``a`` otherwise."""
+    import ast
+    from pathlib import Path
+
+    root = Path(package_dir)
+    paths = {}
+    for path in root.rglob("*.py"):
+        parts = ("tessera",) + path.relative_to(root).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    imports = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else []))
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in paths else source for a in node.names]
+            else:
+                continue
+            # Nested: inside a function, class, try or if (column > 0), not at the module's top.
+            found += [(t, node.col_offset > 0) for t in targets if t.split(".")[0] == "tessera" and t != module]
+        imports[module] = found
+    return imports
+
+
+def _circles(graph):
+    """The strongly connected groups of more than one module (each holds an import circle)."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_package_imports_form_no_circle_and_stay_at_module_level():
+    """No module of the tessera package imports another of it inside a function (or a try, an
+    if) to dodge a circle, and the imports form no circle; every module of
+    ``tessera.dist_checkpointing`` then imports, in a fresh interpreter."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import tessera
+
+    package_dir = Path(tessera.__file__).parent
+    imports = _package_imports(package_dir)
+    nested = sorted(f"{module} imports {target}" for module, found in imports.items() for target, inner in found if inner)
+    assert not nested, "package-internal imports below module level:\n" + "\n".join(nested)
+    graph = {module: {target for target, _ in found if target in imports} for module, found in imports.items()}
+    assert not _circles(graph), f"import circles: {_circles(graph)}"
+
+    modules = sorted(m for m in imports if m.startswith("tessera.dist_checkpointing"))
+    assert "tessera.dist_checkpointing._engine" in modules and "tessera.dist_checkpointing.strategies.torch" in modules
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint('ok')\n"
+    env = {"PYTHONPATH": str(package_dir.parent), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_import_checks_see_nested_imports_and_circles(tmp_path):
+    """The walk of the test above finds what it looks for: a circle, and a function's import."""
+    package = tmp_path / "tessera"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text("def f():\n    from .a import x\n")
+    imports = _package_imports(package)
+    assert imports["tessera.b"] == [("tessera.a", True)]
+    assert _circles({m: {t for t, _ in found} for m, found in imports.items()}) == [["tessera.a", "tessera.b"]]
+
+
 def test_install_as_megatron_aliases_every_module():
     import subprocess
     import sys
@@ -241,7 +340,7 @@ def test_install_as_megatron_aliases_every_module():
 def test_empty_state_dict_saves(tmp_path):
     """A rank may have nothing to save (Megatron's test_out_of_order_load: one tensor, on one
     rank): its empty state dict is no common value at the root."""
-    assert serialization._split({}) == ([], [], [])
+    assert _engine.split_state_dict({}) == ([], [], [])
     dc.save({}, str(tmp_path / "td"), ("torch_dist", 1))
     assert dc.load({}, str(tmp_path / "td")) == {}
     dc.save({}, str(tmp_path / "native"))

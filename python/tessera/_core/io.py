@@ -17,7 +17,7 @@ from .comm import TorchComm, default_comm
 from .layout import cpu_contiguous
 from .staging import AsyncSaver, default_saver
 
-__all__ = ["communicator", "save", "saver_for", "load", "SaveItem", "LoadItem"]
+__all__ = ["communicator", "save", "saver_for", "on_host", "load", "SaveItem", "LoadItem"]
 
 #: A tensor to save (None: described without data) and how to describe it over host memory.
 SaveItem = Tuple[Any, Callable[[Any], _native.SaveTensor]]
@@ -53,22 +53,7 @@ def save(
     save, returned once every tensor is staged (the caller's tensors may change from then on).
     Tensors that are not CPU C-contiguous memory are copied to the host first (to the saver's
     page-locked buffers for CUDA tensors of an async save, with one synchronisation)."""
-    keep_alive: List[Any] = []
-    pinned = saver.pinned if saver is not None else None
-    described = []
-    device_copies = False
-    for t, describe in items:
-        if t is None:
-            described.append(describe(None))
-            continue
-        if pinned is not None and t.device.type == "cuda":
-            host = pinned.take(t.numel(), t.dtype).view(t.shape)
-            host.copy_(t.detach(), non_blocking=True)
-            device_copies = True
-        else:
-            host = cpu_contiguous(t)
-        keep_alive.append(host)
-        described.append(describe(host))
+    described, keep_alive, device_copies = _staged(items, saver.pinned if saver is not None else None)
     if saver is None:
         return _native.save(described, objects, common, location, comm, **native_kwargs)
     try:
@@ -81,6 +66,37 @@ def save(
         # Staged: the page-locked buffers and host copies are free for the next save.
         del keep_alive
         saver.pinned.give_back_all()
+
+
+def on_host(items: Sequence[SaveItem], copy: bool = False) -> Tuple[List[_native.SaveTensor], List[Any]]:
+    """The items described over host memory, and that memory: for a native call that keeps it
+    alive itself until it writes (``tessera._native.plan_torch_dist``: a planned save). Tensors
+    that are not CPU C-contiguous memory are copied to the host; with ``copy`` every tensor is
+    (the caller's tensors may change before the core writes them)."""
+    described, keep_alive, _ = _staged(items, None, copy)
+    return described, keep_alive
+
+
+def _staged(items: Sequence[SaveItem], pinned: Any, copy: bool = False) -> Tuple[List[_native.SaveTensor], List[Any], bool]:
+    """(the items described over host memory, that memory, whether a device copy is in flight):
+    CUDA tensors go to ``pinned`` buffers without waiting when a pool is given (the caller
+    synchronises once for all of them), other tensors through :func:`cpu_contiguous`."""
+    described = []
+    keep_alive: List[Any] = []
+    device_copies = False
+    for t, describe in items:
+        if t is None:
+            described.append(describe(None))
+            continue
+        if pinned is not None and t.device.type == "cuda":
+            host = pinned.take(t.numel(), t.dtype).view(t.shape)
+            host.copy_(t.detach(), non_blocking=True)
+            device_copies = True
+        else:
+            host = cpu_contiguous(t, copy)
+        keep_alive.append(host)
+        described.append(describe(host))
+    return described, keep_alive, device_copies
 
 
 def load(

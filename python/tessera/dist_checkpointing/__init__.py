@@ -4,11 +4,33 @@ Wrap the tensors of a state dict in ``ShardedTensor`` (``mapping``), derive opti
 from the model's (``optimizer``), and save / load with ``save`` and ``load``: a checkpoint
 saved in one parallel layout loads in any other.
 
-The mapping, dict and strategy modules are pure Python; the entry points of ``serialization``
-need the native extension and are exported only when it is available.
+The modules import each other without a circle, lowest first: ``core``, ``dict_utils``,
+``base`` / ``factories`` / ``mapping``, ``utils``, ``exchange_utils``, ``optimizer`` /
+``dist_optimizer``; ``strategies.base``, ``validation``, ``state_dict_utils``,
+``strategies.async_utils`` / ``strategies.filesystem_async``; ``_engine`` (the native save and
+load of a sharded state dict, through ``tessera._core.io``); the strategies the core runs
+(``strategies._native_load`` and those built on it); ``serialization`` (the entry points, which
+choose the strategies); ``tensor_aware_state_dict``. torch is optional: the package imports
+without it, and what needs it imports it where it is used.
 """
 
-from . import core, dict_utils, mapping, optimizer, strategies, utils, validation
+import importlib
+import sys
+
+from . import (
+    async_utils,
+    core,
+    dict_utils,
+    exchange_utils,
+    mapping,
+    optimizer,
+    serialization,
+    state_dict_utils,
+    strategies,
+    tensor_aware_state_dict,
+    utils,
+    validation,
+)
 from .core import (
     CheckpointingConfig,
     CheckpointingException,
@@ -84,16 +106,8 @@ from .utils import (
     replace_prefix_for_sharding,
 )
 
-try:
-    # save/load and friends: they drive tessera._native, which may not be built.
-    from . import async_utils, exchange_utils, serialization, state_dict_utils, tensor_aware_state_dict
-    from .strategies import async_utils as _strategies_async_utils  # noqa: F401
-    from .strategies.async_utils import AsyncCallsQueue, AsyncRequest, AsyncSaver
-    from .serialization import *  # noqa: F401,F403
-except ImportError:
-    # Left unset so that `from tessera.dist_checkpointing import serialization` retries the
-    # import and shows the real reason.
-    pass
+from .strategies.async_utils import AsyncCallsQueue, AsyncRequest, AsyncSaver
+from .serialization import *  # noqa: F401,F403
 
 #: Megatron-Core 0.16.1's ``dist_checkpointing`` modules, each mirrored here under the same path.
 MEGATRON_MODULES = (
@@ -111,9 +125,6 @@ def install_as_megatron(prefix: str = "megatron.core.dist_checkpointing") -> Non
     (``megatron.core``, ``megatron.core.optimizer``, ``megatron.training.checkpointing``) then
     saves and loads through tessera unchanged. ``strategies.checkpointable`` needs torch >= 2.6
     and is aliased only where it imports."""
-    import importlib
-    import sys
-
     sys.modules[prefix] = sys.modules[__name__]
     for name in MEGATRON_MODULES:
         try:

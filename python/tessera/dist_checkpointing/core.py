@@ -12,8 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Optional, Tuple, Union
+
+from .. import _native
+
+# One base class for every error of the package, native or Python: catching
+# CheckpointingException also catches what the Rust core raises (NotFoundError, ...).
+from ..errors import TesseraError as CheckpointingException
+from .._core.storage import location_url, native_location
 
 __all__ = [
     "CheckpointingException",
@@ -23,17 +30,8 @@ __all__ = [
     "check_is_distributed_checkpoint",
     "save_config",
     "CONFIG_FNAME",
+    "COMMON_STATE_FNAME",
 ]
-
-try:
-    # One base class for every error of the package, native or Python: catching
-    # CheckpointingException also catches what the Rust core raises (NotFoundError, ...).
-    from tessera.errors import TesseraError as CheckpointingException
-except ImportError:  # native extension not built: the pure-Python parts still work.
-
-    class CheckpointingException(Exception):  # type: ignore[no-redef]
-        """Base checkpointing related exception."""
-
 
 class CheckpointingValueError(CheckpointingException, ValueError):
     """An invalid value in a (sharded) state dict.
@@ -62,14 +60,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 def _detect(checkpoint_dir: PathLike) -> Optional[Tuple[str, int]]:
     try:
-        from tessera import _native
-        from tessera._core.storage import native_location
-    except ImportError as e:
-        raise ImportError(
-            "tessera's native extension (tessera._native) is not available; build and install the "
-            "package (`pip install .` or `maturin develop`) to inspect checkpoints"
-        ) from e
-    try:
         detected: Any = _native.detect(native_location(checkpoint_dir))
     except FileNotFoundError:
         # Megatron answers "not a distributed checkpoint" for a missing directory, not an error.
@@ -86,12 +76,13 @@ DCP_BACKENDS = ("torch_dcp", "olmo_core")
 MEGATRON_CONFIG_FNAME = "metadata.json"
 #: Megatron's name for it.
 CONFIG_FNAME = MEGATRON_CONFIG_FNAME
+#: The file of a Megatron checkpoint's common state (``torch.save`` of it), beside metadata.json;
+#: Megatron's ``strategies.common`` names it too.
+COMMON_STATE_FNAME = "common.pt"
 
 
 def local_dir(checkpoint_dir: PathLike) -> Optional[str]:
     """The local filesystem path of a location (plain path or ``file://``), None for others."""
-    from tessera._core.storage import location_url
-
     location = location_url(checkpoint_dir)
     if location.startswith("file://"):
         return location[len("file://") :]
@@ -105,9 +96,6 @@ def _megatron_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
     if local_dir(checkpoint_dir) is None:
         return None
     try:
-        from tessera import _native
-        from tessera._core.storage import native_location
-
         # Read by the core, as every checkpoint file is: never through a link out of the directory.
         data = _native.read_file(native_location(checkpoint_dir), MEGATRON_CONFIG_FNAME)
         return None if data is None else CheckpointingConfig(**json.loads(data))
@@ -157,8 +145,6 @@ def save_config(config: CheckpointingConfig, checkpoint_dir: PathLike) -> None:
     checkpoint). tessera's own saves never need it (the committed index describes the
     checkpoint, and the core writes ``metadata.json`` of ``torch_dist``); it is written for
     checkpoints whose sharded part a caller's own strategy wrote."""
-    from dataclasses import asdict
-
     path = os.path.join(local_dir(checkpoint_dir) or os.fspath(checkpoint_dir), CONFIG_FNAME)
     with open(path, "w") as f:
         json.dump(asdict(config), f)

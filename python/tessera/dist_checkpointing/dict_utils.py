@@ -2,12 +2,18 @@
 
 Every function traverses dicts and lists; anything else (tuples, tensors, sharded tensors, ...)
 is an atomic leaf.
+
+torch is an optional extra of the package, so it is imported where it is used, not with this
+module.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Literal, Tuple, Union, overload
+
+import numpy as np
 
 from .core import CheckpointingValueError
 
@@ -102,8 +108,6 @@ def _values_differ(x1: Any, x2: Any) -> bool:
 
         return x1.dtype != x2.dtype or x1.shape != x2.shape or not torch.equal(x1.cpu(), x2.cpu())
     if type(x1).__module__ == "numpy" and type(x2).__module__ == "numpy":
-        import numpy as np
-
         return not np.array_equal(x1, x2)
     try:
         return bool(x1 != x2)
@@ -113,8 +117,6 @@ def _values_differ(x1: Any, x2: Any) -> bool:
 
 
 def _torch_tensor_type() -> Any:
-    import sys
-
     torch = sys.modules.get("torch")  # a tensor can only exist if torch was imported
     return getattr(torch, "Tensor", None)
 

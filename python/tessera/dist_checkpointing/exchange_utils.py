@@ -6,6 +6,9 @@ These functions serve ``FullyParallel{Save,Load}StrategyWrapper`` around a strat
 tessera's (a caller's own, e.g. a test's mock): the wrapper must then hand that strategy a
 distributed state dict, as megatron does. The assignment is deterministic on every rank, so
 only the metadata is exchanged (``all_gather_object``) before it.
+
+torch is an optional extra of the package, so it is imported where it is used, not with this
+module.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ The main use is wrapping the tensors of a state dict in ``ShardedTensor`` (mostl
 loaded in another. Names, fields and semantics follow Megatron-Core's ``mapping`` module, which
 is also where every other mapping class is importable from.
 
-torch is not needed to import this module: data may be a torch tensor or a numpy array, and
-``dtype`` is whatever ``data.dtype`` is (a ``torch.dtype`` for torch tensors).
+torch is not needed to import this module (an optional extra of the package, imported where
+used): data may be a torch tensor or a numpy array, and ``dtype`` is whatever ``data.dtype`` is
+(a ``torch.dtype`` for torch tensors).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, List, Optional, Tuple, Union, cast
 
+import numpy as np
+
+from .. import _native
+from .._core.descriptors import sharded_save_tensor
+from .._core.dtypes import tessera_dtype_to_torch, torch_dtype_to_tessera
 from .base import (
     LocalNonpersistentObject,
     LocalNonpersitentObject,
@@ -25,11 +31,7 @@ from .base import (
     _int_tuple,
     is_main_replica,
 )
-from tessera import _native
-
-from .._core.descriptors import sharded_save_tensor
 from .core import CheckpointingException
-from .._core.dtypes import tessera_dtype_to_torch, torch_dtype_to_tessera
 from .factories import FactoryBuildFn, FactoryMergeFn, ShardedTensorFactory, apply_factories, apply_factory_merges
 
 __all__ = [
@@ -148,8 +150,6 @@ class ShardedTensor(ShardedBase):
             raise CheckpointingException(
                 f"local_coordinates is undefined for {self} without flattened_range"
             )
-        import numpy as np
-
         mask = np.zeros(math.prod(self.local_shape), dtype=bool)
         mask[self.flattened_range.start : self.flattened_range.stop] = True
         return np.nonzero(mask.reshape(self.local_shape))
@@ -160,8 +160,6 @@ class ShardedTensor(ShardedBase):
             raise CheckpointingException(
                 f"global_coordinates is undefined for {self} without flattened_range"
             )
-        import numpy as np
-
         local = self.local_coordinates()
         count = len(local[0]) if local else 0
         prepended = tuple(np.zeros(count, dtype=np.int64) for _ in range(self.prepend_axis_num))

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
-from .dict_utils import dict_list_map_inplace, extract_matching_values
+from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from .mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory, StateDict, apply_factories
 from .utils import _clean_metadata_for_serialization, extract_nonpersistent, extract_sharded_base
+from .validation import _validate_common_state_dict, validate_sharding_integrity
 
 __all__ = ["save_preprocess", "load_preprocess", "filter_out_empty_flatten_tensor"]
 
@@ -26,8 +27,6 @@ def save_preprocess(
     """Applies factories, drops non-persistent values and splits off the common state;
     with ``validate_access_integrity``, checks the sharding (collective, in the core) and that the
     common state (after ``preprocess_common_before_consistancy_check``) agrees with rank 0's."""
-    from .validation import _validate_common_state_dict, validate_sharding_integrity
-
     apply_factories(sharded_state_dict)
     _, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
     sharded_part, common_state_dict = extract_sharded_base(sharded_state_dict)
@@ -40,8 +39,6 @@ def save_preprocess(
         checked = common_state_dict
         if preprocess_common_before_consistancy_check is not None:
             checked = preprocess_common_before_consistancy_check(common_state_dict)
-        from .dict_utils import nested_values
-
         validate_sharding_integrity(list(nested_values(sharded_part)))
         _validate_common_state_dict(checked)
     return sharded_part, common_state_dict

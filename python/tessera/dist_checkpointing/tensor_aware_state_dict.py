@@ -4,6 +4,9 @@ for in-memory / local checkpoints (NVIDIA Resiliency Extension's ``LocalCheckpoi
 The checkpoint manager takes the tensors out (``pop_tensors``), stores them its own way, and
 puts them back (``insert_tensors``); ``to_state_dict`` rebuilds the requested state dict, with
 the fully parallel exchange of ``exchange_utils`` when shards were saved by one replica only.
+
+torch is an optional extra of the package, so it is imported where it is used, not with this
+module.
 """
 
 from __future__ import annotations

@@ -162,8 +162,6 @@ def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
             x.data = data.dequantize() if hasattr(data, "dequantize") else data.from_float8()
         return x
 
-    from .dict_utils import dict_list_map_inplace
-
     dict_list_map_inplace(to_non_fp8, sharded_state_dict)
 
 

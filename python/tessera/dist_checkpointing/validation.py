@@ -5,19 +5,27 @@ tiled exactly once by main replicas, collectively); the native load reports miss
 unexpected keys itself. What stays here is megatron's API: the strictness flags, the choice and
 check of load strategies from a checkpoint's config, and the common-state comparison with rank
 0 that Megatron logs before a save.
+
+torch is imported only by :func:`determine_global_metadata`, which needs its collectives: the
+rest of the module works without torch.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from enum import Enum
-from typing import Any, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Iterable, List, Set, Tuple, Union
 
 from .. import _native
 from .._core import io
+from .._core.comm import initialized_dist
 from .._core.descriptors import sharded_save_object, sharded_save_tensor
-from .core import CheckpointingException, maybe_load_config
+from ..errors import NotFoundError
+from .core import CheckpointingException, local_dir, maybe_load_config
+from .dict_utils import diff, extract_matching_values, nested_values
 from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
+from .strategies.base import StrategyAction, get_default_strategy, get_load_strategy
 
 __all__ = [
     "StrictHandling",
@@ -74,18 +82,13 @@ def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
 def _validate_common_state_dict(common_state_dict: Any) -> None:
     """Logs a warning on each rank whose common state differs from rank 0's (rank 0 alone writes
     it). One ``broadcast_object_list``; nothing without an initialized process group."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    dist = initialized_dist()
+    if dist is None or dist.get_world_size() == 1:
         return
     rank = dist.get_rank()
     objects = [common_state_dict if rank == 0 else None]
     dist.broadcast_object_list(objects, src=0)
     if rank > 0:
-        from .dict_utils import diff
-
         only_in_rank0, only_here, mismatch = diff(objects[0], common_state_dict)
         if only_in_rank0 or only_here or mismatch:
             logger.warning(
@@ -103,43 +106,28 @@ def verify_checkpoint_and_load_strategy(
     or a ``(backend, version)`` tuple), or the defaults for the checkpoint's backends; each
     checked against the checkpoint's config. Raises CheckpointingException if the directory
     does not exist or is not a distributed checkpoint."""
-    from .strategies.base import StrategyAction, get_default_strategy
-
     # NotFoundError is the core's "nothing there" error and a CheckpointingException, so both
     # tessera's callers (catching NotFoundError) and Megatron's (CheckpointingException) see it.
-    from tessera.errors import NotFoundError
-
     try:
         config = maybe_load_config(checkpoint_dir)
     except FileNotFoundError as e:
         raise NotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist") from e
     if config is None:
-        import os
-
-        from .core import local_dir
-
         path = local_dir(checkpoint_dir)
         if path is not None and not os.path.isdir(path):
             raise NotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
         raise NotFoundError(f"{checkpoint_dir} is not a distributed checkpoint")
 
-    def default(action: Any, backend: str, version: int) -> Any:
-        try:
-            return get_default_strategy(action, backend, version)
-        except CheckpointingException:
-            from .strategies._native_load import NativeLoadCommonStrategy, NativeLoadShardedStrategy
-
-            # A format the core reads without a registered strategy (torch_dcp, olmo_core, ...).
-            if action == StrategyAction.LOAD_SHARDED:
-                return NativeLoadShardedStrategy(backend, version)
-            return NativeLoadCommonStrategy(backend, version)
-
+    # A format the core reads without a registered strategy (torch_dcp, olmo_core, ...) is
+    # loaded by the native reader's strategies, registered for any backend.
     if sharded_strategy is None:
-        sharded_strategy = default(StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version)
+        sharded_strategy = get_load_strategy(
+            StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+        )
     elif isinstance(sharded_strategy, tuple):
         sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *sharded_strategy)
     if common_strategy is None:
-        common_strategy = default(StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version)
+        common_strategy = get_load_strategy(StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version)
     elif isinstance(common_strategy, tuple):
         common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, *common_strategy)
     sharded_strategy.check_backend_compatibility(config.sharded_backend)
@@ -168,14 +156,12 @@ def check_strict_load(
     keys (unless nothing is checked), the missing and the unexpected keys."""
     if strict in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.IGNORE_ALL):
         return sharded_part, set(), set()
-    from .dict_utils import extract_matching_values, nested_values
-
     requested = {sh.key for sh in nested_values(sharded_part) if hasattr(sh, "key")}
     unexpected = requested - stored_keys
     missing: Set[str] = set()
     if StrictHandling.requires_global_app_metadata(strict):
         everyone = set(requested)
-        if _distributed():
+        if initialized_dist() is not None:
             _, gathered = determine_global_metadata(sharded_part)
             everyone = {sh.key for rank in gathered for sh in rank}
         missing = stored_keys - everyone
@@ -190,14 +176,6 @@ def check_strict_load(
     if unexpected:
         _, sharded_part = extract_matching_values(sharded_part, lambda x: getattr(x, "key", None) in unexpected)
     return sharded_part, missing, unexpected
-
-
-def _distributed() -> bool:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False
-    return dist.is_available() and dist.is_initialized()
 
 
 def maybe_report_missing_and_unexpected_keys(
@@ -226,8 +204,6 @@ def mismatch_message(missing_keys: Set[str], unexpected_keys: Set[str]) -> str:
 def determine_global_metadata(sharded_state_dict: ShardedStateDict) -> Tuple[List[ShardedBase], List[List[ShardedBase]]]:
     """(this rank's sharded leaves without data, every rank's): one ``all_gather_object``."""
     import torch.distributed as dist
-
-    from .dict_utils import nested_values
 
     local = [sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)]
     gathered: List[Any] = [None] * dist.get_world_size()

@@ -6,6 +6,9 @@ a native background thread writes the data file and, once every rank has written
 dedicated gloo process group. ``is_done`` is local and ``finalize`` collects the verdict rank 0
 broadcast; the queue's poll agrees over the default group that a request is done everywhere
 before any rank finalizes it.
+
+torch is an optional extra of the package, so it is imported where it is used, not with this
+module.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ caller passes to ``save`` / ``load`` is the one called; ``serialization`` runs t
 engine in one commit when the strategy is tessera's own (``strategies.tessera``) and otherwise
 follows megatron's protocol (common state, then ``strategy.save`` / ``strategy.load``).
 The registry maps ``(action, backend, version)`` to a strategy; every strategy module of this
-package registers its defaults when the package is imported.
+package registers its defaults when the package is imported. A backend with no registered load
+strategy is loaded by the one registered for any backend (:func:`get_load_strategy`): the
+native reader's, for the formats the core reads that Megatron has no strategy for.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from enum import Enum
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
@@ -30,6 +32,8 @@ __all__ = [
     "default_strategies",
     "get_default_strategy",
     "register_default_strategy",
+    "get_load_strategy",
+    "register_any_backend_load_strategy",
 ]
 
 
@@ -179,3 +183,30 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
         ) from None
 
 
+#: action value -> the maker of a load strategy for a ``(backend, version)`` that has no registered
+#: default. The native reader's strategies register theirs (``strategies._native_load``): the core
+#: reads formats that Megatron has no strategy for (``torch_dcp``, ``olmo_core``, ...), in any
+#: version. They are registered, not imported here, because they are built on this module.
+_any_backend_load_strategies: Dict[str, Callable[[str, int], LoadStrategyBase]] = {}
+
+
+def register_any_backend_load_strategy(action: StrategyAction, make: Callable[[str, int], LoadStrategyBase]) -> None:
+    """Makes ``make(backend, version)`` the load strategy of ``action`` for backends without a
+    registered default (see :func:`get_load_strategy`)."""
+    action = StrategyAction(action)
+    if action not in (StrategyAction.LOAD_SHARDED, StrategyAction.LOAD_COMMON):
+        raise ValueError(f"only load strategies are made for any backend, not {action.value}")
+    _any_backend_load_strategies[action.value] = make
+
+
+def get_load_strategy(action: StrategyAction, backend: str, version: int) -> AnyStrategy:
+    """The strategy that loads ``(backend, version)`` for ``action``: the registered default
+    (:func:`get_default_strategy`), else the one made for any backend; raises
+    CheckpointingException as :func:`get_default_strategy` does when there is neither."""
+    try:
+        return get_default_strategy(action, backend, version)
+    except CheckpointingException:
+        make = _any_backend_load_strategies.get(StrategyAction(action).value)
+        if make is None:
+            raise
+        return make(backend, version)

@@ -6,6 +6,8 @@ These strategies serve the others: a Megatron checkpoint's ``common.pt`` is read
 core (``tessera._native.read_file``) and unpickled with ``torch.load(weights_only=True)``, as
 Megatron loads it; and when a caller saves with a sharded strategy of their own (not one the
 native engine runs), the common state goes to ``common.pt`` as Megatron writes it.
+
+torch is imported by the saves, which ``torch.save``: reading and the package work without it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import os
 from typing import Any, Union
 
 from ... import _native
+from ..._core.comm import initialized_dist
 from ..._core.storage import native_location
 from ..._core.values import torch_load_bytes
-from ..mapping import ShardedStateDict, StateDict
+from ..core import COMMON_STATE_FNAME
+from ..dict_utils import nested_values
+from ..mapping import ShardedStateDict, StateDict, is_main_replica
 from ._native_load import NativeLoadCommonStrategy
 from .base import SaveCommonStrategy, StrategyAction, register_default_strategy
 
@@ -27,21 +32,10 @@ __all__ = [
     "register_default_common_strategies",
 ]
 
-COMMON_STATE_FNAME = "common.pt"
-
-
-def _serialization() -> Any:
-    from .. import serialization
-
-    return serialization
-
 
 def _rank() -> int:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return 0
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    dist = initialized_dist()
+    return 0 if dist is None else dist.get_rank()
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
@@ -58,9 +52,6 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
     def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Any) -> None:
         """Each main-replica object to ``<checkpoint_dir>/<unique_key>.pt``, as Megatron does."""
         import torch
-
-        from ..dict_utils import nested_values
-        from ..mapping import is_main_replica
 
         for obj in nested_values(sharded_objects_state_dict):
             if is_main_replica(obj.replica_id):

@@ -9,19 +9,27 @@ processes megatron starts: the core writes without holding the GIL, and a thread
 of the state. The writer also keeps torch's ``FileSystemWriter`` behaviour for code that drives
 ``torch.distributed.checkpoint`` itself with megatron's writer (a bucket of torch write items
 is written with torch's item writer).
+
+torch is optional for the package, which imports this module for every save: torch's names are
+imported where a write uses them, and the writer's base class only when torch is there.
 """
 
 from __future__ import annotations
 
 import inspect
+import multiprocessing as mp
 import os
 import queue
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from torch.distributed.checkpoint import FileSystemWriter
-
 from ... import _native
+from ...errors import TesseraError
+
+try:
+    from torch.distributed.checkpoint import FileSystemWriter
+except ImportError:  # without torch nothing writes torch_dist; the class is still defined
+    FileSystemWriter = object  # type: ignore[misc,assignment]
 
 __all__ = ["FileSystemWriterAsync", "TorchDistWrites", "WriteBucket", "_results_queue", "_get_write_results_queue"]
 
@@ -37,8 +45,6 @@ def _get_write_results_queue() -> Any:
     """The process-wide results queue (created on first use, as megatron does)."""
     global _results_queue
     if _results_queue is None:
-        import multiprocessing as mp
-
         _results_queue = mp.Manager().Queue()
     return _results_queue
 
@@ -225,8 +231,6 @@ class TorchDistWrites:
         """Waits for this rank's files, then commits (collective); returns the save report."""
         from torch.distributed.checkpoint import CheckpointException
         from torch.distributed.checkpoint.api import _wrap_exception
-
-        from ...errors import TesseraError
 
         if self._thread is not None:
             self._thread.join()

@@ -23,6 +23,7 @@ try:
 except ImportError:  # the pure-Python parts of the package work without torch
     torch = None  # type: ignore[assignment]
 
+from .. import _engine
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
 from ..exchange_utils import (
@@ -46,12 +47,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", ShardedObject, ShardedTensor)
-
-
-def _serialization() -> Any:
-    from .. import serialization
-
-    return serialization
 
 
 def _is_native(strategy: Any, attr: str) -> bool:
@@ -89,9 +84,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
         if self.native_writer:
-            return _serialization().save(
-                sharded_state_dict, checkpoint_dir, self, async_sharded_save=True, _sharded_part_only=True
-            )
+            return _engine.save_by_strategy(self, sharded_state_dict, checkpoint_dir, async_save=True)
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"Cannot apply async_save to non-async base strategy {self.base_strategy}")
         self.apply_saving_parallelization(sharded_state_dict)
@@ -99,7 +92,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> Any:
         if self.native_writer:
-            return _serialization().save(sharded_state_dict, checkpoint_dir, self, _sharded_part_only=True)
+            return _engine.save_by_strategy(self, sharded_state_dict, checkpoint_dir, async_save=False)
         self.apply_saving_parallelization(sharded_state_dict)
         return self.base_strategy.save(sharded_state_dict, checkpoint_dir)
 
@@ -167,7 +160,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> StateDict:
         if self.native_reader:
-            return _serialization().load(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
+            return _engine.load_by_strategy(self, sharded_state_dict, checkpoint_dir)
         if _group_size(self.parallelization_group) <= 1:
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         distribution = self.apply_loading_parallelization(sharded_state_dict)

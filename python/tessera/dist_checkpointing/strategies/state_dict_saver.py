@@ -4,6 +4,9 @@ tessera's core plans, writes and commits saves itself (plan exchange, one writer
 then a commit every rank agrees on); it does not go through torch DCP's planner. These functions
 keep megatron's names and run the same phases through ``torch.distributed.checkpoint`` for code
 that calls them with its own DCP writer and planner.
+
+torch is an optional extra of the package, so it is imported where it is used, not with this
+module.
 """
 
 from __future__ import annotations

@@ -2,22 +2,20 @@
 
 Its strategies carry no algorithm of their own: ``serialization`` recognises them
 (``native_writer``) and runs the native engine, which saves the sharded tensors, sharded objects
-and common state in one commit and loads any layout. Calling their methods directly goes through
-the same entry points. Format version 2 is written; versions 1 and 2 are read.
+and common state in one commit and loads any layout. Calling their methods directly runs the
+same engine (``_engine``). Format version 2 is written; versions 1 and 2 are read.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any, Dict, Optional, Tuple
 
+from ... import _native
+from .. import _engine
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
-from .base import (
-    LoadShardedStrategy,
-    StrategyAction,
-    register_default_strategy,
-)
+from ..validation import verify_checkpoint_and_load_strategy
+from .base import LoadShardedStrategy, StrategyAction, register_default_strategy
 from ._native_load import NativeLoadCommonStrategy, NativeSaveShardedStrategy
 
 __all__ = [
@@ -35,18 +33,6 @@ TESSERA_BACKEND = "tessera"
 TESSERA_BACKEND_VERSION = 2
 #: The format versions tessera reads.
 TESSERA_READ_VERSIONS = (1, 2)
-
-
-def _serialization() -> ModuleType:
-    """The entry points, imported late: they need the native extension, this module does not."""
-    try:
-        from .. import serialization
-    except ImportError as e:
-        raise ImportError(
-            "running a tessera strategy needs tessera's native extension (tessera._native); build and "
-            "install the package (`pip install .` or `maturin develop`)"
-        ) from e
-    return serialization
 
 
 def _check_tessera(backend: Any, version: Any, versions: Tuple[int, ...] = (TESSERA_BACKEND_VERSION,)) -> None:
@@ -78,8 +64,6 @@ class TesseraSaveShardedStrategy(NativeSaveShardedStrategy):
         super().__init__(backend, version)
         self.plan_cache = None
         if cached_metadata:
-            from tessera import _native
-
             self.plan_cache = _native.PlanCache()
 
     @property
@@ -90,8 +74,6 @@ class TesseraSaveShardedStrategy(NativeSaveShardedStrategy):
     @use_cached_ckpt_structure.setter
     def use_cached_ckpt_structure(self, value: bool) -> None:
         if value and self.plan_cache is None:
-            from tessera import _native
-
             self.plan_cache = _native.PlanCache()
         elif not value:
             self.plan_cache = None
@@ -123,17 +105,20 @@ class TesseraLoadShardedStrategy(_TesseraReader, LoadShardedStrategy):
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> StateDict:
         """Same as ``dist_checkpointing.load(sharded_state_dict, checkpoint_dir, self)``."""
-        return _serialization().load(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
+        return _engine.load_by_strategy(self, sharded_state_dict, checkpoint_dir)
 
     def load_tensors_metadata(self, checkpoint_dir: Any) -> Dict[str, ShardedTensor]:
-        return _serialization().load_tensors_metadata(checkpoint_dir, self)
+        """Same as ``dist_checkpointing.load_tensors_metadata(checkpoint_dir, self)``: the
+        checkpoint is checked to be tessera's first."""
+        verify_checkpoint_and_load_strategy(checkpoint_dir, self)
+        return _engine.tensors_metadata(checkpoint_dir)
 
     def load_sharded_metadata(self, checkpoint_dir: Any) -> ShardedStateDict:
         """Tensors and objects of the checkpoint, without data (see ``serialization.load_sharded_metadata``)."""
-        return _serialization()._native_sharded_metadata(checkpoint_dir)
+        return _engine.sharded_metadata(checkpoint_dir)
 
     def remove_sharded_tensors(self, checkpoint_dir: Any, key_prefix: str) -> Any:
-        return _serialization()._native_remove_sharded_tensors(checkpoint_dir, key_prefix)
+        return _engine.remove_sharded_tensors(checkpoint_dir, key_prefix)
 
 
 class TesseraLoadCommonStrategy(_TesseraReader, NativeLoadCommonStrategy):

@@ -2,7 +2,7 @@
 
 Reading a ``torch_dist`` checkpoint is the native reader's job (it parses the DCP ``.metadata``
 and reads the ``.distcp`` files in any layout). Writing one goes through a single place,
-:func:`..serialization._save_torch_dist_request`: the core plans the save from the same tensor
+the package's native engine (``_engine.save``): the core plans the save from the same tensor
 and object descriptors as ``tessera._native.save`` plus the ``common.pt`` bytes, megatron's
 ``FileSystemWriterAsync.write_preloaded_data`` writes each of a rank's ``thread_count`` files
 (``strategies.filesystem_async``), and the core commits. ``save`` without a strategy writes
@@ -69,7 +69,7 @@ class MCoreLoadPlanner(DefaultLoadPlanner):  # type: ignore[misc,valid-type]
 
 
 class TorchDistSaveShardedStrategy(NativeSaveShardedStrategy):
-    """Writes a ``torch_dist`` checkpoint with the core's writer (``serialization._save_torch_dist_request``).
+    """Writes a ``torch_dist`` checkpoint with the core's writer (the engine's ``torch_dist`` save).
 
     ``thread_count`` and ``separation_hint`` shape megatron's file layout and are kept as
     attributes; ``cached_metadata`` / ``use_cached_ckpt_structure`` reuse the global plan as

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..mapping import ShardedStateDict, ShardedTensor, StateDict
+from ..mapping import ShardedTensor
+from ..utils import debug_time
 from ._native_load import NativeLoadShardedStrategy
 
 
@@ -23,7 +24,6 @@ def sharded_tensor_chunk_id(sharded_tensor: ShardedTensor) -> tuple:
 
 def timed(verbose: bool = True) -> Any:
     """Megatron's timing decorator; logs the call's duration at DEBUG."""
-    from ..utils import debug_time
 
     def wrap(fn: Any) -> Any:
         def inner(*args: Any, **kwargs: Any) -> Any:
@@ -36,7 +36,8 @@ def timed(verbose: bool = True) -> Any:
 
 
 class TwoStageDataParallelLoadShardedStrategy(NativeLoadShardedStrategy):
-    """Reads each chunk once within ``data_parallel_group`` and sends it to the ranks that need it."""
+    """Reads each chunk once within ``data_parallel_group`` and sends it to the ranks that need it
+    (its ``load`` is the native load, which ``exchange_reads`` makes exchange over that group)."""
 
     exchange_reads = True
 
@@ -45,10 +46,3 @@ class TwoStageDataParallelLoadShardedStrategy(NativeLoadShardedStrategy):
         self.parallelization_group = data_parallel_group
         self.data_parallel_group = data_parallel_group
         self.cpu_transfer = cpu_transfer
-
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> StateDict:
-        from .. import serialization
-
-        return serialization.load(sharded_state_dict, checkpoint_dir, sharded_strategy=self)
-
-

@@ -1,10 +1,14 @@
 """Megatron's ``zarr`` backend (megatron-core's ``strategies.zarr``, removed from 0.16 and
-documented by the seeds): tessera's core reads zarr checkpoints; it does not write them."""
+documented by the seeds): tessera's core reads zarr checkpoints; it does not write them.
+torch is an optional extra of the package, so it is imported where it is used, not with this
+module.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Tuple
 
+from .. import _engine
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, ShardedTensor
 from ._native_load import NativeLoadShardedStrategy
@@ -75,10 +79,8 @@ def load_zarr_based_sharded_metadata(
 ) -> Dict[str, Any]:
     """Key -> ShardedTensor without data, for every array of a zarr checkpoint. The arrays are
     listed by the core's reader; ``get_shape_dtype_fn`` is not needed and kept for the signature."""
-    from .. import serialization
-
     del get_shape_dtype_fn
-    return serialization._native_tensors_metadata(checkpoint_dir)
+    return _engine.tensors_metadata(checkpoint_dir)
 
 
 def register_default_zarr_strategies() -> None:
