@@ -297,6 +297,19 @@ def test_package_imports_form_no_circle_and_stay_at_module_level():
     assert not nested, "package-internal imports below module level:\n" + "\n".join(nested)
     graph = {module: {target for target, _ in found if target in imports} for module, found in imports.items()}
     assert not _circles(graph), f"import circles: {_circles(graph)}"
+    # The front ends share the private core (tessera._core), never each other's names.
+    fronts = ("tessera.torch", "tessera.olmo_core", "tessera.dist_checkpointing")
+
+    def front(name):
+        return next((f for f in fronts if name == f or name.startswith(f + ".")), None)
+
+    crossing = sorted(
+        f"{module} imports {target}"
+        for module, found in imports.items()
+        for target, _ in found
+        if front(module) and front(target) and front(target) != front(module)
+    )
+    assert not crossing, "front ends importing each other:\n" + "\n".join(crossing)
 
     modules = sorted(m for m in imports if m.startswith("tessera.dist_checkpointing"))
     assert "tessera.dist_checkpointing._engine" in modules and "tessera.dist_checkpointing.strategies.torch" in modules
