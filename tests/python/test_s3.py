@@ -5,6 +5,7 @@ the way users do it, through the AWS environment variables."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -179,11 +180,9 @@ def test_two_process_save_and_resharded_load_on_s3(s3_url: Callable[[str], str])
     assert torch.equal(plain["b"], _global("b"))
 
 
-def _torch_load_by_columns(rank: int, world: int, url: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    import tessera.torch as tt
+@contextlib.contextmanager
+def _load_stats() -> Iterator[Dict[str, int]]:
+    """The read statistics of the loads made inside the block (tessera's one native load)."""
     from tessera._core import io
 
     stats: Dict[str, int] = {}
@@ -196,13 +195,23 @@ def _torch_load_by_columns(rank: int, world: int, url: str) -> None:
 
     io.load = spy  # type: ignore[assignment]
     try:
-        full = _wide()
+        yield stats
+    finally:
+        io.load = real  # type: ignore[assignment]
+
+
+def _torch_load_by_columns(rank: int, world: int, url: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import tessera.torch as tt
+
+    full = _wide()
+    with _load_stats() as stats:
         # Columns: every checksum block of "w" holds bytes of both ranks.
         w = distribute_tensor(torch.zeros_like(full), init_device_mesh("cpu", (world,)), [Shard(1)])
         state = {"model": {"w": w}}
         tt.load(state, url)
-    finally:
-        io.load = real  # type: ignore[assignment]
     assert torch.equal(state["model"]["w"].full_tensor(), full)
     assert stats["bytes_read"] <= 1.05 * stats["bytes_needed"], stats
 
@@ -222,25 +231,12 @@ def test_ranks_loading_through_tessera_torch_share_verification(s3_url: Callable
 
 
 def _dist_checkpointing_load_by_columns(rank: int, world: int, url: str) -> None:
-    from tessera._core import io
-
-    stats: Dict[str, int] = {}
-    real = io.load
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        result = real(*args, **kwargs)
-        stats.update(result["stats"])
-        return result
-
-    io.load = spy  # type: ignore[assignment]
-    try:
-        full = _wide()
-        cols = full.shape[1] // world
+    full = _wide()
+    cols = full.shape[1] // world
+    with _load_stats() as stats:
         # Columns: every checksum block of "w" holds bytes of both ranks.
         request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(full.shape[0], cols), (1, rank, world))}
         state = dc.load(request, url)
-    finally:
-        io.load = real  # type: ignore[assignment]
     assert torch.equal(state["w"], full[:, rank * cols : (rank + 1) * cols]), rank
     assert stats["bytes_read"] <= 1.05 * stats["bytes_needed"], stats
 
