@@ -145,6 +145,16 @@ fn non_tensor_values_match_the_expected_json() {
             let mut want_flat = BTreeMap::new();
             flatten("", &want, &mut want_flat);
             for (k, w) in &want_flat {
+                // A tuple (Adam's betas) is kept as its torch.save bytes, so that it stays a
+                // tuple for Python and in a DCP copy: its items are not plain values here.
+                let in_tuple = |k: &str| {
+                    k.rsplit_once('.').is_some_and(|(parent, i)| {
+                        i.parse::<u64>().is_ok() && flat.contains_key(&format!("{parent}.__tessera_torch_save__"))
+                    })
+                };
+                if in_tuple(k) {
+                    continue;
+                }
                 let g = flat.get(k).unwrap_or_else(|| panic!("{name}: no value {k}; have {flat:?}"));
                 assert!(json_eq(g, w), "{name}: {k}: {g} vs {w}");
             }
