@@ -191,6 +191,19 @@ def load(
     Under torch.distributed every rank of ``process_group`` calls it (as DCP's ``load``): the
     ranks check the checksum blocks they share together, so from an object store each
     downloads only the bytes it needs."""
+    _load(state_dict, checkpoint_id, storage_reader, process_group, strict, storage_options)
+
+
+def _load(
+    state_dict: Dict[str, Any],
+    checkpoint_id: Any,
+    storage_reader: Any,
+    process_group: Any,
+    strict: bool,
+    storage_options: StorageOptions,
+) -> List[Tuple[Any, Any]]:
+    """:func:`load`, returning every common value the checkpoint holds (native paths), for
+    the callers that read more of them than the request names."""
     location = _location(checkpoint_id, storage_reader, "storage_reader")
     where = native_location(location, storage_options)
     _init_fresh_optimizers(state_dict, where)
@@ -221,6 +234,7 @@ def load(
             value.load_state_dict(flat[key])
         else:
             state_dict[key] = flat[key]
+    return cast(List[Tuple[Any, Any]], result["common"])
 
 
 def _init_fresh_optimizers(state_dict: Dict[str, Any], where: Any) -> None:
@@ -391,16 +405,15 @@ def load_model_and_optim_state(
     msd = get_model_state_dict(model, options=_state_dict_options())
     sd: Dict[str, Any] = {_MODEL: msd}
     osd: Dict[str, Any] = {}
-    where = native_location(dir, storage_options)
     if optim is not None:
         osd = get_optimizer_state_dict(model, optim, options=_state_dict_options())
         _add_missing_optim_state(osd, msd, get_metadata(dir, storage_options=storage_options))
         # Values are matched by name below, whichever layout the checkpoint has.
         sd[_OPTIM] = {k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}
-    load(sd, dir, strict=strict, process_group=process_group, storage_options=storage_options)
+    common = _load(sd, dir, None, process_group, strict, storage_options)
     set_model_state_dict(model, sd[_MODEL], options=_state_dict_options())
     if optim is not None:
-        saved = _optim_values(where)
+        saved = _optim_values(common)
         missing = []
         for k, v in osd.items():
             if isinstance(v, torch.Tensor):
@@ -414,14 +427,14 @@ def load_model_and_optim_state(
         set_optimizer_state_dict(model, optim, osd, options=_state_dict_options())
 
 
-def _optim_values(where: Any) -> Dict[str, Any]:
+def _optim_values(common: Iterable[Tuple[Any, Any]]) -> Dict[str, Any]:
     """The optimizer's saved values by their flattened name (``state.<param>.<name>``,
     ``param_groups.<param>.<name>``), from either layout: flattened, as tessera and
     ``flatten_optimizer_state_dict=True`` save it, or torch's own (``param_groups`` a list of
     groups naming their ``params``, as OLMo-core 3.0 saves by default)."""
     values: Dict[str, Any] = {}
     groups: Dict[int, Dict[str, Any]] = {}
-    for native_path, v in _native.load_common(where):
+    for native_path, v in common:
         path = from_native_path(native_path)
         if not path or path[0] != ("k", _OPTIM):
             continue
@@ -498,7 +511,7 @@ def unshard_optim_state(
         state.setdefault(param, {})[name] = v
     groups: Dict[str, Dict[str, Any]] = {}
     group_prefix = "param_groups."
-    for key, v in _optim_values(native_location(dir, storage_options)).items():
+    for key, v in _optim_values(_native.load_common(native_location(dir, storage_options))).items():
         if key.startswith(group_prefix):
             param, _, name = key[len(group_prefix) :].rpartition(".")
             groups.setdefault(param, {})[name] = v
