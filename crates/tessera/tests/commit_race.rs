@@ -152,3 +152,16 @@ fn a_store_that_ignores_conditional_puts_never_ends_inconsistent() {
     let files: Vec<String> = inner.list().unwrap().into_iter().filter(|n| n.ends_with(".safetensors")).collect();
     assert_eq!(files.len(), index.files.len(), "the replaced save's files are removed: {files:?}");
 }
+
+/// An object store's first commit leaves a probe object in the location for a moment (to learn
+/// whether the store honours conditional puts): a save racing it must not refuse the location
+/// as holding foreign files, or the loser of a race gets the wrong error (seen on GCS in CI).
+#[test]
+fn another_saves_conditional_put_probe_is_not_a_foreign_file() {
+    let storage = MemoryStorage::new();
+    storage.put_atomic(".tessera-conditional-put-probe-1-0", b"probe").unwrap();
+    let data = Rng::new(3).bytes(64);
+    let outcomes = InProcessComm::run(2, |c| save(tree(c.rank(), &data), &storage, c, &SaveOptions::default()));
+    assert!(outcomes.iter().all(|r| r.is_ok()), "{outcomes:?}");
+    assert_eq!(open(&storage).and_then(|c| c.read_tensors(None)).unwrap()["w"].data, data);
+}

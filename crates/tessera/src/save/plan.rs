@@ -17,7 +17,7 @@ use crate::plan::save::{
     ShardMeta,
 };
 use crate::save::options::{CachedPlan, PlanCache, SaveOptions};
-use crate::storage::Storage;
+use crate::storage::{Storage, CONDITIONAL_PUT_PROBE};
 use crate::threads::on_cores;
 
 pub(crate) struct Collected<'t> {
@@ -179,10 +179,12 @@ pub(crate) const MEGATRON_COMPANIONS: [&str; 2] = ["common.pt", "metadata.json"]
 /// A save without `overwrite` into a location that holds no checkpoint of its format (`what`)
 /// writes there only if nothing else is there: its own kind of files (`ours`: leftovers of
 /// saves that never committed, Megatron's companions) are fine; anything else (another
-/// format's checkpoint, unrelated files) is refused, naming it.
+/// format's checkpoint, unrelated files) is refused, naming it. A concurrent save's probe of
+/// the store's conditional puts is not foreign: the race between the saves is the commit's to
+/// decide (`AlreadyExists` for the loser), not this check's.
 pub(crate) fn refuse_foreign_files(storage: &dyn Storage, ours: impl Fn(&str) -> bool, what: &str) -> Result<()> {
     let names = storage.list()?;
-    let foreign: Vec<&String> = names.iter().filter(|n| !ours(n)).collect();
+    let foreign: Vec<&String> = names.iter().filter(|n| !ours(n) && !n.starts_with(CONDITIONAL_PUT_PROBE)).collect();
     if foreign.is_empty() {
         return Ok(());
     }

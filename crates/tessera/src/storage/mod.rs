@@ -31,6 +31,11 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
+/// The name prefix of the short-lived object an object store's first commit creates to learn
+/// whether the store honours conditional puts. It lives, for moments, in the location a save
+/// writes, so a concurrent save's check for foreign files must not take it for one.
+pub(crate) const CONDITIONAL_PUT_PROBE: &str = ".tessera-conditional-put-probe-";
+
 /// A namespace of objects holding one checkpoint.
 ///
 /// Names are relative paths: plain components joined by `/` (no empty component, no `.` or

@@ -13,7 +13,7 @@ use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
-use super::{check_name, credentials, ObjectWriter, Storage};
+use super::{check_name, credentials, ObjectWriter, Storage, CONDITIONAL_PUT_PROBE};
 use crate::error::{Error, Result};
 
 /// How an [`ObjectStorage`] talks to its store.
@@ -471,8 +471,7 @@ impl ObjectStorage {
             return Ok(known);
         }
         static N: AtomicU64 = AtomicU64::new(0);
-        let name =
-            format!(".tessera-conditional-put-probe-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+        let name = format!("{CONDITIONAL_PUT_PROBE}{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
         let path = self.path(&name)?;
         const PROBE: &[u8] = b"probe";
         let create = || {
