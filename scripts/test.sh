@@ -2,7 +2,8 @@
 # Runs every test of the project: the Rust workspace (unit, integration, CLI tests), a short
 # fuzzing of every parser (scripts/fuzz.sh ci), then the Python package's tests (pytest, real
 # torch on CPU, multi-process with gloo), then the MPI example, the round trips with
-# ai2-olmo-core 0.1.0 (.venv-olmo), a DCP copy loaded by ai2-olmo-core 3.0.0 (.venv-olmo3) and,
+# ai2-olmo-core 0.1.0 (.venv-olmo), a DCP copy loaded by ai2-olmo-core 3.0.0 (.venv-olmo3),
+# torchtitan 0.3.0's checkpoint manager against torch DCP (.venv-titan) and,
 # where Megatron-LM's tests are (MEGATRON_PEER), three of its suites (.venv-megatron). The object-store tests run against moto_server (an S3 implementation,
 # installed into .venv with the Python test requirements), started here on a free loopback
 # port and stopped on exit; and against Azurite (Azure Blob, npm; scripts/azurite-env.sh) and
@@ -47,6 +48,9 @@ bash scripts/olmo_interop.sh
 # OLMo-core 3.0 (its own venv, torch 2.13): a checkpoint it wrote, converted by tessera to its
 # format and back to a DCP copy, loads into ai2-olmo-core 3.0.0 itself with every value.
 bash scripts/olmo3_interop.sh --tessera-copy
+# torchtitan 0.3.0's own CheckpointManager with tessera.torch.dcp as its `dcp`, against the same
+# runs on torch DCP, in every async_mode (.venv-titan over .venv; about 4 min).
+bash scripts/torchtitan_interop.sh
 # Megatron-LM's own dist_checkpointing tests (test_mapping, test_serialization, test_strict) with
 # megatron.core.dist_checkpointing aliased to tessera's, when the peer's tests and harness are
 # here: the folder $MEGATRON_PEER names (.ci/run sets it to ../shared/peers/megatron-lm, where

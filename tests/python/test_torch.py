@@ -421,5 +421,266 @@ def test_messages_say_what_was_looked_for_and_what_to_do(tmp_path: Any) -> None:
     with pytest.raises(TesseraError, match=r"stored global shape is \[2, 2\].*tensor of the stored shape") as e:
         tt.load({"w": torch.zeros(4, 1)}, str(runs / "step100"))
     assert "allow_shape_mismatch" not in str(e.value)  # not an argument tt.load takes
-    with pytest.raises(TesseraError, match=r"stored dtype is f32, the request has bf16: load it into a f32 tensor"):
-        tt.load({"w": torch.zeros(2, 2, dtype=torch.bfloat16)}, str(runs / "step100"))
+
+
+def test_a_tensor_stored_in_another_dtype_is_cast_on_load_as_dcp_casts(tmp_path: Any) -> None:
+    """torchtitan's last-step export saves the model in bf16 (``export_dtype``); loading it into
+    the fp32 model casts, as DCP's load does (``Tensor.copy_``)."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    export = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    tt.save(export, str(tmp_path / "tessera"))
+    dcp.save(export, checkpoint_id=str(tmp_path / "dcp"))
+    for ckpt in ("tessera", "dcp"):
+        ours = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        sd = ours.state_dict()
+        tt.load(sd, str(tmp_path / ckpt))
+        for k, v in sd.items():
+            assert v.dtype == torch.float32
+            assert torch.equal(v, export[k].to(torch.float32)), k
+    # DCP itself, into fp32 targets, gives the same values.
+    theirs = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load(theirs, checkpoint_id=str(tmp_path / "dcp"))
+    mine = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    tt.load(mine, str(tmp_path / "tessera"))
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    # Narrowing too (fp32 stored, bf16 requested), into a non-contiguous target.
+    tt.save({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7}, str(tmp_path / "f32"))
+    target = torch.zeros(3, 2, dtype=torch.bfloat16).t()
+    tt.load({"w": target}, str(tmp_path / "f32"))
+    assert torch.equal(target, (torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7).to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP's call habits as torchtitan's CheckpointManager has them
+
+
+class _RankData:
+    """A dataloader's state as torchtitan keeps it: under a key of this data-parallel rank."""
+
+    def __init__(self, rank: int, position: int) -> None:
+        self.rank, self.position = rank, position
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {f"dp_rank_{self.rank}": {"position": self.position, "epoch": 1}}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.position = sd[f"dp_rank_{self.rank}"]["position"]
+
+
+def _save_per_rank_values(rank: int, world: int, ckpt: str, how: str) -> None:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+    state = {"w": torch.full((2,), float(rank)), "dataloader": _RankData(rank, 100 + rank), "step": 7}
+    if how == "sync":
+        tt.save(state, ckpt)
+    elif how == "thread":
+        assert tt.async_save(state, checkpoint_id=ckpt, process_group=dist.group.WORLD).result()["files"] >= 1
+    else:  # torchtitan's async_with_pinned_mem call (pinning and non-blocking copies need CUDA)
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_async_staging=True, use_non_blocking_copy=False))
+        response = tt.async_save(
+            state,
+            checkpoint_id=ckpt,
+            process_group=dist.group.WORLD,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=stager,
+        )
+        assert isinstance(response, AsyncSaveResponse)
+        response.staging_completion.result()
+        response.upload_completion.result()
+        stager.close()
+
+
+def _load_per_rank_values(rank: int, world: int, ckpt: str) -> None:
+    state = {"w": torch.zeros(2), "dataloader": _RankData(rank, 0), "step": 0}
+    tt.load(state, ckpt)
+    assert state["dataloader"].position == 100 + rank and state["step"] == 7
+
+
+@pytest.mark.parametrize("how", ["sync", "thread", "stager"])
+def test_every_ranks_own_values_are_saved_and_handed_back(tmp_path: Any, how: str) -> None:
+    """Each rank's dataloader state (a key of its own) is saved and each rank gets its own back,
+    as DCP saves every rank's values; a key all ranks hold is stored once."""
+    ckpt = str(tmp_path / how)
+    run_ranks(2, _save_per_rank_values, ckpt, how)
+    run_ranks(2, _load_per_rank_values, ckpt)
+    from tessera import _native
+
+    common = {tuple(p): v for p, v in _native.load_common(ckpt)}
+    assert common[("dataloader", "dp_rank_0", "position")] == 100
+    assert common[("dataloader", "dp_rank_1", "position")] == 101
+    assert common[("step",)] == 7
+
+
+def test_dcp_call_options_are_taken_or_refused_by_name(tmp_path: Any) -> None:
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+    ckpt = str(tmp_path / "c")
+    tt.save({"w": torch.ones(2)}, checkpoint_id=ckpt, planner=DefaultSavePlanner(), no_dist=True, use_collectives=True)
+    out = {"w": torch.zeros(2)}
+    tt.load(out, checkpoint_id=ckpt, planner=DefaultLoadPlanner(), no_dist=True)
+    assert torch.equal(out["w"], torch.ones(2))
+
+    class Custom(DefaultSavePlanner):
+        pass
+
+    with pytest.raises(TypeError, match="custom planner \\(Custom\\)"):
+        tt.save({"w": torch.ones(2)}, str(tmp_path / "d"), planner=Custom())
+    with pytest.raises(ValueError, match="use_collectives=False is not supported"):
+        tt.async_save({"w": torch.ones(2)}, str(tmp_path / "d"), use_collectives=False)
+    assert not (tmp_path / "d").exists()
+
+
+# FSDP2 over tensor parallelism: FSDP shards dimension 0, which TP already sharded
+# (_StridedShard), as torchtitan's 2-D parallelism does.
+
+
+def _fsdp_tp_model(mesh_shape: tuple) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 6))
+    if mesh_shape:
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _fsdp_tp_save(rank: int, world: int, ckpt: str) -> None:
+    model = _fsdp_tp_model((2, 2))
+    placements = {type(p).__name__ for t in model.state_dict().values() for p in t.placements}
+    assert "_StridedShard" in placements, placements
+    sd = get_sd(model)
+    tt.save({"model": sd}, ckpt)
+
+
+def get_sd(model: torch.nn.Module) -> Dict[str, Any]:
+    return dict(model.state_dict())
+
+
+def _fsdp_tp_load(rank: int, world: int, ckpt: str, mesh_shape: tuple) -> None:
+    truth = _fsdp_tp_model(())
+    model = _fsdp_tp_model(mesh_shape)
+    sd = get_sd(model)
+    for t in sd.values():
+        (t.to_local() if hasattr(t, "to_local") else t).zero_()
+    tt.load({"model": sd}, ckpt)
+    for k, v in truth.state_dict().items():
+        got = sd[k].full_tensor() if hasattr(sd[k], "full_tensor") else sd[k]
+        assert torch.equal(got, v), k
+
+
+def test_fsdp_over_tensor_parallel_saves_and_loads_at_other_sizes(tmp_path: Any) -> None:
+    ckpt = str(tmp_path / "fsdp_tp")
+    run_ranks(4, _fsdp_tp_save, ckpt)
+    run_ranks(4, _fsdp_tp_load, ckpt, (2, 2))
+    run_ranks(1, _fsdp_tp_load, ckpt, ())
+    full = tt.unshard(ckpt)
+    truth = _fsdp_tp_model(()).state_dict()
+    assert all(torch.equal(full[f"model.{k}"], v) for k, v in truth.items())
+
+
+def test_a_strided_shard_that_is_no_box_is_refused() -> None:
+    from tessera._core.layout import _check_one_box
+
+    class Mesh:
+        def size(self, dim: int) -> int:
+            return 2
+
+    class Strided:
+        dim, split_factor = 0, 2
+
+        def is_shard(self) -> bool:
+            return False
+
+    Strided.__name__ = "_StridedShard"
+
+    class T:
+        shape = (8,)
+        device_mesh = Mesh()
+        placements = (Strided(),)
+
+    # Rank 0 of 2 takes rows {0, 1} of chunk [0..4) and {4, 5} of [4..8): two runs.
+    with pytest.raises(ValueError, match=r"holds global indices \[0, 1, 4, 5\], not one run 0..4"):
+        _check_one_box(T(), [0], (4,), (0,))
+
+
+# tessera.torch.dcp: DCP's defaults (a DCP directory, overwrite), as torchtitan's manager calls it
+
+
+def _titan_like_save(rank: int, world: int, folder: str, step: int, mode: str) -> None:
+    import tessera.torch.dcp as tdcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    model = shard(make_model())
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, optim, batches(step % 3 + 1))
+    ts = TrainState()
+    ts.step = step
+    state = {**titan_state(model, optim, ts), "dataloader": _RankData(rank, 10 * step + rank)}
+    ckpt = f"{folder}/step-{step}"
+    if mode == "disabled":
+        tdcp.save(state, checkpoint_id=ckpt)
+    elif mode == "async":
+        tdcp.async_save(state, checkpoint_id=ckpt, process_group=dist.new_group(backend="gloo")).result()
+    else:
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_async_staging=True, use_non_blocking_copy=False))
+        response = tdcp.async_save(
+            state,
+            checkpoint_id=ckpt,
+            process_group=dist.new_group(backend="gloo"),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=stager,
+        )
+        response.staging_completion.result()
+        response.upload_completion.result()
+        stager.close()
+    full = full_state(model, optim)  # collective: every rank gathers
+    if rank == 0:
+        torch.save(full, f"{folder}/truth-{step}.pt")
+
+
+def _titan_like_resume(rank: int, world: int, folder: str, step: int) -> None:
+    import os
+    import re
+
+    import tessera.torch.dcp as tdcp
+
+    # torchtitan's discovery: a step-N folder counts if it holds DCP's .metadata.
+    found = [
+        int(m.group(1))
+        for name in os.listdir(folder)
+        if (m := re.search(r"step-(\d+)", name)) and os.path.isfile(os.path.join(folder, name, ".metadata"))
+    ]
+    assert max(found) == step, found
+    model = shard(make_model())
+    optim = torch.optim.AdamW(model.parameters(), lr=0.5)
+    ts = TrainState()
+    data = _RankData(rank, 0)
+    tdcp.load({**titan_state(model, optim, ts), "dataloader": data}, checkpoint_id=f"{folder}/step-{step}")
+    assert ts.step == step and data.position == 10 * step + rank
+    truth = torch.load(f"{folder}/truth-{step}.pt")
+    loaded = full_state(model, optim)
+    assert all(torch.equal(loaded[k], v) for k, v in truth.items())
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_dcp_defaults_module_writes_dcp_directories_found_resumed_and_resaved(tmp_path: Any, mode: str) -> None:
+    folder = str(tmp_path / "checkpoint")
+    run_ranks(2, _titan_like_save, folder, 1, mode)
+    run_ranks(2, _titan_like_save, folder, 2, mode)
+    run_ranks(2, _titan_like_save, folder, 2, mode)  # re-saving a step replaces it, as DCP does
+    run_ranks(2, _titan_like_resume, folder, 2)
+    run_ranks(1, _titan_like_resume, folder, 2)
+    # torch DCP itself reads the tensors of the directory.
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(f"{folder}/step-2").read_metadata()
+    assert any(k.startswith("optimizer.state.") for k in meta.state_dict_metadata)

@@ -10,6 +10,7 @@ once, as torch DCP fills it).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import _native
@@ -17,7 +18,7 @@ from .comm import TorchComm, default_comm
 from .layout import cpu_contiguous
 from .staging import AsyncSaver, default_saver
 
-__all__ = ["communicator", "save", "saver_for", "on_host", "load", "SaveItem", "LoadItem"]
+__all__ = ["communicator", "common_values", "save", "saver_for", "on_host", "load", "SaveItem", "LoadItem"]
 
 #: A tensor to save (None: described without data) and how to describe it over host memory.
 SaveItem = Tuple[Any, Callable[[Any], _native.SaveTensor]]
@@ -33,10 +34,48 @@ def communicator(process_group: Any = None, no_dist: bool = False) -> Tuple[Opti
     return comm, comm.rank() if comm is not None else 0
 
 
-def saver_for(process_group: Any, items: Sequence[SaveItem]) -> AsyncSaver:
-    """The async saver of ``process_group``, sized on first use to these tensors' bytes."""
+def common_values(
+    comm: Optional[TorchComm], rank: int, values: Sequence[Tuple[List[Any], Any]], plain: Callable[[Any], Any]
+) -> List[Tuple[List[Any], Any]]:
+    """The common values a save stores, given on rank 0 (empty elsewhere): every rank's
+    ``values`` (native path, value), each path once, from the lowest rank that holds it, as
+    ``plain`` makes it. Ranks usually hold the same paths (training state): one all-gather of
+    a digest of each rank's paths finds that, and rank 0's values are stored. Where they differ
+    (a per-rank dataloader state, as torchtitan keeps it under ``dp_rank_<r>``), the paths are
+    gathered and each rank sends rank 0's missing ones it is the lowest holder of, so that
+    every rank's state is saved, as DCP saves every rank's. Collective over ``comm``."""
+    if comm is None or comm.world_size() == 1:
+        return [(p, plain(v)) for p, v in values]
+    paths = sorted(_encode(p) for p, _ in values)
+    digest = hashlib.sha256(b"".join(len(p).to_bytes(8, "little") + p for p in paths)).digest()
+    if len(set(comm.all_gather(digest))) == 1:
+        return [(p, plain(v)) for p, v in values] if rank == 0 else []
+    held: List[set] = [set(_decode(m)) for m in comm.all_gather(_encode(paths))]
+    lower: set = set().union(*held[:rank]) if rank else set()
+    sent = [[p, plain(v)] for p, v in values if rank and _encode(p) not in lower]
+    gathered = comm.all_gather(_encode(sent))
+    if rank != 0:
+        return []
+    out = [(p, plain(v)) for p, v in values]
+    for message in gathered[1:]:
+        out.extend((p, v) for p, v in _decode(message))
+    return out
+
+
+def _encode(value: Any) -> bytes:
+    """The core's encoding of a plain value (typed loosely: exchanged values are plain)."""
+    return _native.encode_value(value)
+
+
+def _decode(data: bytes) -> Any:
+    return _native.decode_value(data)
+
+
+def saver_for(process_group: Any, items: Sequence[SaveItem], no_dist: bool = False) -> AsyncSaver:
+    """The async saver of ``process_group`` (of this process alone with ``no_dist``), sized on
+    first use to these tensors' bytes."""
     held = sum(t.numel() * t.element_size() for t, _ in items if t is not None)
-    return default_saver(process_group, held)
+    return default_saver(process_group, held, no_dist)
 
 
 def save(
@@ -100,21 +139,36 @@ def _staged(items: Sequence[SaveItem], pinned: Any, copy: bool = False) -> Tuple
 
 
 def load(
-    items: Sequence[LoadItem], objects: List[Any], location: Any, comm: Optional[TorchComm], **native_kwargs: Any
+    items: Sequence[LoadItem],
+    objects: List[Any],
+    location: Any,
+    comm: Optional[TorchComm],
+    *,
+    stored_dtypes: Optional[Sequence[Any]] = None,
+    **native_kwargs: Any,
 ) -> Dict[str, Any]:
     """Loads through the core into the items' tensors; returns the core's result with
-    ``loaded`` given per item (a tied item as the one it shares memory with)."""
+    ``loaded`` given per item (a tied item as the one it shares memory with). Where
+    ``stored_dtypes`` gives an item a dtype other than its tensor's, the item is read into a
+    host buffer of that dtype and cast into the tensor (``Tensor.copy_``, as DCP casts); its
+    ``describe`` must then take the buffer's dtype."""
     described = []
     targets: List[Tuple[Any, Any]] = []
     slot_of: List[int] = []
     seen: Dict[Tuple[Any, ...], int] = {}
-    for t, describe, extra in items:
+    for i, (t, describe, extra) in enumerate(items):
         nbytes = t.numel() * t.element_size()
         span = (t.device, t.data_ptr(), nbytes, t.dtype, tuple(t.stride()), extra)
         if nbytes and span in seen:
             slot_of.append(seen[span])
             continue
-        buf = t if (t.device.type == "cpu" and t.is_contiguous()) else _host_like(t)
+        stored = stored_dtypes[i] if stored_dtypes is not None else None
+        if stored is not None and stored != t.dtype:
+            buf = _host_like(t, stored)
+        elif t.device.type == "cpu" and t.is_contiguous():
+            buf = t
+        else:
+            buf = _host_like(t, t.dtype)
         seen[span] = len(targets)
         slot_of.append(len(targets))
         targets.append((t, buf))
@@ -132,7 +186,7 @@ def load(
     return result
 
 
-def _host_like(t: Any) -> Any:
+def _host_like(t: Any, dtype: Any) -> Any:
     import torch
 
-    return torch.empty(t.shape, dtype=t.dtype)
+    return torch.empty(t.shape, dtype=dtype)

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .. import _native
 from .comm import commit_comm, initialized_dist
 
-__all__ = ["DEFAULT_STAGING_BUDGET", "PinnedPool", "AsyncSaver", "default_saver"]
+__all__ = ["DEFAULT_STAGING_BUDGET", "PinnedPool", "AsyncSaver", "default_saver", "background_comm"]
 
 #: Most staging memory the saver created on first use takes, per process: it is sized to the
 #: first save's tensor bytes up to this cap (``TESSERA_STAGING_BUDGET``, in bytes, sets the
@@ -60,11 +60,18 @@ class AsyncSaver:
     ``budget`` bytes of host memory are allocated and faulted in once and reused by every save.
     """
 
-    def __init__(self, budget: Optional[int] = None, process_group: Any = None, buffer_size: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        budget: Optional[int] = None,
+        process_group: Any = None,
+        buffer_size: Optional[int] = None,
+        no_dist: bool = False,
+    ) -> None:
         if budget is None:
             budget = int(os.environ.get("TESSERA_STAGING_BUDGET", DEFAULT_STAGING_BUDGET))
         self.process_group = process_group
-        self.commit_comm = commit_comm(process_group)
+        # ``no_dist``: this process saves alone, whatever process group exists.
+        self.commit_comm = None if no_dist else commit_comm(process_group)
         self._native = _native.AsyncSaver(budget, self.commit_comm, buffer_size)
         self.pinned = PinnedPool()
 
@@ -105,7 +112,7 @@ def _resolved_group(process_group: Any) -> Any:
 
 def _is_live(group: Any) -> bool:
     """False once ``group`` was destroyed (it left torch's registry of groups)."""
-    if group is None:
+    if group is None or group is _NO_DIST:
         return True
     try:
         import torch.distributed as dist
@@ -119,17 +126,44 @@ def _is_live(group: Any) -> bool:
     return pg_map is None or group in pg_map
 
 
-def default_saver(process_group: Any = None, state_bytes: int = DEFAULT_STAGING_BUDGET) -> AsyncSaver:
-    """The saver of ``process_group`` (the default group for None), created (collectively) on
-    first use with a budget of ``state_bytes`` (this rank's tensor bytes) capped at
-    :data:`DEFAULT_STAGING_BUDGET`. Savers of destroyed groups are dropped."""
-    group = _resolved_group(process_group)
+#: The key of the saver of a process that saves alone (``no_dist``) beside a process group.
+_NO_DIST = object()
+
+
+def default_saver(process_group: Any = None, state_bytes: int = DEFAULT_STAGING_BUDGET, no_dist: bool = False) -> AsyncSaver:
+    """The saver of ``process_group`` (the default group for None; this process alone with
+    ``no_dist``), created (collectively, but for ``no_dist``) on first use with a budget of
+    ``state_bytes`` (this rank's tensor bytes) capped at :data:`DEFAULT_STAGING_BUDGET`.
+    Savers of destroyed groups are dropped."""
+    group = _NO_DIST if no_dist else _resolved_group(process_group)
     _DEFAULT_SAVERS[:] = [(g, s) for g, s in _DEFAULT_SAVERS if _is_live(g)]
     for g, saver in _DEFAULT_SAVERS:
         if g is group:
             return saver
     budget = os.environ.get("TESSERA_STAGING_BUDGET")
     size = int(budget) if budget is not None else max(min(state_bytes, DEFAULT_STAGING_BUDGET), 8 << 20)
-    saver = AsyncSaver(size, process_group=process_group)
+    saver = AsyncSaver(size, process_group=None if no_dist else process_group, no_dist=no_dist)
     _DEFAULT_SAVERS.append((group, saver))
     return saver
+
+
+# One background communicator per live process group: (group object, communicator).
+_BACKGROUND_COMMS: List[Tuple[Any, Any]] = []
+
+
+def background_comm(process_group: Any = None, no_dist: bool = False) -> Any:
+    """A communicator of its own for a save that runs whole in the background (its plan
+    exchange too, as DCP's thread-based ``async_save`` runs): a gloo group of
+    ``process_group``'s ranks, created (collectively) on first use and kept while the group
+    lives, so that the save's collectives never meet the training loop's. None for one
+    process (or ``no_dist``)."""
+    if no_dist or initialized_dist() is None:
+        return None
+    group = _resolved_group(process_group)
+    _BACKGROUND_COMMS[:] = [(g, c) for g, c in _BACKGROUND_COMMS if _is_live(g)]
+    for g, comm in _BACKGROUND_COMMS:
+        if g is group:
+            return comm
+    comm = commit_comm(process_group)
+    _BACKGROUND_COMMS.append((group, comm))
+    return comm

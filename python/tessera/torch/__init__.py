@@ -45,9 +45,10 @@ from .._core.dtypes import tessera_dtype_to_torch
 from .._core.descriptors import load_tensor, save_tensor
 from .._core.layout import is_dtensor, layout
 from .._core.paths import Seg, dotted, from_native_path, leaves, set_path, to_native_path
+from .._core.staging import background_comm
 from .._core.storage import StorageOptions, location_url, native_location
-from .._core.values import from_plain, is_stateful, like_request, to_plain
-from ..errors import KeyMismatchError
+from .._core.values import TORCH_SAVE_KEY, from_plain, is_stateful, like_request, to_plain
+from ..errors import KeyMismatchError, TesseraError
 
 __all__ = [
     "save",
@@ -99,8 +100,9 @@ def _split(state_dict: Dict[str, Any]) -> Tuple[List[Tuple[Tuple[Seg, ...], torc
     return tensors, values
 
 
-def _save_request(state_dict: Dict[str, Any], rank: int) -> Tuple[List[io.SaveItem], list]:
-    """The tensors to save, described for the core, and the common values (rank 0's only)."""
+def _save_request(state_dict: Dict[str, Any], comm: Any, rank: int) -> Tuple[List[io.SaveItem], list]:
+    """The tensors to save, described for the core, and the common values (on rank 0: every
+    rank's, each key once; collective over ``comm``)."""
     tensors, values = _split(_flatten_stateful(state_dict))
     items: List[io.SaveItem] = []
     for path, t in tensors:
@@ -110,8 +112,31 @@ def _save_request(state_dict: Dict[str, Any], rank: int) -> Tuple[List[io.SaveIt
             return save_tensor(key, t.dtype, host.shape, shape, offset, replica_id=replica, data=host)
 
         items.append((local, describe))
-    common = [(to_native_path(p), to_plain(v, tuples=True)) for p, v in values] if rank == 0 else []
+    common = io.common_values(comm, rank, [(to_native_path(p), v) for p, v in values], _plain_with_tuples)
     return items, common
+
+
+def _plain_with_tuples(value: Any) -> Any:
+    return to_plain(value, tuples=True)
+
+
+def _dcp_call(what: str, planner: Any, use_collectives: bool) -> None:
+    """Refuses what of DCP's call options tessera cannot honour, naming it: a planner other
+    than DCP's default one (tessera plans the files itself; the default planner's options only
+    shape DCP's own files), and a save without collectives (tessera's commit is collective)."""
+    if planner is not None:
+        from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+        if type(planner) not in (DefaultSavePlanner, DefaultLoadPlanner):
+            raise TypeError(
+                f"{what}: tessera plans its reads and writes itself, so a custom planner "
+                f"({type(planner).__name__}) cannot be honoured; pass planner=None (DCP's default planner is accepted)"
+            )
+    if not use_collectives:
+        raise ValueError(
+            f"{what}: use_collectives=False is not supported: tessera's commit is collective "
+            "(every rank's files are checked before the checkpoint counts as saved)"
+        )
 
 
 def save(
@@ -119,23 +144,69 @@ def save(
     checkpoint_id: Any = None,
     *,
     storage_writer: Any = None,
+    planner: Any = None,
     process_group: Any = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
     overwrite: bool = False,
+    format: str = "tessera",
     content_metadata: Optional[dict] = None,
     storage_options: StorageOptions = None,
 ) -> dict:
     """Saves a (nested) state dict to ``checkpoint_id`` (a directory or an object-store URL;
     or where ``storage_writer`` points); under torch.distributed every rank of
-    ``process_group`` calls it. Tensor keys are the dotted paths; other values are saved once,
-    from rank 0. A checkpoint already there is kept unless ``overwrite``. ``storage_options``
-    configure an object store (``object_store`` keys, over the environment). Returns the
-    report."""
+    ``process_group`` calls it (with ``no_dist``, this process saves alone). Tensor keys are
+    the dotted paths; other values are saved once each: a key several ranks hold from the
+    lowest of them (the same for all, as training state is), a key of some ranks only (a
+    per-rank dataloader state) from those, as DCP keeps every rank's. A checkpoint already
+    there is kept unless ``overwrite`` (DCP overwrites; see the README). ``planner`` may be
+    DCP's default planner (tessera plans its files itself); ``use_collectives=False`` is
+    refused. ``storage_options`` configure an object store (``object_store`` keys, over the
+    environment). Returns the report.
+
+    ``format`` is what is written: ``"tessera"`` (tessera's own, self-checking format) or
+    ``"dcp"``, a PyTorch DCP directory (``.metadata``, written last, is the commit; the values
+    in Megatron's ``common.pt``) that torch DCP, Megatron and tessera load, and that tools
+    finding checkpoints by DCP's ``.metadata`` (torchtitan's resume) find."""
+    _dcp_call("save", planner, use_collectives)
+    kind = _format(format, content_metadata)
     location = _location(checkpoint_id, storage_writer, "storage_writer")
-    comm, rank = io.communicator(process_group)
-    items, common = _save_request(state_dict, rank)
-    meta = to_plain(content_metadata) if content_metadata is not None else None
+    comm, rank = io.communicator(process_group, no_dist)
+    items, common = _save_request(state_dict, comm, rank)
     where = native_location(location, storage_options)
+    if kind == "dcp":
+        described, keep_alive = io.on_host(items)
+        report = _native.save_torch_dist(described, [], _common_pt(common, rank), where, comm, overwrite=overwrite)
+        del keep_alive
+        return cast(dict, report)
+    meta = to_plain(content_metadata) if content_metadata is not None else None
     return cast(dict, io.save(items, [], common, where, comm, overwrite=overwrite, content_metadata=meta))
+
+
+_FORMATS = ("tessera", "dcp")
+
+
+def _format(format: str, content_metadata: Any) -> str:
+    if format not in _FORMATS:
+        raise ValueError(f"format {format!r}: expected one of {', '.join(_FORMATS)}")
+    if format == "dcp" and content_metadata is not None:
+        raise ValueError("content_metadata is kept in tessera's format only; save it as a value of the state dict")
+    return format
+
+
+def _common_pt(common: List[Tuple[Any, Any]], rank: int) -> Optional[bytes]:
+    """Rank 0's ``common.pt`` of a DCP-format save: ``torch.save`` of the common values as
+    the nested dict they came from (None on other ranks)."""
+    if rank != 0:
+        return None
+    import io as bytes_io
+
+    root: Dict[Any, Any] = {}
+    for native_path, value in common:
+        set_path(root, from_native_path(native_path), from_plain(value))
+    out = bytes_io.BytesIO()
+    torch.save(root, out)
+    return out.getvalue()
 
 
 def async_save(
@@ -143,32 +214,90 @@ def async_save(
     checkpoint_id: Any = None,
     *,
     storage_writer: Any = None,
+    planner: Any = None,
     process_group: Any = None,
+    async_checkpointer_type: Any = None,
+    async_stager: Any = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
     overwrite: bool = False,
+    format: str = "tessera",
     content_metadata: Optional[dict] = None,
     storage_options: StorageOptions = None,
-) -> "Future[dict]":
+) -> Any:
     """:func:`save` in the background, as DCP's ``async_save``: returns once this rank's bytes
     are staged (the state may change from then on) with a ``concurrent.futures.Future`` whose
     ``result()`` is the report, or raises the save's error (the same on every rank; nothing was
-    committed). The commit needs no call from the training loop."""
+    committed). The commit needs no call from the training loop.
+
+    DCP's staging options are taken as DCP takes them: with an ``async_stager`` that stages in
+    the background (``DefaultStager`` with ``use_async_staging``), the result is DCP's
+    ``AsyncSaveResponse`` (``staging_completion``, done when this returns: tessera has staged
+    into its own page-locked pool; ``upload_completion``, the future above). Another stager
+    stages the state first, and its copy is saved. ``async_checkpointer_type`` (thread or
+    process) is accepted either way: tessera writes from native threads that do not hold the
+    GIL, so a process brings nothing.
+
+    With ``format="dcp"`` (see :func:`save`) the state is copied to host memory before this
+    returns, and the whole save, its collectives included, runs in the background on a gloo
+    group of its own, as DCP's thread-based ``async_save`` runs it."""
+    _dcp_call("async_save", planner, use_collectives)
+    kind = _format(format, content_metadata)
     location = _location(checkpoint_id, storage_writer, "storage_writer")
-    comm, rank = io.communicator(process_group)
-    items, common = _save_request(state_dict, rank)
-    saver = io.saver_for(process_group, items)
-    meta = to_plain(content_metadata) if content_metadata is not None else None
+    default_stager = async_stager is None or _is_default_stager(async_stager)
+    if not default_stager:
+        staged = async_stager.stage(_flatten_stateful(state_dict))
+        state_dict = staged.result() if isinstance(staged, Future) else staged
+    comm, rank = io.communicator(process_group, no_dist)
+    items, common = _save_request(state_dict, comm, rank)
     where = native_location(location, storage_options)
-    handle = io.save(items, [], common, where, comm, saver=saver, overwrite=overwrite, content_metadata=meta)
     future: "Future[dict]" = Future()
+    if kind == "dcp":
+        described, keep_alive = io.on_host(items, copy=True)
+        common_pt = _common_pt(common, rank)
+        background = background_comm(process_group, no_dist)
 
-    def wait() -> None:
-        try:
-            future.set_result(handle.finalize())
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            future.set_exception(e)
+        def write() -> None:
+            try:
+                future.set_result(
+                    _native.save_torch_dist(described, [], common_pt, where, background, overwrite=overwrite)
+                )
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+            finally:
+                keep_alive.clear()
 
-    threading.Thread(target=wait, name="tessera-async-save", daemon=True).start()
+        threading.Thread(target=write, name="tessera-async-save", daemon=True).start()
+    else:
+        saver = io.saver_for(process_group, items, no_dist)
+        meta = to_plain(content_metadata) if content_metadata is not None else None
+        handle = io.save(items, [], common, where, comm, saver=saver, overwrite=overwrite, content_metadata=meta)
+
+        def wait() -> None:
+            try:
+                future.set_result(handle.finalize())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+
+        threading.Thread(target=wait, name="tessera-async-save", daemon=True).start()
+    if async_stager is not None and default_stager and getattr(getattr(async_stager, "_config", None), "use_async_staging", False):
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+        staged_future: "Future[None]" = Future()
+        staged_future.set_result(None)
+        # DCP's future holds its Metadata; this one holds tessera's report.
+        return AsyncSaveResponse(staging_completion=staged_future, upload_completion=cast(Any, future))
     return future
+
+
+def _is_default_stager(stager: Any) -> bool:
+    """Whether ``stager`` is DCP's own ``DefaultStager`` (a copy to host memory, which tessera's
+    staging does itself)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager
+    except ImportError:
+        return False
+    return type(stager) is DefaultStager
 
 
 def load(
@@ -176,7 +305,9 @@ def load(
     checkpoint_id: Any = None,
     *,
     storage_reader: Any = None,
+    planner: Any = None,
     process_group: Any = None,
+    no_dist: bool = False,
     strict: bool = True,
     storage_options: StorageOptions = None,
 ) -> None:
@@ -185,13 +316,16 @@ def load(
     (a tuple stays a tuple); a ``Stateful`` value is loaded into its ``state_dict()`` and
     given it back through ``load_state_dict()`` (an optimizer that has taken no step yet gets
     its state created first, as ``get_state_dict`` creates it). Tensors that share memory (tied
-    weights) are filled once. With ``strict``, a tensor or value the checkpoint lacks raises
+    weights) are filled once. A tensor stored in another dtype than the request's is cast
+    into it (``Tensor.copy_``, as DCP casts: a bf16 export loads into an fp32 model). With ``strict``, a tensor or value the checkpoint lacks raises
     ``KeyMismatchError``, as DCP raises.
 
     Under torch.distributed every rank of ``process_group`` calls it (as DCP's ``load``): the
     ranks check the checksum blocks they share together, so from an object store each
-    downloads only the bytes it needs."""
-    _load(state_dict, checkpoint_id, storage_reader, process_group, strict, storage_options)
+    downloads only the bytes it needs; with ``no_dist`` this process loads alone. ``planner``
+    may be DCP's default planner (tessera plans its reads itself)."""
+    _dcp_call("load", planner, True)
+    _load(state_dict, checkpoint_id, storage_reader, process_group, strict, storage_options, no_dist)
 
 
 def _load(
@@ -201,29 +335,36 @@ def _load(
     process_group: Any,
     strict: bool,
     storage_options: StorageOptions,
+    no_dist: bool = False,
 ) -> List[Tuple[Any, Any]]:
     """:func:`load`, returning every common value the checkpoint holds (native paths), for
     the callers that read more of them than the request names."""
     location = _location(checkpoint_id, storage_reader, "storage_reader")
     where = native_location(location, storage_options)
-    _init_fresh_optimizers(state_dict, where)
+    stored = _native.load_tensors_metadata(where)
+    _init_fresh_optimizers(state_dict, stored)
     flat = _flatten_stateful(state_dict)
     tensors, _ = _split(flat)
     items: List[io.LoadItem] = []
+    stored_dtypes: List[Any] = []
     for path, t in tensors:
         local, shape, offset, _ = layout(t, 0)
+        key = dotted(path)
 
-        def describe(buf: Any, key: str = dotted(path), t: Any = t, shape: Any = shape, offset: Any = offset) -> Any:
-            return load_tensor(key, t.dtype, buf.shape, shape, offset, data=buf)
+        def describe(buf: Any, key: str = key, shape: Any = shape, offset: Any = offset) -> Any:
+            return load_tensor(key, buf.dtype, buf.shape, shape, offset, data=buf)
 
         items.append((local, describe, offset))
-    comm, _ = io.communicator(process_group)
+        stored_dtypes.append(_torch_dtype_of(stored.get(key)))
+    comm, _ = io.communicator(process_group, no_dist)
     strict_mode = "raise_unexpected" if strict else "return_unexpected"
     try:
-        result = io.load(items, [], where, comm, strict=strict_mode)
+        result = io.load(items, [], where, comm, stored_dtypes=stored_dtypes, strict=strict_mode)
     except KeyMismatchError as e:
         raise _torch_key_error(location_url(location), list(e.unexpected), list(e.missing)) from None
-    saved = {from_native_path(p): from_plain(v) for p, v in result["common"]}
+    saved: Dict[Tuple[Seg, ...], Any] = {}
+    for p, v in result["common"]:
+        saved.update(_saved_leaves(from_native_path(p), v))
     missing: List[str] = []
     for key in flat:  # the request's keys are what is loaded
         flat[key] = _replace_values(flat[key], (("k", key),), saved, missing)
@@ -237,14 +378,39 @@ def _load(
     return cast(List[Tuple[Any, Any]], result["common"])
 
 
-def _init_fresh_optimizers(state_dict: Dict[str, Any], where: Any) -> None:
+def _saved_leaves(path: Tuple[Seg, ...], value: Any) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
+    """A saved common value as the leaves a request is matched against: tessera's format
+    stores every leaf apart, a DCP directory's ``common.pt`` whole dicts under top-level keys
+    (whose keys may hold dots, as torchtitan's flattened optimizer state has them)."""
+    if isinstance(value, dict) and value and set(value) != {TORCH_SAVE_KEY}:
+        for k, v in value.items():
+            yield from _saved_leaves(path + (("k", k),), v)
+    elif isinstance(value, list) and value:
+        for i, v in enumerate(value):
+            yield from _saved_leaves(path + (("i", i),), v)
+    else:
+        yield path, from_plain(value)
+
+
+def _torch_dtype_of(stored: Any) -> Any:
+    """The torch dtype of a stored tensor's metadata (``(dtype, shape)``), None when it is not
+    stored or torch has no such dtype (the core then names the mismatch)."""
+    if stored is None:
+        return None
+    try:
+        return tessera_dtype_to_torch(stored[0])
+    except TesseraError:
+        return None
+
+
+def _init_fresh_optimizers(state_dict: Dict[str, Any], stored: Dict[str, Any]) -> None:
     """Gives every top-level optimizer that has no state yet (no step taken) the state the
-    checkpoint holds tensors for, created as ``get_state_dict`` creates it (a step with zero
-    gradients and a zero learning rate: the parameters do not move), so that loading fills it."""
+    checkpoint holds tensors for (``stored``: the checkpoint's tensor metadata), created as
+    ``get_state_dict`` creates it (a step with zero gradients and a zero learning rate: the
+    parameters do not move), so that loading fills it."""
     fresh = [k for k, v in state_dict.items() if isinstance(v, torch.optim.Optimizer) and not v.state]
     if not fresh:
         return
-    stored = _native.load_tensors_metadata(where)
     for key in fresh:
         if not any(k.startswith(f"{key}.state.") for k in stored):
             continue  # saved fresh too: nothing to create
