@@ -49,7 +49,8 @@ bash scripts/olmo_interop.sh
 # format and back to a DCP copy, loads into ai2-olmo-core 3.0.0 itself with every value.
 bash scripts/olmo3_interop.sh --tessera-copy
 # torchtitan 0.3.0's own CheckpointManager with tessera.torch.dcp as its `dcp`, against the same
-# runs on torch DCP, in every async_mode (.venv-titan over .venv; about 4 min).
+# runs on torch DCP: every async_mode, seed checkpoints, FSDP + TP, the HF export (.venv-titan
+# over .venv; about 6 min).
 bash scripts/torchtitan_interop.sh
 # Megatron-LM's own dist_checkpointing tests (test_mapping, test_serialization, test_strict) with
 # megatron.core.dist_checkpointing aliased to tessera's, when the peer's tests and harness are

@@ -684,3 +684,25 @@ def test_dcp_defaults_module_writes_dcp_directories_found_resumed_and_resaved(tm
 
     meta = dcp.FileSystemReader(f"{folder}/step-2").read_metadata()
     assert any(k.startswith("optimizer.state.") for k in meta.state_dict_metadata)
+
+
+def test_a_hugging_face_storage_writer_gets_what_it_writes_from_dcp(tmp_path: Any) -> None:
+    """tessera does not write Hugging Face's layout with DCP's sharding metadata: a
+    HuggingFaceStorageWriter (torchtitan's last-step export) is handed to DCP's own save, and
+    the files are what it writes; tessera reads them back."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    import tessera.torch.dcp as tdcp
+
+    sd = {"model.w": torch.arange(6.0).reshape(2, 3), "model.b": torch.ones(3, dtype=torch.bfloat16)}
+    out = tmp_path / "hf"
+    writer = HuggingFaceStorageWriter(path=str(out), save_distributed=True, enable_consolidation=True)
+    tdcp.save(sd, storage_writer=writer, no_dist=True)  # torchtitan's call, on one rank
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert files, sorted(p.name for p in out.iterdir())
+    stored = {k: v for f in files for k, v in load_file(str(out / f)).items()}
+    assert stored.keys() == sd.keys() and all(torch.equal(stored[k], v) for k, v in sd.items())
+    back = {k: torch.zeros_like(v) for k, v in sd.items()}
+    tdcp.load(back, storage_reader=HuggingFaceStorageReader(str(out)))
+    assert all(torch.equal(back[k], v) for k, v in sd.items())

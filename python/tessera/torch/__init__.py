@@ -1,14 +1,17 @@
 """`tessera.torch`: checkpoints of torch state dicts holding plain tensors and DTensors.
 
-Sharding is derived from each DTensor's mesh and placements (``Shard`` and ``Replicate``, uneven
-shards included); replicated copies are written once. Loading is in place, into whatever
+Sharding is derived from each DTensor's mesh and placements (``Shard``, ``Replicate``, and the
+``_StridedShard`` of FSDP2 over tensor parallelism; uneven shards included); replicated copies
+are written once. Loading is in place, into whatever
 layout the given state dict has: another mesh, another world size, or one process.
 
 It follows ``torch.distributed.checkpoint`` (DCP): a top-level value with ``state_dict()`` and
 ``load_state_dict()`` (DCP's ``Stateful``: a model, an optimizer, torchtitan's wrappers and train
 state) is saved as its ``state_dict()`` and, on load, loaded in place into its ``state_dict()``
 and handed back through ``load_state_dict()``; ``checkpoint_id`` / ``storage_writer`` /
-``storage_reader``, ``process_group`` and :func:`async_save` (a future) are DCP's; torch's
+``storage_reader``, ``process_group``, ``no_dist`` and :func:`async_save` (a future, or DCP's
+``AsyncSaveResponse``) are DCP's; :mod:`tessera.torch.dcp` has DCP's defaults (overwrite, a DCP
+directory); torch's
 ``get_model_state_dict`` / ``get_optimizer_state_dict`` / ``set_model_state_dict`` /
 ``set_optimizer_state_dict`` / ``StateDictOptions`` are re-exported. Plain values (numbers,
 strings, bools, None, lists, tuples as lists, dicts of them) are stored as plain values that
@@ -164,10 +167,26 @@ def save(
     refused. ``storage_options`` configure an object store (``object_store`` keys, over the
     environment). Returns the report.
 
+    A ``storage_writer`` that writes a format of its own (torch's ``HuggingFaceStorageWriter``)
+    is handed to DCP's ``save`` with the state and the DCP arguments, and what it writes is
+    that writer's: tessera does not write that format.
+
     ``format`` is what is written: ``"tessera"`` (tessera's own, self-checking format) or
     ``"dcp"``, a PyTorch DCP directory (``.metadata``, written last, is the commit; the values
     in Megatron's ``common.pt``) that torch DCP, Megatron and tessera load, and that tools
     finding checkpoints by DCP's ``.metadata`` (torchtitan's resume) find."""
+    if _for_dcp_itself(storage_writer):
+        import torch.distributed.checkpoint as dcp
+
+        return cast(dict, dcp.save(
+            state_dict,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+            use_collectives=use_collectives,
+        ))
     _dcp_call("save", planner, use_collectives)
     kind = _format(format, content_metadata)
     location = _location(checkpoint_id, storage_writer, "storage_writer")
@@ -181,6 +200,19 @@ def save(
         return cast(dict, report)
     meta = to_plain(content_metadata) if content_metadata is not None else None
     return cast(dict, io.save(items, [], common, where, comm, overwrite=overwrite, content_metadata=meta))
+
+
+def _for_dcp_itself(storage_writer: Any) -> bool:
+    """Whether ``storage_writer`` writes a format of its own that tessera does not write, and
+    so is handed to DCP's own save: torch's ``HuggingFaceStorageWriter`` (Hugging Face
+    safetensors with DCP's sharding metadata, which torch's consolidation reads)."""
+    if storage_writer is None:
+        return False
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    except ImportError:
+        return False
+    return isinstance(storage_writer, HuggingFaceStorageWriter)
 
 
 _FORMATS = ("tessera", "dcp")
@@ -241,6 +273,20 @@ def async_save(
     With ``format="dcp"`` (see :func:`save`) the state is copied to host memory before this
     returns, and the whole save, its collectives included, runs in the background on a gloo
     group of its own, as DCP's thread-based ``async_save`` runs it."""
+    if _for_dcp_itself(storage_writer):
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.async_save(
+            state_dict,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            planner=planner,
+            process_group=process_group,
+            async_checkpointer_type=async_checkpointer_type or dcp.state_dict_saver.AsyncCheckpointerType.THREAD,
+            async_stager=async_stager,
+            no_dist=no_dist,
+            use_collectives=use_collectives,
+        )
     _dcp_call("async_save", planner, use_collectives)
     kind = _format(format, content_metadata)
     location = _location(checkpoint_id, storage_writer, "storage_writer")
