@@ -18,10 +18,11 @@ and once each, `seed`: a seed checkpoint (step 0, model only, from 1 rank), a 2-
 starts from it and trains to step 2, and one that resumes with `exclude_from_loading`
 (dataloader, LR scheduler) and trains to step 4; `tp`: 4 ranks with FSDP2 over tensor parallelism (a 2 x 2 mesh, `_StridedShard`)
 train steps 1..2, and new jobs of 2 and of 1 rank (FSDP only) resume and train to step 4;
-`hf`: a run of 2 ranks ends with the last step exported in Hugging Face's layout
-(`last_save_in_hf`, a state-dict adapter spreading the tensors over two files: torchtitan's
-sharded path, consolidated by torch), which `safetensors` reads as the trained model; a new
-1-rank job starts from it (`initial_load_in_hf`). Arguments name the scenarios to run (modes,
+`hf`: 2 ranks train a tiny transformers Llama and end with the last step exported in Hugging
+Face's layout (`last_save_in_hf`, a state-dict adapter spreading the tensors over two files:
+torchtitan's sharded path, consolidated by torch), which `safetensors` and transformers'
+`from_pretrained` read as the trained model; a new 1-rank job starts from it
+(`initial_load_in_hf`). Arguments name the scenarios to run (modes,
 `hf`); none runs all.
 
 On CPU, async_with_pinned_mem runs with its stager's pinning and non-blocking copies off (torch
@@ -58,6 +59,11 @@ class RankData:
         self.position += 1
         return torch.randn(4, 8, generator=g)
 
+    def tokens(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * self.rank + self.position)
+        self.position += 1
+        return torch.randint(0, 32, (2, 8), generator=g)
+
     def state_dict(self) -> Dict[str, Any]:
         return {f"dp_rank_{self.rank}": {"position": self.position}}
 
@@ -78,9 +84,27 @@ class TrainState:
         self.step, self.ntokens_seen = sd["step"], sd["ntokens_seen"]
 
 
-def _hf_adapter() -> Any:
-    """A state-dict adapter as torchtitan's models have one: Hugging Face names
-    (``model.layers.<i>.<name>``), spread over two files by ``fqn_to_index_mapping``, so the
+def _tiny_llama() -> Any:
+    """A Hugging Face model (transformers' Llama, tiny), so that the export can be checked by
+    transformers itself: ``from_pretrained`` of the exported folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _hf_adapter(keys: List[str]) -> Any:
+    """A state-dict adapter as torchtitan's models have one. The model is already Hugging
+    Face's, so names stay; ``fqn_to_index_mapping`` spreads the tensors over two files, so the
     export takes torchtitan's sharded path (per-rank files, then torch's consolidation)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
@@ -88,13 +112,13 @@ def _hf_adapter() -> Any:
     class Adapter(BaseStateDictAdapter):
         def __init__(self) -> None:
             self.hf_assets_path = None
-            self.fqn_to_index_mapping = {f"model.layers.{i}.{n}": 1 + (i > 0) for i in (0, 2) for n in ("weight", "bias")}
+            self.fqn_to_index_mapping = {k: 1 + i % 2 for i, k in enumerate(keys)}
 
         def to_hf(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
-            return {f"model.layers.{k}": v for k, v in state_dict.items()}
+            return dict(state_dict)
 
         def from_hf(self, hf_state_dict: Dict[str, Any]) -> Dict[str, Any]:
-            return {k[len("model.layers.") :]: v for k, v in hf_state_dict.items()}
+            return dict(hf_state_dict)
 
         def get_hf_storage_reader(self, path: str, from_quantized: bool = False) -> Any:
             return HuggingFaceStorageReader(path)
@@ -130,7 +154,10 @@ def _job(rank: int, world: int, backend: str, folder: str, out: str, cfg: Dict[s
 
         titan_dcp.dcp = tessera.torch.dcp  # the whole switch
     torch.manual_seed(cfg.get("init_seed", 0))  # a seed checkpoint's model starts elsewhere
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    if cfg.get("hf"):
+        model = _tiny_llama()
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
     dp_rank = rank
     if cfg.get("tp"):
         # torchtitan's 2-D parallelism: tensor parallel inside pairs of ranks, FSDP2 across them
@@ -172,7 +199,7 @@ def _job(rank: int, world: int, backend: str, folder: str, out: str, cfg: Dict[s
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
         states={"train_state": ts},
-        sd_adapter=_hf_adapter() if cfg.get("hf") else None,
+        sd_adapter=_hf_adapter(list(model.state_dict())) if cfg.get("hf") else None,
     )
     manager.load(step=cfg.get("load_step", -1))
     assert ts.step == cfg["resumed_at"], (ts.step, cfg["resumed_at"])
@@ -183,8 +210,12 @@ def _job(rank: int, world: int, backend: str, folder: str, out: str, cfg: Dict[s
     if cfg.get("seed"):
         manager.save(0, last_step=True)  # the trainer's create_seed_checkpoint
     for step in range(ts.step + 1, cfg["until"] + 1):
-        x = data.batch()
-        loss = model(x).square().mean()
+        if cfg.get("hf"):
+            x = data.tokens()
+            loss = model(x).logits.square().mean()
+        else:
+            x = data.batch()
+            loss = model(x).square().mean()
         loss.backward()
         optimizers.step()
         lr_schedulers.step()
@@ -335,7 +366,14 @@ def main() -> int:
                 run_ranks(1, _job, backend, fresh, os.path.join(base, "fresh.pt"), load)
                 hf[backend] = {"files": files, "tensors": tensors, "fresh": torch.load(os.path.join(base, "fresh.pt"), weights_only=False)}
                 trained = torch.load(os.path.join(base, "train.pt"), weights_only=False)["model"]
-                assert _equal({f"model.layers.{k}": v for k, v in trained.items()}, tensors), "the export is the model"
+                assert _equal(trained, tensors), "the export is the trained model"
+                # transformers itself loads the export (given the model's config.json, which a
+                # user keeps with the tokenizer in the HF assets).
+                from transformers import LlamaForCausalLM
+
+                _tiny_llama().config.save_pretrained(step)
+                loaded = LlamaForCausalLM.from_pretrained(step, dtype=torch.float32).state_dict()
+                assert _equal(trained, loaded), "transformers' from_pretrained gives the trained model"
             _compare("hf export", hf, ("files", "tensors", "fresh"), results)
     finally:
         shutil.rmtree(root, ignore_errors=True)
