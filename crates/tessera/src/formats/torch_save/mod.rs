@@ -403,6 +403,11 @@ pub(crate) fn gather(storage: &[u8], t: &TensorRecord) -> Result<Vec<u8>, String
         return Err(format!("tensor needs {extent} elements of a {}-byte storage", storage.len()));
     }
     let numel = t.numel();
+    if numel == 0 {
+        // An empty tensor reads nothing, whatever its storage offset says (the fuzzer's find:
+        // an empty tensor at an offset past its empty storage was sliced there).
+        return Ok(Vec::new());
+    }
     // Overlapping strides (stride 0, `as_strided`) make a tensor larger than its storage: the
     // copy is bounded by what is stored, plus a little for small expanded tensors.
     let nbytes = numel.checked_mul(es).ok_or("tensor size overflows")?;
@@ -525,5 +530,18 @@ mod tests {
         assert_eq!(gather(&storage, &c).unwrap(), vec![2, 3, 4]);
         let past = TensorRecord { storage_offset: 5, ..c };
         assert!(gather(&storage, &past).is_err());
+    }
+
+    #[test]
+    fn an_empty_tensor_past_its_storage_gathers_nothing() {
+        // Size (0, 4) at storage offset 4 of an empty f32 storage: torch reads no element.
+        let t = TensorRecord {
+            storage_key: "0".into(),
+            dtype: DType::F32,
+            storage_offset: 4,
+            size: vec![0, 4],
+            stride: vec![4, 1],
+        };
+        assert_eq!(gather(&[], &t).unwrap(), Vec::<u8>::new());
     }
 }
