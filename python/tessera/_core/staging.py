@@ -8,7 +8,7 @@ The staging sequence every async save runs (pin, copy, synchronise, start, give 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 from .. import _native
 from .comm import commit_comm, initialized_dist
@@ -130,21 +130,31 @@ def _is_live(group: Any) -> bool:
 _NO_DIST = object()
 
 
+def _per_live_group(cache: List[Tuple[Any, Any]], group: Any, make: Any) -> Any:
+    """The value ``cache`` holds for ``group`` (compared by identity), made by ``make()`` on
+    first use; entries of destroyed groups are dropped first."""
+    cache[:] = [(g, v) for g, v in cache if _is_live(g)]
+    for g, value in cache:
+        if g is group:
+            return value
+    value = make()
+    cache.append((group, value))
+    return value
+
+
 def default_saver(process_group: Any = None, state_bytes: int = DEFAULT_STAGING_BUDGET, no_dist: bool = False) -> AsyncSaver:
     """The saver of ``process_group`` (the default group for None; this process alone with
     ``no_dist``), created (collectively, but for ``no_dist``) on first use with a budget of
     ``state_bytes`` (this rank's tensor bytes) capped at :data:`DEFAULT_STAGING_BUDGET`.
     Savers of destroyed groups are dropped."""
+
+    def make() -> AsyncSaver:
+        budget = os.environ.get("TESSERA_STAGING_BUDGET")
+        size = int(budget) if budget is not None else max(min(state_bytes, DEFAULT_STAGING_BUDGET), 8 << 20)
+        return AsyncSaver(size, process_group=None if no_dist else process_group, no_dist=no_dist)
+
     group = _NO_DIST if no_dist else _resolved_group(process_group)
-    _DEFAULT_SAVERS[:] = [(g, s) for g, s in _DEFAULT_SAVERS if _is_live(g)]
-    for g, saver in _DEFAULT_SAVERS:
-        if g is group:
-            return saver
-    budget = os.environ.get("TESSERA_STAGING_BUDGET")
-    size = int(budget) if budget is not None else max(min(state_bytes, DEFAULT_STAGING_BUDGET), 8 << 20)
-    saver = AsyncSaver(size, process_group=None if no_dist else process_group, no_dist=no_dist)
-    _DEFAULT_SAVERS.append((group, saver))
-    return saver
+    return cast(AsyncSaver, _per_live_group(_DEFAULT_SAVERS, group, make))
 
 
 # One background communicator per live process group: (group object, communicator).
@@ -159,11 +169,4 @@ def background_comm(process_group: Any = None, no_dist: bool = False) -> Any:
     process (or ``no_dist``)."""
     if no_dist or initialized_dist() is None:
         return None
-    group = _resolved_group(process_group)
-    _BACKGROUND_COMMS[:] = [(g, c) for g, c in _BACKGROUND_COMMS if _is_live(g)]
-    for g, comm in _BACKGROUND_COMMS:
-        if g is group:
-            return comm
-    comm = commit_comm(process_group)
-    _BACKGROUND_COMMS.append((group, comm))
-    return comm
+    return _per_live_group(_BACKGROUND_COMMS, _resolved_group(process_group), lambda: commit_comm(process_group))

@@ -297,35 +297,23 @@ def async_save(
     comm, rank = io.communicator(process_group, no_dist)
     items, common = _save_request(state_dict, comm, rank)
     where = native_location(location, storage_options)
-    future: "Future[dict]" = Future()
     if kind == "dcp":
         described, keep_alive = io.on_host(items, copy=True)
         common_pt = _common_pt(common, rank)
         background = background_comm(process_group, no_dist)
 
-        def write() -> None:
+        def write() -> Any:
             try:
-                future.set_result(
-                    _native.save_torch_dist(described, [], common_pt, where, background, overwrite=overwrite)
-                )
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(e)
+                return _native.save_torch_dist(described, [], common_pt, where, background, overwrite=overwrite)
             finally:
                 keep_alive.clear()
 
-        threading.Thread(target=write, name="tessera-async-save", daemon=True).start()
+        future = _in_background(write)
     else:
         saver = io.saver_for(process_group, items, no_dist)
         meta = to_plain(content_metadata) if content_metadata is not None else None
         handle = io.save(items, [], common, where, comm, saver=saver, overwrite=overwrite, content_metadata=meta)
-
-        def wait() -> None:
-            try:
-                future.set_result(handle.finalize())
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(e)
-
-        threading.Thread(target=wait, name="tessera-async-save", daemon=True).start()
+        future = _in_background(handle.finalize)
     if async_stager is not None and default_stager and getattr(getattr(async_stager, "_config", None), "use_async_staging", False):
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
@@ -333,6 +321,20 @@ def async_save(
         staged_future.set_result(None)
         # DCP's future holds its Metadata; this one holds tessera's report.
         return AsyncSaveResponse(staging_completion=staged_future, upload_completion=cast(Any, future))
+    return future
+
+
+def _in_background(work: Any) -> "Future[dict]":
+    """A future of ``work()``'s result (or error), run on a thread of its own."""
+    future: "Future[dict]" = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="tessera-async-save", daemon=True).start()
     return future
 
 
