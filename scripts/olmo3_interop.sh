@@ -5,7 +5,8 @@
 # script: `CHECKPOINT EXPECTED.pt` (e.g. a `tessera convert --to dcp` copy of
 # crates/tessera/tests/fixtures/olmo3/model_and_optim against its expected.pt), or `--fixture`
 # (the fixture itself), or `--tessera-copy` (the fixture converted by tessera to its format and
-# back to DCP: what CI runs). Prints one PASS/FAIL line per check; exits non-zero if any fails.
+# back to DCP: what CI runs), or `--tessera-v3` (the fixture loaded and saved again by
+# tessera.olmo_core.v3, OLMo-core 3.x's API over tessera: CI runs it too). Prints one PASS/FAIL line per check; exits non-zero if any fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/olmo3-env.sh
@@ -19,6 +20,25 @@ if [ "${1:-}" = --tessera-copy ]; then
   "$tessera" convert "$fixture/model_and_optim" "$work/native" >/dev/null
   "$tessera" convert "$work/native" "$work/copy" --to dcp >/dev/null
   .venv-olmo3/bin/python scripts/olmo3_interop.py "$work/copy" "$fixture/expected.pt"
+elif [ "${1:-}" = --tessera-v3 ]; then
+  # tessera.olmo_core.v3 (OLMo-core 3.x's API over tessera, in .venv) loads the fixture
+  # OLMo-core 3.0 wrote into a fresh model and optimizer and saves them again with
+  # save_model_and_optim_state; OLMo-core 3.0 itself must load that back whole.
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  .venv/bin/python - "$work/v3" <<'PY'
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path("tests/python").resolve()))
+import tessera.olmo_core.v3 as v3
+from test_olmo3 import FIXTURE, _fresh
+
+model, optim = _fresh()
+v3.load_model_and_optim_state(str(FIXTURE / "model_and_optim"), model, optim)
+v3.save_model_and_optim_state(sys.argv[1], model, optim)
+PY
+  .venv-olmo3/bin/python scripts/olmo3_interop.py "$work/v3" crates/tessera/tests/fixtures/olmo3/expected.pt
 else
   .venv-olmo3/bin/python scripts/olmo3_interop.py "$@"
 fi

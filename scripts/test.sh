@@ -48,6 +48,8 @@ bash scripts/olmo_interop.sh
 # OLMo-core 3.0 (its own venv, torch 2.13): a checkpoint it wrote, converted by tessera to its
 # format and back to a DCP copy, loads into ai2-olmo-core 3.0.0 itself with every value.
 bash scripts/olmo3_interop.sh --tessera-copy
+# ... and what tessera.olmo_core.v3 (OLMo-core 3.x's API over tessera) saves loads into it too.
+bash scripts/olmo3_interop.sh --tessera-v3
 # torchtitan 0.3.0's own CheckpointManager with tessera.torch.dcp as its `dcp`, against the same
 # runs on torch DCP: every async_mode, seed checkpoints, FSDP + TP, the HF export (.venv-titan
 # over .venv; about 6 min).

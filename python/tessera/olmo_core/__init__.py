@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from .. import _native
+from ..errors import NotFoundError, TesseraError
 from .._core.paths import from_native_path
 from .._core import io
 from .._core.storage import StorageOptions, native_location, split_location
@@ -262,6 +263,25 @@ def save_model_and_optim_state(
     return files_created(f"{d}/model", reports[0]) + files_created(f"{d}/optim", reports[1])
 
 
+def _model_metadata(ck: Checkpointer, d: str, storage_options: StorageOptions) -> StorageMetadata:
+    """The metadata of ``d/model``; when ``d`` holds no 0.1.x checkpoint but an OLMo-core 3.x
+    one (a DCP directory, or its ``model_and_optim/``), an error that says which module reads it."""
+    try:
+        return ck.get_metadata(f"{d}/model")
+    except NotFoundError as e:
+        for where in (d, f"{d}/model_and_optim"):
+            try:
+                _native.load_tensors_metadata(native_location(where, storage_options))
+            except TesseraError:
+                continue
+            raise NotFoundError(
+                f"{e}: {where} is a torch DCP checkpoint, as OLMo-core 3.x writes them; "
+                "tessera.olmo_core is OLMo-core 0.1.x's API: load it with tessera.olmo_core.v3 (OLMo-core 3.x's API) "
+                "or tessera.torch"
+            ) from None
+        raise
+
+
 def _optim_values(dir: str, storage_options: StorageOptions = None) -> Dict[str, Any]:
     """The decoded pickled fields of an ``optim/`` checkpoint (``param_groups``, ``state_keys``)."""
     return {from_native_path(p)[-1][1]: v for p, v in _native.load_common(native_location(dir, storage_options))}
@@ -285,7 +305,7 @@ def load_model_and_optim_state(
     d = _normalize(dir)
     ck = Checkpointer(storage_options=storage_options)
     model_state = _model_state(model)
-    stored = set(ck.get_metadata(f"{d}/model").tensors)
+    stored = set(_model_metadata(ck, d, storage_options).tensors)
     ck.load(f"{d}/model", {_resolve(stored, k): v for k, v in model_state.items()})
     if not isinstance(model, _torch_fsdp()):
         # Filled in place; still handed to the module, as OLMo-core does, for entries that are

@@ -26,12 +26,10 @@ configuration keys, as polars and deltalake take them).
 from __future__ import annotations
 
 import os
-import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, Iterable, Optional, Tuple, cast
 
 import torch
-import torch.distributed.checkpoint.state_dict as torch_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,15 +41,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .. import _native
-from .._core import io
-from .._core.dtypes import tessera_dtype_to_torch
-from .._core.descriptors import load_tensor, save_tensor
-from .._core.layout import is_dtensor, layout
-from .._core.paths import Seg, dotted, from_native_path, leaves, set_path, to_native_path
-from .._core.staging import background_comm
+from .._core import io, statedict
+from .._core.paths import dotted, from_native_path, set_path
 from .._core.storage import StorageOptions, location_url, native_location
-from .._core.values import TORCH_SAVE_KEY, from_plain, is_stateful, like_request, to_plain
-from ..errors import KeyMismatchError, TesseraError
+from .._core.values import from_plain, like_request, to_plain
 
 __all__ = [
     "save",
@@ -73,12 +66,6 @@ __all__ = [
 ]
 
 
-def _flatten_stateful(state_dict: Dict[str, Any]) -> Dict[str, Any]:
-    """``state_dict`` with every top-level ``Stateful`` value replaced by its ``state_dict()``
-    (as DCP does; nested values are data)."""
-    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state_dict.items()}
-
-
 def _location(checkpoint_id: Any, storage: Any, what: str) -> Any:
     """The location from DCP's two ways of giving it: ``checkpoint_id`` (a path, URL or
     :class:`tessera.Location`), or a storage writer/reader object carrying it (torch's
@@ -93,34 +80,6 @@ def _location(checkpoint_id: Any, storage: Any, what: str) -> Any:
     if checkpoint_id is None:
         raise ValueError(f"where to? give checkpoint_id (a directory or URL) or {what}")
     return checkpoint_id if isinstance(checkpoint_id, _native.Location) else os.fspath(checkpoint_id)
-
-
-def _split(state_dict: Dict[str, Any]) -> Tuple[List[Tuple[Tuple[Seg, ...], torch.Tensor]], List[Tuple[Tuple[Seg, ...], Any]]]:
-    tensors: List[Tuple[Tuple[Seg, ...], torch.Tensor]] = []
-    values: List[Tuple[Tuple[Seg, ...], Any]] = []
-    for path, leaf in leaves(state_dict):
-        (tensors if isinstance(leaf, torch.Tensor) else values).append((path, leaf))
-    return tensors, values
-
-
-def _save_request(state_dict: Dict[str, Any], comm: Any, rank: int) -> Tuple[List[io.SaveItem], list]:
-    """The tensors to save, described for the core, and the common values (on rank 0: every
-    rank's, each key once; collective over ``comm``)."""
-    tensors, values = _split(_flatten_stateful(state_dict))
-    items: List[io.SaveItem] = []
-    for path, t in tensors:
-        local, shape, offset, replica = layout(t, rank)
-
-        def describe(host: Any, key: str = dotted(path), t: Any = t, shape: Any = shape, offset: Any = offset, replica: Any = replica) -> Any:
-            return save_tensor(key, t.dtype, host.shape, shape, offset, replica_id=replica, data=host)
-
-        items.append((local, describe))
-    common = io.common_values(comm, rank, [(to_native_path(p), v) for p, v in values], _plain_with_tuples)
-    return items, common
-
-
-def _plain_with_tuples(value: Any) -> Any:
-    return to_plain(value, tuples=True)
 
 
 def _dcp_call(what: str, planner: Any, use_collectives: bool) -> None:
@@ -191,13 +150,10 @@ def save(
     kind = _format(format, content_metadata)
     location = _location(checkpoint_id, storage_writer, "storage_writer")
     comm, rank = io.communicator(process_group, no_dist)
-    items, common = _save_request(state_dict, comm, rank)
+    items, common = statedict.save_request(state_dict, comm, rank)
     where = native_location(location, storage_options)
     if kind == "dcp":
-        described, keep_alive = io.on_host(items)
-        report = _native.save_torch_dist(described, [], _common_pt(common, rank), where, comm, overwrite=overwrite)
-        del keep_alive
-        return cast(dict, report)
+        return statedict.write_dcp(items, common, rank, where, comm, overwrite)
     meta = to_plain(content_metadata) if content_metadata is not None else None
     return cast(dict, io.save(items, [], common, where, comm, overwrite=overwrite, content_metadata=meta))
 
@@ -224,21 +180,6 @@ def _format(format: str, content_metadata: Any) -> str:
     if format == "dcp" and content_metadata is not None:
         raise ValueError("content_metadata is kept in tessera's format only; save it as a value of the state dict")
     return format
-
-
-def _common_pt(common: List[Tuple[Any, Any]], rank: int) -> Optional[bytes]:
-    """Rank 0's ``common.pt`` of a DCP-format save: ``torch.save`` of the common values as
-    the nested dict they came from (None on other ranks)."""
-    if rank != 0:
-        return None
-    import io as bytes_io
-
-    root: Dict[Any, Any] = {}
-    for native_path, value in common:
-        set_path(root, from_native_path(native_path), from_plain(value))
-    out = bytes_io.BytesIO()
-    torch.save(root, out)
-    return out.getvalue()
 
 
 def async_save(
@@ -292,28 +233,18 @@ def async_save(
     location = _location(checkpoint_id, storage_writer, "storage_writer")
     default_stager = async_stager is None or _is_default_stager(async_stager)
     if not default_stager:
-        staged = async_stager.stage(_flatten_stateful(state_dict))
+        staged = async_stager.stage(statedict.flatten_stateful(state_dict))
         state_dict = staged.result() if isinstance(staged, Future) else staged
     comm, rank = io.communicator(process_group, no_dist)
-    items, common = _save_request(state_dict, comm, rank)
+    items, common = statedict.save_request(state_dict, comm, rank)
     where = native_location(location, storage_options)
     if kind == "dcp":
-        described, keep_alive = io.on_host(items, copy=True)
-        common_pt = _common_pt(common, rank)
-        background = background_comm(process_group, no_dist)
-
-        def write() -> Any:
-            try:
-                return _native.save_torch_dist(described, [], common_pt, where, background, overwrite=overwrite)
-            finally:
-                keep_alive.clear()
-
-        future = _in_background(write)
+        future = statedict.write_dcp_in_background(items, common, rank, where, process_group, no_dist, overwrite)
     else:
         saver = io.saver_for(process_group, items, no_dist)
         meta = to_plain(content_metadata) if content_metadata is not None else None
         handle = io.save(items, [], common, where, comm, saver=saver, overwrite=overwrite, content_metadata=meta)
-        future = _in_background(handle.finalize)
+        future = statedict.in_background(handle.finalize)
     if async_stager is not None and default_stager and getattr(getattr(async_stager, "_config", None), "use_async_staging", False):
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
@@ -321,20 +252,6 @@ def async_save(
         staged_future.set_result(None)
         # DCP's future holds its Metadata; this one holds tessera's report.
         return AsyncSaveResponse(staging_completion=staged_future, upload_completion=cast(Any, future))
-    return future
-
-
-def _in_background(work: Any) -> "Future[dict]":
-    """A future of ``work()``'s result (or error), run on a thread of its own."""
-    future: "Future[dict]" = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(work())
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="tessera-async-save", daemon=True).start()
     return future
 
 
@@ -373,111 +290,12 @@ def load(
     downloads only the bytes it needs; with ``no_dist`` this process loads alone. ``planner``
     may be DCP's default planner (tessera plans its reads itself)."""
     _dcp_call("load", planner, True)
-    _load(state_dict, checkpoint_id, storage_reader, process_group, strict, storage_options, no_dist)
-
-
-def _load(
-    state_dict: Dict[str, Any],
-    checkpoint_id: Any,
-    storage_reader: Any,
-    process_group: Any,
-    strict: bool,
-    storage_options: StorageOptions,
-    no_dist: bool = False,
-) -> List[Tuple[Any, Any]]:
-    """:func:`load`, returning every common value the checkpoint holds (native paths), for
-    the callers that read more of them than the request names."""
-    location = _location(checkpoint_id, storage_reader, "storage_reader")
-    where = native_location(location, storage_options)
-    stored = _native.load_tensors_metadata(where)
-    _init_fresh_optimizers(state_dict, stored)
-    flat = _flatten_stateful(state_dict)
-    tensors, _ = _split(flat)
-    items: List[io.LoadItem] = []
-    stored_dtypes: List[Any] = []
-    for path, t in tensors:
-        local, shape, offset, _ = layout(t, 0)
-        key = dotted(path)
-
-        def describe(buf: Any, key: str = key, shape: Any = shape, offset: Any = offset) -> Any:
-            return load_tensor(key, buf.dtype, buf.shape, shape, offset, data=buf)
-
-        items.append((local, describe, offset))
-        stored_dtypes.append(_torch_dtype_of(stored.get(key)))
-    comm, _ = io.communicator(process_group, no_dist)
-    strict_mode = "raise_unexpected" if strict else "return_unexpected"
-    try:
-        result = io.load(items, [], where, comm, stored_dtypes=stored_dtypes, strict=strict_mode)
-    except KeyMismatchError as e:
-        raise _torch_key_error(location_url(location), list(e.unexpected), list(e.missing)) from None
-    saved: Dict[Tuple[Seg, ...], Any] = {}
-    for p, v in result["common"]:
-        saved.update(_saved_leaves(from_native_path(p), v))
-    missing: List[str] = []
-    for key in flat:  # the request's keys are what is loaded
-        flat[key] = _replace_values(flat[key], (("k", key),), saved, missing)
-    if strict and missing:
-        raise _torch_key_error(location_url(location), missing, [])
-    for key, value in state_dict.items():
-        if is_stateful(value):
-            value.load_state_dict(flat[key])
-        else:
-            state_dict[key] = flat[key]
-    return cast(List[Tuple[Any, Any]], result["common"])
-
-
-def _saved_leaves(path: Tuple[Seg, ...], value: Any) -> Iterable[Tuple[Tuple[Seg, ...], Any]]:
-    """A saved common value as the leaves a request is matched against: tessera's format
-    stores every leaf apart, a DCP directory's ``common.pt`` whole dicts under top-level keys
-    (whose keys may hold dots, as torchtitan's flattened optimizer state has them)."""
-    if isinstance(value, dict) and value and set(value) != {TORCH_SAVE_KEY}:
-        for k, v in value.items():
-            yield from _saved_leaves(path + (("k", k),), v)
-    elif isinstance(value, list) and value:
-        for i, v in enumerate(value):
-            yield from _saved_leaves(path + (("i", i),), v)
-    else:
-        yield path, from_plain(value)
-
-
-def _torch_dtype_of(stored: Any) -> Any:
-    """The torch dtype of a stored tensor's metadata (``(dtype, shape)``), None when it is not
-    stored or torch has no such dtype (the core then names the mismatch)."""
-    if stored is None:
-        return None
-    try:
-        return tessera_dtype_to_torch(stored[0])
-    except TesseraError:
-        return None
-
-
-def _init_fresh_optimizers(state_dict: Dict[str, Any], stored: Dict[str, Any]) -> None:
-    """Gives every top-level optimizer that has no state yet (no step taken) the state the
-    checkpoint holds tensors for (``stored``: the checkpoint's tensor metadata), created as
-    ``get_state_dict`` creates it (a step with zero gradients and a zero learning rate: the
-    parameters do not move), so that loading fills it."""
-    fresh = [k for k, v in state_dict.items() if isinstance(v, torch.optim.Optimizer) and not v.state]
-    if not fresh:
-        return
-    for key in fresh:
-        if not any(k.startswith(f"{key}.state.") for k in stored):
-            continue  # saved fresh too: nothing to create
-        init = getattr(torch_state_dict, "_init_optim_state", None)
-        if init is None:
-            raise KeyMismatchError(
-                f"the optimizer {key!r} has no state yet and this torch ({torch.__version__}) cannot create it "
-                "for loading: take one optimizer step before loading, or use "
-                "tessera.torch.load_model_and_optim_state(dir, model, optim)"
-            )
-        init(state_dict[key])
+    statedict.load(state_dict, _location(checkpoint_id, storage_reader, "storage_reader"), process_group, strict, storage_options, no_dist)
 
 
 def get_metadata(dir: Any, *, storage_options: StorageOptions = None) -> Dict[str, Dict[str, Any]]:
     """Key → ``{"dtype": torch.dtype, "shape": tuple}`` of every stored tensor."""
-    return {
-        k: {"dtype": tessera_dtype_to_torch(d), "shape": tuple(s)}
-        for k, (d, s) in _native.load_tensors_metadata(native_location(dir, storage_options)).items()
-    }
+    return statedict.tensors_metadata(native_location(dir, storage_options))
 
 
 def _not_rank0(rank0_only: bool, no_dist: bool) -> bool:
@@ -501,17 +319,7 @@ def unshard(
     With ``rank0_only`` other ranks of an initialized process group get ``{}``."""
     if _not_rank0(rank0_only, no_dist):
         return {}
-    meta = get_metadata(dir, storage_options=storage_options)
-    wanted = list(meta) if keys is None else list(keys)
-    out = {k: torch.empty(meta[k]["shape"], dtype=meta[k]["dtype"]) for k in wanted if k in meta}
-    missing = [k for k in wanted if k not in meta]
-    if missing:
-        raise KeyError(f"not in the checkpoint: {missing}")
-    def whole(key: str) -> Any:
-        return lambda buf: load_tensor(key, buf.dtype, buf.shape, buf.shape, (0,) * buf.dim(), data=buf)
-
-    items: List[io.LoadItem] = [(t, whole(k), None) for k, t in out.items()]
-    io.load(items, [], native_location(dir, storage_options), None)
+    out = statedict.unshard(native_location(dir, storage_options), keys)
     if device is not None:
         out = {k: t.to(device) for k, t in out.items()}
     return out
@@ -525,59 +333,6 @@ _MODEL, _OPTIM = "model", "optim"
 
 def _state_dict_options() -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _holds_tensor(node: Any) -> bool:
-    if isinstance(node, torch.Tensor):
-        return True
-    if isinstance(node, dict):
-        return any(_holds_tensor(v) for v in node.values())
-    if isinstance(node, list):
-        return any(_holds_tensor(v) for v in node)
-    return False
-
-
-def _replace_values(node: Any, path: Tuple[Seg, ...], saved: Dict[Tuple[Seg, ...], Any], missing: List[str]) -> Any:
-    """Gives every part of the request ``node`` (at ``path``) that holds no tensor the value
-    saved there (rebuilt whole from the saved leaves under ``path``: a list or dict may have
-    another length than the request's; a tuple the request holds stays a tuple). A part the
-    checkpoint has nothing for is kept, and its dotted key added to ``missing``. Returns the
-    node to put at ``path``."""
-    if _holds_tensor(node):
-        if isinstance(node, dict):
-            for k in list(node):
-                node[k] = _replace_values(node[k], path + (("k", k),), saved, missing)
-        elif isinstance(node, list):
-            for i in range(len(node)):
-                node[i] = _replace_values(node[i], path + (("i", i),), saved, missing)
-        return node
-    if path in saved:
-        return like_request(saved[path], node)
-    under = [(p, v) for p, v in saved.items() if len(p) > len(path) and p[: len(path)] == path]
-    if not under:
-        missing.append(dotted(path))
-        return node
-    root: Dict[str, Any] = {}
-    for p, v in under:
-        set_path(root, (("k", "value"),) + p[len(path) :], v)
-    return like_request(root["value"], node)
-
-
-def _torch_key_error(location: str, missing: List[str], unexpected: List[str]) -> Exception:
-    """A key mismatch in ``Module.load_state_dict``'s words: ``missing`` are keys the caller
-    asked for that the checkpoint lacks (the core's Megatron-named ``unexpected``), and
-    ``unexpected`` keys the checkpoint holds that the caller did not ask for."""
-    parts = []
-    if missing:
-        parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
-    if unexpected:
-        parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
-    hint = "\n\t(load with strict=False to keep the values the checkpoint lacks)" if missing else ""
-    err = KeyMismatchError(f"Error(s) in loading state_dict from {location}:\n\t" + "\n\t".join(parts) + hint)
-    # The core's names (Megatron's: missing = stored but not requested) and torch's.
-    err.missing, err.unexpected = unexpected, missing
-    err.missing_keys, err.unexpected_keys = missing, unexpected  # type: ignore[attr-defined]
-    return err
 
 
 def save_model_and_optim_state(
@@ -624,7 +379,7 @@ def load_model_and_optim_state(
         _add_missing_optim_state(osd, msd, get_metadata(dir, storage_options=storage_options))
         # Values are matched by name below, whichever layout the checkpoint has.
         sd[_OPTIM] = {k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}
-    common = _load(sd, dir, None, process_group, strict, storage_options)
+    common = statedict.load(sd, dir, process_group, strict, storage_options)
     set_model_state_dict(model, sd[_MODEL], options=_state_dict_options())
     if optim is not None:
         saved = _optim_values(common)
@@ -637,7 +392,7 @@ def load_model_and_optim_state(
             else:
                 missing.append(f"{_OPTIM}.{k}")
         if strict and missing:
-            raise _torch_key_error(location_url(dir), missing, [])
+            raise statedict.torch_key_error(location_url(dir), missing, [])
         set_optimizer_state_dict(model, optim, osd, options=_state_dict_options())
 
 
