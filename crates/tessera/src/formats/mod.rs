@@ -7,8 +7,9 @@
 //! or, when the bytes must be decoded first (zstd items, strided tensors, padded zarr chunks,
 //! objects), into a read of a decoded copy kept in a bounded cache.
 //!
-//! Foreign checkpoints carry no checksums: their index has `block_size == 0` and no block
-//! crcs, and loads read only the requested bytes.
+//! Foreign checkpoints carry no block checksums: their index has `block_size == 0` and no block
+//! crcs, and unverified loads read only the requested bytes. Their `torch.save` archives carry
+//! a zip CRC-32 per member, which the view checks (see [`ForeignView`]).
 
 pub(crate) mod dcp;
 pub(crate) mod dcp_values;
