@@ -439,13 +439,15 @@ impl<'s> ForeignView<'s> {
     /// checks them: a copy an unchecked read left in the cache is decoded again, checked).
     fn materialize(&self, id: usize) -> Result<Arc<Vec<u8>>> {
         let f = &self.shared.files[id];
-        let check = self.check_crcs && f.crcs_checked.get().is_none() && f.source.has_crcs();
-        let cached = || if check { None } else { self.shared.cache.lock().unwrap().get(id) };
-        if let Some(d) = cached() {
+        // Evaluated again under the lock: another read may have checked the file meanwhile.
+        let must_check = || self.check_crcs && f.crcs_checked.get().is_none() && f.source.has_crcs();
+        let cached = |check: bool| if check { None } else { self.shared.cache.lock().unwrap().get(id) };
+        if let Some(d) = cached(must_check()) {
             return Ok(d);
         }
         let _one_at_a_time = f.decoding.lock().unwrap();
-        if let Some(d) = cached() {
+        let check = must_check();
+        if let Some(d) = cached(check) {
             return Ok(d);
         }
         let data = Arc::new(self.decode(&f.source, check)?);
