@@ -2,7 +2,7 @@
 //! (`tessera::__fuzz::dcp_metadata`: unpickle with the reader's limits, then the Metadata
 //! dataclasses), then through the public API: the `.metadata` next to the real data files of
 //! one fixture checkpoint (chosen by the input's first byte: plain DCP, zstd items, Megatron
-//! `torch_dist` with `metadata.json` and `common.pt`, OLMo-core's `model_and_optim/`) in a
+//! `torch_dist` with `metadata.json` and `common.pt` or (0.19) the common state in the data and `integrity.json`, OLMo-core's `model_and_optim/`) in a
 //! in-memory storage, opened, loaded whole and verified. So a hostile `.metadata` points real
 //! items (zips, zstd frames) at wrong offsets, lengths, shapes and dtypes. Any input must give
 //! tensors or an error — no panic, no hang, no allocation beyond what the files hold.
@@ -21,7 +21,7 @@ macro_rules! files {
 
 /// (folder the `.metadata` goes in, the other files of the checkpoint).
 type Fixture = (&'static str, &'static [(&'static str, &'static [u8])]);
-const FIXTURES: [Fixture; 6] = [
+const FIXTURES: [Fixture; 7] = [
     ("", files!("dcp_single": "__0_0.distcp")),
     ("", files!("dcp_zstd": "__0_0.distcp")),
     ("", files!("dcp_legacy": "__0_0.distcp", "__1_0.distcp")),
@@ -31,6 +31,7 @@ const FIXTURES: [Fixture; 6] = [
             "__3_0.distcp", "common.pt", "metadata.json"),
     ),
     ("", files!("megatron_common_item": "__0_0.distcp", "__1_0.distcp", "metadata.json")),
+    ("", files!("megatron_core019": "__0_0.distcp", "__1_0.distcp", "metadata.json", "integrity.json")),
     ("model_and_optim/", files!("olmo_core": "model_and_optim/__0_0.distcp", "model_and_optim/__1_0.distcp")),
 ];
 
@@ -38,6 +39,10 @@ fuzz_target!(|data: &[u8]| {
     // [fixture u8] .metadata
     let Some((&which, meta)) = data.split_first() else { return };
     let _ = tessera::__fuzz::dcp_metadata(meta);
+    // The same bytes as Megatron-Core's integrity.json (JSON: the dictionary helps little here,
+    // the unit tests pin its shape; verify below reads the fixture's real one beside a hostile
+    // .metadata).
+    let _ = tessera::__fuzz::integrity_manifest(meta);
 
     let (folder, files) = FIXTURES[which as usize % FIXTURES.len()];
     let meta_name = format!("{folder}.metadata");

@@ -1,5 +1,5 @@
 //! Fuzzes the `torch.save` archive reader (zip and zip64, stored entries): the input as a whole
-//! archive (entries, the pickled object, a tensor's bytes as a DCP tensor item is decoded), its
+//! archive (entries, their CRC-32s, the pickled object, a tensor's bytes as a DCP tensor item is decoded), its
 //! last 4 KiB as the ranged reader sees them (central directory from the tail of a longer
 //! item), and through the public API as the `common.pt` and a sharded object `.pt` of a
 //! Megatron `zarr` checkpoint in a in-memory storage (opened, common state loaded, verified).
@@ -20,6 +20,7 @@ fuzz_target!(|data: &[u8]| {
             assert!(at.checked_add(size).is_some_and(|e| e <= data.len() as u64), "{name:?} runs past the archive");
         }
     }
+    let _ = __fuzz::zip_crc_mismatches(data);
     let _ = __fuzz::torch_save(data);
     if let Ok(bytes) = __fuzz::torch_save_tensor(data) {
         // Strided reads may repeat elements, but only within the numel the pickle claims;

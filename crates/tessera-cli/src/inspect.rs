@@ -17,6 +17,13 @@
 //!
 //! Bytes values (`Value::Bytes`) appear as `{"$bytes": "<hex>"}`. `--index-json` dumps the
 //! whole index, every chunk included, for debugging.
+//!
+//! A location that is no checkpoint but a training run's folder of them (`step-100/`,
+//! `step_200/`, `iter_0000300/`, `global_step400/`, `checkpoint-500/`: see [`step_of`]) is
+//! listed instead, newest step first, each with its format and whether it is committed
+//! (loadable); `--json` prints `{"path", "steps": [{"step", "folder", "committed", "format",
+//! "version", "data_files_of", "problem"}], "latest_committed"}` (`data_files_of`: whose data
+//! files an uncommitted step holds, `"tessera"` or `"DCP"`, from their names).
 
 use anyhow::Result;
 use serde_json::{json, Map, Value as J};
@@ -231,10 +238,144 @@ fn text(dir: &Location, index: &CheckpointIndex) {
     }
 }
 
+/// The step a folder's name gives, for the names training loops give their checkpoints:
+/// `step-N`, `step_N`, `stepN`, `global_stepN`, `iter_0000N` (Megatron), `iteration-N`,
+/// `checkpoint-N` (Hugging Face), `ckpt-N`; `None` for any other name.
+pub fn step_of(folder: &str) -> Option<u64> {
+    let digits_at = folder.find(|c: char| c.is_ascii_digit())?;
+    let (prefix, digits) = folder.split_at(digits_at);
+    if !digits.bytes().all(|b| b.is_ascii_digit()) || digits.len() > 19 {
+        return None;
+    }
+    let prefix = prefix.strip_suffix(['-', '_']).unwrap_or(prefix).to_ascii_lowercase();
+    ["step", "global_step", "iter", "iteration", "checkpoint", "ckpt"]
+        .contains(&prefix.as_str())
+        .then(|| digits.parse().ok())?
+}
+
+/// One step folder of a training run's folder of checkpoints.
+struct Step {
+    step: u64,
+    folder: String,
+    /// Backend and version, when it opens.
+    format: Option<(String, u32)>,
+    /// Whose data files an uncommitted folder holds, from their names.
+    data_of: Option<&'static str>,
+    /// Why it does not open (not committed, damaged), when it does not.
+    problem: Option<String>,
+}
+
+/// Whose data files `storage` holds, from their names (a save that never committed leaves its
+/// data files and no marker): tessera's `<save id>-r<rank>.safetensors`, DCP's `.distcp`.
+fn data_files_of(storage: &dyn tessera::Storage) -> Option<&'static str> {
+    let names = storage.list().ok()?;
+    let native = |n: &str| {
+        n.strip_suffix(".safetensors")
+            .and_then(|n| n.rsplit_once("-r"))
+            .is_some_and(|(_, r)| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
+    };
+    if names.iter().any(|n| native(n)) {
+        Some("tessera")
+    } else if names.iter().any(|n| n.ends_with(".distcp")) {
+        Some("DCP")
+    } else {
+        None
+    }
+}
+
+/// The step folders directly under `dir` (each opened to learn its format and whether it is
+/// committed), newest first; empty when `dir` has none. A folder whose name gives no step is
+/// not listed.
+fn step_folders(dir: &Location, storage: &dyn tessera::Storage) -> Result<Vec<Step>> {
+    let mut folders = std::collections::BTreeSet::new();
+    for name in storage.list_recursive()? {
+        if let Some((folder, _)) = name.split_once('/') {
+            folders.insert(folder.to_string());
+        }
+    }
+    let mut steps = Vec::new();
+    for folder in folders {
+        let Some(step) = step_of(&folder) else { continue };
+        let sub = dir.join(&folder).open()?;
+        let (format, problem) = match tessera::open(sub.as_ref()) {
+            Ok(c) => (Some((c.format().backend.clone(), c.format().version)), None),
+            Err(e) => (None, Some(e.to_string())),
+        };
+        let data_of = format.is_none().then(|| data_files_of(sub.as_ref())).flatten();
+        steps.push(Step { step, folder, format, data_of, problem });
+    }
+    steps.sort_by(|a, b| b.step.cmp(&a.step).then_with(|| b.folder.cmp(&a.folder)));
+    Ok(steps)
+}
+
+fn steps_text(dir: &Location, steps: &[Step]) {
+    println!("{dir}: a folder of {} step checkpoint(s), newest first", steps.len());
+    println!();
+    println!("{:>12}  {:<24} {:<20} state", "step", "folder", "format");
+    let latest = steps.iter().position(|s| s.format.is_some());
+    for (i, s) in steps.iter().enumerate() {
+        let format = match (&s.format, s.data_of) {
+            (Some((b, v)), _) => format!("{b} v{v}"),
+            (None, Some(d)) => format!("{d}, data only"),
+            (None, None) => "-".to_string(),
+        };
+        let state = match &s.problem {
+            None if Some(i) == latest => "committed  <- latest committed".to_string(),
+            None => "committed".to_string(),
+            Some(p) => format!("NOT committed: {p}"),
+        };
+        println!("{:>12}  {:<24} {format:<20} {state}", s.step, format!("{}/", s.folder));
+    }
+    println!();
+    match latest.map(|i| &steps[i]) {
+        Some(s) => println!(
+            "latest committed: {} (step {}); inspect it: tessera inspect {}",
+            s.folder,
+            s.step,
+            dir.join(&s.folder)
+        ),
+        None => println!("no step here is committed"),
+    }
+}
+
+fn steps_json(dir: &Location, steps: &[Step]) -> J {
+    let latest = steps.iter().find(|s| s.format.is_some()).map(|s| s.folder.clone());
+    json!({
+        "path": dir.to_string(),
+        "steps": steps.iter().map(|s| json!({
+            "step": s.step,
+            "folder": s.folder,
+            "committed": s.format.is_some(),
+            "format": s.format.as_ref().map(|f| f.0.clone()),
+            "version": s.format.as_ref().map(|f| f.1),
+            "data_files_of": s.data_of,
+            "problem": s.problem,
+        })).collect::<Vec<_>>(),
+        "latest_committed": latest,
+    })
+}
+
 /// Runs `tessera inspect`.
 pub fn run(dir: &Location, format: Format) -> Result<()> {
     let storage = dir.open()?;
-    let index = tessera::open(storage.as_ref()).map(tessera::Checkpoint::into_index)?;
+    let index = match tessera::open(storage.as_ref()) {
+        Ok(c) => c.into_index(),
+        Err(e @ (tessera::Error::NotFound { .. } | tessera::Error::NotCommitted { .. })) => {
+            // No checkpoint here: perhaps a run's folder of them.
+            let steps = step_folders(dir, storage.as_ref())?;
+            if steps.is_empty() {
+                return Err(e.into());
+            }
+            match format {
+                Format::Text => steps_text(dir, &steps),
+                Format::Json | Format::IndexJson => {
+                    println!("{}", serde_json::to_string_pretty(&steps_json(dir, &steps))?)
+                }
+            }
+            return Ok(());
+        }
+        Err(e) => return Err(e.into()),
+    };
     match format {
         Format::Text => text(dir, &index),
         Format::Json => println!("{}", serde_json::to_string_pretty(&summary_json(dir, &index))?),
@@ -246,6 +387,26 @@ pub fn run(dir: &Location, format: Format) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn step_folder_names() {
+        let named = [
+            ("step-100", 100),
+            ("step_7", 7),
+            ("step42", 42),
+            ("global_step300", 300),
+            ("iter_0000100", 100),
+            ("iteration-5", 5),
+            ("checkpoint-500", 500),
+            ("Step_3", 3),
+        ];
+        for (name, step) in named {
+            assert_eq!(step_of(name), Some(step), "{name}");
+        }
+        for name in ["model", "step", "step-1a", "latest", "run-3", "step--1", "100", "step-99999999999999999999"] {
+            assert_eq!(step_of(name), None, "{name}");
+        }
+    }
 
     #[test]
     fn common_paths_become_nested_json() {

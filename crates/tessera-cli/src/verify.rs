@@ -41,7 +41,15 @@ pub fn run(dir: &Location, json: bool) -> Result<u8> {
         Err(e) => return fail(anyhow::Error::new(e).context(dir.to_string())),
     };
     let sound = report.problems.is_empty();
-    let how = if report.checksummed { "checksummed" } else { "read and decoded (no checksums in this format)" };
+    let how = if report.checksummed {
+        "checksummed".to_string()
+    } else {
+        "read and decoded (no block checksums in this format; zip CRC-32s checked where it has them)".to_string()
+    };
+    let how = match report.integrity_checked {
+        0 => how,
+        n => format!("{how}; {n} file(s) checked against integrity.json"),
+    };
     if json {
         println!(
             "{}",
@@ -52,6 +60,7 @@ pub fn run(dir: &Location, json: bool) -> Result<u8> {
                 "chunks": report.chunks,
                 "bytes_checked": report.bytes_checked,
                 "checksummed": report.checksummed,
+                "integrity_checked": report.integrity_checked,
                 "problems": report.problems,
                 "leftovers": report.leftovers,
             })

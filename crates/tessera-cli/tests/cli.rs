@@ -149,7 +149,8 @@ fn a_location_without_a_checkpoint_says_what_it_holds() {
         expect(&["demo", "--size", "1MiB", "--dir", run.join(step).to_str().unwrap()], 0);
     }
     let run = run.to_str().unwrap();
-    for command in ["inspect", "verify", "diff"] {
+    // (inspect lists such a folder: inspect_lists_a_folder_of_step_checkpoints.)
+    for command in ["verify", "diff"] {
         let args: Vec<&str> = if command == "diff" { vec![command, run, run] } else { vec![command, run] };
         let out = tessera(&args);
         assert_ne!(out.status.code(), Some(0), "{command}");
@@ -165,6 +166,44 @@ fn a_location_without_a_checkpoint_says_what_it_holds() {
     std::fs::write(empty.join("notes.txt"), b"x").unwrap();
     let out = tessera(&["inspect", empty.to_str().unwrap()]);
     assert!(text(&out.stderr).contains("; it holds notes.txt"), "{}", text(&out.stderr));
+}
+
+/// A training run's folder of step checkpoints: `inspect` lists them newest first, each with
+/// its format and whether it is committed, and points out the latest committed one.
+#[test]
+fn inspect_lists_a_folder_of_step_checkpoints() {
+    let scratch = Scratch::new("steps");
+    let run = scratch.path().join("run");
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tessera/tests/fixtures");
+    copy_dir(&fixtures.join("golden_v2"), &run.join("step-100"));
+    copy_dir(&fixtures.join("foreign/megatron_core019"), &run.join("iter_0000200"));
+    // A native save that never committed: its data files, no index.
+    copy_dir(&fixtures.join("golden_v1"), &run.join("step_300"));
+    std::fs::remove_file(run.join("step_300/tessera.index")).unwrap();
+    std::fs::create_dir_all(run.join("logs")).unwrap();
+    std::fs::write(run.join("logs/train.txt"), b"x").unwrap();
+    let dir = run.to_str().unwrap();
+
+    let out = expect(&["inspect", dir], 0);
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].contains("a folder of 3 step checkpoint(s), newest first"), "{out}");
+    let row = |folder: &str| *lines.iter().find(|l| l.contains(folder)).unwrap_or_else(|| panic!("{folder}: {out}"));
+    let at = |folder: &str| lines.iter().position(|l| l.contains(folder)).unwrap();
+    assert!(at("step_300/") < at("iter_0000200/") && at("iter_0000200/") < at("step-100/"), "newest first: {out}");
+    assert!(row("step_300/").contains("NOT committed") && row("step_300/").contains("tessera, data only"), "{out}");
+    assert!(row("iter_0000200/").contains("torch_dist v1") && row("iter_0000200/").contains("latest committed"));
+    assert!(row("step-100/").contains("tessera v2") && !row("step-100/").contains("latest"), "{out}");
+    assert!(!out.contains("logs"), "{out}");
+    assert!(out.contains("latest committed: iter_0000200 (step 200)"), "{out}");
+
+    let j = json(&expect(&["inspect", dir, "--json"], 0));
+    assert_eq!(j["latest_committed"], "iter_0000200");
+    let steps = j["steps"].as_array().unwrap();
+    let got: Vec<(u64, bool)> = steps.iter().map(|s| (s["step"].as_u64().unwrap(), s["committed"] == true)).collect();
+    assert_eq!(got, [(300, false), (200, true), (100, true)]);
+    assert_eq!((&steps[1]["format"], &steps[2]["format"]), (&J::from("torch_dist"), &J::from("tessera")));
+    assert_eq!(steps[0]["data_files_of"], "tessera");
+    assert!(steps[0]["problem"].as_str().unwrap().contains("no committed checkpoint"), "{j}");
 }
 
 #[test]
@@ -643,7 +682,7 @@ fn every_tool_works_on_an_olmo_core_checkpoint() {
     let j = json(&expect(&["inspect", &src, "--json"], 0));
     assert_eq!(j["format"]["backend"], "olmo_safetensors", "{j}");
     let verified = expect(&["verify", &src], 0);
-    assert!(verified.contains("sound") && verified.contains("no checksums"), "{verified}");
+    assert!(verified.contains("sound") && verified.contains("no block checksums"), "{verified}");
 
     // unshard the whole, model/ alone and optim/ alone: OLMo-core's own unshard, key for key.
     let scratch = Scratch::new("olmo-tools");

@@ -206,6 +206,17 @@ pub mod __fuzz {
         Ok(Some(entries.into_iter().map(|e| (e.name, e.local_offset, e.size)).collect()))
     }
 
+    /// How many members of a whole zip archive have data that does not match their CRC-32.
+    pub fn zip_crc_mismatches(archive: &[u8]) -> Result<usize, String> {
+        let entries = torch_save::zip_entries(archive)?;
+        Ok(entries.iter().filter(|e| torch_save::crc_mismatch(archive, e).is_some()).count())
+    }
+
+    /// Megatron-Core's `integrity.json` as `verify` parses it: how many files it lists.
+    pub fn integrity_manifest(bytes: &[u8]) -> Result<usize, String> {
+        crate::formats::dcp::integrity::parse_integrity(bytes).map(|m| m.len())
+    }
+
     /// A whole `torch.save` archive decoded as the object readers do.
     pub fn torch_save(archive: &[u8]) -> Result<pickle::PickleValue, String> {
         torch_save::decode_archive(archive, "fuzz.pt")

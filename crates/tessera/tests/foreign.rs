@@ -41,6 +41,7 @@ const ALL: &[(&str, &str)] = &[
     ("megatron_common_item", "torch_dist"),
     ("megatron_zarr", "zarr"),
     ("dcp_large_item", "torch_dcp"),
+    ("megatron_core019", "torch_dist"),
 ];
 
 /// `{"a": {"b": [1, 2]}}` → `{"a.b.0": 1, "a.b.1": 2}`: how the fixtures spell DCP byte items.
@@ -251,19 +252,23 @@ fn a_small_box_reads_only_its_bytes_after_locating_the_item() {
 
 #[test]
 fn a_few_rows_of_a_dcp_item_are_read_in_place() {
-    // dcp_large_item's "w" item holds 68 KiB of data: rows 100..102 cost the 4 KiB read at
-    // each end of the item to locate the data, plus the rows, not the whole item.
+    // dcp_large_item's "w" item holds 68 KiB of data: unverified, rows 100..102 cost the 4 KiB
+    // read at each end of the item to locate the data, plus the rows, not the whole item.
     let base = fixture_storage("dcp_large_item");
     let counting = CountingStorage::new(&base);
     let ckpt = open(&counting).unwrap();
     let before = counting.bytes_read();
     let w = expected_tensors("dcp_large_item").remove("w").unwrap();
-    let mut st = ShardedTensor::full("w", DType::F32, &[2, 128], TensorData::None);
-    st.global_shape = vec![136, 128];
-    st.global_offset = vec![100, 0];
-    let mut tree = StateTree::map();
-    tree.insert("x", StateTree::Tensor(st));
-    let out = ckpt.load(tree, &SoloComm, &LoadOptions::default()).unwrap();
+    let rows = |name: &str, at: u64, n: u64| {
+        let mut st = ShardedTensor::full("w", DType::F32, &[n, 128], TensorData::None);
+        st.global_shape = vec![136, 128];
+        st.global_offset = vec![at, 0];
+        let mut tree = StateTree::map();
+        tree.insert(name, StateTree::Tensor(st));
+        tree
+    };
+    let unverified = LoadOptions { verify_checksums: false, ..LoadOptions::default() };
+    let out = ckpt.load(rows("x", 100, 2), &SoloComm, &unverified).unwrap();
     let read = counting.bytes_read() - before;
     assert_eq!(read, 2 * (4 << 10) + 2 * 128 * 4, "both ends + two rows");
     let StateTree::Map(m) = out.state else { panic!() };
@@ -271,11 +276,17 @@ fn a_few_rows_of_a_dcp_item_are_read_in_place() {
     assert_eq!(t.data.bytes().unwrap(), &w.data[100 * 512..102 * 512]);
     // Located once: a second load of other rows reads only those rows.
     let before = counting.bytes_read();
-    let mut st = ShardedTensor::full("w", DType::F32, &[1, 128], TensorData::None);
-    st.global_shape = vec![136, 128];
-    let mut tree = StateTree::map();
-    tree.insert("y", StateTree::Tensor(st));
-    ckpt.load(tree, &SoloComm, &LoadOptions::default()).unwrap();
+    ckpt.load(rows("y", 0, 1), &SoloComm, &unverified).unwrap();
+    assert_eq!(counting.bytes_read() - before, 512);
+    // Verified, the zip CRC-32 of each member of the item is checked: the item is read whole
+    // once (a CRC covers its whole member, as a native checksum covers its whole block), then
+    // only the rows.
+    let before = counting.bytes_read();
+    ckpt.load(rows("z", 3, 1), &SoloComm, &LoadOptions::default()).unwrap();
+    let read = counting.bytes_read() - before;
+    assert!(read > w.data.len() as u64 && read < 2 * w.data.len() as u64, "{read}");
+    let before = counting.bytes_read();
+    ckpt.load(rows("z", 5, 1), &SoloComm, &LoadOptions::default()).unwrap();
     assert_eq!(counting.bytes_read() - before, 512);
 }
 
@@ -497,4 +508,131 @@ fn foreign_checkpoints_load_from_an_object_store() {
         let report = verify(&store, 2).unwrap();
         assert!(report.problems.is_empty(), "{name}: {:?}", report.problems);
     }
+}
+
+// ---- zip CRC-32s and Megatron's integrity.json -------------------------------------------
+
+/// A copy of fixture `name` with one byte flipped in the stored bytes of tensor `key` (found
+/// by its expected bytes, which occur once among the data files); returns the copy and the
+/// data file changed.
+fn with_tensor_byte_flipped(name: &str, key: &str, tag: &str) -> (PathBuf, String) {
+    let dir = scratch(tag);
+    copy_dir(&fixtures().join(name), &dir);
+    let want = &expected_tensors(name)[key].data;
+    let probe = &want[..16.min(want.len())];
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let mut bytes = std::fs::read(&path).unwrap();
+        if let Some(at) = bytes.windows(probe.len()).position(|w| w == probe) {
+            bytes[at + 1] ^= 0x10;
+            std::fs::write(&path, &bytes).unwrap();
+            return (dir, path.file_name().unwrap().to_string_lossy().into_owned());
+        }
+    }
+    panic!("{name}: the bytes of {key} are in no file");
+}
+
+/// Loads tensor `key` of the checkpoint in `dir` whole, checking checksums or not.
+fn load_whole(dir: &Path, key: &str, want: &common::fixtures::Expected, verify: bool) -> Result<Vec<u8>, Error> {
+    let t = ShardedTensor::full(key, want.dtype, &want.shape, TensorData::Owned(vec![0; want.data.len()]));
+    let opts = LoadOptions { verify_checksums: verify, ..LoadOptions::default() };
+    let r = load(StateTree::map().with("t", StateTree::Tensor(t)), &LocalStorage::new(dir), &SoloComm, &opts)?;
+    let StateTree::Map(m) = r.state else { panic!("not a map") };
+    let Some((_, StateTree::Tensor(t))) = m.into_iter().find(|(k, _)| k == "t") else { panic!("no tensor") };
+    Ok(t.data.bytes().unwrap().to_vec())
+}
+
+#[test]
+fn a_flipped_byte_in_a_torch_save_item_fails_verify_and_verified_loads() {
+    // A small item (decoded whole) and one larger than the reader's probes (read in place).
+    for (name, key) in [("megatron_tp2_dp2", "layers.norm.weight"), ("dcp_large_item", "w")] {
+        let want = &expected_tensors(name)[key];
+        let (dir, file) = with_tensor_byte_flipped(name, key, &format!("crc-{name}"));
+        let report = verify(&LocalStorage::new(&dir), 2).unwrap();
+        assert_eq!(report.problems.len(), 1, "{name}: {:?}", report.problems);
+        let p = &report.problems[0];
+        assert!(p.contains(&file) && p.contains(&format!("{key:?}")) && p.contains("CRC-32"), "{name}: {p}");
+        match load_whole(&dir, key, want, true) {
+            Err(Error::Corrupt { path, reason }) => {
+                assert!(path.ends_with(&file), "{name}: {path:?}");
+                assert!(reason.contains(&format!("{key:?}")) && reason.contains("data/0"), "{name}: {reason}");
+            }
+            other => panic!("{name}: a verified load gave {:?}", other.map(|b| b.len())),
+        }
+        // Without verification, as for native files, the bytes are read as they are.
+        let got = load_whole(&dir, key, want, false).unwrap();
+        assert_eq!(got.len(), want.data.len());
+        assert_eq!(got.iter().zip(&want.data).filter(|(a, b)| a != b).count(), 1, "{name}: one byte differs");
+        // A verified load after the unchecked one (a decoded copy cached) still checks.
+        assert!(matches!(load_whole(&dir, key, want, true), Err(Error::Corrupt { .. })), "{name}");
+        // The other tensors are untouched and load verified.
+        for (k, w) in expected_tensors(name).iter().filter(|(k, _)| *k != key) {
+            assert_eq!(load_whole(&dir, k, w, true).unwrap(), w.data, "{name}: {k}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn a_flipped_byte_in_common_pt_is_corrupt_naming_the_member() {
+    let dir = scratch("crc-common");
+    copy_dir(&fixtures().join("megatron_tp2_dp2"), &dir);
+    let path = dir.join("common.pt");
+    let mut bytes = std::fs::read(&path).unwrap();
+    // Inside a string of the pickle: it still decodes; only the CRC tells.
+    let at = bytes.windows(7).position(|w| w == b"fixture").unwrap();
+    bytes[at] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let s = LocalStorage::new(&dir);
+    // The common state is read when the checkpoint opens, and checked then, as a native index.
+    for r in [open(&s).map(|_| ()), verify(&s, 1).map(|_| ())] {
+        match r {
+            Err(Error::Corrupt { path, reason }) => {
+                assert!(path.ends_with("common.pt"), "{path:?}");
+                assert!(reason.contains("data.pkl") && reason.contains("CRC-32"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn megatron_019_integrity_json_is_checked_by_verify() {
+    let name = "megatron_core019";
+    let report = verify(&fixture_storage(name), 2).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(report.integrity_checked, 4, ".metadata, metadata.json and two data files");
+    // 0.19 keeps the common state inside the DCP data: no common.pt.
+    assert!(!fixtures().join(name).join("common.pt").exists());
+
+    let dir = scratch("integrity");
+    copy_dir(&fixtures().join(name), &dir);
+    let s = LocalStorage::new(&dir);
+    // A byte appended to a data file: the items still read, the SHA-256 differs.
+    let mut d = std::fs::read(dir.join("__1_0.distcp")).unwrap();
+    d.push(0);
+    std::fs::write(dir.join("__1_0.distcp"), &d).unwrap();
+    // A data file the manifest does not list.
+    std::fs::copy(dir.join("__0_0.distcp"), dir.join("__7_0.distcp")).unwrap();
+    let problems = verify(&s, 2).unwrap().problems;
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    assert!(problems[0].contains("__1_0.distcp") && problems[0].contains("SHA-256"), "{problems:?}");
+    assert!(problems[1].contains("__7_0.distcp") && problems[1].contains("does not list"), "{problems:?}");
+    // A listed file missing.
+    std::fs::remove_file(dir.join("__7_0.distcp")).unwrap();
+    std::fs::write(dir.join("__1_0.distcp"), &d[..d.len() - 1]).unwrap();
+    let manifest = std::fs::read_to_string(dir.join("integrity.json")).unwrap();
+    std::fs::write(dir.join("integrity.json"), manifest.replace("metadata.json", "gone.json")).unwrap();
+    let problems = verify(&s, 2).unwrap().problems;
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    assert!(problems.iter().any(|p| p.contains("gone.json") && p.contains("missing")), "{problems:?}");
+    assert!(problems.iter().any(|p| p.contains("metadata.json") && p.contains("does not list")), "{problems:?}");
+    // A manifest of another shape is a problem, not a crash.
+    for bad in [&b"{\"algorithm\": \"md5\", \"files\": {}}"[..], b"[1]", b"{\"files\": {\"../x\": \"00\"}}"] {
+        std::fs::write(dir.join("integrity.json"), bad).unwrap();
+        let problems = verify(&s, 2).unwrap().problems;
+        assert!(problems.len() == 1 && problems[0].contains("integrity.json"), "{problems:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -7,8 +7,9 @@
 //! or, when the bytes must be decoded first (zstd items, strided tensors, padded zarr chunks,
 //! objects), into a read of a decoded copy kept in a bounded cache.
 //!
-//! Foreign checkpoints carry no checksums: their index has `block_size == 0` and no block
-//! crcs, and loads read only the requested bytes.
+//! Foreign checkpoints carry no block checksums: their index has `block_size == 0` and no block
+//! crcs, and unverified loads read only the requested bytes. Their `torch.save` archives carry
+//! a zip CRC-32 per member, which the view checks (see [`ForeignView`]).
 
 pub(crate) mod dcp;
 pub(crate) mod dcp_values;
@@ -48,7 +49,7 @@ pub(crate) trait LoadStrategy: Send + Sync {
         &self,
         storage: &'s dyn Storage,
         for_each: ForEach<'_>,
-    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)>;
+    ) -> Result<(CheckpointIndex, Option<ForeignView<'s>>)>;
     /// [`LoadStrategy::open_checkpoint`] for a reader that needs the chunks of the tensors
     /// `keys` only: the index MAY move every other tensor from [`CheckpointIndex::tensors`] to
     /// [`CheckpointIndex::omitted_tensors`]. The default opens everything.
@@ -57,7 +58,7 @@ pub(crate) trait LoadStrategy: Send + Sync {
         storage: &'s dyn Storage,
         keys: &BTreeSet<String>,
         for_each: ForEach<'_>,
-    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+    ) -> Result<(CheckpointIndex, Option<ForeignView<'s>>)> {
         let _ = keys;
         self.open_checkpoint(storage, for_each)
     }
@@ -92,8 +93,9 @@ use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, TensorEntry};
 use crate::formats::dcp::metadata::ItemLocation;
 use crate::formats::pickle::PickleValue;
 use crate::formats::torch_save::{
-    decode_archive, find_central_directory, find_entry, gather, inner_name, local_header_len, parse_central_directory,
-    tensor_record, zip_entries, CentralEntry, TensorRecord, ZipEntry,
+    crc32_update, crc_mismatch, decode_archive, find_central_directory, find_entry, gather, inner_name,
+    local_header_len, mismatch_message, parse_central_directory, tensor_record, zip_entries, CentralEntry,
+    TensorRecord, ZipEntry,
 };
 use crate::model::dtype::DType;
 use crate::model::Value;
@@ -140,6 +142,10 @@ struct VirtualFile {
     /// Where the bytes lie in place, once found (contiguous uncompressed data).
     direct: OnceLock<Option<(String, u64)>>,
     decoding: Mutex<()>,
+    /// Set once the zip CRC-32 of every member of the file's `torch.save` archive matched:
+    /// a checked read after that (or of a decoded copy cached by an unchecked one) need not
+    /// read the member again.
+    crcs_checked: OnceLock<()>,
 }
 
 /// Recently decoded virtual files, oldest evicted first past the byte budget.
@@ -169,10 +175,23 @@ impl DecodedCache {
 
 /// A read-only [`Storage`] over a foreign checkpoint: virtual files as its index names them;
 /// any other name reads the real file under the checkpoint's root.
+///
+/// `torch.save` archives (DCP items, Megatron's `common.pt` and objects) carry a zip CRC-32 per
+/// member, their only checksums. A view checks them ([`ForeignView::checks_crcs`]) on every
+/// member it reads, as a verified load checks native blocks; [`ForeignView::unchecked`] is
+/// the same view for loads with `verify_checksums` off. What the opener reads (common state,
+/// byte items) is always checked, as a native index is.
 pub(crate) struct ForeignView<'s> {
     base: &'s dyn Storage,
     /// Folder of the checkpoint inside `base` (`""` or `"model_and_optim/"`).
     prefix: String,
+    /// The virtual files, shared by the checked and the unchecked view of one checkpoint.
+    shared: Arc<ViewFiles>,
+    check_crcs: bool,
+}
+
+#[derive(Default)]
+struct ViewFiles {
     files: Vec<VirtualFile>,
     by_name: HashMap<String, usize>,
     cache: Mutex<DecodedCache>,
@@ -180,32 +199,44 @@ pub(crate) struct ForeignView<'s> {
 
 impl fmt::Debug for ForeignView<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ForeignView").field("base", &self.base.location()).field("files", &self.files.len()).finish()
+        f.debug_struct("ForeignView")
+            .field("base", &self.base.location())
+            .field("files", &self.shared.files.len())
+            .field("check_crcs", &self.check_crcs)
+            .finish()
     }
 }
 
 impl<'s> ForeignView<'s> {
     pub(crate) fn new(base: &'s dyn Storage, prefix: &str) -> Self {
-        ForeignView {
-            base,
-            prefix: prefix.to_string(),
-            files: Vec::new(),
-            by_name: HashMap::new(),
-            cache: Mutex::new(DecodedCache::default()),
-        }
+        ForeignView { base, prefix: prefix.to_string(), shared: Arc::default(), check_crcs: true }
     }
 
     /// Adds a virtual file; returns its index (its position in the checkpoint index's files).
     pub(crate) fn add(&mut self, name: String, size: Option<u64>, source: Source) -> u32 {
-        let id = self.files.len();
-        self.by_name.insert(name.clone(), id);
-        self.files.push(VirtualFile { name, size, source, direct: OnceLock::new(), decoding: Mutex::new(()) });
+        let shared = Arc::get_mut(&mut self.shared).expect("virtual files are added before the view is shared");
+        let id = shared.files.len();
+        shared.by_name.insert(name.clone(), id);
+        shared.files.push(VirtualFile {
+            name,
+            size,
+            source,
+            direct: OnceLock::new(),
+            decoding: Mutex::new(()),
+            crcs_checked: OnceLock::new(),
+        });
         id as u32
+    }
+
+    /// The same view (the same files and cache) without CRC checks.
+    pub(crate) fn unchecked(&self) -> ForeignView<'s> {
+        ForeignView { base: self.base, prefix: self.prefix.clone(), shared: self.shared.clone(), check_crcs: false }
     }
 
     /// Names and sizes of the virtual files, in index order.
     pub(crate) fn file_entries(&self) -> Vec<crate::format::FileEntry> {
-        self.files
+        self.shared
+            .files
             .iter()
             .map(|f| crate::format::FileEntry {
                 name: f.name.clone(),
@@ -263,8 +294,18 @@ impl<'s> ForeignView<'s> {
         }
     }
 
-    /// Decodes a `torch.save` archive held in a DCP byte item or a file.
+    /// Decodes a `torch.save` archive held in a DCP byte item or a file, after checking the
+    /// CRC-32 of each of its members (`shown` and the member are named on a mismatch): what
+    /// the opener reads this way is checked whatever a later load asks, as a native index is.
     pub(crate) fn decode_value(&self, archive: &[u8], shown: &str) -> Result<PickleValue> {
+        self.decode_value_checked(archive, shown, true)
+    }
+
+    /// [`ForeignView::decode_value`], checking the CRCs only with `check`.
+    fn decode_value_checked(&self, archive: &[u8], shown: &str, check: bool) -> Result<PickleValue> {
+        if check {
+            check_archive(archive, shown)?;
+        }
         decode_archive(archive, shown).map_err(|e| Error::corrupt(shown, format!("torch.save archive: {e}")))
     }
 
@@ -394,17 +435,25 @@ impl<'s> ForeignView<'s> {
         tensor_record(&v).map_err(|e| self.item_error(item, key, e))
     }
 
-    /// The decoded bytes of a virtual file.
+    /// The decoded bytes of a virtual file (its archive's CRCs checked first when this view
+    /// checks them: a copy an unchecked read left in the cache is decoded again, checked).
     fn materialize(&self, id: usize) -> Result<Arc<Vec<u8>>> {
-        if let Some(d) = self.cache.lock().unwrap().get(id) {
+        let f = &self.shared.files[id];
+        // Evaluated again under the lock: another read may have checked the file meanwhile.
+        let must_check = || self.check_crcs && f.crcs_checked.get().is_none() && f.source.has_crcs();
+        let cached = |check: bool| if check { None } else { self.shared.cache.lock().unwrap().get(id) };
+        if let Some(d) = cached(must_check()) {
             return Ok(d);
         }
-        let f = &self.files[id];
         let _one_at_a_time = f.decoding.lock().unwrap();
-        if let Some(d) = self.cache.lock().unwrap().get(id) {
+        let check = must_check();
+        if let Some(d) = cached(check) {
             return Ok(d);
         }
-        let data = Arc::new(self.decode(&f.source)?);
+        let data = Arc::new(self.decode(&f.source, check)?);
+        if check {
+            let _ = f.crcs_checked.set(());
+        }
         if let Some(size) = f.size {
             if data.len() as u64 != size {
                 return Err(Error::corrupt(
@@ -413,16 +462,21 @@ impl<'s> ForeignView<'s> {
                 ));
             }
         }
-        self.cache.lock().unwrap().put(id, data.clone());
+        self.shared.cache.lock().unwrap().put(id, data.clone());
         Ok(data)
     }
 
-    fn decode(&self, source: &Source) -> Result<Vec<u8>> {
+    /// The bytes of `source`, decoded; with `check`, after the CRC-32 of every member of its
+    /// archive matched.
+    fn decode(&self, source: &Source, check: bool) -> Result<Vec<u8>> {
         match source {
             Source::DcpTensor { item, dtype, shape, key } => {
                 let nbytes = shape.iter().product::<u64>() * dtype.size() as u64;
                 let archive = self.read_item(item, Some(nbytes.saturating_add(ARCHIVE_SLACK)), key)?;
                 let entries: Vec<ZipEntry> = zip_entries(&archive).map_err(|e| self.item_error(item, key, e))?;
+                if let Some(m) = entries.iter().filter(|_| check).find_map(|e| crc_mismatch(&archive, e)) {
+                    return Err(self.item_error(item, key, m));
+                }
                 let pkl = find_entry(&entries, "data.pkl").ok_or_else(|| self.item_error(item, key, "no data.pkl"))?;
                 let rec =
                     self.record(&archive[pkl.data_offset as usize..(pkl.data_offset + pkl.size) as usize], item, key)?;
@@ -434,8 +488,11 @@ impl<'s> ForeignView<'s> {
             }
             Source::DcpObject { item, key, list_wrapped } => {
                 let archive = self.read_item(item, None, key)?;
+                if let Some(m) = self.archive_mismatch(&archive, check) {
+                    return Err(self.item_error(item, key, m));
+                }
                 let shown = self.shown(&item.relative_path).to_string_lossy().into_owned();
-                let value = self.decode_value(&archive, &shown)?;
+                let value = self.decode_value_checked(&archive, &shown, false)?;
                 let inner = if *list_wrapped {
                     match &value {
                         PickleValue::List(xs) if xs.len() == 1 => &xs[0],
@@ -456,7 +513,7 @@ impl<'s> ForeignView<'s> {
             Source::TorchFile { path } => {
                 let archive = self.base.read(&self.real(path))?;
                 let shown = self.shown(path).to_string_lossy().into_owned();
-                let value = self.decode_value(&archive, &shown)?;
+                let value = self.decode_value_checked(&archive, &shown, check)?;
                 Ok(object_payload(&value, OBJECT_TAG_TORCH, archive))
             }
             Source::RawBox { path, stored, shape, esize } => {
@@ -481,8 +538,75 @@ impl<'s> ForeignView<'s> {
         }
     }
 
+    /// The first member of `archive` whose CRC-32 does not match (with `check`; a damaged
+    /// directory is left to the decoder, which reports it).
+    fn archive_mismatch(&self, archive: &[u8], check: bool) -> Option<String> {
+        let entries = zip_entries(archive).ok().filter(|_| check)?;
+        entries.iter().find_map(|e| crc_mismatch(archive, e))
+    }
+
+    /// Checks in place the CRC-32 of every member of the (untransformed) tensor item `item`:
+    /// its central directory from the item's end, then each member's bytes streamed in pieces,
+    /// so memory stays bounded whatever the item's size.
+    fn check_item_in_place(&self, item: &ItemLocation, key: &str) -> Result<()> {
+        const PIECE: u64 = 1 << 20;
+        let path = self.real(&item.relative_path);
+        let err = |e: String| self.item_error(item, key, e);
+        let read = |off: u64, len: u64| -> Result<Vec<u8>> {
+            let mut b = vec![0u8; len as usize];
+            self.base.read_at(&path, item.offset + off, &mut b)?;
+            Ok(b)
+        };
+        let tail_at = item.length.saturating_sub(PROBE_BYTES);
+        let tail = read(tail_at, item.length - tail_at)?;
+        let (cd_off, cd_size, count) = find_central_directory(&tail, item.length)
+            .map_err(err)?
+            .ok_or_else(|| err("zip64 records before the item's last bytes".into()))?;
+        if cd_size > 64 << 20 {
+            return Err(err(format!("a {cd_size}-byte central directory for one tensor")));
+        }
+        let cd = read(cd_off, cd_size)?;
+        let mut piece = Vec::new();
+        for e in parse_central_directory(&cd, count, item.length).map_err(err)? {
+            let header = read(e.local_offset, 30)?;
+            let hl = local_header_len(&header).map_err(err)?.ok_or_else(|| err("short local header".into()))?;
+            let start = e.local_offset + hl;
+            if start.checked_add(e.size).is_none_or(|end| end > item.length) {
+                return Err(err(format!("zip member {:?} runs past the item", e.name)));
+            }
+            let (mut at, mut crc) = (0u64, 0u32);
+            while at < e.size {
+                let n = PIECE.min(e.size - at);
+                piece.resize(n as usize, 0);
+                self.base.read_at(&path, item.offset + start + at, &mut piece)?;
+                crc = crc32_update(crc, &piece);
+                at += n;
+            }
+            if crc != e.crc {
+                return Err(err(mismatch_message(&e.name, crc, e.crc)));
+            }
+        }
+        Ok(())
+    }
+
     fn vfile(&self, name: &str) -> Option<usize> {
-        self.by_name.get(name).copied()
+        self.shared.by_name.get(name).copied()
+    }
+}
+
+impl Source {
+    /// Whether the source is a `torch.save` archive, with zip CRC-32s to check.
+    fn has_crcs(&self) -> bool {
+        !matches!(self, Source::RawBox { .. })
+    }
+}
+
+/// Checks the CRC-32 of every member of the `torch.save` archive `archive` (held by `shown`).
+fn check_archive(archive: &[u8], shown: &str) -> Result<()> {
+    let entries = zip_entries(archive).map_err(|e| Error::corrupt(shown, format!("torch.save archive: {e}")))?;
+    match entries.iter().find_map(|e| crc_mismatch(archive, e)) {
+        Some(m) => Err(Error::corrupt(shown, m)),
+        None => Ok(()),
     }
 }
 
@@ -621,7 +745,7 @@ impl Storage for ForeignView<'_> {
 
     fn size(&self, name: &str) -> Result<u64> {
         match self.vfile(name) {
-            Some(id) => match self.files[id].size {
+            Some(id) => match self.shared.files[id].size {
                 Some(s) => Ok(s),
                 None => Ok(self.materialize(id)?.len() as u64),
             },
@@ -631,12 +755,16 @@ impl Storage for ForeignView<'_> {
 
     fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
         let Some(id) = self.vfile(name) else { return self.base.read_at(&self.real(name), offset, buf) };
-        let f = &self.files[id];
+        let f = &self.shared.files[id];
         if let Source::DcpTensor { item, dtype, shape, key } = &f.source {
             if f.direct.get().is_none() {
                 let _ = f.direct.set(self.locate(item, *dtype, shape, key)?);
             }
             if let Some((path, start)) = f.direct.get().expect("located above") {
+                if self.check_crcs && f.crcs_checked.get().is_none() {
+                    self.check_item_in_place(item, key)?;
+                    let _ = f.crcs_checked.set(());
+                }
                 let size = f.size.unwrap_or(0);
                 if offset.checked_add(buf.len() as u64).is_none_or(|e| e > size) {
                     return Err(Error::corrupt(
@@ -686,7 +814,7 @@ impl Storage for ForeignView<'_> {
     }
 
     fn list(&self) -> Result<Vec<String>> {
-        Ok(self.files.iter().map(|f| f.name.clone()).collect())
+        Ok(self.shared.files.iter().map(|f| f.name.clone()).collect())
     }
 
     fn delete(&self, name: &str) -> Result<()> {

@@ -48,9 +48,9 @@ impl LoadStrategy for SafetensorsStrategy {
         &self,
         storage: &'s dyn Storage,
         for_each: ForEach<'_>,
-    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+    ) -> Result<(CheckpointIndex, Option<ForeignView<'s>>)> {
         let (index, view) = open_safetensors(storage, for_each)?;
-        Ok((index, Some(Box::new(view))))
+        Ok((index, Some(view)))
     }
 }
 

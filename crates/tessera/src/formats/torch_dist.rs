@@ -11,9 +11,9 @@
 //!   the commit marker. Keys are Megatron's: a tensor's key is its fqn.
 //! - `metadata.json`: Megatron's backend record; `common.pt`: `torch.save` of the common dict.
 //!
-//! DCP has no checksums: nothing here can detect a flipped bit later (tessera's reader still
-//! checks every structure and size through its one gate; the zip entries carry the CRC-32s
-//! torch checks when it extracts them).
+//! DCP has no block checksums: only the zip CRC-32 of each item's members can detect a flipped
+//! bit later (tessera's `verify` and verified loads check them, as torch's zip reader does when
+//! it extracts them; every structure and size also passes the one gate).
 //!
 //! Pure: descriptions in, bytes out.
 

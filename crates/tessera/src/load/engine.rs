@@ -193,7 +193,7 @@ pub fn load<'a>(
         });
     }
     let ckpt = open_for_load(storage, &keys, comm, opts)?;
-    load_with(&ckpt.index, factories, ckpt.storage(), comm, opts)
+    load_with(&ckpt.index, factories, ckpt.storage_for(opts.verify_checksums), comm, opts)
 }
 
 impl Reading<'_> {
@@ -254,7 +254,7 @@ pub(crate) fn load_checkpoint<'a>(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadResult<'a>> {
-    load_with(&ckpt.index, apply_factories(tree), ckpt.storage(), comm, opts)
+    load_with(&ckpt.index, apply_factories(tree), ckpt.storage_for(opts.verify_checksums), comm, opts)
 }
 
 /// [`load`] from an index an opener gave (and so validated): the tools' loads of box

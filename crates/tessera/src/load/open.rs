@@ -10,7 +10,7 @@ use crate::formats::dcp::{DcpFlavor, DcpStrategy};
 use crate::formats::olmo::OlmoStrategy;
 use crate::formats::safetensors::SafetensorsStrategy;
 use crate::formats::zarr::ZarrStrategy;
-use crate::formats::{ForEach, FormatRecord, LoadStrategy};
+use crate::formats::{ForEach, ForeignView, FormatRecord, LoadStrategy};
 use crate::load::index_read::open_native_keys;
 use crate::plan::validate::validate_index;
 use crate::storage::{Storage, StorageExt};
@@ -42,7 +42,7 @@ impl LoadStrategy for NativeStrategy {
         &self,
         storage: &'s dyn Storage,
         _: ForEach<'_>,
-    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+    ) -> Result<(CheckpointIndex, Option<ForeignView<'s>>)> {
         let bytes = storage.read(INDEX_FILE)?;
         Ok((CheckpointIndex::from_bytes(&bytes, &index_path(storage).to_string_lossy())?, None))
     }
@@ -51,7 +51,7 @@ impl LoadStrategy for NativeStrategy {
         storage: &'s dyn Storage,
         keys: &BTreeSet<String>,
         _: ForEach<'_>,
-    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+    ) -> Result<(CheckpointIndex, Option<ForeignView<'s>>)> {
         Ok((open_native_keys(storage, keys)?, None))
     }
 }
@@ -259,7 +259,9 @@ pub struct Checkpoint<'s> {
     pub(crate) record: FormatRecord,
     pub(crate) index: CheckpointIndex,
     base: &'s dyn Storage,
-    view: Option<Box<dyn Storage + 's>>,
+    /// A foreign format's virtual files, read with their zip CRC-32s checked, and the same
+    /// without (loads with `verify_checksums` off).
+    view: Option<(ForeignView<'s>, ForeignView<'s>)>,
 }
 
 impl std::fmt::Debug for Checkpoint<'_> {
@@ -294,7 +296,19 @@ impl Checkpoint<'_> {
     /// The storage the index's file names resolve in: the checkpoint's own for the native
     /// format, a read-only view for foreign ones.
     pub(crate) fn storage(&self) -> &dyn Storage {
-        self.view.as_deref().unwrap_or(self.base)
+        self.storage_for(true)
+    }
+
+    /// [`Checkpoint::storage`] for reads that check the checksums of what they read or not
+    /// (`verify`, [`crate::LoadOptions::verify_checksums`]): a foreign format's view checks
+    /// the zip CRC-32s of its `torch.save` archives only when asked, as native reads check
+    /// their blocks.
+    pub(crate) fn storage_for(&self, verify: bool) -> &dyn Storage {
+        match &self.view {
+            Some((checked, _)) if verify => checked,
+            Some((_, unchecked)) => unchecked,
+            None => self.base,
+        }
     }
 }
 
@@ -345,7 +359,15 @@ pub(crate) fn open_checkpoint(storage: &dyn Storage) -> Result<Checkpoint<'_>> {
 pub(crate) fn open_unvalidated(storage: &dyn Storage) -> Result<Checkpoint<'_>> {
     let (record, strategy) = detect_format(storage).map_err(|e| explained(storage, e))?;
     let (index, view) = strategy.open_checkpoint(storage, &parallel_open)?;
-    Ok(Checkpoint { record, index, base: storage, view })
+    Ok(Checkpoint {
+        record,
+        index,
+        base: storage,
+        view: view.map(|v| {
+            let u = v.unchecked();
+            (v, u)
+        }),
+    })
 }
 
 /// [`open_checkpoint`] for a reader of the tensors `keys` only: a native checkpoint's index is
@@ -355,5 +377,13 @@ pub(crate) fn open_checkpoint_key_set<'s>(storage: &'s dyn Storage, keys: &BTree
     let (record, strategy) = detect_format(storage).map_err(|e| explained(storage, e))?;
     let (index, view) = strategy.open_checkpoint_keys(storage, keys, &parallel_open)?;
     validate_index(&index, &metadata_path(storage, &record))?;
-    Ok(Checkpoint { record, index, base: storage, view })
+    Ok(Checkpoint {
+        record,
+        index,
+        base: storage,
+        view: view.map(|v| {
+            let u = v.unchecked();
+            (v, u)
+        }),
+    })
 }

@@ -8,7 +8,7 @@ use crate::format::data_file::decode_header;
 use crate::format::{read_header, CheckpointIndex, SafetensorsHeader};
 use crate::load::open::open_unvalidated;
 use crate::plan::validate::index_defects;
-use crate::storage::Storage;
+use crate::storage::{Storage, StorageExt};
 use crate::threads::parallel_for;
 
 /// Outcome of [`verify`]: sound when `problems` is empty.
@@ -20,8 +20,13 @@ pub struct VerifyReport {
     pub chunks: usize,
     /// Bytes read and checksummed.
     pub bytes_checked: u64,
-    /// False for foreign formats, which carry no checksums: their bytes were read and decoded.
+    /// False for foreign formats, which carry no block checksums: their bytes were read and
+    /// decoded (and the zip CRC-32 of every member of their `torch.save` archives checked:
+    /// DCP items, Megatron's `common.pt` and objects).
     pub checksummed: bool,
+    /// Files checked against the SHA-256 Megatron-Core's `integrity.json` records for them
+    /// (0 without one).
+    pub integrity_checked: usize,
     /// Everything found wrong, each naming the file or key.
     pub problems: Vec<String>,
     /// Files of tessera's own saves beside the committed checkpoint that it does not use (left
@@ -33,8 +38,11 @@ pub struct VerifyReport {
 /// checks, all reported, not only the first), then sizes, safetensors headers and every block
 /// and object checksum. A missing or unreadable index is
 /// an error (`NotCommitted`, `Corrupt`, `IncompatibleVersion`); damage elsewhere is reported.
-/// Foreign formats have no checksums: every chunk and object is read (and decoded) in full,
-/// which finds truncated, misplaced or undecodable items.
+/// Foreign formats have no block checksums: every chunk and object is read (and decoded) in
+/// full, which finds truncated, misplaced or undecodable items, and the zip CRC-32 of every
+/// member of a `torch.save` archive is checked. A Megatron `torch_dist` checkpoint with an
+/// `integrity.json` has every file it lists checked against its SHA-256, and every data file
+/// it does not list reported.
 ///
 /// ```
 /// use tessera::{save, verify, SaveOptions};
@@ -63,6 +71,8 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     let referenced = (ckpt.index.backend == crate::format::NATIVE_BACKEND)
         .then(|| ckpt.index.files.iter().map(|f| f.name.clone()).collect());
     let leftovers = crate::tools::maintenance::analyse(storage, &Default::default(), referenced)?.0;
+    // The checkpoint's own files (integrity.json names them), beside the view of its index.
+    let base = storage;
     let (index, storage) = (&ckpt.index, ckpt.storage());
     let mut report =
         VerifyReport { files: index.files.len(), chunks: index.chunk_count(), leftovers, ..Default::default() };
@@ -78,6 +88,10 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     report.checksummed = index.block_size > 0;
     if index.block_size == 0 {
         verify_readable(storage, index, threads, &mut report);
+        // Megatron writes it beside torch_dist; a copy without its metadata.json opens as DCP.
+        if ["torch_dist", "torch_dcp"].contains(&ckpt.record.backend.as_str()) {
+            verify_integrity(base, threads, &mut report)?;
+        }
         return Ok(report);
     }
     // Per file, what it stores, in the order problems are reported (tensors by key and their
@@ -345,6 +359,77 @@ fn verify_readable(
     let mut p = problems.into_inner().unwrap();
     p.sort();
     report.problems.extend(p);
+}
+
+/// Checks the files Megatron-Core's `integrity.json` lists (if there is one at the top of
+/// `storage`) against their SHA-256: a listed file missing or different, a data file of the
+/// checkpoint not listed, and a manifest that does not parse are each a problem.
+fn verify_integrity(storage: &dyn Storage, threads: usize, report: &mut VerifyReport) -> Result<()> {
+    use crate::formats::dcp::integrity::{hex, is_checkpoint_file, parse_integrity, INTEGRITY_FILE};
+    use sha2::{Digest, Sha256};
+    const PIECE: u64 = 8 << 20;
+    let at = storage.location();
+    let Some(size) = storage.size_if_present(INTEGRITY_FILE)? else { return Ok(()) };
+    let shown = format!("{at}/{INTEGRITY_FILE}");
+    if size > crate::formats::dcp::integrity::INTEGRITY_MAX_BYTES {
+        report.problems.push(format!("{shown}: {size} bytes, too large for a manifest"));
+        return Ok(());
+    }
+    let manifest = match parse_integrity(&storage.read(INTEGRITY_FILE)?) {
+        Ok(m) => m,
+        Err(e) => {
+            report.problems.push(format!("{shown}: {e}"));
+            return Ok(());
+        }
+    };
+    let listed: Vec<(&String, &[u8; 32])> = manifest.iter().collect();
+    let problems = Mutex::new(Vec::new());
+    parallel_for(listed.len(), threads, |i| {
+        let (name, want) = listed[i];
+        let size = match storage.size_if_present(name) {
+            Ok(Some(n)) => n,
+            Ok(None) => {
+                problems.lock().unwrap().push(format!("{at}/{name}: listed in {INTEGRITY_FILE} but missing"));
+                return;
+            }
+            Err(e) => {
+                problems.lock().unwrap().push(format!("{at}/{name}: {e}"));
+                return;
+            }
+        };
+        let (mut hasher, mut buf, mut off) = (Sha256::new(), Vec::new(), 0u64);
+        while off < size {
+            let n = PIECE.min(size - off);
+            buf.resize(n as usize, 0);
+            if let Err(e) = storage.read_at(name, off, &mut buf) {
+                problems.lock().unwrap().push(format!("{at}/{name}: {e}"));
+                return;
+            }
+            hasher.update(&buf);
+            off += n;
+        }
+        let got: [u8; 32] = hasher.finalize().into();
+        if &got != want {
+            problems.lock().unwrap().push(format!(
+                "{at}/{name}: SHA-256 {}, {INTEGRITY_FILE} records {} (the file changed after the save)",
+                hex(&got),
+                hex(want)
+            ));
+        }
+    });
+    let mut problems = problems.into_inner().unwrap();
+    problems.sort();
+    let mut unlisted: Vec<String> = storage
+        .list()?
+        .into_iter()
+        .filter(|n| is_checkpoint_file(n) && !manifest.contains_key(n))
+        .map(|n| format!("{at}/{n}: a file of the checkpoint that {INTEGRITY_FILE} does not list"))
+        .collect();
+    unlisted.sort();
+    report.integrity_checked = manifest.len();
+    report.problems.extend(problems);
+    report.problems.extend(unlisted);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -102,17 +102,30 @@ fn emit(v: &P, out: &mut Vec<u8>) {
     }
 }
 
-/// A stored (uncompressed) zip archive of `entries`; CRCs are left zero (tessera does not
-/// check them).
+/// CRC-32 (IEEE, zip's), bit by bit: the tests' own reference.
+pub fn crc32(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in data {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+        }
+    }
+    !crc
+}
+
+/// A stored (uncompressed) zip archive of `entries`, with each entry's CRC-32 (which verify
+/// and verified loads check).
 pub fn zip(entries: &[(&str, &[u8])]) -> Vec<u8> {
     let mut out = Vec::new();
     let mut central = Vec::new();
     for (name, data) in entries {
         let at = out.len() as u32;
         let n = data.len() as u32;
+        let crc = crc32(data);
         out.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
         out.extend_from_slice(&[20, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // version, flags, method 0, time, date
-        out.extend_from_slice(&0u32.to_le_bytes()); // crc
+        out.extend_from_slice(&crc.to_le_bytes());
         out.extend_from_slice(&n.to_le_bytes());
         out.extend_from_slice(&n.to_le_bytes());
         out.extend_from_slice(&(name.len() as u16).to_le_bytes());
@@ -122,7 +135,7 @@ pub fn zip(entries: &[(&str, &[u8])]) -> Vec<u8> {
 
         central.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
         central.extend_from_slice(&[20, 0, 20, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // made by, needed, flags, method, time, date
-        central.extend_from_slice(&0u32.to_le_bytes()); // crc
+        central.extend_from_slice(&crc.to_le_bytes());
         central.extend_from_slice(&n.to_le_bytes());
         central.extend_from_slice(&n.to_le_bytes());
         central.extend_from_slice(&(name.len() as u16).to_le_bytes());

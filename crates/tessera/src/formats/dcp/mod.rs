@@ -1,6 +1,7 @@
 //! PyTorch Distributed Checkpoint directories, read-only: plain DCP (`torch_dcp`), Megatron
 //! `torch_dist` (DCP + `metadata.json` + `common.pt`) and OLMo-core (`model_and_optim/`).
 
+pub(crate) mod integrity;
 pub(crate) mod metadata;
 
 use std::collections::BTreeSet;
@@ -115,9 +116,9 @@ impl LoadStrategy for DcpStrategy {
         &self,
         storage: &'s dyn Storage,
         _: ForEach<'_>,
-    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+    ) -> Result<(CheckpointIndex, Option<ForeignView<'s>>)> {
         let (index, view) = open_dcp(storage, self.0)?;
-        Ok((index, Some(Box::new(view))))
+        Ok((index, Some(view)))
     }
 }
 

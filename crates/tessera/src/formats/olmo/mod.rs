@@ -47,9 +47,9 @@ impl LoadStrategy for OlmoStrategy {
         &self,
         storage: &'s dyn Storage,
         for_each: ForEach<'_>,
-    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+    ) -> Result<(CheckpointIndex, Option<ForeignView<'s>>)> {
         let (index, view) = open_olmo(storage, for_each)?;
-        Ok((index, Some(Box::new(view))))
+        Ok((index, Some(view)))
     }
 }
 

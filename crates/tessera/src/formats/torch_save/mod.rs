@@ -18,6 +18,8 @@ pub(crate) struct ZipEntry {
     pub data_offset: u64,
     /// Size of the stored data.
     pub size: u64,
+    /// The CRC-32 (IEEE) the central directory records for the data.
+    pub crc: u32,
 }
 
 impl ZipEntry {
@@ -135,6 +137,8 @@ pub(crate) struct CentralEntry {
     pub local_offset: u64,
     /// Stored size.
     pub size: u64,
+    /// The CRC-32 (IEEE) of the data, as recorded here.
+    pub crc: u32,
 }
 
 /// Parses `count` central directory headers; checks names are unique and entries stored.
@@ -146,6 +150,7 @@ pub(crate) fn parse_central_directory(cd: &[u8], count: u64, archive_len: u64) -
             return Err(format!("bad central directory header at {at}"));
         }
         let method = u16_at(cd, at + 10).unwrap();
+        let crc = u32_at(cd, at + 16).unwrap();
         let csize = u32_at(cd, at + 20).unwrap();
         let usize_ = u32_at(cd, at + 24).unwrap();
         let nlen = u16_at(cd, at + 28).unwrap() as usize;
@@ -165,7 +170,7 @@ pub(crate) fn parse_central_directory(cd: &[u8], count: u64, archive_len: u64) -
         if local.checked_add(30 + u).is_none_or(|e| e > archive_len) {
             return Err(format!("zip entry {name:?}: data runs past the archive end"));
         }
-        out.push(CentralEntry { name, local_offset: local, size: u });
+        out.push(CentralEntry { name, local_offset: local, size: u, crc });
         at += 46 + nlen + xlen + clen;
     }
     let mut names: Vec<&str> = out.iter().map(|e| e.name.as_str()).collect();
@@ -203,9 +208,24 @@ pub(crate) fn zip_entries(archive: &[u8]) -> Result<Vec<ZipEntry>, String> {
         if data_offset.checked_add(e.size).is_none_or(|x| x > len) {
             return Err(format!("zip entry {:?}: data runs past the archive end", e.name));
         }
-        out.push(ZipEntry { name: e.name, data_offset, size: e.size });
+        out.push(ZipEntry { name: e.name, data_offset, size: e.size, crc: e.crc });
     }
     Ok(out)
+}
+
+pub(crate) use write::{crc32, crc32_update};
+
+/// Why the data of `entry` does not match the CRC-32 its central directory records (`None`
+/// when it does). The data is the entry's bytes as `zip_entries` located them in `archive`.
+pub(crate) fn crc_mismatch(archive: &[u8], entry: &ZipEntry) -> Option<String> {
+    let data = &archive[entry.data_offset as usize..(entry.data_offset + entry.size) as usize];
+    let got = crc32(data);
+    (got != entry.crc).then(|| mismatch_message(&entry.name, got, entry.crc))
+}
+
+/// The message of a member whose data has CRC-32 `got` where `want` is recorded.
+pub(crate) fn mismatch_message(member: &str, got: u32, want: u32) -> String {
+    format!("zip member {member:?}: its data has CRC-32 {got:08x}, the archive records {want:08x} (damaged bytes)")
 }
 
 /// The entry whose name below the top folder is `inner` (`data.pkl`, `data/0`).

@@ -38,9 +38,9 @@ impl LoadStrategy for ZarrStrategy {
         &self,
         storage: &'s dyn Storage,
         _: ForEach<'_>,
-    ) -> Result<(CheckpointIndex, Option<Box<dyn Storage + 's>>)> {
+    ) -> Result<(CheckpointIndex, Option<ForeignView<'s>>)> {
         let (index, view) = open_zarr(storage)?;
-        Ok((index, Some(Box::new(view))))
+        Ok((index, Some(view)))
     }
 }
 
