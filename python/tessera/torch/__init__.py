@@ -103,9 +103,11 @@ def _split(state_dict: Dict[str, Any]) -> Tuple[List[Tuple[Tuple[Seg, ...], torc
     return tensors, values
 
 
-def _save_request(state_dict: Dict[str, Any], comm: Any, rank: int) -> Tuple[List[io.SaveItem], list]:
+def _save_request(state_dict: Dict[str, Any], comm: Any, rank: int, kind: str = "tessera") -> Tuple[List[io.SaveItem], list]:
     """The tensors to save, described for the core, and the common values (on rank 0: every
-    rank's, each key once; collective over ``comm``)."""
+    rank's, each key once; collective over ``comm``). For a DCP-format save (``kind``) a tuple
+    is kept as its ``torch.save`` bytes, so that it is written (and DCP loads it) as a tuple,
+    as DCP's own save writes it; tessera's format stores it as a list."""
     tensors, values = _split(_flatten_stateful(state_dict))
     items: List[io.SaveItem] = []
     for path, t in tensors:
@@ -115,7 +117,8 @@ def _save_request(state_dict: Dict[str, Any], comm: Any, rank: int) -> Tuple[Lis
             return save_tensor(key, t.dtype, host.shape, shape, offset, replica_id=replica, data=host)
 
         items.append((local, describe))
-    common = io.common_values(comm, rank, [(to_native_path(p), v) for p, v in values], _plain_with_tuples)
+    plain = to_plain if kind == "dcp" else _plain_with_tuples
+    common = io.common_values(comm, rank, [(to_native_path(p), v) for p, v in values], plain)
     return items, common
 
 
@@ -172,9 +175,13 @@ def save(
     that writer's: tessera does not write that format.
 
     ``format`` is what is written: ``"tessera"`` (tessera's own, self-checking format) or
-    ``"dcp"``, a PyTorch DCP directory (``.metadata``, written last, is the commit; the values
-    in Megatron's ``common.pt``) that torch DCP, Megatron and tessera load, and that tools
-    finding checkpoints by DCP's ``.metadata`` (torchtitan's resume) find."""
+    ``"dcp"``, a PyTorch DCP directory (``.metadata``, written last, is the commit) that torch
+    DCP, Megatron and tessera load, and that tools finding checkpoints by DCP's ``.metadata``
+    (torchtitan's resume) find. Its non-tensor values are stored as DCP's own save stores them
+    (byte items holding ``torch.save(value)`` under DCP's flattened keys, their paths in
+    ``planner_data``; a tuple stays a tuple), which ``torch.distributed.checkpoint.load`` and
+    OLMo-core find, and again in Megatron's ``common.pt``, which Megatron reads; a value of
+    some ranks only is the one those ranks hold, written into rank 0's data file."""
     if _for_dcp_itself(storage_writer):
         import torch.distributed.checkpoint as dcp
 
@@ -191,11 +198,12 @@ def save(
     kind = _format(format, content_metadata)
     location = _location(checkpoint_id, storage_writer, "storage_writer")
     comm, rank = io.communicator(process_group, no_dist)
-    items, common = _save_request(state_dict, comm, rank)
+    items, common = _save_request(state_dict, comm, rank, kind)
     where = native_location(location, storage_options)
     if kind == "dcp":
         described, keep_alive = io.on_host(items)
-        report = _native.save_torch_dist(described, [], _common_pt(common, rank), where, comm, overwrite=overwrite)
+        common_pt = _common_pt(common, rank)
+        report = _native.save_torch_dist(described, [], common_pt, where, comm, overwrite=overwrite, common=common)
         del keep_alive
         return cast(dict, report)
     meta = to_plain(content_metadata) if content_metadata is not None else None
@@ -295,7 +303,7 @@ def async_save(
         staged = async_stager.stage(_flatten_stateful(state_dict))
         state_dict = staged.result() if isinstance(staged, Future) else staged
     comm, rank = io.communicator(process_group, no_dist)
-    items, common = _save_request(state_dict, comm, rank)
+    items, common = _save_request(state_dict, comm, rank, kind)
     where = native_location(location, storage_options)
     if kind == "dcp":
         described, keep_alive = io.on_host(items, copy=True)
@@ -304,7 +312,9 @@ def async_save(
 
         def write() -> Any:
             try:
-                return _native.save_torch_dist(described, [], common_pt, where, background, overwrite=overwrite)
+                return _native.save_torch_dist(
+                    described, [], common_pt, where, background, overwrite=overwrite, common=common
+                )
             finally:
                 keep_alive.clear()
 
