@@ -272,9 +272,12 @@ fn tuple_blob() -> Value {
     Value::Map(vec![("__tessera_torch_save__".into(), Value::Bytes(archive))])
 }
 
+/// Values at their paths.
+type Values = Vec<(Vec<PathSeg>, Value)>;
+
 /// Rank 0's common values, leaf by leaf as `tessera.torch` gives them (lists element by
 /// element), and each as DCP's flattening stores it: (its path, its value).
-fn dcp_values() -> (Vec<(Vec<PathSeg>, Value)>, Vec<(Vec<PathSeg>, Value)>) {
+fn dcp_values() -> (Values, Values) {
     let group = |i: u64, k: &str| vec![key("optim"), key("param_groups"), at(i), key(k)];
     let with = |mut p: Vec<PathSeg>, i: u64| {
         p.push(at(i));
