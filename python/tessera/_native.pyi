@@ -319,6 +319,7 @@ def plan_torch_dist(
     validate: bool = True,
     threads: Optional[int] = None,
     files_per_rank: int = 1,
+    common: Optional[Sequence[Tuple[Path, PlainValue]]] = None,
 ) -> TorchDistSave:
     """Plans a :func:`save_torch_dist` (collective; every check runs here), writing nothing.
     ``owners`` owns the tensors' memory and is held by the plan; that memory must stay
@@ -337,6 +338,7 @@ def save_torch_dist(
     validate: bool = True,
     threads: Optional[int] = None,
     files_per_rank: int = 1,
+    common: Optional[Sequence[Tuple[Path, PlainValue]]] = None,
 ) -> Dict[str, Union[int, Optional[str], List[str]]]:
     """Saves this rank's part as a Megatron ``torch_dist`` checkpoint (collective): DCP
     ``.metadata`` (rank 0, last: the commit), ``files_per_rank`` files ``__{rank}_{k}.distcp``
@@ -349,7 +351,10 @@ def save_torch_dist(
     :func:`encode_value` bytes (a plain value), ``b"TPL1"`` + ``torch.save([obj])`` (stored as
     is), ``b"TPT1"`` + ``torch.save(obj)`` (wrapped in a list); any other payload is stored as
     ``bytes``. ``common_pt`` (read on rank 0) is the whole ``common.pt``, ``torch.save`` of the
-    common dict; None writes an empty dict.
+    common dict; None makes it of ``common``. ``common`` (read on rank 0; ``(path, plain
+    value)`` pairs, as :func:`save`'s) is also written as DCP's own save writes a state dict's
+    values: byte items under DCP's flattened keys, their paths in ``planner_data``, which
+    ``torch.distributed.checkpoint.load`` finds.
 
     Returns ``{"file", "bytes_written", "total_tensor_bytes", "files", "chunks", "index_bytes",
     "leftovers"}`` (``leftovers``: files a committed save left for ``tessera gc``, with a

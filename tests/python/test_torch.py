@@ -706,3 +706,109 @@ def test_a_hugging_face_storage_writer_gets_what_it_writes_from_dcp(tmp_path: An
     back = {k: torch.zeros_like(v) for k, v in sd.items()}
     tdcp.load(back, storage_reader=HuggingFaceStorageReader(str(out)))
     assert all(torch.equal(back[k], v) for k, v in sd.items())
+
+
+# format="dcp": the values as DCP's own save stores them, for torch.distributed.checkpoint.load.
+
+
+def _dcp_values_state(fill: bool, rank: int) -> Dict[str, Any]:
+    """A state whose values are of every kind DCP keeps (ints, floats, strings, None, bools, a
+    list of numbers, a list of dicts, a tuple, an optimizer state dict's parameter groups) and a
+    key of this rank's own (a dataloader's position, as torchtitan keeps it); with ``fill`` the
+    saved values, else a request of the same shape holding others."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optim.step()
+    osd = optim.state_dict()
+    v = (lambda saved, other: saved if fill else other)
+    if not fill:
+        for group in osd["param_groups"]:
+            group.update(lr=0.0, betas=(0.0, 0.0), weight_decay=1.0, amsgrad=True)
+        osd["state"] = {k: {n: torch.zeros_like(t) for n, t in s.items()} for k, s in osd["state"].items()}
+    return {
+        "model": {k: t if fill else torch.zeros_like(t) for k, t in model.state_dict().items()},
+        "optim": osd,
+        "step": v(7, 0),
+        "loss": v(1.25, 0.0),
+        "extra": {
+            "name": v("run", ""),
+            "none": v(None, 1),
+            "flag": v(True, False),
+            "sizes": v([1, 2, 3], [0]),
+            "stages": v([{"name": "warmup", "steps": 10}, {"name": "decay", "steps": 90}], [{"name": "", "steps": 0}, {"name": "", "steps": 0}]),
+            "shape": v((4, "x"), (0, "")),
+        },
+        "dataloader": {f"dp_rank_{rank}": {"position": v(100 + rank, 0)}},
+    }
+
+
+def _same(a: Any, b: Any, at: str = "") -> None:
+    """Equal, with the same types (a tuple stays a tuple)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), at
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (at, a, b)
+        for k in a:
+            _same(a[k], b[k], f"{at}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), (at, a, b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{at}.{i}")
+    else:
+        assert type(a) is type(b) and a == b, (at, a, b)
+
+
+def _save_dcp_values(rank: int, world: int, ckpt: str, how: str) -> None:
+    state = _dcp_values_state(True, rank)
+    if how == "async":
+        tt.async_save(state, checkpoint_id=ckpt, format="dcp", process_group=dist.group.WORLD).result()
+    else:
+        tt.save(state, ckpt, format="dcp")
+
+
+def _dcp_load_values(rank: int, world: int, ckpt: str) -> None:
+    """torch's own DCP load, each rank requesting its own dataloader key."""
+    import torch.distributed.checkpoint as dcp
+
+    request = _dcp_values_state(False, rank)
+    dcp.load(request, checkpoint_id=ckpt)
+    _same(_dcp_values_state(True, rank), request)
+
+
+@pytest.mark.parametrize("world,how", [(1, "sync"), (1, "async"), (2, "sync"), (2, "async")])
+def test_dcp_format_values_load_through_torchs_own_dcp_load(tmp_path: Any, world: int, how: str) -> None:
+    """A ``format="dcp"`` save's values are DCP byte items under DCP's keys: torch's own
+    ``torch.distributed.checkpoint.load`` gives every one back, of its type (a tuple a tuple),
+    every rank's own key included; ``common.pt`` still holds them for Megatron and tessera."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = str(tmp_path / "ckpt")
+    if world == 1 and how == "sync":
+        _save_dcp_values(0, 1, ckpt, how)
+    else:
+        run_ranks(world, _save_dcp_values, ckpt, how)
+    # Every rank's values, loaded in one process.
+    for rank in range(world):
+        request = _dcp_values_state(False, rank)
+        dcp.load(request, checkpoint_id=ckpt, no_dist=True)
+        _same(_dcp_values_state(True, rank), request)
+    if world == 2:
+        run_ranks(world, _dcp_load_values, ckpt)
+    # DCP's own keys and paths, as its save records them.
+    metadata = dcp.FileSystemReader(ckpt).read_metadata()
+    assert metadata.planner_data["optim.param_groups.0.betas"] == ("optim", "param_groups", 0, "betas")
+    assert metadata.planner_data["extra.stages.1.steps"] == ("extra", "stages", 1, "steps")
+    assert metadata.planner_data["model.weight"] == ("model", "weight")
+    assert metadata.planner_data["optim.state.0.exp_avg"] == ("optim", "state", "0", "exp_avg")
+    # Megatron's common.pt as before, and tessera's load.
+    common = torch.load(f"{ckpt}/common.pt", weights_only=True)
+    assert common["step"] == 7 and common["extra"]["shape"] == (4, "x")
+    assert common["dataloader"] == {f"dp_rank_{r}": {"position": 100 + r} for r in range(world)}
+    # (tessera's load reads common.pt, whose "dataloader" holds every rank's key.)
+    request, want = _dcp_values_state(False, world - 1), _dcp_values_state(True, world - 1)
+    tt.load(request, ckpt)
+    assert request.pop("dataloader") == common["dataloader"]
+    want.pop("dataloader")
+    _same(want, request)

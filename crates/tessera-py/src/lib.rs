@@ -224,10 +224,12 @@ fn save<'py>(
 /// `files_per_rank` data files `__{rank}_{k}.distcp` per rank (Megatron's `thread_count`),
 /// `metadata.json`, `common.pt`), which megatron-core and `torch.distributed.checkpoint` load;
 /// collective over `comm`. `common_pt`, on rank 0, is the whole `common.pt` (`torch.save` of
-/// the common dict); None writes an empty dict.
+/// the common dict); None makes it of `common`. `common`, on rank 0 (`(path, plain value)`
+/// pairs, as `save`'s), is also written as DCP's own save writes a state dict's values: byte
+/// items under DCP's flattened keys, with `planner_data` (the Megatron front end gives none).
 #[pyfunction]
 #[pyo3(signature = (tensors, objects, common_pt, location, comm=None, overwrite=false, validate=true, threads=None,
-                    files_per_rank=1))]
+                    files_per_rank=1, common=None))]
 #[allow(clippy::too_many_arguments)]
 fn save_torch_dist<'py>(
     py: Python<'py>,
@@ -240,12 +242,14 @@ fn save_torch_dist<'py>(
     validate: bool,
     threads: Option<usize>,
     files_per_rank: usize,
+    common: Option<Vec<Bound<'py, PyAny>>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     // SAFETY: the contract of `save_torch_dist`, as of `save`: the Python caller keeps every
     // tensor's memory alive, C-contiguous and unmodified until it returns; the tree is dropped
     // before that.
-    let (tree, opts, cancel) =
-        unsafe { save_request(py, &tensors, &objects, &[], overwrite, validate, None, threads)? };
+    let (tree, opts, cancel) = unsafe {
+        save_request(py, &tensors, &objects, common.as_deref().unwrap_or(&[]), overwrite, validate, None, threads)?
+    };
     let comm = communicator(comm.as_ref())?;
     let storage = open(py, &location)?;
     let common = common_pt.as_deref();

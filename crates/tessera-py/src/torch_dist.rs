@@ -45,7 +45,7 @@ pub struct TorchDistFile {
 /// dropped, and the memory must stay unmodified until the save is committed or dropped.
 #[pyfunction]
 #[pyo3(signature = (tensors, objects, common_pt, location, owners, comm=None, overwrite=false, validate=true,
-                    threads=None, files_per_rank=1))]
+                    threads=None, files_per_rank=1, common=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan_torch_dist<'py>(
     py: Python<'py>,
@@ -59,13 +59,15 @@ pub fn plan_torch_dist<'py>(
     validate: bool,
     threads: Option<usize>,
     files_per_rank: usize,
+    common: Option<Vec<Bound<'py, PyAny>>>,
 ) -> PyResult<TorchDistSave> {
     // SAFETY: the tree borrows the memory the descriptors in `tensors` point to. The contract
     // of `plan_torch_dist`: `owners` owns that memory, which stays C-contiguous and unmodified
     // until the save is committed or dropped; `Shared` holds `owners` for as long as the tree
     // lives (it is dropped after the tree).
-    let (tree, opts, cancel) =
-        unsafe { save_request(py, &tensors, &objects, &[], overwrite, validate, None, threads)? };
+    let (tree, opts, cancel) = unsafe {
+        save_request(py, &tensors, &objects, common.as_deref().unwrap_or(&[]), overwrite, validate, None, threads)?
+    };
     let comm = communicator(comm.as_ref())?;
     let storage = open(py, &location)?;
     let common = common_pt.as_deref();

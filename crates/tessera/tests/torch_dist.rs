@@ -6,6 +6,8 @@
 //! `scripts/check_torch_dist_interop.py` has megatron-core load them.)
 
 mod common;
+#[path = "common/hostile.rs"]
+mod hostile;
 
 use std::path::Path;
 
@@ -249,13 +251,187 @@ fn what_the_format_cannot_hold_is_refused_on_every_rank() {
     for r in results {
         assert!(matches!(r, Err(Error::InvalidSharding { .. })), "{r:?}");
     }
-    // Common values next to a ready-made common.pt.
-    let mut tree = StateTree::map();
-    tree.insert("w", StateTree::Tensor(ShardedTensor::full("w", DType::F32, &[8], TensorData::Ref(&data))));
-    tree.insert("iteration", StateTree::Value(Value::Int(1)));
-    let e = save_torch_dist(tree, Some(b"x"), &LocalStorage::new(dir.path()), &SoloComm, &SaveOptions::default(), 1);
-    assert!(e.unwrap_err().to_string().contains("iteration"));
-    assert!(!dir.path().exists() || std::fs::read_dir(dir.path()).unwrap().next().is_none(), "nothing written");
+}
+
+// ---- the common values as DCP byte items -------------------------------------------------------
+
+fn key(k: &str) -> PathSeg {
+    PathSeg::Key(k.into())
+}
+
+fn at(i: u64) -> PathSeg {
+    PathSeg::Index(i)
+}
+
+/// A value the Python package holds only as `torch.save` bytes: the tuple `(1, "x")`.
+fn tuple_blob() -> Value {
+    use hostile::{pickle, s, zip, P};
+    let obj = P::Tuple(vec![P::Int(1), s("x")]);
+    let archive =
+        zip(&[("archive/data.pkl", &pickle(&obj)), ("archive/version", b"3\n"), ("archive/byteorder", b"little")]);
+    Value::Map(vec![("__tessera_torch_save__".into(), Value::Bytes(archive))])
+}
+
+/// Values at their paths.
+type Values = Vec<(Vec<PathSeg>, Value)>;
+
+/// Rank 0's common values, leaf by leaf as `tessera.torch` gives them (lists element by
+/// element), and each as DCP's flattening stores it: (its path, its value).
+fn dcp_values() -> (Values, Values) {
+    let group = |i: u64, k: &str| vec![key("optim"), key("param_groups"), at(i), key(k)];
+    let with = |mut p: Vec<PathSeg>, i: u64| {
+        p.push(at(i));
+        p
+    };
+    let f = Value::Float;
+    let given = vec![
+        (vec![key("step")], Value::Int(7)),
+        (group(0, "lr"), f(0.1)),
+        (with(group(0, "betas"), 0), f(0.9)),
+        (with(group(0, "betas"), 1), f(0.95)),
+        (with(group(0, "params"), 0), Value::Str("model.w".into())),
+        (group(1, "lr"), f(0.2)),
+        (with(group(1, "params"), 0), Value::Str("b".into())),
+        (vec![key("extra"), key("name")], Value::Str("run".into())),
+        (vec![key("extra"), key("empty")], Value::Map(vec![])),
+        (vec![key("pair")], tuple_blob()),
+    ];
+    let stored = vec![
+        (vec![key("step")], Value::Int(7)),
+        (group(0, "lr"), f(0.1)),
+        (group(0, "betas"), Value::List(vec![f(0.9), f(0.95)])),
+        (group(0, "params"), Value::List(vec![Value::Str("model.w".into())])),
+        (group(1, "lr"), f(0.2)),
+        (group(1, "params"), Value::List(vec![Value::Str("b".into())])),
+        (vec![key("extra"), key("name")], Value::Str("run".into())),
+        (vec![key("extra"), key("empty")], Value::Map(vec![])),
+        (vec![key("pair")], tuple_blob()),
+    ];
+    (given, stored)
+}
+
+/// Rank `r` of 2's state: `model.w` and its `exp_avg` split by rows, rank 0 the values.
+fn values_tree(r: usize, w: &[u8]) -> StateTree<'_> {
+    let rows = &w[r * 12..(r + 1) * 12];
+    let t = |k: &str| {
+        StateTree::Tensor(shard(k, DType::F32, &[2, 3], &[r as u64, 0], &[1, 3], 0, None, TensorData::Ref(rows)))
+    };
+    let mut tree = StateTree::map()
+        .with("model.w", t("model.w"))
+        .with("optim.state.model.w.exp_avg", t("optim.state.model.w.exp_avg"));
+    if r == 0 {
+        for (path, v) in dcp_values().0 {
+            tree.set_path(&path, StateTree::Value(v));
+        }
+    }
+    tree
+}
+
+/// The directory's DCP part alone (no `common.pt`, `metadata.json` or tessera's copy), in
+/// `plain`: a plain DCP checkpoint, whose values are its byte items.
+fn dcp_part(dir: &Path, plain: &Path) {
+    std::fs::create_dir_all(plain).unwrap();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        if name != "common.pt" && name != "metadata.json" && !name.starts_with(".tessera-common-") {
+            std::fs::copy(dir.join(&name), plain.join(&name)).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_save_with_values_holds_them_as_dcp_byte_items_at_their_paths() {
+    let w = truth(DType::F32, &[2, 3], 5);
+    let (_, stored) = dcp_values();
+    for ready_made in [false, true] {
+        let dir = TempDir::new("torch-dist-values");
+        // With a ready-made common.pt (what the Python package passes beside the values), the
+        // values are the byte items only.
+        let common_pt = ready_made.then(|| {
+            let src = TempDir::new("torch-dist-values-src");
+            let tree = StateTree::map().with("step", StateTree::Value(Value::Int(7)));
+            save_torch_dist(tree, None, &LocalStorage::new(src.path()), &SoloComm, &SaveOptions::default(), 1).unwrap();
+            std::fs::read(src.join("common.pt")).unwrap()
+        });
+        run_ranks(2, |comm| {
+            let storage = LocalStorage::new(dir.path());
+            let common = common_pt.as_deref().filter(|_| comm.rank() == 0);
+            save_torch_dist(values_tree(comm.rank(), &w), common, &storage, comm, &SaveOptions::default(), 2)
+        })
+        .into_iter()
+        .for_each(|r| drop(r.unwrap()));
+        if let Some(b) = &common_pt {
+            assert_eq!(&std::fs::read(dir.join("common.pt")).unwrap(), b, "the caller's common.pt, as given");
+        }
+
+        // `.metadata` lists each value as a byte item under DCP's flattened key.
+        let metadata = std::fs::read(dir.join(".metadata")).unwrap();
+        let holds = |s: &str| metadata.windows(s.len()).any(|w| w == s.as_bytes());
+        assert!(holds("BytesStorageMetadata"));
+        for k in [
+            "step",
+            "optim.param_groups.0.lr",
+            "optim.param_groups.0.betas",
+            "optim.param_groups.1.params",
+            "extra.empty",
+            "pair",
+        ] {
+            assert!(holds(k), "{k}");
+        }
+        assert!(!holds("optim.param_groups.0.betas.0"), "a list of numbers is one value");
+
+        // The tensors read back whole, and the DCP part alone is a plain DCP checkpoint whose
+        // byte items are the values, each at the path `planner_data` records.
+        let tensors = open(&LocalStorage::new(dir.path())).and_then(|c| c.read_tensors(None)).unwrap();
+        assert_eq!(tensors["model.w"].data, w);
+        let plain = TempDir::new("torch-dist-values-plain");
+        dcp_part(dir.path(), plain.path());
+        let dcp = LocalStorage::new(plain.path());
+        assert_eq!(FormatRecord::detect(&dcp).unwrap().backend, "torch_dcp");
+        let tensors = open(&dcp).and_then(|c| c.read_tensors(None)).unwrap();
+        assert_eq!(tensors["optim.state.model.w.exp_avg"].data, w);
+        let mut got = open(&dcp).unwrap().into_index().common;
+        let mut want = stored.clone();
+        got.sort_by(|a, b| format!("{:?}", a.0).cmp(&format!("{:?}", b.0)));
+        want.sort_by(|a, b| format!("{:?}", a.0).cmp(&format!("{:?}", b.0)));
+        assert_eq!(got, want);
+        if !ready_made {
+            // And tessera reads the whole checkpoint's values once, from common.pt.
+            let common = open(&LocalStorage::new(dir.path())).unwrap().into_index().common;
+            let tops: Vec<String> = common.iter().map(|(p, _)| tessera::path_string(p)).collect();
+            assert_eq!(tops, ["extra", "optim", "pair", "step"], "{common:?}");
+        }
+    }
+}
+
+#[test]
+fn a_value_and_a_tensor_under_one_dcp_key_are_refused_on_every_rank() {
+    let w = truth(DType::F32, &[2, 3], 5);
+    // The tensor `model.w.x` is rank 0's (refused before any write) or rank 1's alone (known
+    // to rank 0 only once the plans are exchanged: the commit fails on every rank).
+    for holder in [0, 1] {
+        let dir = TempDir::new("torch-dist-values-clash");
+        let results = run_ranks(2, |comm| {
+            let r = comm.rank();
+            let mut tree = values_tree(r, &w);
+            if r == holder {
+                let t = ShardedTensor::full("model.w.x", DType::F32, &[2, 3], TensorData::Ref(&w));
+                tree.insert("model.w.x", StateTree::Tensor(t));
+            }
+            if r == 0 {
+                tree.set_path(&[key("model"), key("w"), key("x")], StateTree::Value(Value::Int(1)));
+            }
+            save_torch_dist(tree, None, &LocalStorage::new(dir.path()), comm, &SaveOptions::default(), 1)
+        });
+        for r in results {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains("model.w.x"), "holder {holder}: {e}");
+        }
+        assert!(!dir.join(".metadata").exists(), "holder {holder}: nothing committed");
+        if dir.path().exists() {
+            assert!(data_files(dir.path()).is_empty(), "holder {holder}: every data file removed");
+        }
+    }
 }
 
 // ---- tessera convert --to dcp ------------------------------------------------------------------

@@ -52,9 +52,11 @@ def _split(state_dict: Dict[str, Any]) -> Tuple[List[Tuple[Tuple[Seg, ...], torc
     return tensors, values
 
 
-def save_request(state_dict: Dict[str, Any], comm: Any, rank: int) -> Tuple[List[io.SaveItem], list]:
+def save_request(state_dict: Dict[str, Any], comm: Any, rank: int, kind: str = "tessera") -> Tuple[List[io.SaveItem], list]:
     """The tensors to save, described for the core, and the common values (on rank 0: every
-    rank's, each key once; collective over ``comm``)."""
+    rank's, each key once; collective over ``comm``). For a DCP-format save (``kind``) a tuple
+    is kept as its ``torch.save`` bytes, so that it is written (and DCP loads it) as a tuple,
+    as DCP's own save writes it; tessera's format stores it as a list."""
     tensors, values = _split(flatten_stateful(state_dict))
     items: List[io.SaveItem] = []
     for path, t in tensors:
@@ -64,7 +66,8 @@ def save_request(state_dict: Dict[str, Any], comm: Any, rank: int) -> Tuple[List
             return save_tensor(key, t.dtype, host.shape, shape, offset, replica_id=replica, data=host)
 
         items.append((local, describe))
-    common = io.common_values(comm, rank, [(to_native_path(p), v) for p, v in values], _plain_with_tuples)
+    plain = to_plain if kind == "dcp" else _plain_with_tuples
+    common = io.common_values(comm, rank, [(to_native_path(p), v) for p, v in values], plain)
     return items, common
 
 
@@ -251,10 +254,11 @@ def torch_key_error(location: str, missing: List[str], unexpected: List[str]) ->
 
 
 def write_dcp(items: List[io.SaveItem], common: list, rank: int, where: Any, comm: Any, overwrite: bool) -> dict:
-    """Writes a save request as a DCP directory (collective): tensors from host memory,
-    the common values in ``common.pt``; returns the report."""
+    """Writes a save request (of ``kind`` "dcp") as a DCP directory (collective): tensors from
+    host memory, the common values as DCP's own save stores them (byte items under DCP's keys,
+    their paths in ``planner_data``) and again in Megatron's ``common.pt``; returns the report."""
     described, keep_alive = io.on_host(items)
-    report = _native.save_torch_dist(described, [], common_pt(common, rank), where, comm, overwrite=overwrite)
+    report = _native.save_torch_dist(described, [], common_pt(common, rank), where, comm, overwrite=overwrite, common=common)
     del keep_alive
     return dict(report)
 
@@ -272,7 +276,7 @@ def write_dcp_in_background(
 
     def write() -> Any:
         try:
-            return _native.save_torch_dist(described, [], common_bytes, where, background, overwrite=overwrite)
+            return _native.save_torch_dist(described, [], common_bytes, where, background, overwrite=overwrite, common=common)
         finally:
             keep_alive.clear()
 

@@ -131,9 +131,13 @@ def save(
     that writer's: tessera does not write that format.
 
     ``format`` is what is written: ``"tessera"`` (tessera's own, self-checking format) or
-    ``"dcp"``, a PyTorch DCP directory (``.metadata``, written last, is the commit; the values
-    in Megatron's ``common.pt``) that torch DCP, Megatron and tessera load, and that tools
-    finding checkpoints by DCP's ``.metadata`` (torchtitan's resume) find."""
+    ``"dcp"``, a PyTorch DCP directory (``.metadata``, written last, is the commit) that torch
+    DCP, Megatron and tessera load, and that tools finding checkpoints by DCP's ``.metadata``
+    (torchtitan's resume) find. Its non-tensor values are stored as DCP's own save stores them
+    (byte items holding ``torch.save(value)`` under DCP's flattened keys, their paths in
+    ``planner_data``; a tuple stays a tuple), which ``torch.distributed.checkpoint.load`` and
+    OLMo-core find, and again in Megatron's ``common.pt``, which Megatron reads; a value of
+    some ranks only is the one those ranks hold, written into rank 0's data file."""
     if _for_dcp_itself(storage_writer):
         import torch.distributed.checkpoint as dcp
 
@@ -150,7 +154,7 @@ def save(
     kind = _format(format, content_metadata)
     location = _location(checkpoint_id, storage_writer, "storage_writer")
     comm, rank = io.communicator(process_group, no_dist)
-    items, common = statedict.save_request(state_dict, comm, rank)
+    items, common = statedict.save_request(state_dict, comm, rank, kind)
     where = native_location(location, storage_options)
     if kind == "dcp":
         return statedict.write_dcp(items, common, rank, where, comm, overwrite)
@@ -236,7 +240,7 @@ def async_save(
         staged = async_stager.stage(statedict.flatten_stateful(state_dict))
         state_dict = staged.result() if isinstance(staged, Future) else staged
     comm, rank = io.communicator(process_group, no_dist)
-    items, common = statedict.save_request(state_dict, comm, rank)
+    items, common = statedict.save_request(state_dict, comm, rank, kind)
     where = native_location(location, storage_options)
     if kind == "dcp":
         future = statedict.write_dcp_in_background(items, common, rank, where, process_group, no_dist, overwrite)

@@ -348,6 +348,53 @@ impl DcpValues {
     }
 }
 
+/// `planner_data` of a DCP directory holding `tensor_keys` (each once), the byte items
+/// `object_fqns` (Megatron's sharded objects) and `values`: every key's path in the state dict,
+/// as DCP's save records it (a load of every key rebuilds the nesting from it: OLMo-core's
+/// `load_keys` and `unshard_checkpoint`). Values have their own paths; tensors the paths
+/// [`DcpValues::tensor_path`] finds; a sharded object's item (no nesting) its key. Two items
+/// under one key are refused, naming both, and so is a value whose key `is_object_key` (the
+/// reader's `parse_object_fqn`: one ending like a sharded object's, which Megatron's loader and
+/// tessera's reader would take for one). `location` names the checkpoint in errors.
+pub(crate) fn planner_data<'k>(
+    tensor_keys: impl IntoIterator<Item = &'k str>,
+    object_fqns: impl IntoIterator<Item = &'k str>,
+    values: &DcpValues,
+    is_object_key: impl Fn(&str) -> bool,
+    location: &str,
+) -> Result<Vec<(String, Vec<DcpSeg>)>> {
+    let mut planner = Vec::new();
+    let mut owner: HashMap<String, String> = HashMap::new();
+    let mut claim = |fqn: &str, what: String| -> Result<()> {
+        if let Some(first) = owner.insert(fqn.to_string(), what.clone()) {
+            return Err(Error::invalid(format!(
+                "{location}: {first} and {what} would both be stored under the DCP key {fqn:?}: rename one of them"
+            )));
+        }
+        Ok(())
+    };
+    for key in tensor_keys {
+        claim(key, format!("tensor {key:?}"))?;
+        planner.push((key.to_string(), values.tensor_path(key)));
+    }
+    for fqn in object_fqns {
+        claim(fqn, format!("a shard of object {:?}", fqn.rsplit_once("/shard_").map_or(fqn, |(k, _)| k)))?;
+        planner.push((fqn.to_string(), vec![DcpSeg::Key(fqn.to_string())]));
+    }
+    for v in &values.values {
+        if is_object_key(&v.fqn) {
+            return Err(Error::invalid(format!(
+                "{location}: common value {:?} would be read as a shard of a sharded object (its DCP key ends \
+                 like Megatron's /shard_<offsets>_<grid>): rename it",
+                v.fqn
+            )));
+        }
+        claim(&v.fqn, format!("common value {}", python_path(&v.path)))?;
+        planner.push((v.fqn.clone(), v.path.clone()));
+    }
+    Ok(planner)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,9 +22,19 @@
 //! or [`TorchDistSave::of_files`], a layout made elsewhere: `convert_to_dcp`) → `write_file(k)`
 //! → `commit`.
 //!
+//! The common values (rank 0's) are written twice: in `common.pt`, which Megatron reads (made
+//! of them, unless the caller gives it ready-made), and as PyTorch DCP's own save writes a state
+//! dict's values (`dcp_values`: byte items under DCP's flattened keys, in rank 0's data files,
+//! with `planner_data` in `.metadata`), which `torch.distributed.checkpoint.load` and OLMo-core
+//! find. A save without values (Megatron's front end gives `common.pt` alone) writes neither
+//! items nor `planner_data`, as Megatron's own writer: Megatron's `load_sharded_metadata` takes
+//! every byte item for a sharded object's.
+//!
 //! What the format cannot hold is refused on every rank before anything is written: shards
 //! with a flattened range (megatron-core 0.16.1 refuses them too: "ShardedTensor.flattened_range
-//! is not supported"), and common values next to a caller-made `common.pt`.
+//! is not supported"), and a value whose DCP key another item has. (A key taken by a tensor
+//! only other ranks hold is found by rank 0 once the plans are exchanged: no file is written
+//! then, and the commit fails on every rank.)
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -33,6 +43,8 @@ use std::sync::{Arc, Mutex};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::format::lease::LeaseFiles;
+use crate::formats::dcp::parse_object_fqn;
+use crate::formats::dcp_values::{flatten, planner_data, DcpValue, DcpValues};
 use crate::formats::torch_dist::{
     common_copy_name, common_pt, data_file_name, is_data_file_name, metadata_pickle, metadata_save_id, object_fqn,
     object_item, parse_common_copy_name, ChunkItem, ItemPlace, TensorItems, DCP_METADATA, MEGATRON_COMMON,
@@ -42,7 +54,7 @@ use crate::formats::torch_save::write::{crc32, tensor_archive};
 use crate::load::open::detect_format;
 use crate::model::factories::apply_factories_collective;
 use crate::model::Value;
-use crate::model::{path_string, StatePath, StateTree};
+use crate::model::{StatePath, StateTree};
 use crate::plan::save::RankPlan;
 use crate::save::commit::{classify_put, commit, remove_files, Place, Publish, Published};
 use crate::save::lease::{kept_while, live_leases, LeaseHold};
@@ -59,10 +71,12 @@ const REPLACEABLE: [&str; 2] = ["torch_dist", "torch_dcp"];
 /// the byte item `"{key}/shard_{offset}_{grid}"` holding `torch.save([obj])`, where the
 /// object's payload says what `obj` is: `TSV1` + a plain value in tessera's value encoding,
 /// `TPL1` + `torch.save([obj])` (stored as is, once checked), `TPT1` + `torch.save(obj)`
-/// (wrapped in a list); any other payload is stored as Python `bytes`. `common`, given on rank
-/// 0 (ignored elsewhere), is the whole `common.pt` (`torch.save` of the common dict, as Python
-/// makes it); without it, the tree's plain values make the dict (with `opts.content_metadata`, when set, under
-/// `content_metadata`, where Megatron keeps it). Errors come out identically on every rank.
+/// (wrapped in a list); any other payload is stored as Python `bytes`. The tree's values on rank
+/// 0 (other ranks' are not read), with `opts.content_metadata` (when set) under
+/// `content_metadata`, where Megatron keeps it, are the common values: byte items as DCP's save
+/// writes them (see the module), and the dict of `common.pt`. `common`, given on rank 0
+/// (ignored elsewhere), is instead the whole `common.pt` (`torch.save` of the common dict, as
+/// Python makes it: the same state). Errors come out identically on every rank.
 ///
 /// The report's `index_bytes` is the size of `.metadata` on rank 0 and 0 elsewhere. This is
 /// [`TorchDistSave`]'s three steps in a row, the files written one after the other.
@@ -147,6 +161,12 @@ pub struct TorchDistSave<'a> {
     bins: Vec<usize>,
     /// This rank's main objects as DCP byte items.
     object_items: Vec<Vec<u8>>,
+    /// Rank 0: the common values as DCP byte items (after the objects in its files).
+    values: Vec<DcpValue>,
+    /// Rank 0: why the save cannot commit, found once every rank's plan was known (a value's
+    /// DCP key taken by a tensor only another rank holds): no file is written, and the commit
+    /// fails on every rank.
+    refused: Option<Error>,
     /// Rank 0: what the commit puts.
     marker: Option<Marker>,
     /// Rank 0: the save's lease.
@@ -178,7 +198,7 @@ impl<'a> TorchDistSave<'a> {
         let rank = comm.rank();
         let (tree, factory_error) = apply_factories_collective(tree);
         let mut c = collect(&tree, rank, true, opts.distribute_replicas);
-        let found = factory_error.or(c.local_error.take()).or_else(|| unsupported(&c, common.is_some(), opts));
+        let found = factory_error.or(c.local_error.take()).or_else(|| unsupported(&c, opts));
         c.local_error = found;
 
         // Object items are made before the exchange: their sizes travel in it (as the objects'
@@ -224,14 +244,26 @@ impl<'a> TorchDistSave<'a> {
                     c.local_error = Some(e);
                 }
             }
-            // `common.pt` is made now: a value it cannot hold fails every rank before any write.
+            // `common.pt` and the values' byte items are made now: a value they cannot hold, or
+            // a DCP key two items would share (as far as rank 0's own tensors and objects tell),
+            // fails every rank before any write.
             if c.local_error.is_none() {
                 let values = common_values(&c.common, opts);
-                match common
+                let made = common
                     .map(<[u8]>::to_vec)
                     .map_or_else(|| common_pt(&values, &serialization_id(c.plan.save_id, u64::MAX)), Ok)
-                {
-                    Ok(b) => common_bytes = Some(b),
+                    .and_then(|b| {
+                        let id = c.plan.save_id;
+                        let items = flatten(&values, &|n| serialization_id(id, u64::MAX - 1 - n as u64))?;
+                        let own_objects: BTreeSet<String> =
+                            c.plan.objects.iter().map(|o| object_fqn(&o.key, &o.offset, &o.global_shape)).collect();
+                        let own_tensors: BTreeSet<&str> = c.plan.tensors.iter().map(|t| &*t.key).collect();
+                        let objects = own_objects.iter().map(String::as_str);
+                        planner_data(own_tensors, objects, &items, is_object_key, &storage.location())?;
+                        Ok((b, items))
+                    });
+                match made {
+                    Ok(made) => common_bytes = Some(made),
                     Err(e) => c.local_error = Some(e),
                 }
             }
@@ -256,13 +288,32 @@ impl<'a> TorchDistSave<'a> {
         // Files of this save's own names: what is replaced stays committed until the new
         // `.metadata` replaces it.
         let names = file_names(rank, save_id, files_per_rank);
-        let layout = items(&plans[rank], save_id);
+        let (values, marker, refused) = match common_bytes {
+            Some((common, values)) => {
+                let location = storage.location();
+                match dcp_metadata(&plans, save_id, files_per_rank, &common, &values, &location) {
+                    Ok((metadata, files)) => (values.values, Some(Marker { common, metadata, files, save_id }), None),
+                    Err(e) => (Vec::new(), None, Some(e)),
+                }
+            }
+            None => (Vec::new(), None, None),
+        };
+        let layout = items(&plans[rank], save_id, &values);
         let bins = spread(&layout, files_per_rank);
-        let marker = common_bytes.map(|common| {
-            let (metadata, files) = dcp_metadata(&plans, save_id, files_per_rank, &common);
-            Marker { common, metadata, files, save_id }
-        });
-        Ok(TorchDistSave { tree: Some(tree), rank, plans, save_id, names, layout, bins, object_items, marker, lease })
+        Ok(TorchDistSave {
+            tree: Some(tree),
+            rank,
+            plans,
+            save_id,
+            names,
+            layout,
+            bins,
+            object_items,
+            values,
+            refused,
+            marker,
+            lease,
+        })
     }
 
     /// How many data files this rank writes (`files_per_rank`; a file may hold no item).
@@ -289,6 +340,9 @@ impl<'a> TorchDistSave<'a> {
         let Some(tree) = &self.tree else {
             return Err(Error::invalid(format!("{name}: this save's files are written by its caller (create_file)")));
         };
+        if let Some(e) = &self.refused {
+            return Err(Error::invalid(format!("{name} not written: {e}")));
+        }
         if let Some(l) = &self.lease {
             l.renew_if_due(storage);
         }
@@ -307,9 +361,8 @@ impl<'a> TorchDistSave<'a> {
                     parts.push(Part::Tensor(tensors.len()));
                     tensors.push((i, data));
                 }
-                Item::Object(i, _) => {
-                    parts.push(Part::Object(i));
-                }
+                Item::Object(i, _) => parts.push(Part::Object(i)),
+                Item::Value(i, _) => parts.push(Part::Value(i)),
             }
         }
         let crcs = parallel_crc32(&tensors, opts.threads);
@@ -343,6 +396,13 @@ impl<'a> TorchDistSave<'a> {
                         .ok_or_else(|| Error::invalid(format!("{name}: object item {i} laid out, not made")))?;
                     runs.push(item);
                 }
+                Part::Value(i) => {
+                    let value = self
+                        .values
+                        .get(i)
+                        .ok_or_else(|| Error::invalid(format!("{name}: value item {i} laid out, not made")))?;
+                    runs.push(&value.item);
+                }
             }
         }
         let mut sources = Vec::with_capacity(runs.len());
@@ -351,15 +411,7 @@ impl<'a> TorchDistSave<'a> {
             sources.push(Source { data, file_off: at, block: opts.block_size });
             at += data.len() as u64;
         }
-        let planned: u64 = self
-            .layout
-            .iter()
-            .zip(&self.bins)
-            .filter(|(_, &b)| b == k)
-            .map(|(it, _)| match *it {
-                Item::Tensor(_, n) | Item::Object(_, n) => n,
-            })
-            .sum();
+        let planned: u64 = self.layout.iter().zip(&self.bins).filter(|(_, &b)| b == k).map(|(it, _)| it.len()).sum();
         if planned != at {
             return Err(Error::invalid(format!("{name}: {at} bytes laid out, {planned} planned")));
         }
@@ -383,6 +435,10 @@ impl<'a> TorchDistSave<'a> {
         comm: &dyn Communicator,
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
+        let written = match self.refused {
+            Some(e) => Err(e),
+            None => written,
+        };
         let bytes_written = *written.as_ref().unwrap_or(&0);
         let index_bytes = self.marker.as_ref().map_or(0, |m| m.metadata.len() as u64);
         let mut publish = DcpPublish { marker: self.marker, overwrite: opts.overwrite };
@@ -426,6 +482,8 @@ impl<'a> TorchDistSave<'a> {
             layout: Vec::new(),
             bins: Vec::new(),
             object_items: Vec::new(),
+            values: Vec::new(),
+            refused: None,
             marker: Some(marker),
             lease: Some(Arc::new(lease)),
         })
@@ -449,6 +507,7 @@ impl<'a> TorchDistSave<'a> {
 enum Part {
     Tensor(usize),
     Object(usize),
+    Value(usize),
 }
 
 /// File numbers are `first_file_number(save_id) + k`; the modulus keeps them short.
@@ -479,9 +538,7 @@ pub(crate) fn file_names(rank: usize, save_id: u64, files_per_rank: usize) -> Ve
 /// Which of `n` files each item goes to: largest first into the least-filled file (ties to the
 /// lower file), as Megatron spreads a rank's items over its writer threads' files.
 fn spread(layout: &[Item], n: usize) -> Vec<usize> {
-    let len = |it: &Item| match *it {
-        Item::Tensor(_, l) | Item::Object(_, l) => l,
-    };
+    let len = Item::len;
     let mut order: Vec<usize> = (0..layout.len()).collect();
     order.sort_by_key(|&i| (std::cmp::Reverse(len(&layout[i])), i));
     let mut fill = vec![0u64; n];
@@ -501,21 +558,13 @@ pub(crate) fn serialization_id(save_id: u64, n: u64) -> String {
 
 /// What the format cannot hold, or a bad option: found locally, it travels in the exchange
 /// so that every rank fails alike.
-fn unsupported(c: &Collected<'_>, has_common_pt: bool, opts: &SaveOptions) -> Option<Error> {
+fn unsupported(c: &Collected<'_>, opts: &SaveOptions) -> Option<Error> {
     if let Some(t) = c.plan.tensors.iter().find(|t| t.flat.is_some()) {
         return Some(Error::sharding(
             &*t.key,
             "a shard with a flattened range cannot be saved as torch_dist (megatron-core 0.16.1 refuses \
              them too: ShardedTensor.flattened_range is not supported); save it in the native format",
         ));
-    }
-    if has_common_pt {
-        if let Some((path, _)) = c.common.first() {
-            return Some(Error::invalid(format!(
-                "common value {:?} given next to a ready-made common.pt: pass the common state one way",
-                path_string(path)
-            )));
-        }
     }
     (opts.block_size == 0).then(|| Error::invalid("block size must be positive"))
 }
@@ -541,18 +590,29 @@ pub(crate) fn existing(storage: &dyn Storage, overwrite: bool) -> Result<bool> {
     }
 }
 
-/// One item of a rank's file: a tensor chunk (index of the shard in the rank's plan) or an
-/// object (index among the rank's main objects), and its length.
+/// One item of a rank's file: a tensor chunk (index of the shard in the rank's plan), an
+/// object (index among the rank's main objects) or a common value (rank 0: index among the
+/// values), and its length.
 #[derive(Debug, Clone, Copy)]
 enum Item {
     Tensor(usize, u64),
     Object(usize, u64),
+    Value(usize, u64),
+}
+
+impl Item {
+    fn len(&self) -> u64 {
+        match *self {
+            Item::Tensor(_, n) | Item::Object(_, n) | Item::Value(_, n) => n,
+        }
+    }
 }
 
 /// The items of the file of the rank with plan `plan`, in file order: its main tensor shards,
-/// then its main objects. Every rank computes any rank's layout from the plans alone (an
-/// archive's length does not depend on the data's checksum).
-fn items(plan: &RankPlan, save_id: u64) -> Vec<Item> {
+/// its main objects, then `values` (rank 0's common values; none for other ranks). Every rank
+/// computes its layout from the plans alone (an archive's length does not depend on the data's
+/// checksum), and rank 0 every rank's.
+fn items(plan: &RankPlan, save_id: u64, values: &[DcpValue]) -> Vec<Item> {
     let id = serialization_id(save_id, 0);
     let mut out = Vec::new();
     for (i, t) in plan.tensors.iter().enumerate().filter(|(_, t)| t.main) {
@@ -560,6 +620,9 @@ fn items(plan: &RankPlan, save_id: u64) -> Vec<Item> {
     }
     for (i, o) in plan.objects.iter().filter(|o| o.main).enumerate() {
         out.push(Item::Object(i, o.len));
+    }
+    for (i, v) in values.iter().enumerate() {
+        out.push(Item::Value(i, v.item.len() as u64));
     }
     out
 }
@@ -582,23 +645,30 @@ fn parallel_crc32(data: &[(usize, &[u8])], threads: usize) -> Vec<u32> {
 }
 
 /// The `.metadata` of the save of `plans` (every rank's items placed as each rank lays out its
-/// files) committed beside `common` (its `common.pt`), and the names of every data file of the
-/// save.
-fn dcp_metadata(plans: &[RankPlan], save_id: u64, files_per_rank: usize, common: &[u8]) -> (Vec<u8>, BTreeSet<String>) {
+/// files, rank 0's with the common `values`) committed beside `common` (its `common.pt`), and
+/// the names of every data file of the save. With values, `planner_data` records every key's
+/// path, as DCP's own save does (Megatron's leaves it empty, and so does a save without
+/// values); two items under one DCP key are refused (`location` names the checkpoint).
+fn dcp_metadata(
+    plans: &[RankPlan],
+    save_id: u64,
+    files_per_rank: usize,
+    common: &[u8],
+    values: &DcpValues,
+    location: &str,
+) -> Result<(Vec<u8>, BTreeSet<String>)> {
     let mut tensors: Vec<TensorItems> = Vec::new();
     let mut by_key: HashMap<&str, usize> = HashMap::new();
     let mut bytes = Vec::new();
+    let mut values_placed = Vec::new();
     for (r, plan) in plans.iter().enumerate() {
         let names = file_names(r, save_id, files_per_rank);
-        let layout = items(plan, save_id);
+        let layout = items(plan, save_id, if r == 0 { &values.values } else { &[] });
         let bins = spread(&layout, files_per_rank);
         let mut at = vec![0u64; files_per_rank];
         for (it, &f) in layout.into_iter().zip(&bins) {
-            let (len, place) = match it {
-                Item::Tensor(_, n) | Item::Object(_, n) => {
-                    (n, ItemPlace { file: names[f].clone(), offset: at[f], length: n })
-                }
-            };
+            let len = it.len();
+            let place = ItemPlace { file: names[f].clone(), offset: at[f], length: len };
             at[f] += len;
             match it {
                 Item::Tensor(i, _) => {
@@ -618,12 +688,26 @@ fn dcp_metadata(plans: &[RankPlan], save_id: u64, files_per_rank: usize, common:
                     let o = plan.objects.iter().filter(|o| o.main).nth(i).expect("items() counted it");
                     bytes.push((object_fqn(&o.key, &o.offset, &o.global_shape), place));
                 }
+                Item::Value(i, _) => values_placed.push((values.values[i].fqn.clone(), place)),
             }
         }
     }
-    let metadata = metadata_pickle(&tensors, &bytes, None, &metadata_save_id(save_id, common));
+    let planner = if values.values.is_empty() {
+        None
+    } else {
+        let tensor_keys = tensors.iter().map(|t| t.fqn.as_str());
+        let objects = bytes.iter().map(|(fqn, _)| fqn.as_str());
+        Some(planner_data(tensor_keys, objects, values, is_object_key, location)?)
+    };
+    bytes.extend(values_placed);
+    let metadata = metadata_pickle(&tensors, &bytes, planner.as_deref(), &metadata_save_id(save_id, common));
     let files = (0..plans.len()).flat_map(|r| file_names(r, save_id, files_per_rank)).collect();
-    (metadata, files)
+    Ok((metadata, files))
+}
+
+/// Whether a DCP key is read as a sharded object's (`KEY/shard_O_S`).
+fn is_object_key(fqn: &str) -> bool {
+    parse_object_fqn(fqn).is_some()
 }
 
 /// The common values that make `common.pt`: the tree's, with `opts.content_metadata` (when set)

@@ -18,13 +18,11 @@
 //! `planner_data` records every key's path, as DCP's own save does. tessera's reader takes the
 //! common state from `common.pt` (where it has a key) and not again from the byte items.
 
-use std::collections::HashMap;
-
 use crate::comm::SoloComm;
 use crate::error::{Error, Result};
 use crate::format::CheckpointIndex;
 use crate::formats::dcp::parse_object_fqn;
-use crate::formats::dcp_values::{flatten, python_path, DcpSeg, DcpValues};
+use crate::formats::dcp_values::{flatten, planner_data};
 use crate::formats::torch_dist::{
     common_pt, is_data_file_name, metadata_pickle, metadata_save_id, object_fqn, object_item, ChunkItem, ItemPlace,
     TensorItems,
@@ -124,7 +122,13 @@ pub fn convert_to_dcp(
             objects.push((object_fqn(&o.key, &s.offset, &o.global_shape), item));
         }
     }
-    let planner = planner_data(index, &objects, &values, &src.location())?;
+    let planner = planner_data(
+        index.tensors.iter().map(|t| t.key.as_str()),
+        objects.iter().map(|(fqn, _)| fqn.as_str()),
+        &values,
+        |fqn| parse_object_fqn(fqn).is_some(),
+        &src.location(),
+    )?;
     // The values' items are written as the objects' are.
     let object_shards = objects.len();
     objects.extend(values.values.into_iter().map(|v| (v.fqn, v.item)));
@@ -251,51 +255,6 @@ pub fn convert_to_dcp(
 
 /// The key Megatron keeps the content metadata under in the common state.
 const CONTENT_METADATA: &str = "content_metadata";
-
-/// `planner_data` of the copy: every key's path in the state dict, as DCP's save records it
-/// (a load of every key rebuilds the nesting from it: OLMo-core's `load_keys` and
-/// `unshard_checkpoint`). Values have their own paths; tensors the paths
-/// [`DcpValues::tensor_path`] finds; a sharded object's item (Megatron's, no nesting) its key.
-/// Two items under one key are refused, naming both.
-fn planner_data(
-    index: &CheckpointIndex,
-    objects: &[(String, Vec<u8>)],
-    values: &DcpValues,
-    location: &str,
-) -> Result<Vec<(String, Vec<DcpSeg>)>> {
-    let mut planner = Vec::with_capacity(index.tensors.len() + objects.len() + values.values.len());
-    let mut owner: HashMap<String, String> = HashMap::new();
-    let mut claim = |fqn: &str, what: String| -> Result<()> {
-        if let Some(first) = owner.insert(fqn.to_string(), what.clone()) {
-            return Err(Error::invalid(format!(
-                "{location}: {first} and {what} would both be stored under the DCP key {fqn:?}: rename one of them"
-            )));
-        }
-        Ok(())
-    };
-    for t in &index.tensors {
-        claim(&t.key, format!("tensor {:?}", t.key))?;
-        planner.push((t.key.clone(), values.tensor_path(&t.key)));
-    }
-    for (fqn, _) in objects {
-        claim(fqn, format!("a shard of object {:?}", fqn.rsplit_once("/shard_").map_or(fqn.as_str(), |(k, _)| k)))?;
-        planner.push((fqn.clone(), vec![DcpSeg::Key(fqn.clone())]));
-    }
-    for v in &values.values {
-        // Megatron's loader (and tessera's reader of torch_dist) take such a key for a sharded
-        // object's.
-        if parse_object_fqn(&v.fqn).is_some() {
-            return Err(Error::invalid(format!(
-                "{location}: common value {:?} would be read as a shard of a sharded object (its DCP key ends \
-                 like Megatron's /shard_<offsets>_<grid>): rename it",
-                v.fqn
-            )));
-        }
-        claim(&v.fqn, format!("common value {}", python_path(&v.path)))?;
-        planner.push((v.fqn.clone(), v.path.clone()));
-    }
-    Ok(planner)
-}
 
 /// Writes every data file: the objects at once, the tensor parts streamed through the load
 /// pipeline. Returns the bytes written.

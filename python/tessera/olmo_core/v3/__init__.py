@@ -138,14 +138,14 @@ def save_state_dict(
 def _save(state_dict: Dict[str, Any], d: str, process_group: Any, overwrite: bool) -> None:
     """A DCP directory of ``state_dict`` at ``d`` (collective), as DCP's save writes it."""
     comm, rank = io.communicator(process_group)
-    items, common = statedict.save_request(state_dict, comm, rank)
+    items, common = statedict.save_request(state_dict, comm, rank, "dcp")
     statedict.write_dcp(items, common, rank, d, comm, overwrite)
 
 
 def _save_in_background(state_dict: Dict[str, Any], d: str, process_group: Any, overwrite: bool) -> "Future[None]":
     """:func:`_save` once the state is on the host, the rest in the background."""
     comm, rank = io.communicator(process_group)
-    items, common = statedict.save_request(state_dict, comm, rank)
+    items, common = statedict.save_request(state_dict, comm, rank, "dcp")
     return _none_when_done(statedict.write_dcp_in_background(items, common, rank, d, process_group, False, overwrite))
 
 
