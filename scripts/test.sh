@@ -2,7 +2,8 @@
 # Runs every test of the project: the Rust workspace (unit, integration, CLI tests), a short
 # fuzzing of every parser (scripts/fuzz.sh ci), then the Python package's tests (pytest, real
 # torch on CPU, multi-process with gloo), then the MPI example, the round trips with
-# ai2-olmo-core 0.1.0 (.venv-olmo), a DCP copy loaded by ai2-olmo-core 3.0.0 (.venv-olmo3),
+# ai2-olmo-core 0.1.0 (.venv-olmo), a DCP copy and tessera.olmo_core.v3's saves loaded by
+# ai2-olmo-core 3.0.0 and its Trainer on tessera.olmo_core.v3 (.venv-olmo3),
 # torchtitan 0.3.0's checkpoint manager against torch DCP (.venv-titan) and,
 # where Megatron-LM's tests are (MEGATRON_PEER), three of its suites (.venv-megatron). The object-store tests run against moto_server (an S3 implementation,
 # installed into .venv with the Python test requirements), started here on a free loopback
@@ -50,6 +51,9 @@ bash scripts/olmo_interop.sh
 bash scripts/olmo3_interop.sh --tessera-copy
 # ... and what tessera.olmo_core.v3 (OLMo-core 3.x's API over tessera) saves loads into it too.
 bash scripts/olmo3_interop.sh --tessera-v3
+# OLMo-core 3.0.0's own Trainer with tessera.olmo_core.v3 as its checkpoint module: saves on 2
+# ranks, resumes on 2, 1 and 3, unshards, and cross-loads with OLMo-core's own module (~75 s).
+bash scripts/olmo3_trainer.sh --impl tessera
 # torchtitan 0.3.0's own CheckpointManager with tessera.torch.dcp as its `dcp`, against the same
 # runs on torch DCP: every async_mode, seed checkpoints, FSDP + TP, the HF export (.venv-titan
 # over .venv; about 6 min).
