@@ -270,6 +270,18 @@ impl std::fmt::Debug for Checkpoint<'_> {
     }
 }
 
+impl<'s> Checkpoint<'s> {
+    /// A handle on an opened checkpoint; a foreign format's view is kept both as given (zip
+    /// CRC-32s checked) and unchecked.
+    fn new(record: FormatRecord, index: CheckpointIndex, base: &'s dyn Storage, view: Option<ForeignView<'s>>) -> Self {
+        let view = view.map(|v| {
+            let u = v.unchecked();
+            (v, u)
+        });
+        Checkpoint { record, index, base, view }
+    }
+}
+
 impl Checkpoint<'_> {
     /// The format and version the checkpoint was written in.
     pub fn format(&self) -> &FormatRecord {
@@ -359,15 +371,7 @@ pub(crate) fn open_checkpoint(storage: &dyn Storage) -> Result<Checkpoint<'_>> {
 pub(crate) fn open_unvalidated(storage: &dyn Storage) -> Result<Checkpoint<'_>> {
     let (record, strategy) = detect_format(storage).map_err(|e| explained(storage, e))?;
     let (index, view) = strategy.open_checkpoint(storage, &parallel_open)?;
-    Ok(Checkpoint {
-        record,
-        index,
-        base: storage,
-        view: view.map(|v| {
-            let u = v.unchecked();
-            (v, u)
-        }),
-    })
+    Ok(Checkpoint::new(record, index, storage, view))
 }
 
 /// [`open_checkpoint`] for a reader of the tensors `keys` only: a native checkpoint's index is
@@ -377,13 +381,5 @@ pub(crate) fn open_checkpoint_key_set<'s>(storage: &'s dyn Storage, keys: &BTree
     let (record, strategy) = detect_format(storage).map_err(|e| explained(storage, e))?;
     let (index, view) = strategy.open_checkpoint_keys(storage, keys, &parallel_open)?;
     validate_index(&index, &metadata_path(storage, &record))?;
-    Ok(Checkpoint {
-        record,
-        index,
-        base: storage,
-        view: view.map(|v| {
-            let u = v.unchecked();
-            (v, u)
-        }),
-    })
+    Ok(Checkpoint::new(record, index, storage, view))
 }
