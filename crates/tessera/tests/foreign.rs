@@ -710,7 +710,9 @@ fn a_dcp_sharding_offset_past_the_tensor_leaves_a_gap_verify_reports() {
 
 #[test]
 fn hostile_dcp_sharding_info_is_refused_naming_file_and_key() {
-    let cases: [(&str, &str, fn(&mut serde_json::Value), &[&str]); 4] = [
+    // (tag, file edited, the edit, words the error must hold)
+    type Case = (&'static str, &'static str, fn(&mut serde_json::Value), &'static [&'static str]);
+    let cases: [Case; 4] = [
         // Two pieces of the same rows.
         ("overlap", HF_SHARD_2, |i| i["a"]["saved_offsets"] = serde_json::json!([1, 0]), &["\"a\"", "overlap"]),
         (

@@ -1,7 +1,9 @@
 //! Plain safetensors as a checkpoint, read-only: a Hugging Face sharded directory
 //! (`model.safetensors.index.json` naming the file of every tensor), or a directory of
 //! `*.safetensors` files (one `model.safetensors`, or `tessera unshard`'s output), every tensor
-//! whole in one file. Detected last, so that every other format (tessera's own data files are
+//! whole in one file, or in pieces placed by the `DCP_SHARDING_INFO` of DCP's
+//! `HuggingFaceStorageWriter(save_distributed=True)` (each rank's file says where its pieces lie
+//! in the full tensor, whose shape is recorded nowhere). Detected last, so that every other format (tessera's own data files are
 //! safetensors too) wins; the data files of an unfinished save (tessera's, OLMo-core's
 //! `rank_*.safetensors` without `metadata.json`) are never taken for one.
 //! No checksums: `verify` reads and decodes every byte.

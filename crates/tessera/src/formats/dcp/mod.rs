@@ -1,4 +1,5 @@
-//! PyTorch Distributed Checkpoint directories, read-only: plain DCP (`torch_dcp`), Megatron
+//! PyTorch Distributed Checkpoint directories, read-only: plain DCP (`torch_dcp`: one
+//! `.metadata`, or every rank's `__{r}.metadata` of a save without collectives), Megatron
 //! `torch_dist` (DCP + `metadata.json` + `common.pt`) and OLMo-core (`model_and_optim/`).
 
 pub(crate) mod integrity;
@@ -124,8 +125,9 @@ impl LoadStrategy for DcpStrategy {
 }
 
 /// The data files the `.metadata` at the root of `storage` names (what a committed DCP
-/// checkpoint there uses), with the copy of its `common.pt` tessera keeps; `None` when there is
-/// no `.metadata`.
+/// checkpoint there uses), or those every rank's `__{r}.metadata` names (a save without
+/// collectives; an error if a rank's is missing, so that nothing of it is taken for garbage),
+/// with the copy of its `common.pt` tessera keeps; `None` when there is no metadata.
 pub(crate) fn referenced_files(storage: &dyn Storage) -> Result<Option<std::collections::BTreeSet<String>>> {
     let meta = match read_metadata(storage, DcpFlavor::Torch) {
         Ok((meta, _)) => meta,
@@ -179,6 +181,9 @@ fn read_metadata(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(DcpMetadat
     }
 }
 
+/// A chunk's offsets and sizes.
+type ChunkBox = (Vec<u64>, Vec<u64>);
+
 /// The per-rank metadata of a save without collectives, merged into one.
 ///
 /// torch writes no commit marker for such a save: each rank writes its data files, then its
@@ -217,7 +222,7 @@ fn merged_rank_metadata(storage: &dyn Storage) -> Result<(DcpMetadata, String)> 
     }
     let mut merged = DcpMetadata { tensors: Vec::new(), bytes: Vec::new(), save_id: None };
     // fqn -> (index in merged.tensors, the file that described it first, its chunk boxes).
-    let mut tensors: BTreeMap<String, (usize, String, BTreeSet<(Vec<u64>, Vec<u64>)>)> = BTreeMap::new();
+    let mut tensors: BTreeMap<String, (usize, String, BTreeSet<ChunkBox>)> = BTreeMap::new();
     let mut bytes: BTreeMap<String, String> = BTreeMap::new();
     for rank in std::mem::take(&mut ranks) {
         let name = format!("__{rank}{DCP_METADATA}");
@@ -401,7 +406,21 @@ fn holds_tuple(v: &PickleValue) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_object_fqn;
+    use super::{parse_data_file_rank, parse_object_fqn, parse_rank_metadata_name};
+
+    #[test]
+    fn per_rank_names() {
+        assert_eq!(parse_rank_metadata_name("__0.metadata"), Some(0));
+        assert_eq!(parse_rank_metadata_name("__12.metadata"), Some(12));
+        for no in [".metadata", "__.metadata", "__1.metadata.tmp", "__+1.metadata", "__99999999999.metadata"] {
+            assert_eq!(parse_rank_metadata_name(no), None, "{no}");
+        }
+        assert_eq!(parse_data_file_rank("__3_0.distcp"), Some(3));
+        assert_eq!(parse_data_file_rank("__3_12.distcp"), Some(3));
+        for no in ["__3.distcp", "__3_.distcp", "__a_0.distcp", "_3_0.distcp", "__3_0.distcp.tmp"] {
+            assert_eq!(parse_data_file_rank(no), None, "{no}");
+        }
+    }
 
     #[test]
     fn megatron_object_names() {
