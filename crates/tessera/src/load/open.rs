@@ -217,6 +217,8 @@ pub(crate) fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
 fn metadata_path(storage: &dyn Storage, record: &FormatRecord) -> String {
     let file = match record.backend.as_str() {
         NATIVE_BACKEND => INDEX_FILE,
+        // A save without collectives has no `.metadata`: its index is every rank's merged.
+        "torch_dcp" if !storage.exists(".metadata").unwrap_or(true) => "__<rank>.metadata",
         "torch_dcp" | "torch_dist" => ".metadata",
         "olmo_core" => "model_and_optim/.metadata",
         "olmo_safetensors" | "zarr" => "metadata.json",
