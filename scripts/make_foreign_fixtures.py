@@ -29,6 +29,18 @@ dcp_single's ``lrs.0``; for Megatron ``{"common": ..., "sharded_objects": {"key/
                         no ``common.pt``; the common state is the byte item
                         ``common_state/shard_0_1`` = ``torch.save([common_dict])`` (ShardedObjects
                         are ``torch.save([data])``, as in megatron_tp2_dp2).
+  dcp_hf_sharded        DCP, 2 gloo ranks, ``HuggingFaceStorageWriter(save_distributed=True)``:
+                        per-rank ``shard-0000{r+1}-model-00001-of-00001.safetensors`` whose
+                        ``__metadata__`` ``DCP_SHARDING_INFO`` gives each piece's
+                        ``saved_offsets``; no index, no global shape (same tensors as
+                        dcp_per_item, no byte items: the writer stores tensors only).
+  dcp_hf_consolidated   The same with ``enable_consolidation=True``: the pieces under
+                        ``sharded/``, the full tensors in ``model-00001-of-00001.safetensors``
+                        with ``model.safetensors.index.json`` (``c`` is f16 here: torch 2.15's
+                        consolidation fails on integer dtypes).
+  dcp_no_collectives    DCP, 2 gloo ranks, ``dcp.save(..., use_collectives=False)``: each rank
+                        its own ``__{r}_0.distcp`` and ``__{r}.metadata``, no ``.metadata``
+                        (the replicated tensor and the byte items are stored by both ranks).
 
 Data is deterministic (fixed seeds); ``.metadata`` files still differ between runs (DCP puts
 a random ``save_id`` in them). Checkpoints are written with relative paths from inside the
@@ -73,9 +85,20 @@ GENERATED = [
     "megatron_zarr",
     "megatron_common_item",
     "dcp_large_item",
+    "dcp_hf_sharded",
+    "dcp_hf_consolidated",
+    "dcp_no_collectives",
 ]
 # Written by the 2-rank job; the others are written by this process.
-DISTRIBUTED = ["dcp_per_item", "olmo_core", "dcp_legacy", "megatron_common_item"]
+DISTRIBUTED = [
+    "dcp_per_item",
+    "olmo_core",
+    "dcp_legacy",
+    "megatron_common_item",
+    "dcp_hf_sharded",
+    "dcp_hf_consolidated",
+    "dcp_no_collectives",
+]
 WORLD = 2
 SIZE_LIMIT = 100 * 1024
 # dcp_large_item needs one item past the reader's 64 KiB head to show in-place ranged reads.
@@ -114,7 +137,11 @@ def full_tensors(name: str) -> Dict[str, torch.Tensor]:
         # 136 x 128 f32 = 68 KiB: the tensor's item is longer than the 64 KiB head a reader
         # reads to locate the data, so loading a few rows must not read the whole item.
         return {"w": randn(701, 136, 128), "b": randn(702, 4, 8, dtype=torch.bfloat16)}
-    if name == "dcp_per_item":
+    if name == "dcp_hf_consolidated":
+        # torch 2.15's consolidation takes torch.finfo of every dtype, which fails for integer
+        # ones: c is f16 here.
+        return {**full_tensors("dcp_per_item"), "c": randn(205, 5, 3, dtype=torch.float16)}
+    if name in ("dcp_per_item", "dcp_hf_sharded", "dcp_no_collectives"):
         return {
             "a": randn(201, 6, 4),  # Shard(0), even
             "b": randn(202, 3, 5, dtype=torch.bfloat16),  # Shard(1), uneven: 3 + 2 columns
@@ -206,8 +233,10 @@ def expected_json(name: str) -> Dict[str, Any]:
     flat: Dict[str, Any] = {}
     if name == "dcp_zstd":
         values = ZSTD_VALUES
-    elif name == "dcp_per_item":
+    elif name in ("dcp_per_item", "dcp_no_collectives"):
         values = PER_ITEM_VALUES
+    elif name in ("dcp_hf_sharded", "dcp_hf_consolidated"):
+        values = {}
     elif name == "olmo_core":
         values = olmo_values()
     elif name == "dcp_legacy":
@@ -334,6 +363,9 @@ def _rank_main(rank: int, world: int, out: str, names: List[str]) -> None:
             "olmo_core": _write_olmo_core,
             "dcp_legacy": _write_dcp_legacy_base,
             "megatron_common_item": _write_megatron_common_item,
+            "dcp_hf_sharded": _write_dcp_hf_sharded,
+            "dcp_hf_consolidated": _write_dcp_hf_consolidated,
+            "dcp_no_collectives": _write_dcp_no_collectives,
         }[name](rank, mesh)
         dist.barrier()
 
@@ -358,6 +390,45 @@ def _write_dcp_per_item(rank: int, mesh: Any) -> None:
         **copy.deepcopy(PER_ITEM_VALUES),
     }
     dcp.save(state, storage_writer=FileSystemWriter(Path("dcp_per_item"), single_file_per_rank=False))
+
+
+def _sharded_state(name: str, mesh: Any) -> Dict[str, Any]:
+    """dcp_per_item's tensors as DTensors: Shard(0), uneven Shard(1) bf16, uneven Shard(0) i64,
+    Replicate."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    t = full_tensors(name)
+    return {
+        "a": _dt(t["a"], mesh, Shard(0)),
+        "b": _dt(t["b"], mesh, Shard(1)),
+        "c": _dt(t["c"], mesh, Shard(0)),
+        "r": _dt(t["r"], mesh, Replicate()),
+    }
+
+
+def _write_dcp_hf_sharded(rank: int, mesh: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    state = _sharded_state("dcp_hf_sharded", mesh)
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter("dcp_hf_sharded", save_distributed=True))
+
+
+def _write_dcp_hf_consolidated(rank: int, mesh: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    state = _sharded_state("dcp_hf_consolidated", mesh)
+    writer = HuggingFaceStorageWriter("dcp_hf_consolidated", save_distributed=True, enable_consolidation=True)
+    dcp.save(state, storage_writer=writer)
+
+
+def _write_dcp_no_collectives(rank: int, mesh: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    state = {**_sharded_state("dcp_no_collectives", mesh), **copy.deepcopy(PER_ITEM_VALUES)}
+    dcp.save(state, storage_writer=FileSystemWriter(Path("dcp_no_collectives")), use_collectives=False)
 
 
 def _write_olmo_core(rank: int, mesh: Any) -> None:
@@ -624,9 +695,80 @@ def _same(name: str, key: str, got: torch.Tensor, want: torch.Tensor) -> None:
         )
 
 
+def read_hf(ckpt: Path) -> Dict[str, torch.Tensor]:
+    """A safetensors DCP checkpoint, loaded by torch's own HuggingFaceStorageReader (which
+    assembles DCP_SHARDING_INFO pieces)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader = HuggingFaceStorageReader(str(ckpt))
+    md = reader.read_metadata()
+    sd = {fqn: torch.full(tuple(sm.size), 7, dtype=sm.properties.dtype) for fqn, sm in md.state_dict_metadata.items()}
+    _load_state_dict(sd, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+    return sd
+
+
+def read_dcp_rank(ckpt: Path, rank: int) -> Tuple[Any, Dict[str, Any]]:
+    """What rank ``rank`` of a ``use_collectives=False`` save stored, read by torch from its
+    ``__{rank}.metadata`` alone (what dcp.load falls back to without a ``.metadata``): the
+    metadata, and flat fqn -> full-size tensor (7 where the rank stored nothing) or value."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    class RankReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return super().read_metadata(rank=rank)
+
+    reader = RankReader(ckpt)
+    md = reader.read_metadata()
+    sd: Dict[str, Any] = {}
+    for fqn, sm in md.state_dict_metadata.items():
+        sd[fqn] = torch.full(tuple(sm.size), 7, dtype=sm.properties.dtype) if isinstance(sm, TensorStorageMetadata) else None
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    _load_state_dict(sd, storage_reader=reader, planner=planner, no_dist=True)
+    return md, sd
+
+
 def check(out: Path, name: str) -> None:
     want = full_tensors(name)
     expected = expected_json(name)
+    if name in ("dcp_hf_sharded", "dcp_hf_consolidated"):
+        ckpt = out / name
+        assert not (ckpt / "model.safetensors.index.json").exists() or name == "dcp_hf_consolidated"
+        got = read_hf(ckpt)
+        if name == "dcp_hf_consolidated":
+            assert json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"], name
+        for key, t in want.items():
+            _same(name, key, got.pop(key), t)
+        if got:
+            raise SystemExit(f"{name}: unexpected entries {sorted(got)}")
+        return
+    if name == "dcp_no_collectives":
+        ckpt = out / name
+        assert not (ckpt / ".metadata").exists(), "use_collectives=False wrote a global .metadata"
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        covered: Dict[str, int] = {key: 0 for key in want}
+        for rank in range(WORLD):
+            md, got = read_dcp_rank(ckpt, rank)
+            values: Dict[str, Any] = {}
+            for fqn, sm in md.state_dict_metadata.items():
+                if not isinstance(sm, TensorStorageMetadata):
+                    flatten_value(fqn, got[fqn], values)
+                    continue
+                for chunk in sm.chunks:
+                    box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+                    _same(name, f"{fqn} rank {rank} {box}", got[fqn][box], want[fqn][box])
+                    covered[fqn] += int(torch.Size(chunk.sizes).numel())
+            if values != expected:
+                raise SystemExit(f"{name}: rank {rank}'s byte items {values} differ from {expected}")
+        for key, t in want.items():
+            if covered[key] < t.numel():
+                raise SystemExit(f"{name}: {key} not covered by the ranks' pieces")
+        return
     if name == "megatron_zarr":
         ckpt = out / name
         for key, t in want.items():

@@ -2,7 +2,8 @@
 //! (`tessera::__fuzz::dcp_metadata`: unpickle with the reader's limits, then the Metadata
 //! dataclasses), then through the public API: the `.metadata` next to the real data files of
 //! one fixture checkpoint (chosen by the input's first byte: plain DCP, zstd items, Megatron
-//! `torch_dist` with `metadata.json` and `common.pt` or (0.19) the common state in the data and `integrity.json`, OLMo-core's `model_and_optim/`) in a
+//! `torch_dist` with `metadata.json` and `common.pt` or (0.19) the common state in the data and `integrity.json`, OLMo-core's `model_and_optim/`, or
+//! as rank 0's `__0.metadata` of a save without collectives, merged with rank 1's) in a
 //! in-memory storage, opened, loaded whole and verified. So a hostile `.metadata` points real
 //! items (zips, zstd frames) at wrong offsets, lengths, shapes and dtypes. Any input must give
 //! tensors or an error — no panic, no hang, no allocation beyond what the files hold.
@@ -19,20 +20,25 @@ macro_rules! files {
     };
 }
 
-/// (folder the `.metadata` goes in, the other files of the checkpoint).
+/// (the name the input is stored as, the other files of the checkpoint).
 type Fixture = (&'static str, &'static [(&'static str, &'static [u8])]);
-const FIXTURES: [Fixture; 7] = [
-    ("", files!("dcp_single": "__0_0.distcp")),
-    ("", files!("dcp_zstd": "__0_0.distcp")),
-    ("", files!("dcp_legacy": "__0_0.distcp", "__1_0.distcp")),
+const FIXTURES: [Fixture; 8] = [
+    (".metadata", files!("dcp_single": "__0_0.distcp")),
+    (".metadata", files!("dcp_zstd": "__0_0.distcp")),
+    (".metadata", files!("dcp_legacy": "__0_0.distcp", "__1_0.distcp")),
     (
-        "",
+        ".metadata",
         files!("megatron_tp2_dp2": "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp", "__2_0.distcp",
             "__3_0.distcp", "common.pt", "metadata.json"),
     ),
-    ("", files!("megatron_common_item": "__0_0.distcp", "__1_0.distcp", "metadata.json")),
-    ("", files!("megatron_core019": "__0_0.distcp", "__1_0.distcp", "metadata.json", "integrity.json")),
-    ("model_and_optim/", files!("olmo_core": "model_and_optim/__0_0.distcp", "model_and_optim/__1_0.distcp")),
+    (".metadata", files!("megatron_common_item": "__0_0.distcp", "__1_0.distcp", "metadata.json")),
+    (".metadata", files!("megatron_core019": "__0_0.distcp", "__1_0.distcp", "metadata.json", "integrity.json")),
+    (
+        "model_and_optim/.metadata",
+        files!("olmo_core": "model_and_optim/__0_0.distcp", "model_and_optim/__1_0.distcp"),
+    ),
+    // A save without collectives: the input is rank 0's metadata, merged with rank 1's real one.
+    ("__0.metadata", files!("dcp_no_collectives": "__0_0.distcp", "__1_0.distcp", "__1.metadata")),
 ];
 
 fuzz_target!(|data: &[u8]| {
@@ -44,9 +50,8 @@ fuzz_target!(|data: &[u8]| {
     // .metadata).
     let _ = tessera::__fuzz::integrity_manifest(meta);
 
-    let (folder, files) = FIXTURES[which as usize % FIXTURES.len()];
-    let meta_name = format!("{folder}.metadata");
-    let storage = common::Files::new(files.iter().copied().chain([(meta_name.as_str(), meta)]));
+    let (meta_name, files) = FIXTURES[which as usize % FIXTURES.len()];
+    let storage = common::Files::new(files.iter().copied().chain([(meta_name, meta)]));
     if open(&storage).is_err() {
         return;
     }

@@ -2,7 +2,9 @@
 //! file whose storage claims more bytes than it holds, and — in place of a data file of the
 //! golden v2 checkpoint, in a `MemoryStorage` — through `verify` and a load; and alone, as a
 //! plain safetensors checkpoint (`model.safetensors`, read by the `safetensors` strategy: its
-//! tensor entries, shapes and offsets), through `verify` and a load. Any input must give a
+//! tensor entries, shapes and offsets), through `verify` and a load; and as rank 1's file of
+//! DCP's distributed Hugging Face layout beside rank 2's real one (its `DCP_SHARDING_INFO`
+//! offsets place the pieces). Any input must give a
 //! header or an error — no panic, no allocation beyond the bytes the file holds.
 #![no_main]
 
@@ -14,6 +16,14 @@ const FILE_0: &str = "a209342d75b9d537-r00000.safetensors";
 const FILE_1: (&str, &[u8]) = (
     "a209342d75b9d537-r00001.safetensors",
     include_bytes!("../../crates/tessera/tests/fixtures/golden_v2/a209342d75b9d537-r00001.safetensors"),
+);
+/// Rank 2's file of DCP's `HuggingFaceStorageWriter(save_distributed=True)` checkpoint: the
+/// input as rank 1's file beside it is pieced together by `DCP_SHARDING_INFO`.
+const HF_SHARD_2: (&str, &[u8]) = (
+    "shard-00002-model-00001-of-00001.safetensors",
+    include_bytes!(
+        "../../crates/tessera/tests/fixtures/foreign/dcp_hf_sharded/shard-00002-model-00001-of-00001.safetensors"
+    ),
 );
 /// Size of `FILE_0` as the index records it (verify compares it first).
 const FILE_0_SIZE: usize = 1968;
@@ -53,4 +63,11 @@ fuzz_target!(|data: &[u8]| {
     plain.put_atomic("model.safetensors", data).expect("memory storage");
     let _ = verify(&plain, 1);
     let _ = open(&plain).and_then(|c| c.read_tensors(None));
+
+    let pieces = MemoryStorage::new();
+    for (name, bytes) in [("shard-00001-model-00001-of-00001.safetensors", data), HF_SHARD_2] {
+        pieces.put_atomic(name, bytes).expect("memory storage");
+    }
+    let _ = verify(&pieces, 1);
+    let _ = open(&pieces).and_then(|c| c.read_tensors(None));
 });

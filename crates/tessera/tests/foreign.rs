@@ -42,6 +42,9 @@ const ALL: &[(&str, &str)] = &[
     ("megatron_zarr", "zarr"),
     ("dcp_large_item", "torch_dcp"),
     ("megatron_core019", "torch_dist"),
+    ("dcp_hf_sharded", "safetensors"),
+    ("dcp_hf_consolidated", "safetensors"),
+    ("dcp_no_collectives", "torch_dcp"),
 ];
 
 /// `{"a": {"b": [1, 2]}}` → `{"a.b.0": 1, "a.b.1": 2}`: how the fixtures spell DCP byte items.
@@ -633,6 +636,162 @@ fn megatron_019_integrity_json_is_checked_by_verify() {
         std::fs::write(dir.join("integrity.json"), bad).unwrap();
         let problems = verify(&s, 2).unwrap().problems;
         assert!(problems.len() == 1 && problems[0].contains("integrity.json"), "{problems:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---- DCP's Hugging Face and per-rank layouts ------------------------------------------------
+
+/// Rewrites the `DCP_SHARDING_INFO` of a `HuggingFaceStorageWriter(save_distributed=True)`
+/// shard file with `edit` (the data section is kept: its offsets are relative to it).
+fn edit_sharding_info(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let raw = header["__metadata__"]["DCP_SHARDING_INFO"].as_str().unwrap();
+    let mut info: serde_json::Value = serde_json::from_str(raw).unwrap();
+    edit(&mut info);
+    header["__metadata__"]["DCP_SHARDING_INFO"] = serde_json::Value::String(info.to_string());
+    let mut text = serde_json::to_vec(&header).unwrap();
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(path, out).unwrap();
+}
+
+const HF_SHARD_1: &str = "shard-00001-model-00001-of-00001.safetensors";
+const HF_SHARD_2: &str = "shard-00002-model-00001-of-00001.safetensors";
+
+#[test]
+fn dcp_hf_sharded_pieces_are_placed_by_their_saved_offsets() {
+    let s = fixture_storage("dcp_hf_sharded");
+    let ckpt = open(&s).unwrap();
+    // b is split unevenly on axis 1 (3 + 2 columns), in both files; the global shape, which
+    // DCP does not record, is what the pieces span.
+    let b = ckpt.index().tensor("b").unwrap();
+    assert_eq!((b.dtype, b.global_shape.clone()), (DType::BF16, vec![3, 5]));
+    let pieces: Vec<(Vec<u64>, Vec<u64>)> = b.chunks().iter().map(|c| (c.offset.to_vec(), c.shape.to_vec())).collect();
+    assert_eq!(pieces, vec![(vec![0, 0], vec![3, 3]), (vec![0, 3], vec![3, 2])]);
+    // The replicated r was stored once, by the second rank.
+    assert_eq!(ckpt.index().tensor("r").unwrap().chunks().len(), 1);
+    // The consolidated copy's pieces (sharded/) are a checkpoint of this layout too.
+    let pieces = LocalStorage::new(fixtures().join("dcp_hf_consolidated/sharded"));
+    let got = open(&pieces).and_then(|c| c.read_tensors(None)).unwrap();
+    for (k, w) in expected_tensors("dcp_hf_consolidated") {
+        assert!(got[&k].data == w.data && got[&k].shape == w.shape, "sharded/: {k}");
+    }
+}
+
+/// The checkpoint at `dir` opens (the gate lets a region no chunk stores through), `verify`
+/// reports the gap in `key`, and reading `key` fails naming it.
+fn assert_gap(dir: &Path, key: &str) {
+    let s = LocalStorage::new(dir);
+    let report = verify(&s, 1).unwrap();
+    let quoted = format!("{key:?}");
+    assert!(report.problems.iter().any(|p| p.contains(&quoted) && p.contains("gap")), "{:?}", report.problems);
+    match open(&s).and_then(|c| c.read_tensors(None)) {
+        Err(e @ Error::NotCovered { .. }) => assert!(e.to_string().contains(key), "{e}"),
+        other => panic!("{key}: {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
+fn a_dcp_sharding_offset_past_the_tensor_leaves_a_gap_verify_reports() {
+    // DCP records no global shape: a piece placed past the others widens the span of the
+    // tensor, and the rows between are stored by no file.
+    let dir = scratch("hf-past");
+    copy_dir(&fixtures().join("dcp_hf_sharded"), &dir);
+    edit_sharding_info(&dir.join(HF_SHARD_2), |i| i["a"]["saved_offsets"] = serde_json::json!([9, 0]));
+    assert_eq!(open(&LocalStorage::new(&dir)).unwrap().index().tensor("a").unwrap().global_shape, vec![12, 4]);
+    assert_gap(&dir, "a");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn hostile_dcp_sharding_info_is_refused_naming_file_and_key() {
+    // (tag, file edited, the edit, words the error must hold)
+    type Case = (&'static str, &'static str, fn(&mut serde_json::Value), &'static [&'static str]);
+    let cases: [Case; 4] = [
+        // Two pieces of the same rows.
+        ("overlap", HF_SHARD_2, |i| i["a"]["saved_offsets"] = serde_json::json!([1, 0]), &["\"a\"", "overlap"]),
+        (
+            "overflow",
+            HF_SHARD_2,
+            |i| i["c"]["saved_offsets"] = serde_json::json!([u64::MAX, 0]),
+            &[HF_SHARD_2, "\"c\"", "overflow"],
+        ),
+        ("axes", HF_SHARD_1, |i| i["b"]["saved_offsets"] = serde_json::json!([0]), &[HF_SHARD_1, "\"b\"", "axes"]),
+        (
+            "absent",
+            HF_SHARD_1,
+            |i| {
+                i.as_object_mut().unwrap().remove("c");
+            },
+            &[HF_SHARD_1, "\"c\"", "DCP_SHARDING_INFO"],
+        ),
+    ];
+    for (tag, file, edit, words) in cases {
+        let dir = scratch(&format!("hf-{tag}"));
+        copy_dir(&fixtures().join("dcp_hf_sharded"), &dir);
+        edit_sharding_info(&dir.join(file), edit);
+        match open(&LocalStorage::new(&dir)) {
+            Err(e @ Error::Corrupt { .. }) => {
+                let msg = e.to_string();
+                for w in words {
+                    assert!(msg.contains(w), "{tag}: {msg:?} does not say {w}");
+                }
+            }
+            other => panic!("{tag}: {:?}", other.map(|_| ())),
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn dcp_without_collectives_merges_the_ranks_metadata() {
+    let s = fixture_storage("dcp_no_collectives");
+    assert!(!fixtures().join("dcp_no_collectives/.metadata").exists(), "torch writes no .metadata without collectives");
+    let ckpt = open(&s).unwrap();
+    // Both ranks stored r (no rank deduplicates against another): one replica is read.
+    assert_eq!(ckpt.index().tensor("r").unwrap().chunks().len(), 1);
+    assert_eq!(ckpt.index().tensor("a").unwrap().chunks().len(), 2);
+}
+
+#[test]
+fn dcp_without_collectives_missing_or_conflicting_rank_metadata_is_refused() {
+    // A rank whose data file exists but whose metadata does not: not committed, named.
+    let dir = scratch("nocoll-missing");
+    copy_dir(&fixtures().join("dcp_no_collectives"), &dir);
+    std::fs::remove_file(dir.join("__1.metadata")).unwrap();
+    match open(&LocalStorage::new(&dir)) {
+        Err(e @ Error::NotCommitted { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains("__1.metadata") && msg.contains("__1_0.distcp"), "{msg}");
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    // Rank 0's metadata in rank 1's place too: the same chunks twice are replicas, read once;
+    // a's second half is then stored by no rank, which verify reports and a load refuses.
+    std::fs::copy(dir.join("__0.metadata"), dir.join("__1.metadata")).unwrap();
+    assert_gap(&dir, "a");
+    // A key two ranks describe differently: dcp_large_item's .metadata has a bf16 "b" of
+    // shape [4, 8], dcp_no_collectives' is [3, 5].
+    std::fs::copy(fixtures().join("dcp_large_item/.metadata"), dir.join("__1.metadata")).unwrap();
+    match open(&LocalStorage::new(&dir)) {
+        Err(e @ Error::Corrupt { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains("__1.metadata") && msg.contains("__0.metadata") && msg.contains("\"b\""), "{msg}");
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    std::fs::copy(fixtures().join("dcp_no_collectives/__1.metadata"), dir.join("__1.metadata")).unwrap();
+    assert!(open(&LocalStorage::new(&dir)).is_ok());
+    // A third rank whose metadata lacks: ranks 0..=2 must all have one.
+    std::fs::copy(dir.join("__0_0.distcp"), dir.join("__2_0.distcp")).unwrap();
+    match open(&LocalStorage::new(&dir)) {
+        Err(e @ Error::NotCommitted { .. }) => assert!(e.to_string().contains("__2.metadata"), "{e}"),
+        other => panic!("{:?}", other.map(|_| ())),
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

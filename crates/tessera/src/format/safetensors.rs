@@ -165,7 +165,7 @@ fn validate_header(json: &J, header_len: u64, size: u64, shown: &str) -> crate::
 
 /// A list of at most [`MAX_AXES`](crate::model::dims::MAX_AXES) numbers (a shape, offsets),
 /// its length checked before its numbers are read.
-fn uints(v: &J, what: &str) -> std::result::Result<Vec<u64>, String> {
+pub(crate) fn uints(v: &J, what: &str) -> std::result::Result<Vec<u64>, String> {
     let xs = v.as_array().ok_or_else(|| format!("{what} is {v}, not a list"))?;
     crate::model::dims::check_axes(xs.len()).map_err(|e| format!("{what} has {e}"))?;
     xs.iter()

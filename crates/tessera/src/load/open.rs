@@ -109,7 +109,8 @@ pub(crate) fn detect_format(storage: &dyn Storage) -> Result<(FormatRecord, &'st
 }
 
 /// What a reader finds no checkpoint in (the markers of the formats it reads), for messages.
-const LOOKED_FOR: &str = "found neither tessera.index (tessera), .metadata (PyTorch DCP, Megatron torch_dist), \
+const LOOKED_FOR: &str =
+    "found neither tessera.index (tessera), .metadata or __<rank>.metadata (PyTorch DCP, Megatron torch_dist), \
                           metadata.json (Megatron, OLMo-core), model_and_optim/ (OLMo-core) nor *.safetensors";
 
 /// Names (relative to a folder) that make it a checkpoint a reader opens: a format's marker.
@@ -124,6 +125,7 @@ fn is_checkpoint_marker(rest: &str) -> bool {
             | "optim/metadata.json"
             | "model.safetensors.index.json"
     ) || (rest.ends_with(".safetensors") && !rest.contains('/'))
+        || crate::formats::dcp::parse_rank_metadata_name(rest).is_some()
 }
 
 /// Up to five names, and how many there are in all when more.
@@ -215,6 +217,8 @@ pub(crate) fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
 fn metadata_path(storage: &dyn Storage, record: &FormatRecord) -> String {
     let file = match record.backend.as_str() {
         NATIVE_BACKEND => INDEX_FILE,
+        // A save without collectives has no `.metadata`: its index is every rank's merged.
+        "torch_dcp" if !storage.exists(".metadata").unwrap_or(true) => "__<rank>.metadata",
         "torch_dcp" | "torch_dist" => ".metadata",
         "olmo_core" => "model_and_optim/.metadata",
         "olmo_safetensors" | "zarr" => "metadata.json",

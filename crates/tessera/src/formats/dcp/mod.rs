@@ -1,10 +1,11 @@
-//! PyTorch Distributed Checkpoint directories, read-only: plain DCP (`torch_dcp`), Megatron
+//! PyTorch Distributed Checkpoint directories, read-only: plain DCP (`torch_dcp`: one
+//! `.metadata`, or every rank's `__{r}.metadata` of a save without collectives), Megatron
 //! `torch_dist` (DCP + `metadata.json` + `common.pt`) and OLMo-core (`model_and_optim/`).
 
 pub(crate) mod integrity;
 pub(crate) mod metadata;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
@@ -96,7 +97,8 @@ impl LoadStrategy for DcpStrategy {
                 _ => Ok(None),
             },
             DcpFlavor::Torch => {
-                if !storage.exists(DCP_METADATA)? {
+                // `.metadata`, or the per-rank metadata of a save without collectives.
+                if !storage.exists(DCP_METADATA)? && !has_rank_metadata(storage)? {
                     return Ok(None);
                 }
                 match megatron_backend(storage)? {
@@ -123,22 +125,156 @@ impl LoadStrategy for DcpStrategy {
 }
 
 /// The data files the `.metadata` at the root of `storage` names (what a committed DCP
-/// checkpoint there uses), with the copy of its `common.pt` tessera keeps; `None` when there is
-/// no `.metadata`.
+/// checkpoint there uses), or those every rank's `__{r}.metadata` names (a save without
+/// collectives; an error if a rank's is missing, so that nothing of it is taken for garbage),
+/// with the copy of its `common.pt` tessera keeps; `None` when there is no metadata.
 pub(crate) fn referenced_files(storage: &dyn Storage) -> Result<Option<std::collections::BTreeSet<String>>> {
-    let bytes = match storage.read(DCP_METADATA) {
-        Ok(b) => b,
+    let meta = match read_metadata(storage, DcpFlavor::Torch) {
+        Ok((meta, _)) => meta,
         Err(Error::NotFound { .. }) => return Ok(None),
         Err(e) => return Err(e),
     };
-    let shown = format!("{}/{DCP_METADATA}", storage.location());
-    let pickle = unpickle_view(&bytes, &shown, &limits())?;
-    let meta: DcpMetadata = parse_metadata(pickle.root()).map_err(|e| Error::corrupt(&shown, e))?;
     let copy = meta.save_id.as_deref().and_then(crate::formats::torch_dist::committed_common);
     let copy = copy.map(|(id, _)| crate::formats::torch_dist::common_copy_name(id));
     let chunks = meta.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| &*c.location.relative_path));
     let files = chunks.chain(meta.bytes.iter().map(|b| &*b.location.relative_path)).map(str::to_string);
     Ok(Some(files.chain(copy).collect()))
+}
+
+/// `"__3.metadata"` → 3: the metadata one rank writes when it saves without collectives.
+pub(crate) fn parse_rank_metadata_name(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix("__")?.strip_suffix(DCP_METADATA)?;
+    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())).then(|| digits.parse().ok())?
+}
+
+/// `"__3_0.distcp"` → 3: the rank whose data file it is.
+fn parse_data_file_rank(name: &str) -> Option<u32> {
+    let (rank, rest) = name.strip_prefix("__")?.split_once('_')?;
+    let index = rest.strip_suffix(".distcp")?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(rank) && digits(index)).then(|| rank.parse().ok())?
+}
+
+/// Whether the folder holds the per-rank metadata of a save without collectives (and no
+/// `.metadata`, checked by the caller).
+fn has_rank_metadata(storage: &dyn Storage) -> Result<bool> {
+    Ok(storage.list()?.iter().any(|n| parse_rank_metadata_name(n).is_some()))
+}
+
+/// The checkpoint's metadata, and the name of the file(s) it came from for messages: its
+/// `.metadata`, or (plain torch DCP only) the merge of every rank's `__{r}.metadata` of a
+/// `dcp.save(..., use_collectives=False)`. `NotFound` when there is neither.
+fn read_metadata(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(DcpMetadata, String)> {
+    let meta_name = format!("{}{DCP_METADATA}", flavor.prefix());
+    let shown = format!("{}/{meta_name}", storage.location());
+    match storage.read(&meta_name) {
+        Ok(bytes) => {
+            // Read in place: a tree of the whole pickle would take several times its arena.
+            let pickle = unpickle_view(&bytes, &shown, &limits())?;
+            let meta = parse_metadata(pickle.root()).map_err(|e| Error::corrupt(&shown, e))?;
+            Ok((meta, shown))
+        }
+        Err(Error::NotFound { .. }) if flavor == DcpFlavor::Torch && has_rank_metadata(storage)? => {
+            merged_rank_metadata(storage)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// A chunk's offsets and sizes.
+type ChunkBox = (Vec<u64>, Vec<u64>);
+
+/// The per-rank metadata of a save without collectives, merged into one.
+///
+/// torch writes no commit marker for such a save: each rank writes its data files, then its
+/// `__{r}.metadata` (renamed into place), whether or not it stored anything. So the directory
+/// counts as committed when every rank from 0 to the highest one seen (in a metadata or a data
+/// file name) has its metadata; a rank missing one is named. torch's own load of it
+/// (`dcp.load(..., use_collectives=False)` falls back to `__{rank}.metadata`) reads each
+/// rank's file alone, at the same world size; a merged index reads at any.
+///
+/// Without collectives no rank deduplicates against another: a replicated tensor's chunk and
+/// every byte item are stored by each rank. A chunk with the same offsets and sizes as one
+/// already taken is such a replica and is read from the lowest rank; so is a byte item. A key
+/// two ranks describe differently (dtype, global shape, tensor vs value) is an error naming
+/// both files; chunks that overlap without being equal are left to the validation gate.
+fn merged_rank_metadata(storage: &dyn Storage) -> Result<(DcpMetadata, String)> {
+    let names = storage.list()?;
+    let mut ranks: BTreeSet<u32> = names.iter().filter_map(|n| parse_rank_metadata_name(n)).collect();
+    let data_ranks: BTreeMap<u32, &String> = names.iter().filter_map(|n| Some((parse_data_file_rank(n)?, n))).collect();
+    let highest = ranks.iter().chain(data_ranks.keys()).max().copied().unwrap_or(0);
+    // Each rank writes its metadata even when it stored nothing: every rank up to the highest
+    // one seen must have one.
+    if let Some(missing) = (0..=highest).find(|r| !ranks.contains(r)) {
+        let why = match data_ranks.get(&missing) {
+            Some(data) => format!("rank {missing} wrote {data} but not its metadata"),
+            None => format!("ranks up to {highest} saved, but rank {missing} left no metadata"),
+        };
+        return Err(Error::NotCommitted {
+            path: storage.location().into(),
+            detail: Some(format!(
+                "not a committed checkpoint: {}/__{missing}{DCP_METADATA} is missing ({why}): a DCP save without \
+                 collectives (no .metadata) is complete only when every rank wrote __{{rank}}{DCP_METADATA}; that \
+                 rank's save did not finish",
+                storage.location()
+            )),
+        });
+    }
+    let mut merged = DcpMetadata { tensors: Vec::new(), bytes: Vec::new(), save_id: None };
+    // fqn -> (index in merged.tensors, the file that described it first, its chunk boxes).
+    let mut tensors: BTreeMap<String, (usize, String, BTreeSet<ChunkBox>)> = BTreeMap::new();
+    let mut bytes: BTreeMap<String, String> = BTreeMap::new();
+    for rank in std::mem::take(&mut ranks) {
+        let name = format!("__{rank}{DCP_METADATA}");
+        let shown = format!("{}/{name}", storage.location());
+        let data = storage.read(&name)?;
+        let pickle = unpickle_view(&data, &shown, &limits())?;
+        let meta: DcpMetadata = parse_metadata(pickle.root()).map_err(|e| Error::corrupt(&shown, e))?;
+        let conflict = |key: &str, here: String, first: &str, there: String| {
+            Error::corrupt(
+                &shown,
+                format!("{key:?} is {here} here but {there} in {first}: the ranks' metadata disagree"),
+            )
+        };
+        for t in meta.tensors {
+            if let Some(first) = bytes.get(&t.fqn) {
+                return Err(conflict(&t.fqn, "a tensor".into(), first, "a value".into()));
+            }
+            match tensors.get_mut(&t.fqn) {
+                None => {
+                    let boxes = t.chunks.iter().map(|c| (c.offsets.clone(), c.sizes.clone())).collect();
+                    tensors.insert(t.fqn.clone(), (merged.tensors.len(), name.clone(), boxes));
+                    merged.tensors.push(t);
+                }
+                Some((i, first, boxes)) => {
+                    let have = &mut merged.tensors[*i];
+                    if have.dtype != t.dtype || have.size != t.size {
+                        return Err(conflict(
+                            &t.fqn,
+                            format!("{} of shape {:?}", t.dtype.name(), t.size),
+                            first,
+                            format!("{} of shape {:?}", have.dtype.name(), have.size),
+                        ));
+                    }
+                    for c in t.chunks {
+                        if boxes.insert((c.offsets.clone(), c.sizes.clone())) {
+                            have.chunks.push(c);
+                        }
+                    }
+                }
+            }
+        }
+        for b in meta.bytes {
+            if let Some((_, first, _)) = tensors.get(&b.fqn) {
+                return Err(conflict(&b.fqn, "a value".into(), first, "a tensor".into()));
+            }
+            if !bytes.contains_key(&b.fqn) {
+                bytes.insert(b.fqn.clone(), name.clone());
+                merged.bytes.push(b);
+            }
+        }
+    }
+    Ok((merged, format!("{}/__{{rank}}{DCP_METADATA}", storage.location())))
 }
 
 /// `"key/shard_0.1_2.4"` → `("key", [0, 1], [2, 4])`: Megatron's name for a sharded object.
@@ -152,14 +288,7 @@ pub(crate) fn parse_object_fqn(fqn: &str) -> Option<(&str, Vec<u64>, Vec<u64>)> 
 
 fn open_dcp(storage: &dyn Storage, flavor: DcpFlavor) -> Result<(CheckpointIndex, ForeignView<'_>)> {
     let mut view = ForeignView::new(storage, flavor.prefix());
-    let meta_name = format!("{}{DCP_METADATA}", flavor.prefix());
-    let shown = format!("{}/{meta_name}", storage.location());
-    let bytes = storage.read(&meta_name)?;
-    // Read in place: a tree of the whole pickle would take several times its arena.
-    let pickle = unpickle_view(&bytes, &shown, &limits())?;
-    let meta: DcpMetadata = parse_metadata(pickle.root()).map_err(|e| Error::corrupt(&shown, e))?;
-    drop(pickle);
-    drop(bytes);
+    let (meta, shown) = read_metadata(storage, flavor)?;
     let meta_save_id = meta.save_id.clone();
 
     let mut tensors = Vec::with_capacity(meta.tensors.len());
@@ -277,7 +406,21 @@ fn holds_tuple(v: &PickleValue) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_object_fqn;
+    use super::{parse_data_file_rank, parse_object_fqn, parse_rank_metadata_name};
+
+    #[test]
+    fn per_rank_names() {
+        assert_eq!(parse_rank_metadata_name("__0.metadata"), Some(0));
+        assert_eq!(parse_rank_metadata_name("__12.metadata"), Some(12));
+        for no in [".metadata", "__.metadata", "__1.metadata.tmp", "__+1.metadata", "__99999999999.metadata"] {
+            assert_eq!(parse_rank_metadata_name(no), None, "{no}");
+        }
+        assert_eq!(parse_data_file_rank("__3_0.distcp"), Some(3));
+        assert_eq!(parse_data_file_rank("__3_12.distcp"), Some(3));
+        for no in ["__3.distcp", "__3_.distcp", "__a_0.distcp", "_3_0.distcp", "__3_0.distcp.tmp"] {
+            assert_eq!(parse_data_file_rank(no), None, "{no}");
+        }
+    }
 
     #[test]
     fn megatron_object_names() {
