@@ -109,9 +109,10 @@ class RemoteFileSystemReader(FileSystemReader):
         # tessera's restricted unpickler and index validation see the bytes first.
         _native.load_tensors_metadata(str(self.path))
         metadata = read_dcp_metadata(os.path.join(str(self.path), ".metadata"))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
