@@ -52,10 +52,10 @@ dcp_seed dcp_zstd 1 "$foreign/dcp_zstd/.metadata"
 dcp_seed dcp_legacy 2 "$foreign/dcp_legacy/.metadata"
 dcp_seed megatron_tp2_dp2 3 "$foreign/megatron_tp2_dp2/.metadata"
 dcp_seed megatron_common_item 4 "$foreign/megatron_common_item/.metadata"
-dcp_seed olmo_core 5 "$foreign/olmo_core/model_and_optim/.metadata"
-dcp_seed megatron_core019 6 "$foreign/megatron_core019/.metadata"
+dcp_seed olmo_core 6 "$foreign/olmo_core/model_and_optim/.metadata"
+dcp_seed megatron_core019 5 "$foreign/megatron_core019/.metadata"
 # The target also parses its input (after the fixture byte) as Megatron's integrity.json.
-dcp_seed megatron_core019_integrity 6 "$foreign/megatron_core019/integrity.json"
+dcp_seed megatron_core019_integrity 5 "$foreign/megatron_core019/integrity.json"
 # Parser coverage only (paired with dcp_single's data files).
 dcp_seed dcp_per_item 0 "$foreign/dcp_per_item/.metadata"
 dcp_seed dcp_mesh2d 0 "$foreign/dcp_mesh2d/.metadata"
