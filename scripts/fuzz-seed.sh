@@ -39,6 +39,8 @@ done
 cp "$fx/olmo/olmo_single/rank_0.safetensors" "$out/safetensors/olmo_single_rank_0.safetensors"
 cp "$fx/olmo/olmo_dtensor2d_w4/rank_0.safetensors" "$out/safetensors/olmo_dtensor2d_rank_0.safetensors"
 cp "$fx/olmo/olmo_ddp_w2/model/rank_1.safetensors" "$out/safetensors/olmo_empty_rank.safetensors"
+# DCP's distributed HF shards: rank 1's file, read beside rank 2's real one by the target.
+cp "$foreign/dcp_hf_sharded/shard-00001-model-00001-of-00001.safetensors" "$out/safetensors/dcp_hf_sharded_shard_1.safetensors"
 for x in dcp_legacy dcp_per_item megatron_common_item megatron_zarr; do
     cp "$foreign/$x.expected.safetensors" "$out/safetensors/$x.expected.safetensors"
 done
@@ -56,6 +58,9 @@ dcp_seed olmo_core 6 "$foreign/olmo_core/model_and_optim/.metadata"
 dcp_seed megatron_core019 5 "$foreign/megatron_core019/.metadata"
 # The target also parses its input (after the fixture byte) as Megatron's integrity.json.
 dcp_seed megatron_core019_integrity 5 "$foreign/megatron_core019/integrity.json"
+# A save without collectives: each rank's metadata as the input, beside rank 1's real one.
+dcp_seed dcp_no_collectives 7 "$foreign/dcp_no_collectives/__0.metadata"
+dcp_seed dcp_no_collectives_rank1 7 "$foreign/dcp_no_collectives/__1.metadata"
 # Parser coverage only (paired with dcp_single's data files).
 dcp_seed dcp_per_item 0 "$foreign/dcp_per_item/.metadata"
 dcp_seed dcp_mesh2d 0 "$foreign/dcp_mesh2d/.metadata"
