@@ -289,9 +289,12 @@ def tensors_metadata(where: Any) -> Dict[str, Dict[str, Any]]:
     return {k: {"dtype": tessera_dtype_to_torch(d), "shape": tuple(s)} for k, (d, s) in _native.load_tensors_metadata(where).items()}
 
 
-def unshard(where: Any, keys: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
-    """Full tensors (all, or ``keys``) on CPU, read by this process alone."""
-    meta = tensors_metadata(where)
+def unshard(
+    where: Any, keys: Optional[Iterable[str]] = None, meta: Optional[Dict[str, Dict[str, Any]]] = None
+) -> Dict[str, torch.Tensor]:
+    """Full tensors (all, or ``keys``) on CPU, read by this process alone (``meta``: the
+    checkpoint's :func:`tensors_metadata`, when the caller has it already)."""
+    meta = tensors_metadata(where) if meta is None else meta
     wanted = list(meta) if keys is None else list(keys)
     missing = [k for k in wanted if k not in meta]
     if missing:

@@ -46,7 +46,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, Generator, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, Generator, Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -55,9 +55,8 @@ from ... import _native
 from ..._core import io, statedict
 from ..._core.paths import from_native_path
 from ..._core.values import TORCH_SAVE_KEY, from_plain
+from .._checkpointer import PathOrStr, _is_url, _normalize
 from .filesystem import RemoteFileSystemReader, RemoteFileSystemWriter
-
-PathOrStr = Union[Path, str]
 
 __all__ = [
     "save_state_dict",
@@ -79,15 +78,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _is_url(dir: str) -> bool:
-    return "://" in dir and not dir.startswith("file://")
-
-
-def _normalize(dir: PathOrStr) -> str:
-    d = str(dir).rstrip("/")
-    return d[len("file://"):] if d.startswith("file://") else d
 
 
 def _is_distributed() -> bool:
@@ -309,9 +299,9 @@ def get_checkpoint_metadata(dir: PathOrStr) -> Any:
     (tessera's format, an object store) is described from tessera's index, each tensor as one
     chunk."""
     d = _normalize(dir)
-    tensors = statedict.tensors_metadata(d)  # opens and validates, or raises naming the file
     if not _is_url(d) and os.path.isfile(os.path.join(d, ".metadata")):
-        return RemoteFileSystemReader(d).read_metadata()
+        return RemoteFileSystemReader(d).read_metadata()  # validated by tessera first
+    tensors, values = _stored(d)  # opens and validates, or raises naming the file
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -325,18 +315,17 @@ def get_checkpoint_metadata(dir: PathOrStr) -> Any:
         size = torch.Size(m["shape"])
         chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)
         items[key] = TensorStorageMetadata(properties=TensorProperties(dtype=m["dtype"]), size=size, chunks=[chunk])
-    for path, _ in _native.load_common(d):
-        items[_dcp_key(path)] = BytesStorageMetadata()
+    for path, _ in values:
+        items[_key(path)] = BytesStorageMetadata()
     return Metadata(state_dict_metadata=items)
 
 
-def _dcp_key(native_path: Iterable[Union[str, int]]) -> str:
-    """DCP's flat key of a value's path: its segments joined with dots."""
-    return ".".join(str(seg) for _, seg in from_native_path(native_path))
+_Stored = Tuple[Dict[str, Dict[str, Any]], List[Tuple[Tuple[Any, ...], Any]]]
 
 
-def _stored(d: str) -> Tuple[Dict[str, Dict[str, Any]], List[Tuple[Tuple[Any, ...], Any]]]:
-    """The checkpoint's tensors (key → dtype, shape) and values (path, value)."""
+def _stored(d: str) -> _Stored:
+    """The checkpoint's tensors (key → dtype, shape) and values (path, value), read once per
+    call of this module's readers."""
     tensors = statedict.tensors_metadata(d)
     values: List[Tuple[Tuple[Any, ...], Any]] = []
     for p, v in _native.load_common(d):
@@ -399,18 +388,19 @@ def _matches(key: str, wanted: str) -> bool:
     return key == wanted or key.startswith(wanted + ".")
 
 
-def _load_unsharded(d: str, keys: List[str]) -> Dict[str, Any]:
-    """The nested state dict of every stored tensor and value whose DCP key is one of
-    ``keys`` or under one of them, full tensors on CPU, read by this process alone."""
-    tensors, values = _stored(d)
-    unflattened = any(".".join(map(str, p)).startswith("optim.param_groups.0.params") for p, _ in values)
+def _load_unsharded(d: str, stored: _Stored, keys: List[str]) -> Dict[str, Any]:
+    """The nested state dict of every stored tensor and value (``stored``: :func:`_stored`)
+    whose DCP key is one of ``keys`` or under one of them, full tensors on CPU, read by this
+    process alone."""
+    tensors, values = stored
+    unflattened = any(_key(p).startswith("optim.param_groups.0.params") for p, _ in values)
     wanted_tensors = [k for k in tensors if any(_matches(k, w) for w in keys)]
-    full = statedict.unshard(d, wanted_tensors) if wanted_tensors else {}
+    full = statedict.unshard(d, wanted_tensors, tensors) if wanted_tensors else {}
     out: Dict[Any, Any] = {}
     for k in wanted_tensors:
         _set(out, _tensor_path(k, unflattened), full[k])
     for path, v in values:
-        if any(_matches(".".join(map(str, path)), w) for w in keys):
+        if any(_matches(_key(path), w) for w in keys):
             _set(out, path, v)
     return out
 
@@ -449,7 +439,7 @@ def load_keys(
         raise RuntimeError("'load_keys' cannot be called in a distributed context")
     d = _normalize(dir)
     keys = list(keys)
-    state = _load_unsharded(d, keys)
+    state = _load_unsharded(d, _stored(d), keys)
     for key in keys:
         try:
             yield _get_key(state, key)
@@ -555,19 +545,20 @@ def unshard_checkpoint(
     if _is_distributed():
         raise RuntimeError("'unshard_checkpoint' cannot be called in a distributed context")
     d = _normalize(dir)
-    if _is_url(str(target_dir)):
+    if _is_url(_normalize(target_dir)):
         raise ValueError("'target_dir' must be a local directory")
     target = Path(_normalize(target_dir))
     target.mkdir(parents=True, exist_ok=True)
     ext = "safetensors" if use_safetensors else "pt"
-    tensors, values = _stored(d)
+    stored = _stored(d)
+    tensors, values = stored
 
     def files(prefix: str) -> Tuple[Path, List[Tuple[Path, List[str]]]]:
         if strategy.name == UnshardStrategyType.one_file:
             return target / f"{prefix}.{ext}", [(target / f"{prefix}.{ext}", [prefix])]
         folder = target / prefix
         keys = [k for k in tensors if k.startswith(prefix + ".")]
-        keys += [k for k in (".".join(map(str, p)) for p, _ in values) if k.startswith(prefix + ".")]
+        keys += [k for k in (_key(p) for p, _ in values) if k.startswith(prefix + ".")]
         if strategy.name == UnshardStrategyType.one_file_per_tensor:
             return folder, [(folder / f"{k.replace('.', '-')}.{ext}", [k]) for k in keys]
         limit = strategy.chunk_size_bytes or 0
@@ -590,7 +581,7 @@ def unshard_checkpoint(
     def write(prefix: str) -> Path:
         where, parts = files(prefix)
         for path, keys in parts:
-            state = _load_unsharded(d, keys)
+            state = _load_unsharded(d, stored, keys)
             if prefix not in state:
                 raise KeyError(f"{d}: no key under {prefix!r} in the checkpoint (wanted {keys})")
             _write_file(state[prefix], path, use_safetensors, save_overwrite)

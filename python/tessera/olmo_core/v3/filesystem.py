@@ -25,16 +25,14 @@ import os
 import pathlib
 import pickle
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ... import _native
-
-PathOrStr = Union[Path, str]
+from .._checkpointer import PathOrStr, _is_url, _normalize
 
 __all__ = ["RemoteFileSystemWriter", "RemoteFileSystemReader"]
 
@@ -51,8 +49,8 @@ class _StorageInfo:
 
 
 def _local_dir(path: PathOrStr, what: str) -> str:
-    p = str(path)
-    if "://" in p and not p.startswith("file://"):
+    p = _normalize(path)
+    if _is_url(p):
         raise ValueError(
             f"{what}({p!r}): tessera's DCP {what} classes write local directories; "
             "tessera.olmo_core.v3's save_state_dict / load_state_dict read and write object stores themselves"
