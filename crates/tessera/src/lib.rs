@@ -33,17 +33,30 @@
 //! # Ok::<(), tessera::Error>(())
 //! ```
 //!
-//! Whole-checkpoint tools work on every readable format through the same index and loader:
-//! [`verify`], [`diff`], [`convert`] (native format), [`convert_to_dcp`] (torch_dist / DCP),
-//! [`export_safetensors`] (plain Hugging Face safetensors), [`gc`]; all stream with bounded
-//! memory.
+//! At the root is what every job touches: [`open`], [`save`], [`load`] and their options and
+//! reports, the [`AsyncSaver`], the state tree ([`StateTree`], [`ShardedTensor`],
+//! [`ShardedObject`], [`Value`], [`DType`]), and the two things a job brings: where bytes live
+//! ([`Storage`]) and how its ranks talk ([`Communicator`]); all fail with one [`Error`]. The
+//! rest is in modules named for what a user reaches for:
 //!
-//! The crate's folders follow the flow (ARCHITECTURE.md): `model` (what users build), `plan`
-//! (pure planning and the one validation gate), `format` (the native bytes), `formats` (other
-//! programs' formats), `storage` and `comm` (leaves), `save` and `load` (the engines), `tools`.
+//! - [`storage`]: the backends (local, memory, object stores), [`storage::Location`] to open
+//!   one from a string, and the storage conformance suite (feature `conformance`);
+//! - [`comm`]: communicators (one process, threads, MPI);
+//! - [`factory`]: tensors that are saved as other tensors (Megatron's `ShardedTensorFactory`);
+//! - [`index`]: what a checkpoint holds, as [`Checkpoint::index`] shows it, and
+//!   [`index::Backend`], the formats tessera reads;
+//! - [`tools`]: whole-checkpoint tools on every readable format, streaming with bounded memory:
+//!   verify, [`tools::diff`], convert (native, or torch_dist / DCP), export to plain
+//!   safetensors, gc;
+//! - [`olmo`], [`torch_dist`]: the other programs' formats tessera writes.
+//!
+//! The crate's private folders follow the flow (ARCHITECTURE.md): `model` (what users build),
+//! `plan` (pure planning and the one validation gate), `format` (the native bytes), `formats`
+//! (other programs' formats), `storage` and `comm` (leaves), `save` and `load` (the engines),
+//! `tools`.
 #![deny(missing_docs)]
 
-mod comm;
+pub mod comm;
 mod error;
 mod format;
 mod formats;
@@ -51,75 +64,75 @@ mod load;
 mod model;
 mod plan;
 mod save;
-mod storage;
+pub mod storage;
 #[cfg(test)]
 mod test_rng;
 mod threads;
-mod tools;
+pub mod tools;
 
-// The data model.
-pub use model::dtype::{cast_bytes, DType};
-pub use model::{
-    path_string, PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory,
-    StatePath, StateTree, TensorData, TensorFactory, Value,
-};
+// The state tree: what each rank describes and saves or loads.
+pub use model::dtype::DType;
+pub use model::{path_string, PathSeg, ReplicaId, ShardedObject, ShardedTensor, StatePath, StateTree, TensorData, Value};
 
-// Errors.
+// What a job brings, and how everything fails.
+pub use comm::Communicator;
 pub use error::{Error, Result};
-
-// Where bytes live, and how ranks talk.
-#[cfg(feature = "mpi")]
-pub use comm::MpiComm;
-pub use comm::{default_all_to_all, Communicator, InProcessComm, SoloComm};
-/// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).
-#[cfg(feature = "mpi")]
-pub use mpi;
-/// The storage conformance suite every backend runs (feature `conformance`).
-#[cfg(feature = "conformance")]
-pub use storage::conformance;
-pub use storage::{
-    open_location, open_location_with, CountingStorage, LocalStorage, MemoryStorage, ObjectWriter, Storage, StorageExt,
-};
-#[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
-pub use storage::{ObjectStorage, ObjectStoreOptions, RequestCounts};
+pub use storage::Storage;
 
 // Opening and reading any checkpoint.
-pub use format::{
-    CheckpointIndex, Crcs, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
-    FORMAT_VERSION, INDEX_FILE,
-};
-pub use formats::olmo::read_olmo_metadata;
-pub use formats::FormatRecord;
-pub use load::engine::{load, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling, TensorMeta};
 pub use load::open::{open, open_with, Checkpoint, OpenOptions};
 
-// Saving.
+// Saving, now or in the background.
 pub use save::async_save::{AsyncSave, AsyncSaver};
 pub use save::native::save;
-pub use save::olmo::{save_olmo, save_olmo_dirs, OlmoSaveReport};
 pub use save::options::{PlanCache, SaveOptions, SaveReport};
 pub use save::plan::validate_sharding_integrity;
-pub use save::staging::{StagingPool, DEFAULT_STAGING_BUFFER};
-pub use save::torch_dist::{save_torch_dist, TorchDistSave};
+pub use save::staging::StagingPool;
 
-// Whole-checkpoint tools.
-pub use tools::convert::{convert, ConvertOptions, ConvertReport};
-pub use tools::convert_dcp::convert_to_dcp;
-pub use tools::diff::{
-    diff, CommonDiff, DiffOptions, DiffReport, ObjectDiff, ObjectDifference, TensorDiff, TensorDifference, ValueDiff,
-};
-pub use tools::export::{export_safetensors, ExportOptions, ExportReport};
-pub use tools::maintenance::{gc, remove_sharded_tensors, GcOptions, GcReport, RunningSave};
-pub use tools::pipeline::DEFAULT_MEMORY_BUDGET;
-pub use tools::verify::{verify, VerifyReport};
+// Loading into any layout.
+pub use load::engine::{load, LoadOptions, LoadResult, LoadStats, PlainTensor, StrictHandling, TensorMeta};
+pub use plan::load::ReadTuning;
 
-/// How tessera's Python package stores what the data model has no type for (FORMAT.md, "What
-/// the Python package adds"): the Rust core reads these when it converts a checkpoint to
-/// another program's format, the Python package takes them from here.
-pub mod python_conventions {
+/// Tensors saved and loaded as other tensors: a [`StateTree::Factory`] holds a
+/// [`ShardedTensorFactory`], whose [`TensorFactory`] builds the sub-state actually stored
+/// (Megatron-Core's `ShardedTensorFactory`); [`SplitFactory`] is the one tessera provides, a
+/// fused tensor stored as its parts ([`PartSpec`]).
+pub mod factory {
+    pub use crate::model::{PartSpec, ShardedTensorFactory, SplitFactory, TensorFactory};
+}
+
+/// What a checkpoint holds, as [`Checkpoint::index`](crate::Checkpoint::index) shows it: the
+/// files, tensors (and the chunks they are stored in), sharded objects and common state,
+/// from whichever format it was read ([`Backend`], in [`FormatRecord`]); every index passed
+/// one validation before anything reads by it. The native format's constants are here too.
+pub mod index {
+    pub use crate::format::{
+        Backend, CheckpointIndex, Crcs, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry,
+        DEFAULT_BLOCK_SIZE, FORMAT_VERSION, INDEX_FILE,
+    };
+    pub use crate::formats::FormatRecord;
+    pub use crate::model::dims::Dims;
+}
+
+/// OLMo-core 0.1.x checkpoints (`model/` and `optim/` safetensors with `metadata.json`), which
+/// tessera writes as well as reads: [`save_olmo`] (every rank's part, collectively),
+/// [`save_olmo_dirs`] (a whole checkpoint from a native one), and [`read_olmo_metadata`].
+pub mod olmo {
+    pub use crate::formats::olmo::read_olmo_metadata;
+    pub use crate::save::olmo::{save_olmo, save_olmo_dirs, OlmoSaveReport};
+}
+
+/// Megatron-Core `torch_dist` / PyTorch DCP directories, which tessera writes as well as reads:
+/// [`save_torch_dist`] (every rank's part, collectively), [`TorchDistSave`] (the same save in
+/// its three steps, for callers that run the file writes themselves), and how tessera's Python
+/// package stores what the data model has no type for (FORMAT.md, "What the Python package
+/// adds"): the Rust core reads these when it converts a checkpoint to another program's
+/// format, the Python package takes them from here.
+pub mod torch_dist {
     pub use crate::formats::torch_dist::{
         INT_KEY_PREFIX, OBJECT_TAG_TORCH, OBJECT_TAG_TORCH_LIST, OBJECT_TAG_VALUE, TORCH_SAVE_KEY,
     };
+    pub use crate::save::torch_dist::{save_torch_dist, TorchDistSave};
 }
 
 /// The planner's pure functions for the plan simulator and benchmarks (`crates/tessera-bench`,
@@ -141,99 +154,18 @@ pub mod __testing {
     pub use crate::tools::export::export_with;
 }
 
-/// Entry points into crate-private parsers for the fuzz targets in `fuzz/` (feature
-/// `fuzzing`). Not API: thin wrappers returning plain data, no stability promise.
+/// Entry points into crate-private parsers for the fuzz targets in `fuzz/` and the
+/// hostile-input tests (feature `fuzzing`), each defined beside its parser. Not API: thin
+/// wrappers returning plain data, no stability promise.
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod __fuzz {
     pub use crate::format::safetensors::parse_header;
+    pub use crate::formats::dcp::fuzz::{dcp_metadata, integrity_manifest};
     pub use crate::formats::pickle::{unpickle, PickleValue, UnpickleLimits};
-
-    use crate::formats::dcp::metadata as dcp;
-    use crate::formats::pickle;
-    use crate::formats::torch_save;
-    use crate::formats::zarr::zarray as zarr;
-
-    /// The storage a checkpoint's index names resolve in (a foreign format's virtual files),
-    /// for tests that read one directly.
-    pub fn checkpoint_storage<'a>(ckpt: &'a crate::Checkpoint<'_>) -> &'a dyn crate::Storage {
-        ckpt.storage()
-    }
-
-    /// A `.zarray` as [`zarray`] returns it: shape, chunks, chunk grid, name of the last chunk.
-    pub type Zarray = (Vec<u64>, Vec<u64>, Vec<u64>, String);
-    /// Zip entries: name, offset (of the data, or of the local header), size.
-    pub type ZipEntries = Vec<(String, u64, u64)>;
-
-    /// A DCP `.metadata` pickle as the DCP reader decodes it (its limits), then interpreted:
-    /// `(tensors, chunks, byte items)`.
-    pub fn dcp_metadata(bytes: &[u8]) -> Result<(usize, usize, usize), String> {
-        let root = pickle::unpickle_view(bytes, "fuzz/.metadata", &torch_save::limits()).map_err(|e| e.to_string())?;
-        let m = dcp::parse_metadata(root.root())?;
-        Ok((m.tensors.len(), m.tensors.iter().map(|t| t.chunks.len()).sum(), m.bytes.len()))
-    }
-
-    /// A `.zarray`: `(shape, chunks, chunk grid, name of the last chunk)`.
-    pub fn zarray(bytes: &[u8]) -> Result<Zarray, String> {
-        let a = zarr::parse_zarray(bytes)?;
-        let grid = a.grid();
-        let last: Vec<u64> = grid.iter().map(|g| g.saturating_sub(1)).collect();
-        let name = a.chunk_name(&last);
-        Ok((a.shape, a.chunks, grid, name))
-    }
-
-    /// Every entry of a whole zip archive: `(name, data offset, size)`.
-    pub fn zip_entries(archive: &[u8]) -> Result<ZipEntries, String> {
-        Ok(torch_save::zip_entries(archive)?.into_iter().map(|e| (e.name, e.data_offset, e.size)).collect())
-    }
-
-    /// The ranged zip path of the DCP reader: the central directory found from the last bytes
-    /// `tail` of an `archive_len`-byte archive, then parsed when it lies inside `tail`:
-    /// `(name, local header offset, size)` per entry.
-    pub fn zip_tail(tail: &[u8], archive_len: u64) -> Result<Option<ZipEntries>, String> {
-        let Some((off, size, count)) = torch_save::find_central_directory(tail, archive_len)? else { return Ok(None) };
-        let base = archive_len - tail.len() as u64;
-        if off < base {
-            return Ok(None);
-        }
-        let cd = &tail[(off - base) as usize..(off - base + size) as usize];
-        let entries = torch_save::parse_central_directory(cd, count, archive_len)?;
-        for e in &entries {
-            if let Some(at) = e.local_offset.checked_sub(base) {
-                let _ = torch_save::local_header_len(tail.get(at as usize..).unwrap_or(&[]));
-            }
-        }
-        Ok(Some(entries.into_iter().map(|e| (e.name, e.local_offset, e.size)).collect()))
-    }
-
-    /// How many members of a whole zip archive have data that does not match their CRC-32.
-    pub fn zip_crc_mismatches(archive: &[u8]) -> Result<usize, String> {
-        let entries = torch_save::zip_entries(archive)?;
-        Ok(entries.iter().filter(|e| torch_save::crc_mismatch(archive, e).is_some()).count())
-    }
-
-    /// Megatron-Core's `integrity.json` as `verify` parses it: how many files it lists.
-    pub fn integrity_manifest(bytes: &[u8]) -> Result<usize, String> {
-        crate::formats::dcp::integrity::parse_integrity(bytes).map(|m| m.len())
-    }
-
-    /// A whole `torch.save` archive decoded as the object readers do.
-    pub fn torch_save(archive: &[u8]) -> Result<pickle::PickleValue, String> {
-        torch_save::decode_archive(archive, "fuzz.pt")
-    }
-
-    /// A `torch.save` of one tensor decoded as a DCP tensor item is: its C-order bytes.
-    pub fn torch_save_tensor(archive: &[u8]) -> Result<Vec<u8>, String> {
-        let entries = torch_save::zip_entries(archive)?;
-        let pkl = torch_save::find_entry(&entries, "data.pkl").ok_or("no data.pkl")?;
-        let v = pickle::unpickle(
-            &archive[pkl.data_offset as usize..(pkl.data_offset + pkl.size) as usize],
-            "fuzz.pt",
-            &torch_save::limits(),
-        )
-        .map_err(|e| e.to_string())?;
-        let rec = torch_save::tensor_record(&v)?;
-        let e = torch_save::find_entry(&entries, &format!("data/{}", rec.storage_key)).ok_or("no storage entry")?;
-        torch_save::gather(&archive[e.data_offset as usize..(e.data_offset + e.size) as usize], &rec)
-    }
+    pub use crate::formats::torch_save::fuzz::{
+        torch_save, torch_save_tensor, zip_crc_mismatches, zip_entries, zip_tail, ZipEntries,
+    };
+    pub use crate::formats::zarr::fuzz::{zarray, Zarray};
+    pub use crate::load::open::checkpoint_storage;
 }

@@ -1,16 +1,24 @@
 //! How ranks talk during save and load: a handful of collectives over bytes.
 //! Every rank must call the same collectives in the same order. What ranks send each other
-//! about outcomes (ok, or the error that stopped a rank) is encoded one way, in [`wire`].
+//! about outcomes (ok, or the error that stopped a rank) is encoded one way, in `wire`.
+//!
+//! A job brings its own [`Communicator`] (the Python package wraps `torch.distributed`), or
+//! takes one of these: [`SoloComm`] for one process, [`InProcessComm`] for ranks as threads of
+//! one process (tests, tools), `MpiComm` over MPI (feature `mpi`, with the `mpi` crate
+//! re-exported as `comm::mpi` for its `Universe`).
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 #[cfg(feature = "mpi")]
-mod mpi;
+mod mpi_comm;
 pub(crate) mod wire;
 
+/// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).
 #[cfg(feature = "mpi")]
-pub use self::mpi::MpiComm;
+pub use ::mpi;
+#[cfg(feature = "mpi")]
+pub use self::mpi_comm::MpiComm;
 
 use crate::error::{Error, Result};
 

@@ -20,7 +20,7 @@ pub const INDEX_FILE: &str = "tessera.index";
 pub const INDEX_MAGIC: &[u8; 8] = b"TESSERA\x00";
 /// The native format version this build writes; it reads this one and version 1.
 pub const FORMAT_VERSION: u32 = 2;
-/// Name of the native backend, as recorded for strategy lookup.
+/// Name of the native backend, as its data files record it.
 pub const NATIVE_BACKEND: &str = "tessera";
 /// Default size of checksum blocks inside a chunk.
 pub const DEFAULT_BLOCK_SIZE: u64 = 1 << 20;
@@ -258,11 +258,88 @@ pub struct ObjectEntry {
     pub shards: Vec<StoredObject>,
 }
 
+/// The program (and layout) that wrote a checkpoint: what [`open`](crate::open) recognised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Backend {
+    /// tessera's own format (`tessera.index`).
+    Tessera,
+    /// PyTorch `torch.distributed.checkpoint` (`.metadata`; also its no-collectives and
+    /// Hugging Face layouts).
+    TorchDcp,
+    /// Megatron-Core `torch_dist`: DCP with Megatron's `metadata.json` and common state.
+    TorchDist,
+    /// OLMo-core 3.x: DCP under `model_and_optim/`.
+    OlmoCore,
+    /// Megatron-Core's legacy `zarr` backend.
+    Zarr,
+    /// OLMo-core 0.1.x: `model/` and `optim/` safetensors with `metadata.json`.
+    OlmoSafetensors,
+    /// Plain safetensors files (a Hugging Face model folder, or one file).
+    Safetensors,
+}
+
+impl Backend {
+    /// Every backend, in the order [`open`](crate::open) tries them.
+    pub const ALL: [Backend; 7] = [
+        Backend::Tessera,
+        Backend::OlmoSafetensors,
+        Backend::TorchDist,
+        Backend::TorchDcp,
+        Backend::OlmoCore,
+        Backend::Zarr,
+        Backend::Safetensors,
+    ];
+
+    /// The backend's name as tessera reports it (`"tessera"`, `"torch_dcp"`, `"torch_dist"`,
+    /// `"olmo_core"`, `"zarr"`, `"olmo_safetensors"`, `"safetensors"`); Megatron's
+    /// `sharded_backend` names where Megatron has one.
+    ///
+    /// ```
+    /// use tessera::index::Backend;
+    /// assert_eq!(Backend::TorchDist.name(), "torch_dist");
+    /// assert_eq!(Backend::from_name("torch_dist"), Some(Backend::TorchDist));
+    /// ```
+    pub const fn name(self) -> &'static str {
+        match self {
+            Backend::Tessera => NATIVE_BACKEND,
+            Backend::TorchDcp => "torch_dcp",
+            Backend::TorchDist => "torch_dist",
+            Backend::OlmoCore => "olmo_core",
+            Backend::Zarr => "zarr",
+            Backend::OlmoSafetensors => "olmo_safetensors",
+            Backend::Safetensors => "safetensors",
+        }
+    }
+
+    /// The backend of that [`name`](Backend::name), if there is one.
+    pub fn from_name(name: &str) -> Option<Backend> {
+        Backend::ALL.into_iter().find(|b| b.name() == name)
+    }
+
+    /// Whether the checkpoint is a PyTorch DCP directory (`.metadata` and `.distcp` files),
+    /// which torch's own reader loads.
+    pub const fn is_dcp(self) -> bool {
+        matches!(self, Backend::TorchDcp | Backend::TorchDist | Backend::OlmoCore)
+    }
+
+    /// Whether the checkpoint carries Megatron-Core's `metadata.json`.
+    pub const fn is_megatron(self) -> bool {
+        matches!(self, Backend::TorchDist | Backend::Zarr)
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Everything a checkpoint holds, except the tensor bytes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CheckpointIndex {
-    /// Backend that wrote the checkpoint (`"tessera"` for the native format).
-    pub backend: String,
+    /// Backend that wrote the checkpoint.
+    pub backend: Backend,
     /// Format version of that backend.
     pub version: u32,
     /// Checksum block size in bytes.
@@ -288,7 +365,7 @@ impl CheckpointIndex {
     #[cfg(test)]
     pub(crate) fn of_tensors(block_size: u64, files: Vec<FileEntry>, tensors: Vec<TensorEntry>) -> CheckpointIndex {
         CheckpointIndex {
-            backend: "t".into(),
+            backend: Backend::Tessera,
             version: 1,
             block_size,
             content_metadata: Value::Null,
@@ -377,7 +454,8 @@ impl CheckpointIndex {
     }
 
     fn encode_prelude(&self, e: &mut Encoder) {
-        e.str(&self.backend);
+        // Every encoded index is native: its backend is fixed, the name kept for readers.
+        e.str(self.backend.name());
         e.var(self.block_size);
         e.value(&self.content_metadata);
         e.var(self.common.len() as u64);
@@ -613,7 +691,7 @@ fn decode_objects(d: &mut Decoder<'_>) -> Result<Vec<ObjectEntry>, String> {
 
 /// What precedes the tensors in every version: backend, block size, metadata, common, files.
 struct Prelude {
-    backend: String,
+    backend: Backend,
     block_size: u64,
     content_metadata: Value,
     common: Vec<(StatePath, Value)>,
@@ -622,7 +700,8 @@ struct Prelude {
 
 impl Prelude {
     fn decode(d: &mut Decoder<'_>) -> Result<Prelude, String> {
-        let backend = d.str()?;
+        let name = d.str()?;
+        let backend = Backend::from_name(&name).ok_or_else(|| format!("unknown backend {name:?}"))?;
         let block_size = d.var()?;
         if block_size == 0 {
             return Err("block size 0".into());

@@ -12,7 +12,7 @@ pub use crate::model::crcs::Crcs;
 pub(crate) use data_file::{data_file_name, is_data_file_name, parse_data_file_name};
 pub(crate) use index::NATIVE_BACKEND;
 pub use index::{
-    CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
+    Backend, CheckpointIndex, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry, DEFAULT_BLOCK_SIZE,
     FORMAT_VERSION, INDEX_FILE,
 };
 pub(crate) use safetensors::{

@@ -25,8 +25,8 @@ pub(crate) use crate::model::ForEach;
 /// The backend and version a checkpoint says it was written with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FormatRecord {
-    /// Backend name (`"tessera"`, later `"torch_dist"`, `"zarr"`).
-    pub backend: String,
+    /// The program (and layout) that wrote it.
+    pub backend: Backend,
     /// Backend version.
     pub version: u32,
 }
@@ -35,7 +35,7 @@ pub struct FormatRecord {
 /// generic loader then plans against.
 pub(crate) trait LoadStrategy: Send + Sync {
     /// Backend read.
-    fn backend(&self) -> &str;
+    fn backend(&self) -> Backend;
     /// Whether `version` of the backend can be read.
     fn supports_version(&self, version: u32) -> bool;
     /// Human-readable list of supported versions.
@@ -89,7 +89,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
-use crate::format::{CheckpointIndex, ObjectEntry, StoredObject, TensorEntry};
+use crate::format::{Backend, CheckpointIndex, ObjectEntry, StoredObject, TensorEntry};
 use crate::formats::dcp::metadata::ItemLocation;
 use crate::formats::pickle::PickleValue;
 use crate::formats::torch_save::{
@@ -688,14 +688,14 @@ impl ObjectShards {
 /// The index of a foreign checkpoint read through `view`: no checksums (`block_size` 0), keys
 /// and shards sorted as the loader's lookups need.
 pub(crate) fn foreign_index(
-    backend: &str,
+    backend: Backend,
     view: &ForeignView<'_>,
     common: Vec<(StatePath, Value)>,
     tensors: Vec<TensorEntry>,
     objects: ObjectShards,
 ) -> CheckpointIndex {
     let mut index = CheckpointIndex {
-        backend: backend.into(),
+        backend,
         version: 1,
         block_size: 0,
         content_metadata: Value::Null,

@@ -16,7 +16,7 @@ use serde_json::Value as J;
 use crate::error::{Error, Result};
 use crate::format::is_data_file_name;
 use crate::format::safetensors::uints;
-use crate::format::{CheckpointIndex, Crcs, FileEntry, StoredChunk, TensorEntry};
+use crate::format::{Backend, CheckpointIndex, Crcs, FileEntry, StoredChunk, TensorEntry};
 use crate::formats::olmo::metadata::parse_rank_file_name;
 use crate::formats::{read_safetensors_header, ForeignView, HeaderRead};
 use crate::formats::{ForEach, FormatRecord, LoadStrategy};
@@ -70,8 +70,8 @@ fn sharding_info(metadata: &serde_json::Map<String, J>, shown: &str) -> Result<O
 pub struct SafetensorsStrategy;
 
 impl LoadStrategy for SafetensorsStrategy {
-    fn backend(&self) -> &str {
-        BACKEND
+    fn backend(&self) -> Backend {
+        Backend::Safetensors
     }
     fn supports_version(&self, version: u32) -> bool {
         version == 1
@@ -80,7 +80,7 @@ impl LoadStrategy for SafetensorsStrategy {
         format!("{BACKEND} v1")
     }
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
-        Ok(files(storage)?.map(|_| FormatRecord { backend: BACKEND.into(), version: 1 }))
+        Ok(files(storage)?.map(|_| FormatRecord { backend: Backend::Safetensors, version: 1 }))
     }
     fn open_checkpoint<'s>(
         &self,
@@ -251,7 +251,7 @@ pub(crate) fn open_safetensors<'s>(
         }
     }
     let mut index = CheckpointIndex {
-        backend: BACKEND.into(),
+        backend: Backend::Safetensors,
         version: 1,
         block_size: 0,
         content_metadata: Value::Null,

@@ -98,7 +98,7 @@ pub struct LoadOptions {
     /// about twice this per rank plus what it receives. Default 256 MiB.
     pub exchange_round_bytes: u64,
     /// Load a tensor stored in another dtype by converting it (as `tensor.to(dtype)`: floats
-    /// rounded to nearest even as [`cast_bytes`](crate::cast_bytes) does, integers to floats
+    /// rounded to nearest even as [`DType::cast_bytes`](crate::DType::cast_bytes) does, integers to floats
     /// rounded, floats to integers truncated toward zero and saturated, integers wrapped, bool
     /// as "not zero"; fp8 is never written) instead of failing with [`Error::Mismatch`]. Off by
     /// default: a dtype change is usually a mistake; Megatron-Core's load casts, and so does

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 
 use crate::error::{Error, Result};
-use crate::format::{CheckpointIndex, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
+use crate::format::{Backend, CheckpointIndex, FORMAT_VERSION, INDEX_FILE, NATIVE_BACKEND};
 use crate::formats::dcp::{DcpFlavor, DcpStrategy};
 use crate::formats::olmo::OlmoStrategy;
 use crate::formats::safetensors::SafetensorsStrategy;
@@ -20,8 +20,8 @@ use crate::storage::{Storage, StorageExt};
 pub struct NativeStrategy;
 
 impl LoadStrategy for NativeStrategy {
-    fn backend(&self) -> &str {
-        NATIVE_BACKEND
+    fn backend(&self) -> Backend {
+        Backend::Tessera
     }
     fn supports_version(&self, version: u32) -> bool {
         (1..=FORMAT_VERSION).contains(&version)
@@ -34,7 +34,7 @@ impl LoadStrategy for NativeStrategy {
         let mut head = vec![0u8; size.min(12) as usize];
         storage.read_at(INDEX_FILE, 0, &mut head)?;
         match CheckpointIndex::peek_version(&head) {
-            Some(version) => Ok(Some(FormatRecord { backend: NATIVE_BACKEND.into(), version })),
+            Some(version) => Ok(Some(FormatRecord { backend: Backend::Tessera, version })),
             None => Err(Error::corrupt(index_path(storage), "not a tessera index (bad magic or truncated header)")),
         }
     }
@@ -215,14 +215,14 @@ pub(crate) fn open_index(storage: &dyn Storage) -> Result<CheckpointIndex> {
 
 /// The file a checkpoint's index comes from, as errors name it.
 fn metadata_path(storage: &dyn Storage, record: &FormatRecord) -> String {
-    let file = match record.backend.as_str() {
-        NATIVE_BACKEND => INDEX_FILE,
+    let file = match record.backend {
+        Backend::Tessera => INDEX_FILE,
         // A save without collectives has no `.metadata`: its index is every rank's merged.
-        "torch_dcp" if !storage.exists(".metadata").unwrap_or(true) => "__<rank>.metadata",
-        "torch_dcp" | "torch_dist" => ".metadata",
-        "olmo_core" => "model_and_optim/.metadata",
-        "olmo_safetensors" | "zarr" => "metadata.json",
-        _ => return storage.location().to_string(),
+        Backend::TorchDcp if !storage.exists(".metadata").unwrap_or(true) => "__<rank>.metadata",
+        Backend::TorchDcp | Backend::TorchDist => ".metadata",
+        Backend::OlmoCore => "model_and_optim/.metadata",
+        Backend::OlmoSafetensors | Backend::Zarr => "metadata.json",
+        Backend::Safetensors => return storage.location().to_string(),
     };
     format!("{}/{file}", storage.location())
 }
@@ -386,4 +386,11 @@ pub(crate) fn open_checkpoint_key_set<'s>(storage: &'s dyn Storage, keys: &BTree
     let (index, view) = strategy.open_checkpoint_keys(storage, keys, &parallel_open)?;
     validate_index(&index, &metadata_path(storage, &record))?;
     Ok(Checkpoint::new(record, index, storage, view))
+}
+
+/// The storage a checkpoint's index names resolve in (a foreign format's virtual files), for
+/// the hostile-input tests that read one directly (feature `fuzzing`).
+#[cfg(feature = "fuzzing")]
+pub fn checkpoint_storage<'a>(ckpt: &'a Checkpoint<'_>) -> &'a dyn Storage {
+    ckpt.storage()
 }

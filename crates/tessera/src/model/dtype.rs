@@ -56,6 +56,21 @@ pub const ALL_DTYPES: [DType; 15] = [
 ];
 
 impl DType {
+    /// Converts `src` (elements of this type, little-endian) to `to` in a new buffer. Casts
+    /// between F64, F32, F16 and BF16 round to nearest, ties to even, with infinities, NaNs
+    /// (made quiet; sign and payload kept where they fit) and subnormals handled as IEEE-754
+    /// does; `self == to` copies. Other pairs are refused with [`Error::InvalidArgument`].
+    ///
+    /// ```
+    /// use tessera::DType;
+    /// let half = DType::F32.cast_bytes(&1.5f32.to_le_bytes(), DType::F16)?;
+    /// assert_eq!(half, 0x3e00u16.to_le_bytes());
+    /// # Ok::<(), tessera::Error>(())
+    /// ```
+    pub fn cast_bytes(self, src: &[u8], to: DType) -> Result<Vec<u8>> {
+        cast_bytes(src, self, to)
+    }
+
     /// Every element type, in code order.
     pub const ALL: [DType; 15] = ALL_DTYPES;
 
@@ -125,7 +140,7 @@ impl DType {
         matches!(self, DType::F64 | DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2)
     }
 
-    /// True for the types [`cast_bytes`] converts between: F64, F32, F16 and BF16.
+    /// True for the types [`DType::cast_bytes`] converts between: F64, F32, F16 and BF16.
     pub fn is_castable(self) -> bool {
         matches!(self, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
     }
@@ -378,11 +393,9 @@ pub fn cast_numeric(src: &[u8], from: DType, to: DType, dst: &mut [u8]) -> Resul
     Ok(())
 }
 
-/// Converts `src` (elements of `from`, little-endian) to `to` in a new buffer. Casts between
-/// F64, F32, F16 and BF16 round to nearest, ties to even, with infinities, NaNs (made quiet;
-/// sign and payload kept where they fit) and subnormals handled as IEEE-754 does; `from == to`
-/// copies. Other pairs are refused with [`Error::InvalidArgument`].
-pub fn cast_bytes(src: &[u8], from: DType, to: DType) -> Result<Vec<u8>> {
+/// Converts `src` (elements of `from`, little-endian) to `to` in a new buffer: the function
+/// behind [`DType::cast_bytes`].
+pub(crate) fn cast_bytes(src: &[u8], from: DType, to: DType) -> Result<Vec<u8>> {
     let mut out = vec![0u8; src.len() / from.size() * to.size()];
     cast_into(src, from, to, &mut out)?;
     Ok(out)

@@ -325,7 +325,7 @@ mod tests {
 
     fn index(tensors: Vec<TensorEntry>) -> CheckpointIndex {
         CheckpointIndex {
-            backend: "tessera".into(),
+            backend: crate::format::Backend::Tessera,
             version: 2,
             block_size: 1 << 20,
             content_metadata: Value::Null,

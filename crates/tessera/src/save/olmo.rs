@@ -23,9 +23,10 @@ use std::sync::Arc;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::format::lease::LeaseFiles;
+use crate::format::Backend;
 use crate::formats::olmo::metadata::{
     choose_main_replicas, metadata_from_plans, metadata_json, parse_rank_file_name, rank_file_name, RankFileLayout,
-    SaveMark, BACKEND, METADATA_FILE,
+    SaveMark, METADATA_FILE,
 };
 use crate::load::open::detect_format;
 use crate::model::factories::apply_factories_collective;
@@ -436,8 +437,8 @@ enum Look {
 /// replaces.
 fn look(storage: &dyn Storage, opts: &SaveOptions) -> Result<Look> {
     match detect_format(storage) {
-        Ok((record, _)) if record.backend == BACKEND && !opts.overwrite => return Ok(Look::Refuse),
-        Ok((record, _)) if record.backend != BACKEND => {
+        Ok((record, _)) if record.backend == Backend::OlmoSafetensors && !opts.overwrite => return Ok(Look::Refuse),
+        Ok((record, _)) if record.backend != Backend::OlmoSafetensors => {
             return Err(Error::invalid(format!(
                 "{} holds a {} checkpoint; an OLMo-core checkpoint cannot replace it there",
                 storage.location(),

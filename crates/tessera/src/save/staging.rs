@@ -6,9 +6,6 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
-/// Default size of one staging buffer.
-pub const DEFAULT_STAGING_BUFFER: usize = 8 << 20;
-
 /// Host memory for async saves: `budget / buffer_size` buffers allocated and touched once at
 /// creation, then reused by every save. Staging takes buffers and the background writers give
 /// them back, so a state larger than the budget is staged in waves and host memory never grows
@@ -25,10 +22,13 @@ pub struct StagingPool {
 }
 
 impl StagingPool {
-    /// A pool of `budget` bytes in buffers of [`DEFAULT_STAGING_BUFFER`] (one smaller buffer
+    /// The size of one buffer of a pool made by [`StagingPool::new`] (8 MiB).
+    pub const DEFAULT_BUFFER_SIZE: usize = 8 << 20;
+
+    /// A pool of `budget` bytes in buffers of [`StagingPool::DEFAULT_BUFFER_SIZE`] (one smaller buffer
     /// if the budget is below that).
     pub fn new(budget: u64) -> Result<Arc<StagingPool>> {
-        let size = (budget as usize).min(DEFAULT_STAGING_BUFFER);
+        let size = (budget as usize).min(Self::DEFAULT_BUFFER_SIZE);
         Self::with_buffer_size(budget, size)
     }
 

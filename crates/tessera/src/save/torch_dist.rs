@@ -43,6 +43,7 @@ use std::sync::{Arc, Mutex};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::format::lease::LeaseFiles;
+use crate::format::Backend;
 use crate::formats::dcp::parse_object_fqn;
 use crate::formats::dcp_values::{flatten, planner_data, DcpValue, DcpValues};
 use crate::formats::torch_dist::{
@@ -64,7 +65,7 @@ use crate::save::write::{write_sources, Source};
 use crate::storage::{ObjectWriter, Storage, StorageExt};
 
 /// Backends a `torch_dist` save may replace with `overwrite` (a DCP directory either way).
-const REPLACEABLE: [&str; 2] = ["torch_dist", "torch_dcp"];
+const REPLACEABLE: [Backend; 2] = [Backend::TorchDist, Backend::TorchDcp];
 
 /// Saves this rank's part of the state as a Megatron `torch_dist` checkpoint. Every rank of
 /// `comm` calls it with its own tree. Tensor keys become DCP fqns; a sharded object becomes
@@ -578,7 +579,7 @@ pub(crate) fn existing(storage: &dyn Storage, overwrite: bool) -> Result<bool> {
         return Ok(!overwrite);
     }
     match detect_format(storage) {
-        Ok((record, _)) if REPLACEABLE.contains(&record.backend.as_str()) => Ok(false),
+        Ok((record, _)) if REPLACEABLE.contains(&record.backend) => Ok(false),
         Ok(_) if !overwrite => Ok(true),
         Ok((record, _)) => Err(Error::invalid(format!(
             "{} holds a {} checkpoint; a torch_dist checkpoint cannot replace it there",

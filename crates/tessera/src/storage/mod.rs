@@ -14,6 +14,7 @@ mod counting;
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
 mod credentials;
 mod local;
+mod location;
 mod memory;
 pub(crate) mod names;
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
@@ -21,13 +22,13 @@ mod object;
 
 pub use counting::CountingStorage;
 pub use local::LocalStorage;
+pub use location::{parse_option, Location};
 pub use memory::MemoryStorage;
 #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
 pub use object::{ObjectStorage, ObjectStoreOptions, RequestCounts};
 
 use std::fmt;
 use std::ops::Range;
-use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
@@ -235,130 +236,6 @@ pub(crate) fn check_then_put<S: Storage + ?Sized>(storage: &S, name: &str, bytes
         Ok(_) => Err(Error::AlreadyExists { path: format!("{}/{name}", storage.location()).into() }),
         Err(Error::NotFound { .. }) => storage.put_atomic(name, bytes),
         Err(e) => Err(e),
-    }
-}
-
-/// Opens a checkpoint location given as a string: a local directory path (or `file://` URL),
-/// `mem://name` for a process-wide in-memory store (tests, demos), or an object-store URL
-/// (`s3://bucket/prefix`; `gs://`, `az://` in builds with the `gcs` / `azure` features)
-/// configured from the environment (see [`ObjectStorage::open`]).
-///
-/// ```
-/// use tessera::{open, open_location, save, DType, SaveOptions, ShardedTensor, SoloComm, StateTree, TensorData};
-///
-/// let dir = std::env::temp_dir().join(format!("tessera-doc-open-location-{}", std::process::id()));
-/// let storage = open_location(dir.to_str().unwrap())?; // a local directory (created on first write)
-/// let w = ShardedTensor::full("w", DType::U8, &[3], TensorData::Owned(vec![1, 2, 3]));
-/// save(StateTree::map().with("w", StateTree::Tensor(w)), &*storage, &SoloComm, &SaveOptions::default())?;
-/// let tensors = open(&*open_location(&format!("file://{}", dir.display()))?)?.read_tensors(None)?;
-/// std::fs::remove_dir_all(&dir).unwrap();
-/// assert_eq!(tensors["w"].data, [1, 2, 3]);
-///
-/// // `mem://name`: one in-memory store per name, shared within the process.
-/// assert_eq!(open_location("mem://doc-example")?.location(), "mem://doc-example");
-/// # Ok::<(), tessera::Error>(())
-/// ```
-pub fn open_location(location: &str) -> Result<Arc<dyn Storage>> {
-    open_location_with(location, &[])
-}
-
-/// [`open_location`] with storage options: `object_store` configuration keys and values
-/// (`("aws_endpoint", "http://…")`, `("google_service_account", "/path/key.json")`,
-/// `("azure_storage_account_key", "…")`; for Azure also `azure_storage_connection_string`),
-/// applied over the environment and credential files, as polars' and deltalake's
-/// `storage_options` are. A key the location's store does not know is
-/// [`Error::InvalidArgument`]; local paths and `mem://` take no options and ignore them.
-///
-/// ```
-/// use tessera::open_location_with;
-///
-/// let dir = std::env::temp_dir().join("tessera-doc-open-location-with");
-/// let options = [("aws_region".to_string(), "eu-west-1".to_string())];
-/// assert_eq!(open_location_with(dir.to_str().unwrap(), &options)?.location(), dir.to_str().unwrap());
-/// # Ok::<(), tessera::Error>(())
-/// ```
-pub fn open_location_with(location: &str, storage_options: &[(String, String)]) -> Result<Arc<dyn Storage>> {
-    if let Some(name) = location.strip_prefix("mem://") {
-        return Ok(Arc::new(MemoryStorage::named(name)));
-    }
-    if let Some((scheme, _)) = location.split_once("://") {
-        if scheme != "file" {
-            #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
-            return Ok(Arc::new(ObjectStorage::open(
-                location,
-                ObjectStoreOptions { config: storage_options.to_vec(), ..ObjectStoreOptions::default() },
-            )?));
-            #[cfg(not(any(feature = "s3", feature = "gcs", feature = "azure")))]
-            let _ = storage_options;
-            #[cfg(not(any(feature = "s3", feature = "gcs", feature = "azure")))]
-            return Err(Error::invalid(format!(
-                "unsupported location scheme {scheme:?} in {location:?} (this build has no object stores: \
-                 local paths, file://, mem://)"
-            )));
-        }
-    }
-    let path = location.strip_prefix("file://").unwrap_or(location);
-    let p = std::path::Path::new(path);
-    // A plain safetensors file is a checkpoint too: its directory, showing only that file.
-    if path.ends_with(".safetensors") && std::fs::metadata(p).is_ok_and(|m| m.is_file()) {
-        if let (Some(dir), Some(name)) = (p.parent(), p.file_name().and_then(|n| n.to_str())) {
-            let dir = if dir.as_os_str().is_empty() { std::path::Path::new(".") } else { dir };
-            return Ok(Arc::new(OneFile { dir: LocalStorage::new(dir), name: name.to_string(), shown: path.into() }));
-        }
-    }
-    Ok(Arc::new(LocalStorage::new(path)))
-}
-
-/// One file of a local directory as a read-only location (a plain safetensors file opened as a
-/// checkpoint): it lists that file only, and reads nothing else.
-#[derive(Debug)]
-struct OneFile {
-    dir: LocalStorage,
-    name: String,
-    /// The path as given, for messages.
-    shown: String,
-}
-
-impl OneFile {
-    fn only(&self, name: &str) -> Result<()> {
-        check_name(name)?;
-        if name == self.name {
-            Ok(())
-        } else {
-            Err(Error::not_found(format!("{}: {name}", self.shown)))
-        }
-    }
-    fn read_only(&self) -> Error {
-        Error::invalid(format!("{} is a file, opened read-only as a checkpoint: write into a directory", self.shown))
-    }
-}
-
-impl Storage for OneFile {
-    fn location(&self) -> String {
-        self.shown.clone()
-    }
-    fn size(&self, name: &str) -> Result<u64> {
-        self.only(name)?;
-        self.dir.size(name)
-    }
-    fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.only(name)?;
-        self.dir.read_at(name, offset, buf)
-    }
-    fn is_local(&self) -> bool {
-        self.dir.is_local()
-    }
-    fn create(&self, _: &str, _: u64) -> Result<Box<dyn ObjectWriter>> {
-        Err(self.read_only())
-    }
-    fn put_atomic(&self, _: &str, _: &[u8]) -> Result<()> {
-        Err(self.read_only())
-    }
-    fn list(&self) -> Result<Vec<String>> {
-        Ok(vec![self.name.clone()])
-    }
-    fn delete(&self, _: &str) -> Result<()> {
-        Err(self.read_only())
     }
 }
 

@@ -235,7 +235,7 @@ fn is_megatron_companion(storage: &dyn Storage, name: &str) -> Result<bool> {
 /// ```
 pub fn remove_sharded_tensors(storage: &dyn Storage, key_prefix: &str) -> Result<Vec<String>> {
     let mut index = open_index(storage)?;
-    if index.backend != crate::format::NATIVE_BACKEND {
+    if index.backend != crate::format::Backend::Tessera {
         return Err(Error::invalid(format!("cannot edit a {} checkpoint in place", index.backend)));
     }
     let (removed, kept): (Vec<_>, Vec<_>) = index.tensors.into_iter().partition(|t| t.key.starts_with(key_prefix));

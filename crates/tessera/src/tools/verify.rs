@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 use crate::error::Result;
 use crate::format::data_file::decode_header;
-use crate::format::{read_header, CheckpointIndex, SafetensorsHeader};
+use crate::format::{read_header, Backend, CheckpointIndex, SafetensorsHeader};
 use crate::load::open::open_unvalidated;
 use crate::plan::validate::index_defects;
 use crate::storage::{Storage, StorageExt};
@@ -68,7 +68,7 @@ pub struct VerifyReport {
 pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     let ckpt = open_unvalidated(storage)?;
     // The native index's own files: it may be invalid (then it is the report, not an error).
-    let referenced = (ckpt.index.backend == crate::format::NATIVE_BACKEND)
+    let referenced = (ckpt.index.backend == Backend::Tessera)
         .then(|| ckpt.index.files.iter().map(|f| f.name.clone()).collect());
     let leftovers = crate::tools::maintenance::analyse(storage, &Default::default(), referenced)?.0;
     // The checkpoint's own files (integrity.json names them), beside the view of its index.
@@ -89,7 +89,7 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     if index.block_size == 0 {
         verify_readable(storage, index, threads, &mut report);
         // Megatron writes it beside torch_dist; a copy without its metadata.json opens as DCP.
-        if ["torch_dist", "torch_dcp"].contains(&ckpt.record.backend.as_str()) {
+        if matches!(ckpt.record.backend, Backend::TorchDist | Backend::TorchDcp) {
             verify_integrity(base, threads, &mut report)?;
         }
         return Ok(report);
@@ -131,7 +131,7 @@ pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
                 .lock()
                 .unwrap()
                 .push(format!("{path}: safetensors header is {} bytes, the index says {}", h.header_len, f.header_len)),
-            Ok(h) if index.backend == crate::format::NATIVE_BACKEND => {
+            Ok(h) if index.backend == Backend::Tessera => {
                 problems.lock().unwrap().extend(header_defects(index, fi, &h, &path))
             }
             Ok(_) => {}

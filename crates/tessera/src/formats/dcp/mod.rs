@@ -2,6 +2,8 @@
 //! `.metadata`, or every rank's `__{r}.metadata` of a save without collectives), Megatron
 //! `torch_dist` (DCP + `metadata.json` + `common.pt`) and OLMo-core (`model_and_optim/`).
 
+#[cfg(feature = "fuzzing")]
+pub(crate) mod fuzz;
 pub(crate) mod integrity;
 pub(crate) mod metadata;
 
@@ -9,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::format::{CheckpointIndex, Crcs, StoredChunk, TensorEntry};
+use crate::format::{Backend, CheckpointIndex, Crcs, StoredChunk, TensorEntry};
 use crate::formats::dcp::metadata::{parse_metadata, DcpMetadata};
 use crate::formats::pickle::unpickle_view;
 use crate::formats::pickle::PickleValue;
@@ -39,11 +41,11 @@ pub enum DcpFlavor {
 }
 
 impl DcpFlavor {
-    fn backend(self) -> &'static str {
+    fn backend(self) -> Backend {
         match self {
-            DcpFlavor::Torch => "torch_dcp",
-            DcpFlavor::Megatron => "torch_dist",
-            DcpFlavor::Olmo => "olmo_core",
+            DcpFlavor::Torch => Backend::TorchDcp,
+            DcpFlavor::Megatron => Backend::TorchDist,
+            DcpFlavor::Olmo => Backend::OlmoCore,
         }
     }
     fn prefix(self) -> &'static str {
@@ -80,7 +82,7 @@ pub(crate) fn megatron_backend(storage: &dyn Storage) -> Result<Option<(String, 
 }
 
 impl LoadStrategy for DcpStrategy {
-    fn backend(&self) -> &str {
+    fn backend(&self) -> Backend {
         self.0.backend()
     }
     fn supports_version(&self, version: u32) -> bool {
@@ -90,7 +92,7 @@ impl LoadStrategy for DcpStrategy {
         format!("{} v1", self.0.backend())
     }
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
-        let record = |version| Some(FormatRecord { backend: self.0.backend().into(), version });
+        let record = |version| Some(FormatRecord { backend: self.0.backend(), version });
         match self.0 {
             DcpFlavor::Megatron => match megatron_backend(storage)? {
                 Some((b, v)) if b == "torch_dist" => Ok(record(v)),

@@ -11,7 +11,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
-use crate::format::{CheckpointIndex, Crcs, FileEntry, SafetensorsHeader, StoredChunk, TensorEntry};
+use crate::format::{Backend, CheckpointIndex, Crcs, FileEntry, SafetensorsHeader, StoredChunk, TensorEntry};
 use crate::formats::olmo::metadata::{
     build_tensors, decode_pickled, file_crcs, is_olmo_metadata, parse_metadata, FileCrcs, IndexedFile, SaveMark,
     BACKEND, MAX_PICKLED_FIELD, METADATA_FILE, PARTS,
@@ -31,8 +31,8 @@ pub struct OlmoStrategy;
 const SNIFF_BYTES: u64 = 64 << 10;
 
 impl LoadStrategy for OlmoStrategy {
-    fn backend(&self) -> &str {
-        BACKEND
+    fn backend(&self) -> Backend {
+        Backend::OlmoSafetensors
     }
     fn supports_version(&self, version: u32) -> bool {
         version == 1
@@ -41,7 +41,7 @@ impl LoadStrategy for OlmoStrategy {
         format!("{BACKEND} v1")
     }
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
-        Ok(olmo_parts(storage)?.map(|_| FormatRecord { backend: BACKEND.into(), version: 1 }))
+        Ok(olmo_parts(storage)?.map(|_| FormatRecord { backend: Backend::OlmoSafetensors, version: 1 }))
     }
     fn open_checkpoint<'s>(
         &self,
@@ -194,7 +194,7 @@ pub(crate) fn open_olmo<'s>(
         }
     };
     let mut index = CheckpointIndex {
-        backend: BACKEND.into(),
+        backend: Backend::OlmoSafetensors,
         version: 1,
         block_size,
         content_metadata: Value::Null,

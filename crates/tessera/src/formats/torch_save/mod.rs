@@ -3,6 +3,8 @@
 //! `data/<key>` (raw little-endian storage bytes, 64-byte aligned), and small version entries.
 //! Pure byte parsing: the caller reads the bytes.
 
+#[cfg(feature = "fuzzing")]
+pub(crate) mod fuzz;
 pub(crate) mod write;
 
 use crate::formats::pickle::{unpickle, PickleValue, UnpickleLimits};

@@ -2,10 +2,12 @@
 //! Zarr v2 array folder per tensor key (uncompressed chunk files), sharded objects as
 //! `KEY/shard_OFFSETS_SHAPE.pt`, and `common.pt`.
 
+#[cfg(feature = "fuzzing")]
+pub(crate) mod fuzz;
 pub(crate) mod zarray;
 
 use crate::error::{Error, Result};
-use crate::format::{CheckpointIndex, Crcs, StoredChunk, TensorEntry};
+use crate::format::{Backend, CheckpointIndex, Crcs, StoredChunk, TensorEntry};
 use crate::formats::dcp::{megatron_backend, parse_object_fqn};
 use crate::formats::zarr::zarray::parse_zarray;
 use crate::formats::{foreign_index, ForeignView, ObjectShards, Source};
@@ -19,8 +21,8 @@ pub struct ZarrStrategy;
 const ZARRAY: &str = ".zarray";
 
 impl LoadStrategy for ZarrStrategy {
-    fn backend(&self) -> &str {
-        "zarr"
+    fn backend(&self) -> Backend {
+        Backend::Zarr
     }
     fn supports_version(&self, version: u32) -> bool {
         version == 1
@@ -30,7 +32,7 @@ impl LoadStrategy for ZarrStrategy {
     }
     fn detect(&self, storage: &dyn Storage) -> Result<Option<FormatRecord>> {
         Ok(match megatron_backend(storage)? {
-            Some((b, v)) if b == "zarr" => Some(FormatRecord { backend: b, version: v }),
+            Some((b, v)) if b == Backend::Zarr.name() => Some(FormatRecord { backend: Backend::Zarr, version: v }),
             _ => None,
         })
     }
@@ -116,6 +118,6 @@ fn open_zarr(storage: &dyn Storage) -> Result<(CheckpointIndex, ForeignView<'_>)
         }
     }
     let common = view.megatron_common(None)?.unwrap_or_default();
-    let index = foreign_index("zarr", &view, common, tensors, objects);
+    let index = foreign_index(Backend::Zarr, &view, common, tensors, objects);
     Ok((index, view))
 }

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use super::{KeyNumbers, RankPlan};
 use crate::error::{Error, Result};
 use crate::format::{CheckpointIndex, Crcs, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry};
-use crate::format::{FORMAT_VERSION, NATIVE_BACKEND};
+use crate::format::FORMAT_VERSION;
 use crate::model::codec::{Decoder, Encoder};
 use crate::model::{StatePath, Value};
 use crate::plan::ForEach;
@@ -156,7 +156,7 @@ pub fn build_index(
         .collect::<Option<Vec<TensorEntry>>>()
         .ok_or_else(|| Error::invalid("a tensor of the index was not assembled (ForEach skipped a task)"))?;
     let mut index = CheckpointIndex {
-        backend: NATIVE_BACKEND.into(),
+        backend: crate::format::Backend::Tessera,
         version: FORMAT_VERSION,
         block_size,
         content_metadata,
