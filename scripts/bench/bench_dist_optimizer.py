@@ -14,7 +14,7 @@ total. Each repetition times, between barriers, on every rank at once:
 All runs write under the same directory (removed between runs, outside the timing). Prints the
 median and minimum per method and the ratios of the medians.
 
-Usage: ``.venv/bin/python scripts/bench_dist_optimizer.py [--reps 5] [--dir DIR]``
+Usage: ``.venv/bin/python scripts/bench/bench_dist_optimizer.py [--reps 5] [--dir DIR]``
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""File helpers the Python benchmarks share (imported by scripts/bench_*.py, which run from
+"""File helpers the Python benchmarks share (imported by the other scripts/bench/bench_*.py, which run from
 their own folder): durable writes, listings, and dropping files from the page cache so that a
 read that follows comes from the disk."""
 

@@ -59,7 +59,7 @@ omitted) writes everything, samples included. The checkpoints are removed at the
 ``--keep``. ``--quick``: 32 MiB in 4 tensors, 1 round unless ``--rounds`` is given, for a
 smoke test of a few seconds.
 
-Usage: .venv/bin/python scripts/bench_load_speed.py [--size 1GiB] [--tensors 16] [--rounds 3]
+Usage: .venv/bin/python scripts/bench/bench_load_speed.py [--size 1GiB] [--tensors 16] [--rounds 3]
        [--warm-dir /dev/shm] [--disk-dir DIR] [--quick] [--keep] [--json PATH|-]
 """
 
@@ -84,7 +84,7 @@ import torch
 from bench_files import drop_cache, files_under, fsync_path, write_all
 from tessera._launch import run_ranks
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 CONDITIONS = ["warm", "cold"]
 SAVES = ["tessera", "dcp", "raw_write"]
@@ -481,7 +481,7 @@ def print_report(doc: Dict[str, Any]) -> None:
     size = doc["bytes"]
     side = doc["shape"][0]
     print()
-    print(f"**Load and save speed** (`scripts/bench_load_speed.py`): {gib(size):.2f} GiB of f32 in "
+    print(f"**Load and save speed** (`scripts/bench/bench_load_speed.py`): {gib(size):.2f} GiB of f32 in "
           f"{doc['tensors']} tensors of {side}×{side}, DTensors saved as `Shard(0)` from {doc['ranks']} gloo "
           f"ranks and loaded in place as `Shard(1)`; warm: on {m['warm_fs']} (in the page cache), cold: on "
           f"{m['cold_fs']} with the page cache dropped before each measurement; rank 0's wall time from "

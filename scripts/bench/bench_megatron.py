@@ -50,11 +50,11 @@ this script makes ``torch.cuda.synchronize`` a no-op (nothing to synchronize) an
 ``torch.cuda.current_device()`` return "cpu" (the 1-element flag then goes through gloo), in
 the spawned ranks only, and says so in the report.
 
-Usage: <venv with megatron-core + tessera>/bin/python scripts/bench_megatron.py
+Usage: <venv with megatron-core + tessera>/bin/python scripts/bench/bench_megatron.py
        [--size 512MiB] [--rounds 5] [--hidden 1024] [--load-layout tp1|swap]
        [--dir DIR] [--keep] [--json PATH|-]
 The venv's tessera must be this checkout's (the ranks start through ``tessera._launch``): a wheel
-built from it, as scripts/megatron-suite.sh installs into .venv-megatron, or ``PYTHONPATH=python``
+built from it, as scripts/ci/megatron_suite.sh installs into .venv-megatron, or ``PYTHONPATH=python``
 (the checkout's package and its built extension) ahead of an older installed copy.
 The default run takes about 1.5 min on 2 cores. A bigger one (about 4 GiB of free disk and 8 GiB of
 memory): --size 1GiB --hidden 2048 --rounds 5

@@ -1,7 +1,7 @@
 """tessera vs ai2-olmo-core 0.1.0 on OLMo-core's own checkpoint format: unshard and in-place load.
 
-Run in .venv-olmo (torch 2.7.1 + ai2-olmo-core 0.1.0 + tessera built in; ``scripts/olmo-env.sh``),
-on CPU with gloo ranks on 127.0.0.1; ``scripts/bench_olmo.sh`` sets everything up and runs it.
+Run in .venv-olmo (torch 2.7.1 + ai2-olmo-core 0.1.0 + tessera built in; ``scripts/env/olmo_env.sh``),
+on CPU with gloo ranks on 127.0.0.1; ``scripts/bench/bench_olmo.sh`` sets everything up and runs it.
 
 1. Checkpoint (reused when ``--dir`` already holds one made with the same options). A model of
    ``L`` blocks, each one ``nn.Linear(H, H)`` with bias (``H = --hidden``, ``L`` the fewest
@@ -44,7 +44,7 @@ on CPU with gloo ranks on 127.0.0.1; ``scripts/bench_olmo.sh`` sets everything u
 Ranks use one intra-op thread each (``torch.set_num_threads(1)``, as torchrun's
 ``OMP_NUM_THREADS=1``); the unshard subprocesses keep torch's and OLMo-core's defaults.
 
-Usage: .venv-olmo/bin/python scripts/bench_olmo.py [--size 1GiB] [--dir target/bench-olmo]
+Usage: .venv-olmo/bin/python scripts/bench/bench_olmo.py [--size 1GiB] [--dir target/bench-olmo]
        [--rounds 3] [--hidden 4096] [--reshard-world 3] [--json PATH] [--tessera BIN]
        [--remove-checkpoint]
 """
@@ -73,7 +73,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 2  # ranks that save the checkpoint
 MiB, GiB = 1 << 20, 1 << 30
 GOAL_SPEEDUP = 3.0

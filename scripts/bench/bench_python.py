@@ -29,7 +29,7 @@ same way, gives the disk's reference speed. Each measurement is repeated ``--rou
 (methods interleaved), medians reported. All loads are checked byte-identical to the truth.
 Goals (issue 3): resharded load ≥ 3× DCP, save ≥ 1.0× DCP.
 
-Usage: .venv/bin/python scripts/bench_python.py [--size 512MiB] [--rounds 3] [--hidden 1024]
+Usage: .venv/bin/python scripts/bench/bench_python.py [--size 512MiB] [--rounds 3] [--hidden 1024]
        [--dir DIR] [--keep] [--json PATH|-]
 """
 

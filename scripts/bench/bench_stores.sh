@@ -6,9 +6,9 @@
 # moto and fake-gcs-server, Azurite), builds the benchmark, and passes its arguments on
 # (default: --size 256MiB --ranks 4 --rounds 3).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/python-env.sh
-bash scripts/azurite-env.sh
+cd "$(dirname "$0")/../.."
+bash scripts/env/python_env.sh
+bash scripts/env/azurite_env.sh
 cargo build --release -q -p tessera-bench
 dir="$(mktemp -d "${TMPDIR:-/tmp}/tessera-bench-stores.XXXXXX")"
 trap 'rm -rf "$dir"' EXIT

@@ -25,7 +25,7 @@
 If the tessera binary is missing or has no ``unshard`` subcommand yet, (a) is skipped (and so
 are the ratios that need it): generation, the torch path and the copy reference still run.
 
-Usage: .venv/bin/python scripts/bench_unshard.py [--gib 1.0] [--rounds 3] [--hidden 1024]
+Usage: .venv/bin/python scripts/bench/bench_unshard.py [--gib 1.0] [--rounds 3] [--hidden 1024]
        [--dir DIR] [--keep] [--tessera PATH]
 """
 
@@ -47,7 +47,7 @@ import torch
 
 from tessera._launch import run_ranks
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 GIB = 1024**3
 INFO = "bench_unshard.json"  # generation options and sizes, next to the checkpoint

@@ -5,7 +5,7 @@
 # crates compiled and the stripped binary's size of each, and their ratios. Takes two full
 # release builds (about 10 minutes with 2 jobs).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 jobs="${CARGO_BUILD_JOBS:-2}"
 root="$(mktemp -d "${TMPDIR:-/tmp}/tessera-build-cost.XXXXXX")"
 trap 'rm -rf "$root"' EXIT

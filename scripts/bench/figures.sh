@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Produces the headline figures: the demo, the IO benchmark against raw disk (5 rounds,
 # medians), the resharded load against a memcpy (tmpfs) and a sequential read (disk), the async save against a memcpy and a sync save (5 rounds), the fully-parallel save's
-# bytes per rank (3 rounds), an object store (moto, started by scripts/s3-server.sh) against the
+# bytes per rank (3 rounds), an object store (moto, started by scripts/env/s3_server.sh) against the
 # local directory (5 rounds), the planning simulation at 10,000 ranks, and the Python package
 # against torch DCP and safetensors (2 gloo ranks, 3 rounds, medians). Output goes to
 # target/figures.txt.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 # Release build of the CLI and of the benchmarks (2 jobs: small machine).
 cargo build --release -j2 -p tessera-cli -p tessera-bench
 bin="${CARGO_TARGET_DIR:-target}/release/tessera"
 bench_bin="${CARGO_TARGET_DIR:-target}/release/tessera-bench"
 # The Python package (release build) in .venv, for the PyTorch comparison.
-bash scripts/python-env.sh
+bash scripts/env/python_env.sh
 out=target/figures.txt
 mkdir -p target
 
@@ -56,29 +56,29 @@ bench() {
   bench --fully-parallel --dir "$bench_dir" --size 256MiB --tp 2 --dp 4 --rounds 3
   # Object store against the local directory: the same save (TP=4) and resharded load (TP=2) into
   # moto_server (S3 in the memory of one Python process, on this machine's cores; started on a
-  # free port with a bucket by scripts/s3-server.sh, stopped afterwards) and into the directory;
+  # free port with a bucket by scripts/env/s3_server.sh, stopped afterwards) and into the directory;
   # GETs per chunk, bytes downloaded / needed, PUTs and parts. 256 MiB, ~2 min.
-  echo "\$ scripts/s3-server.sh --bucket tessera-bench -- tessera-bench --dir $bench_dir --s3 s3://tessera-bench/figures --size 256MiB --ranks 4 --rounds 5"
-  bash scripts/s3-server.sh --bucket tessera-bench -- \
+  echo "\$ scripts/env/s3_server.sh --bucket tessera-bench -- tessera-bench --dir $bench_dir --s3 s3://tessera-bench/figures --size 256MiB --ranks 4 --rounds 5"
+  bash scripts/env/s3_server.sh --bucket tessera-bench -- \
     "$bench_bin" --dir "$bench_dir" --s3 s3://tessera-bench/figures --size 256MiB --ranks 4 --rounds 5
   echo
   bench --plan-only --ranks 10000 --tensors 1000
   # About 1,000,000 stored chunks: the index-open figure for the 1M-chunk goal.
   bench --plan-only --ranks 2000 --tensors 1000
   # PyTorch users' view: tessera.torch vs torch.distributed.checkpoint vs safetensors, 512MiB.
-  echo "\$ .venv/bin/python scripts/bench_python.py"
-  .venv/bin/python scripts/bench_python.py
+  echo "\$ .venv/bin/python scripts/bench/bench_python.py"
+  .venv/bin/python scripts/bench/bench_python.py
   echo
   # The same state through tessera.torch against torch DCP, warm (tmpfs) and cold (disk). ~1 min.
-  echo "\$ .venv/bin/python scripts/bench_load_speed.py --rounds 3"
-  .venv/bin/python scripts/bench_load_speed.py --rounds 3
+  echo "\$ .venv/bin/python scripts/bench/bench_load_speed.py --rounds 3"
+  .venv/bin/python scripts/bench/bench_load_speed.py --rounds 3
   echo
   # Distributed-optimizer state: model-space flat ranges vs raw per-rank buckets.
-  echo "\$ .venv/bin/python scripts/bench_dist_optimizer.py --reps 5"
-  .venv/bin/python scripts/bench_dist_optimizer.py --reps 5
+  echo "\$ .venv/bin/python scripts/bench/bench_dist_optimizer.py --reps 5"
+  .venv/bin/python scripts/bench/bench_dist_optimizer.py --reps 5
   echo
   # Unsharding a 1 GiB PyTorch DCP checkpoint (2 ranks): tessera unshard vs torch's
   # dcp_to_torch_save vs a plain copy of the same bytes, alternating, 3 rounds.
-  echo "\$ .venv/bin/python scripts/bench_unshard.py --gib 1.0 --rounds 3 --tessera $bin"
-  .venv/bin/python scripts/bench_unshard.py --gib 1.0 --rounds 3 --tessera "$bin"
+  echo "\$ .venv/bin/python scripts/bench/bench_unshard.py --gib 1.0 --rounds 3 --tessera $bin"
+  .venv/bin/python scripts/bench/bench_unshard.py --gib 1.0 --rounds 3 --tessera "$bin"
 } 2>&1 | tee "$out"

@@ -5,10 +5,10 @@
 # crates/tessera/tests/crash_writers.rs for the torch_dist and OLMo-core writers). Prints one
 # summary line per mode and writes them to target/crash-report.txt.
 #
-#   scripts/crash_test.sh [INSTANTS]            MODES="sync async torch_dist olmo" (default)
-#   TESSERA_CRASH_SEED=N                        another sequence of kill delays
+#   scripts/ci/crash_test.sh [INSTANTS]            MODES="sync async torch_dist olmo" (default)
+#   TESSERA_CRASH_SEED=N                           another sequence of kill delays
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 instants="${1:-500}"
 modes="${MODES:-sync async torch_dist olmo}"
 report=target/crash-report.txt

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Fuzzes tessera's parsers with cargo-fuzz (libFuzzer), starting from the committed seed corpora
-# (fuzz/corpus/TARGET, made by scripts/fuzz-seed.sh from the test fixtures).
+# (fuzz/corpus/TARGET, made by scripts/ci/fuzz_seed.sh from the test fixtures).
 #
-#   scripts/fuzz.sh ci                  every target for ${FUZZ_CI_SECS:-10} s: the CI-sized run
-#   scripts/fuzz.sh [SECS] [TARGET]     one target (default unpickle) for SECS (default 600) s
-#   scripts/fuzz.sh SECS all            every target for SECS s each, one after the other
-#   FUZZ_KEEP_GOING=1 scripts/fuzz.sh … long runs: libFuzzer's fork mode, so a crash, OOM or
-#                                       timeout is saved and fuzzing goes on to the end
+#   scripts/ci/fuzz.sh ci                  every target for ${FUZZ_CI_SECS:-10} s: the CI-sized run
+#   scripts/ci/fuzz.sh [SECS] [TARGET]     one target (default unpickle) for SECS (default 600) s
+#   scripts/ci/fuzz.sh SECS all            every target for SECS s each, one after the other
+#   FUZZ_KEEP_GOING=1 scripts/ci/fuzz.sh … long runs: libFuzzer's fork mode, so a crash, OOM or
+#                                          timeout is saved and fuzzing goes on to the end
 #
 # Targets (fuzz/fuzz_targets/*.rs): index (tessera.index, v1/v2, the ranged v2 open), safetensors
 # (data file headers), dcp (DCP .metadata and the DCP/Megatron/OLMo-core readers), unpickle (the
@@ -23,7 +23,7 @@
 # fuzz/regressions/TARGET/, which every run replays first. A summary (target, seconds,
 # executions, verdict) is printed and written to fuzz/target/fuzz-summary.txt.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 all_targets=(index safetensors dcp unpickle zip zarr olmo)
 if [ "${1:-}" = ci ]; then

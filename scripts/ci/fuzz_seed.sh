@@ -12,7 +12,7 @@
 # Idempotent: rewrites the seeds it makes, leaves other files alone. Keeps every corpus small
 # (< 1 MB in all); commit what it writes.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 fx=crates/tessera/tests/fixtures
 foreign=$fx/foreign
 out=fuzz/corpus

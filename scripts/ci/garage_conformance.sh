@@ -4,9 +4,9 @@
 # time (`cargo install garage`, ~30 min on 2 cores: too slow for every CI run, hence a script).
 # Prints one PASS/FAIL line per storage feature; the result is recorded in the README.
 #
-#   scripts/garage-conformance.sh            GARAGE=/path/to/garage to use an existing binary
+#   scripts/ci/garage_conformance.sh            GARAGE=/path/to/garage to use an existing binary
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 root="$PWD"
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 

@@ -12,7 +12,7 @@
 # Default features are off: they only add the object-store client, which these tests do not
 # use, and which would cost minutes to build under Miri.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/miri}"
 # Thread scheduling is explored from a fixed seed; pass e.g. -Zmiri-many-seeds=0..8 to widen.

@@ -3,8 +3,8 @@
 # load with another layout (the 3-rank load exchanges byte ranges with MPI_Alltoallv); the
 # example checks every byte and exits non-zero on any difference.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/mpi-env.sh
+cd "$(dirname "$0")/../.."
+bash scripts/env/mpi_env.sh
 # OpenMPI refuses to run as root unless told to (CI containers run as root).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 cargo build --release -p tessera --features mpi --example mpi_checkpoint

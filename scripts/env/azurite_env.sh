@@ -5,7 +5,7 @@
 # loopback port). Installs Node.js and npm with apt first if they are missing (sudo when not
 # root). Safe to rerun.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 version=3.37.0
 bin=target/azurite/node_modules/.bin/azurite-blob
 if [ -x "$bin" ]; then

@@ -4,7 +4,7 @@
 # that venv, which must print "100 [9.0, 10.0, 11.0]". Prints the build time. Uses pip's cache;
 # the venv goes to $FRESH_VENV (default: a temporary directory, removed on exit).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 py="${PYTHON:-python3}"
 venv="${FRESH_VENV:-}"
 if [ -z "$venv" ]; then

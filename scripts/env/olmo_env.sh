@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Creates .venv-olmo: ai2-olmo-core 0.1.0, the peer whose checkpoint format tessera.olmo_core
 # reads and writes. It needs torch <= 2.7.1, so it cannot share .venv (torch 2.15). Used by
-# scripts/make_olmo_fixtures.py, scripts/olmo_interop.sh and scripts/bench_olmo.py; tessera's
+# scripts/fixtures/make_olmo_fixtures.py, scripts/interop/olmo_interop.sh and scripts/bench/bench_olmo.py; tessera's
 # wheel is built into it too (maturin develop), so one process can run both. Safe to rerun.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 py="${PYTHON:-python3}"
 if [ ! -x .venv-olmo/bin/python ]; then
   "$py" -m venv .venv-olmo

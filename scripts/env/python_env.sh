@@ -2,7 +2,7 @@
 # Creates .venv (if missing) with the test requirements, and builds + installs the tessera
 # Python package into it (maturin develop, release mode). Safe to rerun: only rebuilds.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 py="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv

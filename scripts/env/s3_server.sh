@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # A local S3 server for benchmarks and manual tries: moto_server (in memory; installed into .venv
-# by scripts/python-env.sh) on a free loopback port, with a bucket created. It either runs a
+# by scripts/env/python_env.sh) on a free loopback port, with a bucket created. It either runs a
 # command with the AWS_* environment pointing at the server, or prints that environment and
 # waits; the server is stopped on exit either way.
 #
-#   bash scripts/s3-server.sh [--bucket B] -- COMMAND [ARGS...]   # COMMAND against the server
-#   bash scripts/s3-server.sh [--bucket B]                       # print the env, wait for Ctrl-C
+#   bash scripts/env/s3_server.sh [--bucket B] -- COMMAND [ARGS...]   # COMMAND against the server
+#   bash scripts/env/s3_server.sh [--bucket B]                       # print the env, wait for Ctrl-C
 #
 # The environment: AWS_ENDPOINT_URL=http://127.0.0.1:PORT, AWS_ALLOW_HTTP=true,
 # AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (moto accepts any), AWS_REGION=us-east-1, and
 # TESSERA_S3_URL=s3://B (default bucket: tessera). The server's log goes to
 # target/s3-server.log; TESSERA_MOTO_SERVER names another moto_server binary.
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 
 bucket=tessera
 while [ $# -gt 0 ]; do
@@ -25,7 +25,7 @@ done
 
 moto="${TESSERA_MOTO_SERVER:-$root/.venv/bin/moto_server}"
 if [ ! -x "$moto" ]; then
-  echo "s3-server: no $moto (run: bash scripts/python-env.sh, which installs moto into .venv)" >&2
+  echo "s3_server: no $moto (run: bash scripts/env/python_env.sh, which installs moto into .venv)" >&2
   exit 1
 fi
 python="$root/.venv/bin/python"
@@ -49,7 +49,7 @@ for _ in $(seq 1 300); do
     break
   fi
   if ! kill -0 "$moto_pid" 2>/dev/null; then
-    echo "s3-server: moto_server exited; see $log" >&2
+    echo "s3_server: moto_server exited; see $log" >&2
     exit 1
   fi
   sleep 0.2
@@ -62,7 +62,7 @@ status="$(head -n 1 <&3 | awk '{print $2}')"
 exec 3>&-
 case "$status" in
   200 | 409) ;;
-  *) echo "s3-server: creating bucket $bucket: HTTP ${status:-no answer}" >&2; exit 1 ;;
+  *) echo "s3_server: creating bucket $bucket: HTTP ${status:-no answer}" >&2; exit 1 ;;
 esac
 
 export AWS_ENDPOINT_URL="http://127.0.0.1:$port"
@@ -74,7 +74,7 @@ export TESSERA_S3_URL="s3://$bucket"
 unset AWS_SESSION_TOKEN AWS_PROFILE
 
 if [ $# -gt 0 ]; then
-  echo "s3-server: moto_server on $AWS_ENDPOINT_URL, bucket $bucket" >&2
+  echo "s3_server: moto_server on $AWS_ENDPOINT_URL, bucket $bucket" >&2
   set +e
   "$@"
   rc=$?

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Creates .venv-titan: torchtitan 0.3.0 (PyPI) over the project's own .venv (torch 2.15 and
-# tessera, which scripts/python-env.sh installs): a venv of its own for torchtitan and its
+# tessera, which scripts/env/python_env.sh installs): a venv of its own for torchtitan and its
 # light dependencies, reading .venv's packages through a .pth file, so that torch is not
 # installed twice. torchtitan's data and logging extras (datasets, tensorboard, wandb) are not
 # installed: its checkpointing imports none of them. transformers checks the Hugging Face
 # export. Safe to rerun.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/python-env.sh
+cd "$(dirname "$0")/../.."
+bash scripts/env/python_env.sh
 py="${PYTHON:-python3}"
 if [ ! -x .venv-titan/bin/python ]; then
   "$py" -m venv .venv-titan

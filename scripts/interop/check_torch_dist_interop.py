@@ -4,7 +4,7 @@
 Run by hand (not CI) with megatron-core 0.16.1 and a tessera build on the path, e.g.:
 
     PYTHONPATH=/work/pyr /work/main/.venv-megatron/bin/torchrun --nproc_per_node=4 \\
-        scripts/check_torch_dist_interop.py /tmp/td-interop
+        scripts/interop/check_torch_dist_interop.py /tmp/td-interop
 
 On N gloo ranks (TP=2 x DP=N/2) it builds a Megatron sharded state dict (tensors split on
 axis 0 and axis 1, stacked layers with a prepended axis, replicated tensors, a ShardedObject

@@ -8,7 +8,7 @@ OLMo-core 3.0 as the one ``save_model_and_optim_state`` wrote for the fixture do
                                          as crates/tessera/tests/fixtures/olmo3/expected.pt.
   olmo3_interop.py --fixture             the fixture itself against its expected.pt (sanity).
 
-The model is the fixture's ``TinyOlmo3`` (scripts/make_olmo3_fixtures.py: tied embedding/head,
+The model is the fixture's ``TinyOlmo3`` (scripts/fixtures/make_olmo3_fixtures.py: tied embedding/head,
 AdamW with two param groups). Checks, each printed as one PASS/FAIL line:
 
   metadata tensors       ``get_checkpoint_metadata``: the tensor keys are EXPECTED's tensors as
@@ -30,7 +30,7 @@ AdamW with two param groups). Checks, each printed as one PASS/FAIL line:
                          ``optim.state.embed.weight.exp_avg`` by name from any checkpoint: its
                          ``_get_key`` splits at every dot and does not index lists.)
 
-Exits 1 if any check fails. Run in .venv-olmo3 (bash scripts/olmo3_interop.sh makes it); tessera
+Exits 1 if any check fails. Run in .venv-olmo3 (bash scripts/interop/olmo3_interop.sh makes it); tessera
 itself is not needed.
 """
 
@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import make_olmo3_fixtures as fx  # noqa: E402  (the fixture's model, optimizer and comparison)
 
 FIXTURE = fx.DEFAULT_OUT

@@ -32,9 +32,9 @@ Checks, one ``PASS name`` / ``FAIL name: reason`` line each:
   D OTHER->IMPL        that step5 (written by the other implementation) resumed by --impl on 2
                        ranks, compared against the state the other run gathered.
 
-Run: ``bash scripts/olmo3_trainer.sh [--impl olmo|tessera] [--keep DIR]`` (makes .venv-olmo3 if
+Run: ``bash scripts/interop/olmo3_trainer.sh [--impl olmo|tessera] [--keep DIR]`` (makes .venv-olmo3 if
 missing). For ``--impl tessera`` (and for D, which always uses both) tessera must be importable in
-.venv-olmo3: installed there (``bash scripts/olmo3-env.sh --with-tessera``) or
+.venv-olmo3: installed there (``bash scripts/env/olmo3_env.sh --with-tessera``) or
 ``PYTHONPATH=/path/to/tessera/python`` (the wrapper adds this checkout's python/ when it holds
 a built extension). ``--keep DIR`` keeps the checkpoints and per-rank logs; without it they are
 removed unless a check failed. About 75 s on 2 cores. Exits 1 if any check fails.

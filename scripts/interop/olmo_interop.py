@@ -1,6 +1,6 @@
 """Round trips between tessera.olmo_core and ai2-olmo-core 0.1.0 itself, both ways.
 
-Run by scripts/olmo_interop.sh in .venv-olmo (torch 2.7.1 + ai2-olmo-core 0.1.0 + tessera), on
+Run by scripts/interop/olmo_interop.sh in .venv-olmo (torch 2.7.1 + ai2-olmo-core 0.1.0 + tessera), on
 CPU with gloo ranks started here. A TinyLM is trained 2 steps with AdamW (weight decay 0.1) and
 saved; the truth is its full parameters (FSDP1: ``summon_full_params``) and OLMo-core's own
 unshard of what it saved.
@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from tessera._launch import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests/python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests/python"))
 import olmo_models  # noqa: E402  (shared with the pytest suite)
 from olmo_models import TinyLM, full_params, wrap  # noqa: E402
 

@@ -1,6 +1,6 @@
 """torchtitan 0.3.0's own CheckpointManager on tessera, against the same runs on torch DCP.
 
-Run in `.venv-titan` (scripts/torchtitan-env.sh makes it): `bash scripts/torchtitan_interop.sh`.
+Run in `.venv-titan` (scripts/env/torchtitan_env.sh makes it): `bash scripts/interop/torchtitan_interop.sh`.
 Each scenario runs twice, once with torchtitan's `dcp` name as torch DCP and once as
 `tessera.torch.dcp` (the switch the README shows), on CPU with gloo, and the final full model
 and optimizer state of the two must be equal bit for bit; each run also checks what it can on

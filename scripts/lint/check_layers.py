@@ -4,13 +4,13 @@
 that no two files name each other (directly or around a circle). Exits 1 naming each arrow
 that breaks a rule and each circle.
 
-    python3 scripts/check_layers.py
+    python3 scripts/lint/check_layers.py
 """
 import re
 import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parent.parent / "crates/tessera/src"
+SRC = Path(__file__).resolve().parents[2] / "crates/tessera/src"
 
 # What each layer may use besides itself. `error` is the floor; `storage`, `comm` and
 # `threads` (the engines' thread helpers) are leaves; `save` may ask `load` what a location holds, never the reverse.

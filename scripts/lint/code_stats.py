@@ -2,8 +2,8 @@
 """Lines of Rust per crate (src/ and tests/ apart) and the largest source files, at the working
 tree or at a git revision:
 
-    python3 scripts/code_stats.py            # the working tree
-    python3 scripts/code_stats.py REV        # e.g. the commit before a change
+    python3 scripts/lint/code_stats.py            # the working tree
+    python3 scripts/lint/code_stats.py REV        # e.g. the commit before a change
 """
 import subprocess
 import sys

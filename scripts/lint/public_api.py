@@ -3,8 +3,8 @@
 (`pub use`) and the public modules, leaving out the doc-hidden `__*` modules (feature-gated
 doors for fuzz targets, the plan simulator and tests; not API).
 
-    python3 scripts/public_api.py            # the working tree
-    python3 scripts/public_api.py REV        # lib.rs at a git revision (e.g. before a change)
+    python3 scripts/lint/public_api.py            # the working tree
+    python3 scripts/lint/public_api.py REV        # lib.rs at a git revision (e.g. before a change)
 """
 import re
 import subprocess
