@@ -1,8 +1,8 @@
 """The tiny language model the OLMo-core tests, round trips and fixtures share, and how they
 wrap it (FSDP1 with ``use_orig_params``, FSDP2, DDP) and read its parameters back whole.
 
-Imported by tests/python/test_olmo_core.py, scripts/olmo_interop.py and
-scripts/make_olmo_fixtures.py (the scripts put this folder on ``sys.path``); it must work with
+Imported by tests/python/test_olmo_core.py, scripts/interop/olmo_interop.py and
+scripts/fixtures/make_olmo_fixtures.py (the scripts put this folder on ``sys.path``); it must work with
 torch 2.7.1 (OLMo-core's venv) and the project's torch.
 """
 

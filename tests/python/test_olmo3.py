@@ -16,7 +16,7 @@ FIXTURE = Path(__file__).resolve().parents[2] / "crates" / "tessera" / "tests" /
 
 
 class TinyOlmo3(nn.Module):
-    """The fixture's model (scripts/make_olmo3_fixtures.py): head tied to the embedding."""
+    """The fixture's model (scripts/fixtures/make_olmo3_fixtures.py): head tied to the embedding."""
 
     def __init__(self) -> None:
         super().__init__()

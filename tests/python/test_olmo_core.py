@@ -5,7 +5,7 @@ FSDP2 at 3 ranks and a plain module in one process, each into a freshly built mo
 optimizer, and saved again: every load gives back the saved parameters exactly (no optimizer
 step applied), and every re-save unshards to the same state. DDP with SGD + momentum, Adam,
 the real OLMo-core fixtures, the metadata models and the errors are covered too. The round
-trips against ai2-olmo-core itself run in scripts/olmo_interop.sh (a venv with torch 2.7.1).
+trips against ai2-olmo-core itself run in scripts/interop/olmo_interop.sh (a venv with torch 2.7.1).
 """
 
 from __future__ import annotations

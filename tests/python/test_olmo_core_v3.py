@@ -1,7 +1,7 @@
 """tessera.olmo_core.v3: OLMo-core 3.x's ``olmo_core.distributed.checkpoint`` API over tessera.
 
 Runs with the project's torch (no ai2-olmo-core here); OLMo-core 3.0.0's own Trainer and loads
-run against it in .venv-olmo3 (scripts/olmo3_trainer.sh, scripts/olmo3_interop.sh)."""
+run against it in .venv-olmo3 (scripts/interop/olmo3_trainer.sh, scripts/interop/olmo3_interop.sh)."""
 
 from __future__ import annotations
 

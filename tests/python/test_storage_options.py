@@ -54,7 +54,7 @@ def _azurite_binary() -> str:
             return candidate
     found = shutil.which("azurite-blob")
     if found is None:
-        pytest.fail("no azurite-blob: run scripts/azurite-env.sh (npm install azurite) or set TESSERA_AZURITE")
+        pytest.fail("no azurite-blob: run scripts/env/azurite_env.sh (npm install azurite) or set TESSERA_AZURITE")
     return found
 
 

@@ -2,7 +2,7 @@
 read by torch itself: ``torch.distributed.checkpoint.load`` on one process loads what two gloo
 ranks wrote (split differently from how they held it) with exact values, sharded objects
 included; ``torch.load`` reads ``common.pt``. (megatron-core's own load of the same layout:
-``scripts/check_torch_dist_interop.py``.)"""
+``scripts/interop/check_torch_dist_interop.py``.)"""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ struct Cli {
     #[arg(long, alias = "store", value_name = "URL", conflicts_with_all = ["plan_only", "async_save", "fully_parallel"])]
     s3: Vec<String>,
     /// --s3 against one emulator of each store, started here on loopback: moto (S3), Azurite
-    /// (Azure) and fake-gcs-server (GCS), as the tests start them (scripts/bench-stores.sh).
+    /// (Azure) and fake-gcs-server (GCS), as the tests start them (scripts/bench/bench_stores.sh).
     #[arg(long, conflicts_with_all = ["plan_only", "async_save", "fully_parallel", "s3"])]
     emulators: bool,
     #[command(flatten)]

@@ -63,7 +63,7 @@ fn local_storage_conforms_in_an_existing_directory() {
 }
 
 /// The S3 backend against moto (or `TESSERA_TEST_S3_ENDPOINT`: Garage, in
-/// `scripts/garage-conformance.sh`, which runs this test by name).
+/// `scripts/ci/garage_conformance.sh`, which runs this test by name).
 #[test]
 fn s3_storage_conforms() {
     conforms(&common::s3::fresh_storage("conformance"));

@@ -17,7 +17,7 @@
 //! Kill delays are drawn (seeded) over the duration of an uninterrupted calibration run of the
 //! child (2 steps: 4 saves), mostly inside its saves. Environment: `TESSERA_CRASH_INSTANTS`
 //! (default 50), `TESSERA_CRASH_MODE` (`sync`), `TESSERA_CRASH_SEED`, `TESSERA_CRASH_VERBOSE`
-//! (a line per instant). `scripts/crash_test.sh` runs it in release with 500 instants.
+//! (a line per instant). `scripts/ci/crash_test.sh` runs it in release with 500 instants.
 #![cfg(unix)]
 
 mod common;

@@ -383,9 +383,9 @@ fn dcp_metadata_of_millions_of_nones_is_refused_within_2x_input_plus_64_mib() {
 }
 
 /// Which budget ratios a real pickle (`TESSERA_BUDGET_PICKLE`, e.g. from
-/// `scripts/unpickle_budget.sh`) unpickles under; the default must be one of them.
+/// `scripts/ci/unpickle_budget.sh`) unpickles under; the default must be one of them.
 #[test]
-#[ignore = "needs a large pickle: scripts/unpickle_budget.sh"]
+#[ignore = "needs a large pickle: scripts/ci/unpickle_budget.sh"]
 fn unpickler_budget_of_real_metadata() {
     let path = std::env::var("TESSERA_BUDGET_PICKLE").expect("TESSERA_BUDGET_PICKLE");
     let bytes = std::fs::read(&path).unwrap();

@@ -2,7 +2,7 @@
 //! `tests/fixtures/olmo/` (written by ai2-olmo-core 0.1.0 itself) load to exactly their
 //! expected tensors in any layout, whole or as `model/` / `optim/` alone, with the pickled
 //! optimizer fields decoded; tessera's own writer produces checkpoints the reader (and, in
-//! `scripts/olmo_interop.sh`, OLMo-core) loads; damaged metadata is a clear error.
+//! `scripts/interop/olmo_interop.sh`, OLMo-core) loads; damaged metadata is a clear error.
 
 mod common;
 

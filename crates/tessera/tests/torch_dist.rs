@@ -3,7 +3,7 @@
 //! (objects and common state included); an existing checkpoint is kept unless overwriting;
 //! what the format cannot hold is refused on every rank before anything is written.
 //! (`tests/python/test_torch_dist_write.py` has torch load the same files;
-//! `scripts/check_torch_dist_interop.py` has megatron-core load them.)
+//! `scripts/interop/check_torch_dist_interop.py` has megatron-core load them.)
 
 mod common;
 #[path = "common/hostile.rs"]

@@ -72,7 +72,7 @@ pub fn refused(args: &[&str], path: &Path) -> String {
     err
 }
 
-/// The binary against an S3 endpoint: `TESSERA_TEST_S3_ENDPOINT` (scripts/test.sh starts
+/// The binary against an S3 endpoint: `TESSERA_TEST_S3_ENDPOINT` (scripts/ci/test.sh starts
 /// moto_server there), or else a `moto_server` started on a free loopback port (from
 /// `TESSERA_MOTO_SERVER`, the repository's `.venv/bin/moto_server` or the PATH), shared by the
 /// tests of this process and killed with it. The children get the endpoint and credentials

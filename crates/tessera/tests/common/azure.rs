@@ -2,7 +2,7 @@
 //! (`http://127.0.0.1:PORT/devstoreaccount1`, an Azurite someone else runs), or else an
 //! Azurite (`azurite-blob`, in-memory) started here on a free loopback port, from
 //! `TESSERA_AZURITE`, `target/azurite/node_modules/.bin/azurite-blob` (where
-//! `scripts/azurite-env.sh` installs it) or the PATH, shared by the tests of this process and
+//! `scripts/env/azurite_env.sh` installs it) or the PATH, shared by the tests of this process and
 //! stopped with it. The client signs with Azurite's well-known development account and key.
 
 use std::io::{Read, Write};
@@ -54,7 +54,7 @@ fn start_azurite() -> String {
         args,
         port,
         "no Azure Blob server for the object-store tests: set TESSERA_TEST_AZURE_ENDPOINT, or install \
-         Azurite (`bash scripts/azurite-env.sh`, or `npm install -g azurite`)",
+         Azurite (`bash scripts/env/azurite_env.sh`, or `npm install -g azurite`)",
     );
     format!("http://127.0.0.1:{port}/{ACCOUNT}")
 }

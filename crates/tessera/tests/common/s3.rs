@@ -63,7 +63,7 @@ fn start_moto() -> String {
         args,
         port,
         "no S3 server for the object-store tests: set TESSERA_TEST_S3_ENDPOINT, or install moto \
-         (`pip install 'moto[server]'`, e.g. into .venv by scripts/python-env.sh)",
+         (`pip install 'moto[server]'`, e.g. into .venv by scripts/env/python_env.sh)",
     );
     format!("http://127.0.0.1:{port}")
 }
