@@ -3,7 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use tessera::{Error, ObjectWriter, Result, Storage};
+use tessera::{Error, Result, Storage};
+use tessera::storage::ObjectWriter;
 
 /// Files by `/`-joined name, borrowed (fixtures, the fuzz input): nothing is copied per run.
 #[derive(Debug, Default)]

@@ -10,7 +10,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::{open, verify};
+use tessera::open;
+use tessera::tools::verify;
 
 mod common;
 

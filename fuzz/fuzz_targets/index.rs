@@ -12,7 +12,10 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::{open, open_with, verify, CheckpointIndex, MemoryStorage, OpenOptions, Storage, TensorEntry};
+use tessera::{open, open_with, OpenOptions, Storage};
+use tessera::index::{CheckpointIndex, TensorEntry};
+use tessera::storage::MemoryStorage;
+use tessera::tools::verify;
 
 const GOLDEN: [&[u8]; 2] = [
     include_bytes!("../../crates/tessera/tests/fixtures/golden_v1/tessera.index"),
@@ -99,7 +102,7 @@ impl Script<'_> {
 fn edited(data: &[u8]) -> Option<Vec<u8>> {
     let (&first, rest) = data.split_first()?;
     let mut index = CheckpointIndex::from_bytes(GOLDEN[(first & 1) as usize], "golden").expect("golden index");
-    let mut tensors: Vec<(String, tessera::DType, Vec<u64>, Vec<tessera::StoredChunk>)> =
+    let mut tensors: Vec<(String, tessera::DType, Vec<u64>, Vec<tessera::index::StoredChunk>)> =
         index.tensors.drain(..).map(|t| (t.key.clone(), t.dtype, t.global_shape.clone(), t.into_chunks())).collect();
     let mut script = Script(rest);
     while let (Some(op), Some(which), Some(dim)) = (script.byte(), script.byte(), script.byte()) {

@@ -4,7 +4,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::{open, verify, MemoryStorage, Storage};
+use tessera::{open, Storage};
+use tessera::storage::MemoryStorage;
+use tessera::tools::verify;
 
 fuzz_target!(|data: &[u8]| {
     // [len_a u16][len_b u16] metadata.json | rank_0.safetensors (len_a) | rank_1.safetensors (len_b)

@@ -9,7 +9,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::{open, verify, MemoryStorage, Storage};
+use tessera::{open, Storage};
+use tessera::storage::MemoryStorage;
+use tessera::tools::verify;
 
 const INDEX: &[u8] = include_bytes!("../../crates/tessera/tests/fixtures/golden_v2/tessera.index");
 const FILE_0: &str = "a209342d75b9d537-r00000.safetensors";

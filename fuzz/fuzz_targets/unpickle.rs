@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera::__fuzz::{unpickle, UnpickleLimits};
+use tessera::{__fuzz::{unpickle, UnpickleLimits}};
 use tessera::Value;
 
 fuzz_target!(|data: &[u8]| {

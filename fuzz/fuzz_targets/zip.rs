@@ -8,7 +8,8 @@
 
 use libfuzzer_sys::fuzz_target;
 use tessera::__fuzz;
-use tessera::{open, verify};
+use tessera::open;
+use tessera::tools::verify;
 
 mod common;
 

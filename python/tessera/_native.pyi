@@ -42,6 +42,9 @@ class Location:
     def url(self) -> str: ...
     @property
     def storage_options(self) -> Dict[str, str]: ...
+    @property
+    def local_dir(self) -> Optional[str]:
+        """The local directory (a plain path or ``file://``), None for other locations."""
 
 LocationLike = Union[str, Location]
 
@@ -437,8 +440,28 @@ def read_file(location: LocationLike, name: str) -> Optional[bytes]:
     """The bytes of the file ``name`` of the checkpoint at ``location`` (a plain name; locally a
     regular file, no link followed), or None if it does not exist."""
 
-def detect(location: LocationLike) -> Optional[Tuple[str, int]]:
-    """``(backend, version)`` of the checkpoint at ``location``, or None if there is none."""
+@final
+class CheckpointFormat:
+    """What wrote a checkpoint, as the core recognised it."""
+
+    @property
+    def backend(self) -> str:
+        """``tessera``, ``torch_dcp``, ``torch_dist``, ``olmo_core``, ``zarr``,
+        ``olmo_safetensors`` or ``safetensors``."""
+    @property
+    def version(self) -> int: ...
+    @property
+    def is_dcp(self) -> bool:
+        """A PyTorch DCP directory."""
+    @property
+    def is_megatron(self) -> bool:
+        """It carries Megatron-Core's ``metadata.json``."""
+    @property
+    def is_native(self) -> bool:
+        """tessera's own format."""
+
+def detect(location: LocationLike) -> Optional[CheckpointFormat]:
+    """The format of the checkpoint at ``location``, or None if there is none."""
 
 def encode_value(value: PlainValue) -> bytes:
     """``value`` in the library's safe tagged encoding (data only, never code)."""

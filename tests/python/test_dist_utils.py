@@ -438,14 +438,20 @@ def fake_native(monkeypatch):
     def read_file(location, name):
         return None  # the stub's checkpoints hold no metadata.json
 
-    module = types.SimpleNamespace(detect=detect, read_file=read_file)
+    from tessera import _native
+
+    module = types.SimpleNamespace(detect=detect, read_file=read_file, Location=_native.Location)
     monkeypatch.setattr(dc_core, "_native", module)
     return answers
 
 
 def test_maybe_load_config_from_detect(fake_native):
-    fake_native["/ckpt"] = ("tessera", 1)
-    fake_native["/zarr"] = ("zarr", 1)
+    def fmt(backend, version, **kind):
+        flags = {"is_native": False, "is_dcp": False, "is_megatron": False, **kind}
+        return types.SimpleNamespace(backend=backend, version=version, **flags)
+
+    fake_native["/ckpt"] = fmt("tessera", 1, is_native=True)
+    fake_native["/zarr"] = fmt("zarr", 1, is_megatron=True)
     assert maybe_load_config("/ckpt") == CheckpointingConfig("tessera", 1, "tessera", 1)
     assert maybe_load_config("/zarr") == CheckpointingConfig("zarr", 1, "torch", 1)
     assert maybe_load_config("/empty") is None

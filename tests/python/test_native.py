@@ -345,7 +345,8 @@ def test_verify_gc_detect_remove(ckpt):
     report = N.verify(ckpt, threads=2)
     assert report["problems"] == [] and report["files"] == 2 and report["chunks"] >= 5
     assert report["bytes_checked"] > 0
-    assert N.detect(ckpt) == ("tessera", N.FORMAT_VERSION)
+    found = N.detect(ckpt)
+    assert (found.backend, found.version, found.is_native, found.is_dcp) == ("tessera", N.FORMAT_VERSION, True, False)
     leftover = os.path.join(ckpt, "fedcba9876543210-r00001.safetensors")
     open(leftover, "wb").write(b"x")
     assert N.gc(ckpt)["removed"] == [os.path.basename(leftover)]

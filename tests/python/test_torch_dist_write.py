@@ -135,7 +135,8 @@ def test_torch_loads_what_two_ranks_wrote(tmp_path: Any) -> None:
     assert common == {"iteration": 3, "args": {"lr": 0.5, "name": "tiny"}}
 
     # tessera reads it back too.
-    assert _native.detect(path) == ("torch_dist", 1)
+    found = _native.detect(path)
+    assert (found.backend, found.version, found.is_dcp, found.is_megatron) == ("torch_dist", 1, True, True)
 
 
 def test_an_existing_checkpoint_is_kept(tmp_path: Any) -> None:

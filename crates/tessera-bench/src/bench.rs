@@ -22,10 +22,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde_json::json;
-use tessera::{LoadOptions, LocalStorage, SaveOptions};
+use tessera::storage::LocalStorage;
+use tessera::{LoadOptions, SaveOptions};
 
+use crate::scratch::Scratch;
+use tessera::storage::Location;
 use tessera_cli::jobs;
-use tessera_cli::location::Location;
 use tessera_cli::model::{self, Layout, ModelConfig};
 use tessera_cli::progress::Progress;
 use tessera_cli::sizes::{fmt_bytes, fmt_secs, gbps};
@@ -322,7 +324,7 @@ pub fn run(args: BenchArgs) -> Result<u8> {
         ckpt: args.dir.join("ckpt"),
     };
     // The rounds delete the checkpoint directory: it must be the benchmark's own.
-    Location::Local(setup.ckpt.clone()).claim()?;
+    Location::local(setup.ckpt.clone()).claim()?;
 
     let mut rounds = Vec::with_capacity(args.rounds);
     for i in 0..args.rounds {

@@ -41,14 +41,14 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde_json::json;
-use tessera::{
-    AsyncSave, AsyncSaver, Communicator, InProcessComm, SaveOptions, StagingPool, Storage, TensorData,
-    DEFAULT_BLOCK_SIZE, DEFAULT_STAGING_BUFFER,
-};
+use tessera::comm::InProcessComm;
+use tessera::index::DEFAULT_BLOCK_SIZE;
+use tessera::{AsyncSave, AsyncSaver, Communicator, SaveOptions, StagingPool, Storage, TensorData};
 
 use crate::bench::{ratio, Spread};
 use crate::peak::{self, PeakWatch};
-use tessera_cli::location::Location;
+use crate::scratch::Scratch;
+use tessera::storage::Location;
 use tessera_cli::model::{self, Layout, Leaf, ModelConfig};
 use tessera_cli::progress::Progress;
 use tessera_cli::ranks;
@@ -75,9 +75,9 @@ pub struct AsyncArgs {
 pub const DEFAULT_BUDGET: &str = "64MiB";
 
 /// A staging budget that holds `share` bytes without waiting for a buffer: each buffer of
-/// [`DEFAULT_STAGING_BUFFER`] bytes may leave up to a checksum block unused.
+/// [`StagingPool::DEFAULT_BUFFER_SIZE`] bytes may leave up to a checksum block unused.
 fn whole_share_budget(share: u64) -> u64 {
-    let buffer = DEFAULT_STAGING_BUFFER as u64;
+    let buffer = StagingPool::DEFAULT_BUFFER_SIZE as u64;
     (share.div_ceil(buffer - DEFAULT_BLOCK_SIZE) + 1) * buffer
 }
 
@@ -163,7 +163,7 @@ fn remove(ckpt: &Location) -> Result<()> {
 fn open(comm: &dyn Communicator, ckpt: &Location) -> Result<Arc<dyn Storage>> {
     let storage = ckpt.open();
     ranks::all_ok(comm, storage.is_ok())?;
-    storage
+    Ok(storage?)
 }
 
 /// Rank 0 runs `f` while the others wait; every rank gets its verdict.
@@ -277,7 +277,7 @@ fn run_config(
                 r.total = ranks::max_over_ranks(comm, total)?;
                 on_rank0(comm, || {
                     if last {
-                        let v = tessera::verify(ctx.ckpt.open()?.as_ref(), ctx.opts.threads)
+                        let v = tessera::tools::verify(ctx.ckpt.open()?.as_ref(), ctx.opts.threads)
                             .context("verifying the async checkpoint")?;
                         out.check.files = report.files;
                         out.check.chunks = report.chunks;
@@ -512,7 +512,7 @@ pub fn run(args: AsyncArgs) -> Result<u8> {
             cfg.hidden,
             layout.describe(),
             fmt_bytes(share),
-            fmt_bytes(DEFAULT_STAGING_BUFFER as u64),
+            fmt_bytes(StagingPool::DEFAULT_BUFFER_SIZE as u64),
             method.describe(),
             args.rounds,
         );
@@ -550,7 +550,7 @@ pub fn run(args: AsyncArgs) -> Result<u8> {
             "layout": layout.describe(),
             "state_bytes": state_bytes,
             "share_bytes_max": share,
-            "staging_buffer_bytes": DEFAULT_STAGING_BUFFER,
+            "staging_buffer_bytes": StagingPool::DEFAULT_BUFFER_SIZE,
             "block_bytes": DEFAULT_BLOCK_SIZE,
             "rss_method": method.describe(),
             "rss_per_phase": method == peak::Method::Hwm,
@@ -568,7 +568,7 @@ mod tests {
 
     #[test]
     fn a_whole_share_budget_leaves_room_for_the_unused_tail_of_every_buffer() {
-        let buffer = DEFAULT_STAGING_BUFFER as u64;
+        let buffer = StagingPool::DEFAULT_BUFFER_SIZE as u64;
         assert_eq!(whole_share_budget(1), 2 * buffer);
         let share = 256 << 20;
         let budget = whole_share_budget(share);

@@ -23,10 +23,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde_json::json;
-use tessera::{Communicator, InProcessComm, SaveOptions, SaveReport, TensorData};
+use tessera::comm::InProcessComm;
+use tessera::{Communicator, SaveOptions, SaveReport, TensorData};
 
 use crate::bench::{ratio, Spread};
-use tessera_cli::location::Location;
+use crate::scratch::Scratch;
+use tessera::storage::Location;
 use tessera_cli::model::{self, Layout, Leaf, ModelConfig};
 use tessera_cli::progress::Progress;
 use tessera_cli::ranks;
@@ -186,7 +188,7 @@ fn run_dp(args: &ParallelArgs, cfg: &ModelConfig, bufs: &[Vec<Vec<u8>>], dp: u64
         for distribute in order {
             let saved = save_once(layout, args.tp, &leaves, bufs, &ckpt, distribute)?;
             if last {
-                let v = tessera::verify(ckpt.open()?.as_ref(), SaveOptions::default().threads)
+                let v = tessera::tools::verify(ckpt.open()?.as_ref(), SaveOptions::default().threads)
                     .with_context(|| format!("verifying the checkpoint of {}", layout.describe()))?;
                 let mode = if distribute { "distribute" } else { "main replicas only" };
                 run.problems.extend(v.problems.into_iter().map(|p| format!("{mode}: {p}")));

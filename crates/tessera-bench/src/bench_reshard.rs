@@ -37,12 +37,14 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde_json::json;
+use tessera::comm::InProcessComm;
+use tessera::storage::LocalStorage;
 use tessera::{
-    Communicator, DType, InProcessComm, LoadOptions, LoadStats, LocalStorage, PathSeg, ReplicaId, SaveOptions,
-    ShardedTensor, StateTree, TensorData,
+    Communicator, DType, LoadOptions, LoadStats, PathSeg, ReplicaId, SaveOptions, ShardedTensor, StateTree, TensorData,
 };
 
-use tessera_cli::location::Location;
+use crate::scratch::Scratch;
+use tessera::storage::Location;
 use tessera_cli::ranks;
 use tessera_cli::sizes::{fmt_bytes, fmt_secs};
 use tessera_cli::system;
@@ -225,7 +227,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
     anyhow::ensure!(n >= args.ranks as u64, "--size {} is too small for {} tensors", args.size, args.tensors);
     std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
     let ckpt = args.dir.join("ckpt");
-    Location::Local(ckpt.clone()).claim()?;
+    Location::local(ckpt.clone()).claim()?;
     let (tensors, world) = (args.tensors, args.ranks);
     let sources: Vec<Vec<Vec<u8>>> = (0..world).map(|r| rows_of(n, tensors, world, r)).collect();
     let truth: Vec<Vec<Vec<u8>>> = (0..world).map(|r| cols_of(n, tensors, world, r)).collect();

@@ -26,13 +26,14 @@ use std::collections::BTreeSet;
 use anyhow::{Context, Result};
 use serde_json::{json, Value as J};
 use tessera::__plan::load::{plan_request, Request};
-use tessera::{
-    CheckpointIndex, LoadOptions, LocalStorage, ObjectStorage, ObjectStoreOptions, RequestCounts, SaveOptions,
-};
+use tessera::index::CheckpointIndex;
+use tessera::storage::{LocalStorage, ObjectStorage, ObjectStoreOptions, RequestCounts};
+use tessera::{LoadOptions, SaveOptions};
 
 use crate::bench::{ratio, Spread};
+use crate::scratch::Scratch;
+use tessera::storage::Location;
 use tessera_cli::jobs;
-use tessera_cli::location::{self, Location};
 use tessera_cli::model::{self, Layout, ModelConfig};
 use tessera_cli::sizes::{fmt_bytes, fmt_secs};
 use tessera_cli::system;
@@ -156,7 +157,7 @@ fn run_side(setup: &Setup, remote: bool) -> Result<Side> {
             load_req[i] = req;
             loaded
         } else {
-            let dir = setup.local.local().expect("a local directory");
+            let dir = setup.local.local_dir().expect("a local directory");
             system::drop_dir_cache(dir)?;
             // A fresh storage per load: LocalStorage keeps its files open.
             let storage = local_storage(&setup.local)?;
@@ -170,13 +171,13 @@ fn run_side(setup: &Setup, remote: bool) -> Result<Side> {
 }
 
 fn local_storage(dir: &Location) -> Result<LocalStorage> {
-    Ok(LocalStorage::new(dir.local().context("the local side needs a directory")?))
+    Ok(LocalStorage::new(dir.local_dir().context("the local side needs a directory")?))
 }
 
 /// Removes both checkpoints.
 fn remove_both(setup: &Setup) -> Result<()> {
     setup.local.remove()?;
-    location::remove_objects(&setup.store).with_context(|| format!("removing {}", setup.remote))
+    crate::scratch::remove_objects(&setup.store).with_context(|| format!("removing {}", setup.remote))
 }
 
 /// The stored chunks each loading rank reads from (the load plan's chunks for its tensors).
@@ -363,15 +364,14 @@ fn measure(args: &S3Args, store: &Location, dir: &Location) -> Result<(u8, J)> {
     anyhow::ensure!(args.ranks >= 1, "--ranks must be at least 1");
     anyhow::ensure!(args.rounds >= 1, "--rounds must be at least 1");
     anyhow::ensure!(args.size > 0, "--size must be positive");
-    anyhow::ensure!(dir.local().is_some(), "--dir {dir}: the local side of --s3 needs a local directory");
-    let Location::Url(url, options) = store else {
-        anyhow::bail!("--s3 {store}: not an object-store URL (s3://bucket/prefix)")
-    };
+    anyhow::ensure!(dir.local_dir().is_some(), "--dir {dir}: the local side of --s3 needs a local directory");
+    anyhow::ensure!(store.url().is_some(), "--s3 {store}: not an object-store URL (s3://bucket/prefix)");
+    let store_shown = store.to_string();
     dir.create()?;
     let remote = store.join("ckpt");
-    let remote_url = remote.to_string();
-    let opts = ObjectStoreOptions { config: options.clone(), ..ObjectStoreOptions::default() };
-    let store = ObjectStorage::open(&remote_url, opts).with_context(|| format!("opening {url}"))?;
+    let remote_url = remote.url().expect("a sub-prefix of a URL is a URL").to_string();
+    let opts = ObjectStoreOptions { config: store.options().to_vec(), ..ObjectStoreOptions::default() };
+    let store = ObjectStorage::open(&remote_url, opts).with_context(|| format!("opening {remote}"))?;
     let setup = Setup {
         cfg: ModelConfig::for_bytes(args.size),
         save_layout: Layout::Train { tp: args.ranks as u64, dp: 1 },
@@ -452,7 +452,7 @@ fn measure(args: &S3Args, store: &Location, dir: &Location) -> Result<(u8, J)> {
     let out = json!({
         "mode": "s3",
         "dir": dir.to_string(),
-        "url": url,
+        "url": store_shown,
         "size_bytes": args.size,
         "ranks": args.ranks,
         "rounds": args.rounds,

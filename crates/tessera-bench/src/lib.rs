@@ -19,12 +19,13 @@ mod bench_s3;
 mod emulators;
 mod peak;
 mod plansim;
+mod scratch;
 
 use std::path::Path;
 
 use anyhow::{bail, Result};
 use clap::Parser;
-use tessera_cli::location::Location;
+use tessera::storage::Location;
 use tessera_cli::progress::ProgressArg;
 use tessera_cli::sizes;
 
@@ -195,7 +196,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
     }
     let size = sizes::parse_size(size.as_deref().unwrap_or("1GiB"))?;
     if reshard {
-        let Some(dir) = dir.local().map(Path::to_path_buf) else {
+        let Some(dir) = dir.local_dir().map(Path::to_path_buf) else {
             bail!("--dir {dir}: --reshard compares with memcpy and raw IO and needs a local directory")
         };
         let tensors = tensors.unwrap_or(bench_reshard::DEFAULT_TENSORS);
@@ -218,7 +219,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
         let budget = sizes::parse_size(budget.as_deref().unwrap_or(bench_async::DEFAULT_BUDGET))?;
         return bench_async::run(bench_async::AsyncArgs { dir, size, ranks, budget, rounds, json });
     }
-    let Some(dir) = dir.local().map(Path::to_path_buf) else {
+    let Some(dir) = dir.local_dir().map(Path::to_path_buf) else {
         bail!(
             "--dir {dir}: this benchmark compares with raw IO on a local disk (a write + fsync, a read \
              with the page cache dropped) and needs a local directory; for an object store, compare it \

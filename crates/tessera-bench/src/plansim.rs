@@ -22,10 +22,9 @@ use tessera::__plan::save::{
     build_index, cache_hit, layout_file, plan_digest, plan_options, validate_global_with, CacheCheck, ObjectMeta,
     RankPlan, ShardMeta, WrittenFile,
 };
-use tessera::{
-    open_with, CheckpointIndex, CountingStorage, DType, MemoryStorage, OpenOptions, PathSeg, Storage, Value,
-    DEFAULT_BLOCK_SIZE, INDEX_FILE,
-};
+use tessera::index::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
+use tessera::storage::{CountingStorage, MemoryStorage};
+use tessera::{open_with, DType, OpenOptions, PathSeg, Storage, Value};
 
 use tessera_cli::model::{jittered_bounds, key_seed, split_range};
 use tessera_cli::sizes::{fmt_bytes, fmt_secs};

@@ -20,20 +20,20 @@ mod s3_server;
 #[path = "../../tessera/tests/common/server.rs"]
 mod server;
 
-/// `tessera::verify` of the checkpoint in `storage`: its problems (none: sound), or why it
+/// `tessera::tools::verify` of the checkpoint in `storage`: its problems (none: sound), or why it
 /// could not be opened.
 fn verify(storage: &dyn Storage) -> Result<Vec<String>, String> {
-    tessera::verify(storage, 2).map(|r| r.problems).map_err(|e| e.to_string())
+    tessera::tools::verify(storage, 2).map(|r| r.problems).map_err(|e| e.to_string())
 }
 
 /// [`verify`] of a local directory.
 fn verify_dir(dir: &std::path::Path) -> Result<Vec<String>, String> {
-    verify(&tessera::LocalStorage::new(dir))
+    verify(&tessera::storage::LocalStorage::new(dir))
 }
 
 /// An `s3://` location on the test server, opened with the library.
-fn object_storage(url: &str) -> tessera::ObjectStorage {
-    tessera::ObjectStorage::open(url, s3_server::test_options()).unwrap()
+fn object_storage(url: &str) -> tessera::storage::ObjectStorage {
+    tessera::storage::ObjectStorage::open(url, s3_server::test_options()).unwrap()
 }
 
 #[test]

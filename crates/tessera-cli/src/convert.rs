@@ -2,7 +2,7 @@
 //! (same chunks), or into a Megatron torch_dist / PyTorch DCP directory.
 
 use anyhow::{Context, Result};
-use tessera::ConvertOptions;
+use tessera::tools::ConvertOptions;
 
 use crate::location::Location;
 use crate::progress::Progress;
@@ -20,7 +20,7 @@ pub enum Target {
 /// Runs `tessera convert`.
 pub fn run(src: &Location, dst: &Location, to: Target, overwrite: bool, memory: u64) -> Result<()> {
     let from = src.open()?;
-    dst.create()?;
+    crate::location::create(&dst)?;
     let dst_storage = dst.open()?;
     let opts = ConvertOptions { overwrite, memory_budget: memory, ..Default::default() };
     let mut bar: Option<Progress> = None;
@@ -31,8 +31,8 @@ pub fn run(src: &Location, dst: &Location, to: Target, overwrite: bool, memory: 
         shown = done;
     };
     let report = match to {
-        Target::Native => tessera::convert(from.as_ref(), dst_storage.as_ref(), &opts, &mut progress),
-        Target::Dcp => tessera::convert_to_dcp(from.as_ref(), dst_storage.as_ref(), &opts, &mut progress),
+        Target::Native => tessera::tools::convert(from.as_ref(), dst_storage.as_ref(), &opts, &mut progress),
+        Target::Dcp => tessera::tools::convert_to_dcp(from.as_ref(), dst_storage.as_ref(), &opts, &mut progress),
     }
     .map_err(|e| match e {
         // The library's error says "pass overwrite" (its option); here that is the flag.

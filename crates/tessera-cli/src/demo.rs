@@ -67,7 +67,7 @@ pub fn run(args: DemoArgs) -> Result<u8> {
             let d = std::env::temp_dir().join(format!("tessera-demo-{}-{nonce}", std::process::id()));
             // Created here, new (never a directory that was already there): the demo removes it.
             std::fs::create_dir(&d).with_context(|| format!("creating {}", d.display()))?;
-            (Location::Local(d.clone()), Some(TempDir(d)))
+            (Location::local(d.clone()), Some(TempDir(d)))
         }
     };
     let storage = dir.open()?;
@@ -109,7 +109,7 @@ pub fn run(args: DemoArgs) -> Result<u8> {
     let load_opts = LoadOptions { strict: StrictHandling::RaiseAll, ..LoadOptions::default() };
     let mut check = CheckReport::default();
     for layout in [Layout::TpPp { tp: 2, pp: 2 }, Layout::Whole] {
-        if let Some(local) = dir.local() {
+        if let Some(local) = dir.local_dir() {
             system::drop_dir_cache(local)?;
         }
         let loaded = jobs::load(&cfg, layout, &SAVE_LAYOUT.rng_grid(), storage.as_ref(), &load_opts, &|_| {})?;

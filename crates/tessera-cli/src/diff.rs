@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use serde_json::json;
-use tessera::DiffOptions;
+use tessera::tools::diff::DiffOptions;
 
 use crate::location::Location;
 use crate::progress::Progress;
@@ -24,12 +24,13 @@ pub fn run(a: &Location, b: &Location, atol: f64, keys: Option<&str>, json: bool
         }
     };
     // What diff reads at most, for its progress: both checkpoints' tensor bytes.
-    let bytes = |i: &tessera::CheckpointIndex| -> u64 {
+    let bytes = |i: &tessera::index::CheckpointIndex| -> u64 {
         i.tensors.iter().map(|t| t.global_shape.iter().product::<u64>() * t.dtype.size() as u64).sum()
     };
     let opts = DiffOptions { atol, keys, ..Default::default() };
     let bar = Progress::reads("diff", bytes(&ia) + bytes(&ib));
-    let r = tessera::diff(sa.as_ref(), sb.as_ref(), &opts).with_context(|| format!("comparing {a} and {b}"));
+    let r =
+        tessera::tools::diff::diff(sa.as_ref(), sb.as_ref(), &opts).with_context(|| format!("comparing {a} and {b}"));
     bar.finish();
     let r = r?;
     if json {

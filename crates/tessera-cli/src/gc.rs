@@ -8,7 +8,7 @@ use crate::location::Location;
 /// Runs `tessera gc`, printing every name removed and every running save whose files it kept.
 pub fn run(location: &Location, break_leases: bool) -> Result<()> {
     let storage = location.open()?;
-    let report = tessera::gc(storage.as_ref(), &tessera::GcOptions { break_leases })?;
+    let report = tessera::tools::gc(storage.as_ref(), &tessera::tools::GcOptions { break_leases })?;
     for name in &report.removed {
         println!("removed {name}");
     }

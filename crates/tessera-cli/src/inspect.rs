@@ -27,7 +27,8 @@
 
 use anyhow::Result;
 use serde_json::{json, Map, Value as J};
-use tessera::{CheckpointIndex, PathSeg, TensorEntry};
+use tessera::index::{CheckpointIndex, TensorEntry};
+use tessera::PathSeg;
 
 use crate::location::Location;
 use crate::sizes::fmt_bytes;
@@ -101,7 +102,7 @@ pub fn summary_json(dir: &Location, index: &CheckpointIndex) -> J {
     }
     json!({
         "path": dir.to_string(),
-        "format": {"backend": index.backend, "version": index.version, "block_size": index.block_size},
+        "format": {"backend": index.backend.name(), "version": index.version, "block_size": index.block_size},
         "files": {"count": index.files.len(), "bytes": index.files.iter().map(|f| f.size).sum::<u64>()},
         "tensors": tensors,
         "objects": objects,
@@ -169,7 +170,7 @@ pub fn index_json(index: &CheckpointIndex) -> J {
         })
         .collect();
     json!({
-        "backend": index.backend,
+        "backend": index.backend.name(),
         "version": index.version,
         "block_size": index.block_size,
         "content_metadata": index.content_metadata.to_json(),
@@ -298,7 +299,7 @@ fn step_folders(dir: &Location, storage: &dyn tessera::Storage) -> Result<Vec<St
         let Some(step) = step_of(&folder) else { continue };
         let sub = dir.join(&folder).open()?;
         let (format, problem) = match tessera::open(sub.as_ref()) {
-            Ok(c) => (Some((c.format().backend.clone(), c.format().version)), None),
+            Ok(c) => (Some((c.format().backend.name().to_string(), c.format().version)), None),
             Err(e) => (None, Some(e.to_string())),
         };
         let data_of = format.is_none().then(|| data_files_of(sub.as_ref())).flatten();

@@ -4,7 +4,8 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use tessera::{Communicator, InProcessComm, LoadOptions, LoadStats, SaveOptions, SaveReport, Storage, TensorData};
+use tessera::comm::InProcessComm;
+use tessera::{Communicator, LoadOptions, LoadStats, SaveOptions, SaveReport, Storage, TensorData};
 
 use crate::model::{self, CheckReport, Layout, Leaf, ModelConfig};
 use crate::progress::Progress;

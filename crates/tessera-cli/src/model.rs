@@ -21,11 +21,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use tessera::factory::{PartSpec, ShardedTensorFactory, SplitFactory};
 use tessera::DType;
-use tessera::{
-    PartSpec, PathSeg, ReplicaId, ShardedObject, ShardedTensor, ShardedTensorFactory, SplitFactory, StateTree,
-    TensorData, Value,
-};
+use tessera::{PathSeg, ReplicaId, ShardedObject, ShardedTensor, StateTree, TensorData, Value};
 
 use crate::progress::Progress;
 

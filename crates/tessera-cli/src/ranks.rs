@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use tessera::{Communicator, InProcessComm};
+use tessera::comm::InProcessComm;
+use tessera::Communicator;
 
 /// The error of a rank that stopped because another rank failed.
 #[derive(Debug)]

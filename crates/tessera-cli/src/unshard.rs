@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use tessera::{DType, ExportOptions};
+use tessera::tools::ExportOptions;
+use tessera::DType;
 
 use crate::location::Location;
 use crate::progress::Progress;
@@ -45,7 +46,7 @@ pub fn run(args: UnshardArgs) -> Result<()> {
     };
     let mut bar: Option<Progress> = None;
     let mut shown = 0;
-    let report = tessera::export_safetensors(storage.as_ref(), &args.out, &opts, &mut |done, total| {
+    let report = tessera::tools::export_safetensors(storage.as_ref(), &args.out, &opts, &mut |done, total| {
         let bar = bar.get_or_insert_with(|| Progress::new("unshard", total));
         bar.add(done - shown);
         shown = done;

@@ -22,7 +22,7 @@ pub fn run(dir: &Location, json: bool) -> Result<u8> {
     };
     let storage = match dir.open() {
         Ok(s) => s,
-        Err(e) => return fail(e),
+        Err(e) => return fail(e.into()),
     };
     // What verify reads, for its progress: every chunk's bytes (an index that does not open
     // is verify's to report).
@@ -34,7 +34,7 @@ pub fn run(dir: &Location, json: bool) -> Result<u8> {
         .unwrap_or(0);
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8);
     let bar = Progress::reads("verify", total);
-    let report = tessera::verify(storage.as_ref(), threads);
+    let report = tessera::tools::verify(storage.as_ref(), threads);
     bar.finish();
     let report = match report {
         Ok(r) => r,

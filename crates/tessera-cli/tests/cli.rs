@@ -41,7 +41,7 @@ fn demo_then_inspect_verify_corrupt_and_gc() {
     // The JSON summary.
     let s = json(&expect(&["inspect", dir, "--json"], 0));
     assert_eq!(s["format"]["backend"], "tessera");
-    assert_eq!(s["format"]["version"], tessera::FORMAT_VERSION);
+    assert_eq!(s["format"]["version"], tessera::index::FORMAT_VERSION);
     let tensors = s["tensors"].as_object().unwrap();
     let emb = &tensors["embedding.word_embeddings.weight"];
     assert_eq!(emb["dtype"], "bf16");
@@ -73,7 +73,7 @@ fn demo_then_inspect_verify_corrupt_and_gc() {
     // The text view and the full index dump.
     let t = expect(&["inspect", dir], 0);
     assert!(
-        t.contains(&format!("tessera v{}", tessera::FORMAT_VERSION))
+        t.contains(&format!("tessera v{}", tessera::index::FORMAT_VERSION))
             && t.contains("rng_state")
             && t.contains("iteration = 1000"),
         "{t}"
@@ -420,7 +420,7 @@ fn read_safetensors(path: &Path) -> (J, std::collections::BTreeMap<String, (Stri
 }
 
 fn plain_tensors(dir: &Path) -> std::collections::BTreeMap<String, tessera::PlainTensor> {
-    tessera::open(&tessera::LocalStorage::new(dir)).and_then(|c| c.read_tensors(None)).unwrap()
+    tessera::open(&tessera::storage::LocalStorage::new(dir)).and_then(|c| c.read_tensors(None)).unwrap()
 }
 
 #[test]
@@ -481,7 +481,7 @@ fn unshard_to_one_file_shards_a_key_subset_and_a_dtype() {
         let p = &plain[key];
         assert_eq!(p.dtype, tessera::DType::F32, "{key}");
         assert_eq!(dtype, "BF16", "{key}");
-        assert_eq!(data, &tessera::cast_bytes(&p.data, p.dtype, tessera::DType::BF16).unwrap(), "{key}");
+        assert_eq!(data, &p.dtype.cast_bytes(&p.data, tessera::DType::BF16).unwrap(), "{key}");
     }
 
     // An empty selection, an unknown dtype, a bad size: errors.
@@ -563,7 +563,8 @@ fn small_checkpoint(dir: &Path, x: &[f32], with_y: bool, iteration: i64) {
     if with_y {
         tree.insert("y", StateTree::Tensor(ShardedTensor::full("y", DType::U8, &[2], TensorData::Owned(vec![1, 2]))));
     }
-    tessera::save(tree, &tessera::LocalStorage::new(dir), &tessera::SoloComm, &Default::default()).unwrap();
+    tessera::save(tree, &tessera::storage::LocalStorage::new(dir), &tessera::comm::SoloComm, &Default::default())
+        .unwrap();
 }
 
 #[test]
@@ -648,7 +649,7 @@ fn inspect_verify_unshard_convert_and_diff_a_megatron_checkpoint() {
     expect(&["unshard", &src, "--out", out.to_str().unwrap(), "--keys", "^layers\\."], 0);
     let (_, tensors) = read_safetensors(&out);
     assert_eq!(tensors.keys().collect::<Vec<_>>(), ["layers.norm.weight", "layers.proj.weight", "layers.qkv.weight"]);
-    let plain = tessera::open(&tessera::LocalStorage::new(&src)).and_then(|c| c.read_tensors(None)).unwrap();
+    let plain = tessera::open(&tessera::storage::LocalStorage::new(&src)).and_then(|c| c.read_tensors(None)).unwrap();
     for (k, (_, shape, data)) in &tensors {
         assert_eq!((shape, data), (&plain[k].shape, &plain[k].data), "{k}");
     }

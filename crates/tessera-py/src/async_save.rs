@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use tessera::{Communicator, SoloComm};
+use tessera::comm::SoloComm;
+use tessera::Communicator;
 
 use crate::comm::PyComm;
 use crate::location::LocationArg;

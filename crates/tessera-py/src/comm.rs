@@ -60,7 +60,7 @@ impl tessera::Communicator for PyComm {
 
     fn all_to_all(&self, send: Vec<Vec<u8>>) -> tessera::Result<Vec<Vec<u8>>> {
         if !self.has_all_to_all {
-            return tessera::default_all_to_all(self, send);
+            return tessera::comm::default_all_to_all(self, send);
         }
         Python::attach(|py| {
             let run = || -> PyResult<Vec<Vec<u8>>> {

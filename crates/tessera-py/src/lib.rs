@@ -21,9 +21,8 @@ use std::sync::Arc;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
-use tessera::{
-    Communicator, LoadOptions, PathSeg, SaveOptions, ShardedObject, SoloComm, StateTree, Storage, StrictHandling,
-};
+use tessera::comm::SoloComm;
+use tessera::{Communicator, LoadOptions, PathSeg, SaveOptions, ShardedObject, StateTree, Storage, StrictHandling};
 
 use crate::comm::PyComm;
 use crate::convert::{common_to_py, value_from_py, value_to_py, LoadObject, LoadTensor, SaveObject, SaveTensor};
@@ -256,7 +255,7 @@ fn save_torch_dist<'py>(
     let report = lib(
         py,
         interruptible(py, &cancel, || {
-            tessera::save_torch_dist(tree, common, &*storage, &*comm, &opts, files_per_rank)
+            tessera::torch_dist::save_torch_dist(tree, common, &*storage, &*comm, &opts, files_per_rank)
         })?,
     )?;
     report_to_py(py, report)
@@ -290,7 +289,7 @@ fn save_olmo<'py>(
     let Some((opts, cancel)) = opts_cancel else { return Ok(Vec::new()) };
     let comm = communicator(comm.as_ref())?;
     let parts = trees.into_iter().zip(&storages).map(|(t, s)| (t, &**s as &dyn Storage)).collect();
-    let reports = lib(py, interruptible(py, &cancel, || tessera::save_olmo_dirs(parts, &*comm, &opts))?)?;
+    let reports = lib(py, interruptible(py, &cancel, || tessera::olmo::save_olmo_dirs(parts, &*comm, &opts))?)?;
     reports
         .into_iter()
         .map(|report| {
@@ -309,7 +308,7 @@ fn save_olmo<'py>(
 #[pyfunction]
 fn olmo_metadata(py: Python<'_>, location: LocationArg) -> PyResult<String> {
     let storage = open(py, &location)?;
-    lib(py, py.detach(|| tessera::read_olmo_metadata(&*storage)))
+    lib(py, py.detach(|| tessera::olmo::read_olmo_metadata(&*storage)))
 }
 
 /// Checks collectively, writing nothing, that the ranks' shards form a valid global state.
@@ -486,7 +485,7 @@ fn load_objects<'py>(
 #[pyfunction]
 fn remove_sharded_tensors(py: Python<'_>, location: LocationArg, key_prefix: &str) -> PyResult<Vec<String>> {
     let storage = open(py, &location)?;
-    lib(py, py.detach(|| tessera::remove_sharded_tensors(&*storage, key_prefix)))
+    lib(py, py.detach(|| tessera::tools::remove_sharded_tensors(&*storage, key_prefix)))
 }
 
 /// Re-reads every file and checks every checksum.
@@ -495,7 +494,7 @@ fn remove_sharded_tensors(py: Python<'_>, location: LocationArg, key_prefix: &st
 fn verify<'py>(py: Python<'py>, location: LocationArg, threads: Option<usize>) -> PyResult<Bound<'py, PyDict>> {
     let storage = open(py, &location)?;
     let threads = threads.unwrap_or(LoadOptions::default().threads);
-    let report = lib(py, py.detach(|| tessera::verify(&*storage, threads)))?;
+    let report = lib(py, py.detach(|| tessera::tools::verify(&*storage, threads)))?;
     let out = PyDict::new(py);
     out.set_item("files", report.files)?;
     out.set_item("chunks", report.chunks)?;
@@ -505,13 +504,13 @@ fn verify<'py>(py: Python<'py>, location: LocationArg, threads: Option<usize>) -
 }
 
 /// Removes the leftovers of saves that never committed or were replaced, beside running saves
-/// (see `tessera::gc`); returns `{"removed": [names], "running": [{save_id, writer,
+/// (see `tessera::tools::gc`); returns `{"removed": [names], "running": [{save_id, writer,
 /// expires_in_ms, files, unreadable}], "kept": [names]}`.
 #[pyfunction]
 #[pyo3(signature = (location, break_leases=false))]
 fn gc<'py>(py: Python<'py>, location: LocationArg, break_leases: bool) -> PyResult<Bound<'py, PyDict>> {
     let storage = open(py, &location)?;
-    let report = lib(py, py.detach(|| tessera::gc(&*storage, &tessera::GcOptions { break_leases })))?;
+    let report = lib(py, py.detach(|| tessera::tools::gc(&*storage, &tessera::tools::GcOptions { break_leases })))?;
     let out = PyDict::new(py);
     out.set_item("removed", report.removed)?;
     let running = report
@@ -544,12 +543,49 @@ fn read_file<'py>(py: Python<'py>, location: LocationArg, name: &str) -> PyResul
     }
 }
 
-/// `(backend, version)` of the checkpoint at `location`, or None when there is none.
+/// What wrote a checkpoint, as the library recognised it (`tessera::index::FormatRecord`).
+#[pyclass(frozen, module = "tessera._native")]
+struct CheckpointFormat {
+    backend: tessera::index::Backend,
+    /// The backend's format version.
+    #[pyo3(get)]
+    version: u32,
+}
+
+#[pymethods]
+impl CheckpointFormat {
+    /// The backend's name (`tessera`, `torch_dcp`, `torch_dist`, `olmo_core`, `zarr`,
+    /// `olmo_safetensors`, `safetensors`).
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.backend.name()
+    }
+    /// Whether it is a PyTorch DCP directory.
+    #[getter]
+    fn is_dcp(&self) -> bool {
+        self.backend.is_dcp()
+    }
+    /// Whether it carries Megatron-Core's `metadata.json`.
+    #[getter]
+    fn is_megatron(&self) -> bool {
+        self.backend.is_megatron()
+    }
+    /// Whether it is tessera's own format.
+    #[getter]
+    fn is_native(&self) -> bool {
+        self.backend == tessera::index::Backend::Tessera
+    }
+    fn __repr__(&self) -> String {
+        format!("CheckpointFormat({:?}, version={})", self.backend.name(), self.version)
+    }
+}
+
+/// The format of the checkpoint at `location`, or None when there is none.
 #[pyfunction]
-fn detect(py: Python<'_>, location: LocationArg) -> PyResult<Option<(String, u32)>> {
+fn detect(py: Python<'_>, location: LocationArg) -> PyResult<Option<CheckpointFormat>> {
     let storage = open(py, &location)?;
-    match py.detach(|| tessera::FormatRecord::detect(&*storage)) {
-        Ok(record) => Ok(Some((record.backend, record.version))),
+    match py.detach(|| tessera::index::FormatRecord::detect(&*storage)) {
+        Ok(record) => Ok(Some(CheckpointFormat { backend: record.backend, version: record.version })),
         Err(tessera::Error::NotFound { .. } | tessera::Error::NotCommitted { .. }) => Ok(None),
         Err(e) => Err(to_pyerr(py, e)),
     }
@@ -578,6 +614,7 @@ fn cli(py: Python<'_>, argv: Vec<String>) -> u8 {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<location::Location>()?;
+    m.add_class::<CheckpointFormat>()?;
     m.add_class::<SaveTensor>()?;
     m.add_class::<LoadTensor>()?;
     m.add_class::<SaveObject>()?;
@@ -610,9 +647,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plan_cache::PlanCache>()?;
     errors::register(m)?;
     m.add("DTYPES", tessera::DType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
-    m.add("FORMAT_VERSION", tessera::FORMAT_VERSION)?;
+    m.add("FORMAT_VERSION", tessera::index::FORMAT_VERSION)?;
     {
-        use tessera::python_conventions as pc;
+        use tessera::torch_dist as pc;
         m.add("OBJECT_TAG_VALUE", PyBytes::new(m.py(), pc::OBJECT_TAG_VALUE))?;
         m.add("OBJECT_TAG_TORCH", PyBytes::new(m.py(), pc::OBJECT_TAG_TORCH))?;
         m.add("OBJECT_TAG_TORCH_LIST", PyBytes::new(m.py(), pc::OBJECT_TAG_TORCH_LIST))?;

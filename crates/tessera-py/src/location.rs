@@ -14,8 +14,10 @@ use tessera::Storage;
 #[pyclass(frozen, from_py_object, module = "tessera._native")]
 #[derive(Clone)]
 pub struct Location {
+    /// As given, for pickling and `url`.
     url: String,
-    options: Vec<(String, String)>,
+    /// Parsed, with its options.
+    location: tessera::storage::Location,
 }
 
 #[pymethods]
@@ -29,7 +31,8 @@ impl Location {
         for (k, v) in storage_options.unwrap_or_default() {
             options.push((k, v.str()?.to_string()));
         }
-        Ok(Location { url, options })
+        let location = tessera::storage::Location::parse(&url).with_options(&options);
+        Ok(Location { url, location })
     }
 
     /// Pickles as `Location(url, storage_options)` (to spawned ranks, say).
@@ -43,16 +46,23 @@ impl Location {
         &self.url
     }
 
-    /// The storage options, as given.
+    /// The storage options, as given (none for a local path or `mem://`).
     #[getter]
     fn storage_options(&self) -> BTreeMap<String, String> {
-        self.options.iter().cloned().collect()
+        self.location.options().iter().cloned().collect()
+    }
+
+    /// The local directory (a plain path or `file://`), or None for other locations.
+    #[getter]
+    fn local_dir(&self) -> Option<String> {
+        self.location.local_dir().map(|p| p.display().to_string())
     }
 
     fn __repr__(&self) -> String {
-        // Option values may be secrets: only their keys are shown.
-        let keys: Vec<&str> = self.options.iter().map(|(k, _)| k.as_str()).collect();
-        format!("Location({:?}, storage_options keys {keys:?})", self.url)
+        // The location as the library shows it (no password, no query) and option keys only:
+        // option values may be secrets.
+        let keys: Vec<&str> = self.location.options().iter().map(|(k, _)| k.as_str()).collect();
+        format!("Location({:?}, storage_options keys {keys:?})", self.location.to_string())
     }
 }
 
@@ -66,11 +76,11 @@ pub enum LocationArg {
 }
 
 impl LocationArg {
-    /// Opens the storage ([`tessera::open_location_with`]).
+    /// Opens the storage (the library's [`tessera::storage::Location`] parses it).
     pub fn open(&self) -> tessera::Result<Arc<dyn Storage>> {
         match self {
-            LocationArg::Configured(l) => tessera::open_location_with(&l.url, &l.options),
-            LocationArg::Plain(s) => tessera::open_location(s),
+            LocationArg::Configured(l) => l.location.open(),
+            LocationArg::Plain(s) => tessera::storage::Location::parse(s).open(),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Python classes over `tessera::TorchDistSave`: a `torch_dist` save whose data files Python
+//! Python classes over `tessera::torch_dist::TorchDistSave`: a `torch_dist` save whose data files Python
 //! has written one by one (Megatron's writer workers call `TorchDistFile.write`), then commits.
 
 use std::sync::atomic::AtomicBool;
@@ -15,7 +15,7 @@ use crate::{communicator, interruptible, lib, open, report_to_py, save_request};
 /// What the save and its files share.
 struct Shared {
     /// The planned save; None once committed.
-    save: RwLock<Option<tessera::TorchDistSave<'static>>>,
+    save: RwLock<Option<tessera::torch_dist::TorchDistSave<'static>>>,
     storage: Arc<dyn Storage>,
     opts: SaveOptions,
     cancel: Arc<AtomicBool>,
@@ -24,7 +24,7 @@ struct Shared {
     _owners: Py<PyAny>,
 }
 
-/// A planned `torch_dist` save (see `tessera::TorchDistSave`): write every file of
+/// A planned `torch_dist` save (see `tessera::torch_dist::TorchDistSave`): write every file of
 /// [`files`](Self::files), then [`commit`](Self::commit).
 #[pyclass(module = "tessera._native", frozen)]
 pub struct TorchDistSave {
@@ -72,7 +72,7 @@ pub fn plan_torch_dist<'py>(
     let storage = open(py, &location)?;
     let common = common_pt.as_deref();
     let planned = interruptible(py, &cancel, || {
-        tessera::TorchDistSave::plan(tree, common, &*storage, &*comm, &opts, files_per_rank)
+        tessera::torch_dist::TorchDistSave::plan(tree, common, &*storage, &*comm, &opts, files_per_rank)
     })?;
     let save = lib(py, planned)?;
     Ok(TorchDistSave {

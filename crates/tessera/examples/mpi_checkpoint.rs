@@ -18,9 +18,9 @@
 
 use std::process::ExitCode;
 
+use tessera::comm::MpiComm;
 use tessera::{
-    load, open_location, save, Communicator, DType, LoadOptions, MpiComm, ReplicaId, SaveOptions, ShardedTensor,
-    StateTree, TensorData, Value,
+    load, save, Communicator, DType, LoadOptions, ReplicaId, SaveOptions, ShardedTensor, StateTree, TensorData, Value,
 };
 
 const W: [u64; 2] = [840, 96];
@@ -87,7 +87,7 @@ fn load_layout(rank: usize, world: usize) -> Vec<(ShardedTensor<'static>, Vec<u8
 
 fn run(comm: &MpiComm, action: &str, location: &str) -> Result<bool, tessera::Error> {
     let (rank, world) = (comm.rank(), comm.world_size());
-    let storage = open_location(location)?;
+    let storage = tessera::storage::Location::parse(location).open()?;
     match action {
         "save" => {
             let mut tree = StateTree::map();

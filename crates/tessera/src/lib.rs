@@ -9,8 +9,9 @@
 //! operation.
 //!
 //! ```
-//! use tessera::{load, open, save, DType, InProcessComm, LoadOptions, MemoryStorage, SaveOptions};
-//! use tessera::{ShardedTensor, StateTree, TensorData};
+//! use tessera::comm::{InProcessComm, SoloComm};
+//! use tessera::storage::MemoryStorage;
+//! use tessera::{load, open, save, DType, LoadOptions, SaveOptions, ShardedTensor, StateTree, TensorData};
 //!
 //! let bytes = |xs: &[f32]| xs.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
 //! let storage = MemoryStorage::new();
@@ -27,7 +28,7 @@
 //! // One process loads the whole tensor: another layout, another world size.
 //! let mut whole = vec![0u8; 16];
 //! let want = ShardedTensor::full("w", DType::F32, &[4], TensorData::Mut(&mut whole));
-//! load(StateTree::map().with("w", StateTree::Tensor(want)), &storage, &tessera::SoloComm, &LoadOptions::default())?;
+//! load(StateTree::map().with("w", StateTree::Tensor(want)), &storage, &SoloComm, &LoadOptions::default())?;
 //! assert_eq!(whole, bytes(&[1.0, 2.0, 3.0, 4.0]));
 //! assert_eq!(open(&storage)?.read_tensors(None)?["w"].data, whole);
 //! # Ok::<(), tessera::Error>(())
@@ -72,7 +73,9 @@ pub mod tools;
 
 // The state tree: what each rank describes and saves or loads.
 pub use model::dtype::DType;
-pub use model::{path_string, PathSeg, ReplicaId, ShardedObject, ShardedTensor, StatePath, StateTree, TensorData, Value};
+pub use model::{
+    path_string, PathSeg, ReplicaId, ShardedObject, ShardedTensor, StatePath, StateTree, TensorData, Value,
+};
 
 // What a job brings, and how everything fails.
 pub use comm::Communicator;

@@ -8,6 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 /// Runs `f(rank, save_comm, commit_comm)` on `world` threads.
@@ -91,7 +95,7 @@ fn async_save_stages_in_waves_through_a_small_pool_and_commits_identically() {
     // 16 KiB buffers, 3 of them: "w" alone needs 16 waves per rank at 4 ranks.
     let pools: Vec<_> = (0..4).map(|_| StagingPool::with_buffer_size(3 * 16384, 16384).unwrap()).collect();
     let reports = run_async(4, |r, c, k| {
-        let storage = open_location(dir.path().to_str().unwrap()).unwrap();
+        let storage = tessera::storage::Location::parse(dir.path().to_str().unwrap()).open().unwrap();
         let mut saver = AsyncSaver::new(pools[r].clone(), k);
         let opts = SaveOptions { block_size: 4096, threads: 2, ..Default::default() };
         let pending = saver.save(tp_tree(r, 4, &t, 1), storage, c, &opts).unwrap();

@@ -6,6 +6,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use common::*;
+use tessera::comm::*;
+use tessera::storage::*;
 use tessera::*;
 
 fn rows_tree(rank: usize, world: usize, data: &[u8]) -> StateTree<'_> {

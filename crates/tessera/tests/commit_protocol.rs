@@ -10,6 +10,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::*;
+use tessera::index::*;
+use tessera::olmo::*;
+use tessera::storage::*;
+use tessera::tools::*;
+use tessera::torch_dist::*;
 use tessera::*;
 
 /// A storage failing the puts (atomic or not) of `name`, and, once `armed`, the size queries of
@@ -204,7 +209,7 @@ fn olmo_a_failed_overwrite_stays_the_old_checkpoint_and_a_retry_succeeds() {
     for r in run_ranks(WORLD, |c| olmo_save(&failing, c, 2, true)) {
         assert!(r.is_err(), "the commit failed: {r:?}");
     }
-    assert_eq!(open(&storage).unwrap().format().backend, "olmo_safetensors");
+    assert_eq!(open(&storage).unwrap().format().backend, tessera::index::Backend::OlmoSafetensors);
     assert_eq!(step_of(&storage, false), 1, "the old checkpoint");
     for r in run_ranks(WORLD, |c| olmo_save(&storage, c, 2, true)) {
         r.unwrap();

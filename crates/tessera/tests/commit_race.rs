@@ -6,6 +6,10 @@ mod common;
 use std::sync::{Arc, Barrier};
 
 use common::*;
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 fn tree(rank: usize, data: &[u8]) -> StateTree<'_> {

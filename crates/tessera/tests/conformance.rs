@@ -1,4 +1,4 @@
-//! Every backend of this crate runs the storage conformance suite, `tessera::conformance`
+//! Every backend of this crate runs the storage conformance suite, `tessera::storage::conformance`
 //! (`src/storage/conformance.rs`, public under the cargo feature `conformance`; this crate's
 //! `[dev-dependencies]` enable it on itself, so plain `cargo test` builds it).
 //!
@@ -12,6 +12,8 @@ mod common;
 use std::path::Path;
 
 use common::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 /// Saves (2 ranks), loads and verifies a checkpoint through `storage`, then empties it.
@@ -98,7 +100,7 @@ fn a_file_opened_as_a_location_conforms_read_only() {
     let data: Vec<u8> = (0..5000u32).map(|i| (i * 7 % 251) as u8).collect();
     std::fs::write(dir.join("model.safetensors"), &data).unwrap();
     std::fs::write(dir.join("other.bin"), b"not shown").unwrap();
-    let view = open_location(dir.join("model.safetensors").to_str().unwrap()).unwrap();
+    let view = tessera::storage::Location::parse(dir.join("model.safetensors").to_str().unwrap()).open().unwrap();
     conformance::run_read_only(view.as_ref(), &[("model.safetensors", &data)]);
     assert_eq!(view.list().unwrap(), ["model.safetensors"]);
     assert!(matches!(view.size("other.bin"), Err(Error::NotFound { .. })), "only the file is shown");
@@ -140,17 +142,20 @@ fn foreign_format_views_conform_read_only() {
 
 #[test]
 fn open_location_picks_the_backend() {
-    let mem = open_location("mem://conformance-open-location").unwrap();
+    let mem = tessera::storage::Location::parse("mem://conformance-open-location").open().unwrap();
     conforms(mem.as_ref());
     let dir = TempDir::new("open-location");
-    let local = open_location(dir.path().to_str().unwrap()).unwrap();
+    let local = tessera::storage::Location::parse(dir.path().to_str().unwrap()).open().unwrap();
     conforms(local.as_ref());
     let url = format!("file://{}", dir.path().display());
-    let via_url = open_location(&url).unwrap();
+    let via_url = tessera::storage::Location::parse(&url).open().unwrap();
     via_url.put_atomic("x", b"shared").unwrap();
     assert_eq!(local.read("x").unwrap(), b"shared", "file:// and a plain path are the same directory");
     via_url.delete("x").unwrap();
-    assert!(matches!(open_location("ftp://host/prefix"), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        tessera::storage::Location::parse("ftp://host/prefix").open(),
+        Err(Error::InvalidArgument { .. })
+    ));
 }
 
 #[test]

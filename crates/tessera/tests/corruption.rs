@@ -8,6 +8,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use common::*;
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 /// A committed checkpoint in a temporary directory and the truth it holds.

@@ -31,6 +31,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 const ROOT_ENV: &str = "TESSERA_CRASH_ROOT";

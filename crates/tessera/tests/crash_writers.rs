@@ -31,6 +31,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use tessera::comm::*;
+use tessera::olmo::*;
+use tessera::storage::*;
+use tessera::tools::*;
+use tessera::torch_dist::*;
 use tessera::*;
 
 const ROOT_ENV: &str = "TESSERA_CRASH_WRITERS_ROOT";
@@ -186,7 +191,7 @@ fn committed_files(storage: &dyn Storage) -> BTreeSet<String> {
     let Ok(ckpt) = open(storage) else { return BTreeSet::new() };
     let mut files: BTreeSet<String> =
         ckpt.index().files.iter().map(|f| f.name.split('@').next().unwrap().to_string()).collect();
-    if ckpt.format().backend == "torch_dist" {
+    if ckpt.format().backend == tessera::index::Backend::TorchDist {
         files.extend([".metadata", "common.pt", "metadata.json"].map(String::from));
         files.extend(committed_common_copy(storage));
     } else {

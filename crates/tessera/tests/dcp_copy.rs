@@ -12,10 +12,12 @@ use std::path::Path;
 
 use common::{f32_bytes, TempDir};
 use hostile::{pickle, s, zip, P};
-use tessera::{
-    convert_to_dcp, diff, open, save, ConvertOptions, DType, DiffOptions, FormatRecord, LocalStorage, PathSeg,
-    SaveOptions, ShardedObject, ShardedTensor, SoloComm, StateTree, TensorData, Value,
-};
+use tessera::comm::SoloComm;
+use tessera::index::FormatRecord;
+use tessera::storage::LocalStorage;
+use tessera::tools::diff::{diff, DiffOptions};
+use tessera::tools::{convert_to_dcp, ConvertOptions};
+use tessera::{open, save, DType, PathSeg, SaveOptions, ShardedObject, ShardedTensor, StateTree, TensorData, Value};
 
 /// The `torch.save` archive of the object `obj` (no tensors).
 fn torch_save(obj: &P) -> Vec<u8> {
@@ -105,7 +107,7 @@ fn a_dcp_copy_reads_back_with_the_values_of_its_source() {
     source(src.path());
     convert(src.path(), dst.path());
     let copy = LocalStorage::new(dst.path());
-    assert_eq!(FormatRecord::detect(&copy).unwrap().backend, "torch_dist");
+    assert_eq!(FormatRecord::detect(&copy).unwrap().backend, tessera::index::Backend::TorchDist);
     let report = diff(&LocalStorage::new(src.path()), &copy, &DiffOptions::default()).unwrap();
     assert!(report.is_equal(), "{report:?}");
     assert_eq!((report.tensors_compared, report.objects_compared), (2, 3));
@@ -172,7 +174,7 @@ fn a_dcp_copy_holds_its_values_as_dcp_byte_items_with_their_paths() {
         }
     }
     let dcp = LocalStorage::new(plain.path());
-    assert_eq!(FormatRecord::detect(&dcp).unwrap().backend, "torch_dcp");
+    assert_eq!(FormatRecord::detect(&dcp).unwrap().backend, tessera::index::Backend::TorchDcp);
     let report = diff(&LocalStorage::new(src.path()), &dcp, &DiffOptions::default()).unwrap();
     assert!(report.tensors.is_empty(), "{report:?}");
     assert!(report.content_metadata.is_none(), "{report:?}");

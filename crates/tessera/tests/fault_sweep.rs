@@ -26,6 +26,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::olmo::*;
+use tessera::storage::*;
+use tessera::tools::*;
+use tessera::torch_dist::*;
 use tessera::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -248,7 +254,7 @@ fn committed_files(storage: &dyn Storage) -> BTreeSet<String> {
     // Foreign formats name virtual files `file@offset`.
     let mut files: BTreeSet<String> =
         ckpt.index().files.iter().map(|f| f.name.split('@').next().unwrap().to_string()).collect();
-    match backend.as_str() {
+    match backend.name() {
         "tessera" => {
             files.insert(INDEX_FILE.into());
         }
@@ -644,7 +650,7 @@ fn exported_step(out: &Path) -> std::result::Result<Option<u64>, String> {
     if !out.exists() {
         return Ok(None);
     }
-    let storage = open_location(out.to_str().unwrap()).map_err(|e| e.to_string())?;
+    let storage = tessera::storage::Location::parse(out.to_str().unwrap()).open().map_err(|e| e.to_string())?;
     step_at(storage.as_ref(), &["w", "b"], false, &[OLD, NEW])
 }
 

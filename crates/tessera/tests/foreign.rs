@@ -12,9 +12,13 @@ use common::files::copy_dir;
 use common::fixtures::{assert_loads, boxes, json_eq, to_json, Expected};
 use common::{box_bytes, bytes_at, run_ranks, CountingComm};
 
+use tessera::comm::SoloComm;
+use tessera::index::FormatRecord;
+use tessera::storage::{CountingStorage, LocalStorage};
+use tessera::tools::verify;
 use tessera::{
-    load, open, verify, Communicator, CountingStorage, DType, Error, FormatRecord, LoadOptions, LocalStorage,
-    ShardedObject, ShardedTensor, SoloComm, StateTree, Storage, TensorData, Value,
+    load, open, Communicator, DType, Error, LoadOptions, ShardedObject, ShardedTensor, StateTree, Storage, TensorData,
+    Value,
 };
 
 fn fixtures() -> PathBuf {
@@ -69,7 +73,7 @@ fn fixture_storage(name: &str) -> LocalStorage {
 fn formats_are_detected() {
     for (name, backend) in ALL {
         let record = FormatRecord::detect(&fixture_storage(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(record.backend, *backend, "{name}");
+        assert_eq!(record.backend.name(), *backend, "{name}");
     }
 }
 
@@ -411,8 +415,8 @@ fn foreign_checkpoints_are_read_only() {
     let ckpt = open(&s).unwrap();
     assert!(tessera::__fuzz::checkpoint_storage(&ckpt).put_atomic("x", b"y").is_err());
     // gc cleans DCP locations too: a committed DCP checkpoint has nothing to remove.
-    assert!(tessera::gc(&s, &tessera::GcOptions::default()).unwrap().removed.is_empty());
-    assert!(tessera::remove_sharded_tensors(&s, "model").is_err());
+    assert!(tessera::tools::gc(&s, &tessera::tools::GcOptions::default()).unwrap().removed.is_empty());
+    assert!(tessera::tools::remove_sharded_tensors(&s, "model").is_err());
 }
 
 // ---- tools on foreign checkpoints -----------------------------------------------------------
@@ -423,8 +427,8 @@ fn every_fixture_unshards_to_its_expected_safetensors() {
         let dir = scratch(&format!("unshard-{name}"));
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("model.safetensors");
-        let opts = tessera::ExportOptions::default();
-        tessera::export_safetensors(&fixture_storage(name), &out, &opts, &mut |_, _| {})
+        let opts = tessera::tools::ExportOptions::default();
+        tessera::tools::export_safetensors(&fixture_storage(name), &out, &opts, &mut |_, _| {})
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         // Read the produced file with the same reader as the expected one.
         let got = {
@@ -458,13 +462,13 @@ fn every_fixture_unshards_to_its_expected_safetensors() {
 fn every_fixture_converts_to_an_equal_native_checkpoint() {
     for (name, _) in ALL {
         let src = fixture_storage(name);
-        let dst = tessera::MemoryStorage::named(&format!("foreign-convert-{name}-{}", std::process::id()));
-        let opts = tessera::ConvertOptions::default();
-        tessera::convert(&src, &dst, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(FormatRecord::detect(&dst).unwrap().backend, "tessera", "{name}");
+        let dst = tessera::storage::MemoryStorage::named(&format!("foreign-convert-{name}-{}", std::process::id()));
+        let opts = tessera::tools::ConvertOptions::default();
+        tessera::tools::convert(&src, &dst, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(FormatRecord::detect(&dst).unwrap().backend, tessera::index::Backend::Tessera, "{name}");
         let report = verify(&dst, 2).unwrap();
         assert!(report.problems.is_empty(), "{name}: {:?}", report.problems);
-        let d = tessera::diff(&src, &dst, &tessera::DiffOptions::default()).unwrap();
+        let d = tessera::tools::diff::diff(&src, &dst, &tessera::tools::diff::DiffOptions::default()).unwrap();
         assert!(d.is_equal(), "{name}: {d:?}");
         let want = expected_tensors(name);
         let got = open(&dst).and_then(|c| c.read_tensors(None)).unwrap();
@@ -478,10 +482,10 @@ fn every_fixture_converts_to_an_equal_native_checkpoint() {
 fn diff_names_the_keys_that_differ_between_formats() {
     // dcp_single vs its native conversion with one tensor dropped is a difference naming it.
     let src = fixture_storage("dcp_single");
-    let dst = tessera::MemoryStorage::named(&format!("foreign-diff-{}", std::process::id()));
-    tessera::convert(&src, &dst, &tessera::ConvertOptions::default(), &mut |_, _| {}).unwrap();
-    tessera::remove_sharded_tensors(&dst, "model.w_f16").unwrap();
-    let d = tessera::diff(&src, &dst, &tessera::DiffOptions::default()).unwrap();
+    let dst = tessera::storage::MemoryStorage::named(&format!("foreign-diff-{}", std::process::id()));
+    tessera::tools::convert(&src, &dst, &tessera::tools::ConvertOptions::default(), &mut |_, _| {}).unwrap();
+    tessera::tools::remove_sharded_tensors(&dst, "model.w_f16").unwrap();
+    let d = tessera::tools::diff::diff(&src, &dst, &tessera::tools::diff::DiffOptions::default()).unwrap();
     assert!(!d.is_equal());
     let named: Vec<&str> = d.tensors.iter().map(|t| t.key.as_str()).collect();
     assert_eq!(named, ["model.w_f16"]);
@@ -500,7 +504,7 @@ fn foreign_checkpoints_load_from_an_object_store() {
             let code = common::s3::http(common::s3::endpoint(), "PUT", &format!("/{prefix}/{rel}"), &body);
             assert_eq!(code, 200, "uploading {rel}");
         }
-        let store = tessera::ObjectStorage::open(&url, common::s3::test_options()).unwrap();
+        let store = tessera::storage::ObjectStorage::open(&url, common::s3::test_options()).unwrap();
         let got = open(&store).and_then(|c| c.read_tensors(None)).unwrap_or_else(|e| panic!("{name} on S3: {e}"));
         let want = expected_tensors(name);
         assert_eq!(got.len(), want.len(), "{name}");

@@ -12,6 +12,8 @@ use common::{f32_bytes, f32s, gcs, run_ranks, shard, small_blocks};
 use object_store::multipart::MultipartStore;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 /// The conformance suite on a fresh prefix; no part objects are left behind.

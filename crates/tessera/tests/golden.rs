@@ -17,6 +17,9 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 const GOLDEN_V1: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden_v1");
@@ -194,9 +197,9 @@ fn golden_loads(dir: &str, version: u32) {
     assert!(total < 16 << 10, "the fixture must stay tiny ({total} bytes)");
 
     let index = open(&storage).map(Checkpoint::into_index).unwrap();
-    assert_eq!((index.backend.as_str(), index.version, index.block_size), ("tessera", version, 16));
+    assert_eq!((index.backend.name(), index.version, index.block_size), ("tessera", version, 16));
     assert_eq!(index.files.len(), 2);
-    assert_eq!(FormatRecord::detect(&storage).unwrap(), FormatRecord { backend: "tessera".into(), version });
+    assert_eq!(FormatRecord::detect(&storage).unwrap(), FormatRecord { backend: Backend::Tessera, version });
 
     // Metadata and whole tensors, bit-exact.
     let expected = expected_tensors();

@@ -9,6 +9,10 @@ use std::ops::Range;
 
 use common::files::copy_dir;
 use common::*;
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 /// Rows `rows` (all 4 columns) of the `[4, 4]` f32 tensor `w`, holding `fill`.

@@ -12,6 +12,10 @@ use common::files::copy_dir;
 use common::{shard, TempDir};
 use hostile::*;
 use tessera::__fuzz::{parse_header, unpickle, PickleValue, UnpickleLimits};
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 /// The `Corrupt` error of `r`, or a panic describing what came instead.

@@ -9,6 +9,10 @@ use std::path::{Path, PathBuf};
 
 use common::files::{copy_dir, snapshot};
 use common::*;
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 fn fixture(rel: &str) -> PathBuf {
@@ -72,7 +76,7 @@ fn export_into_its_own_source_is_refused_and_the_source_kept_byte_for_byte() {
     }
     // The source given as a file:// location, or through the symlink, is the same directory.
     for loc in [format!("file://{}", ckpt.display()), dir.join("alias").display().to_string()] {
-        let s = open_location(&loc).unwrap();
+        let s = tessera::storage::Location::parse(&loc).open().unwrap();
         let out = ckpt.join(INDEX_FILE);
         assert_refused(export_safetensors(s.as_ref(), &out, &ExportOptions::default(), &mut no_progress()), &out);
     }
@@ -208,7 +212,7 @@ fn convert_refuses_a_destination_holding_a_checkpoint_of_any_format_unless_overw
         copy_dir(&fixture(rel), &dst_dir);
         let dst = LocalStorage::new(&dst_dir);
         let record = open(&dst).unwrap().format().clone();
-        assert_ne!(record.backend, "tessera", "{rel}");
+        assert_ne!(record.backend, tessera::index::Backend::Tessera, "{rel}");
         let before = snapshot(&dst_dir);
         match convert(&src, &dst, &ConvertOptions::default(), &mut no_progress()) {
             Err(Error::AlreadyExists { path }) => assert_eq!(path, dst_dir, "{rel}"),
@@ -218,7 +222,7 @@ fn convert_refuses_a_destination_holding_a_checkpoint_of_any_format_unless_overw
         // With overwrite the native checkpoint is committed there (and is what loads).
         let opts = ConvertOptions { overwrite: true, ..Default::default() };
         convert(&src, &dst, &opts, &mut no_progress()).unwrap_or_else(|e| panic!("{rel}: {e}"));
-        assert_eq!(open(&dst).unwrap().format().clone().backend, "tessera", "{rel}");
+        assert_eq!(open(&dst).unwrap().format().clone().backend, tessera::index::Backend::Tessera, "{rel}");
         assert_eq!(
             open(&dst).and_then(|c| c.read_tensors(None)).unwrap(),
             open(&src).and_then(|c| c.read_tensors(None)).unwrap(),

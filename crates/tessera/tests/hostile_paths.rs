@@ -13,7 +13,10 @@ use std::time::Duration;
 
 use common::files::copy_dir;
 use common::TempDir;
-use tessera::{export_safetensors, open, verify, Checkpoint, Error, ExportOptions, LocalStorage, Storage, INDEX_FILE};
+use tessera::index::INDEX_FILE;
+use tessera::storage::LocalStorage;
+use tessera::tools::{export_safetensors, verify, ExportOptions};
+use tessera::{open, Checkpoint, Error, Storage};
 
 fn fixture(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)

@@ -14,6 +14,10 @@ use std::path::Path;
 use common::files::copy_dir;
 use common::{shard, TempDir};
 use hostile::*;
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 /// The cap on axes, as the errors state it.
@@ -207,7 +211,7 @@ fn v1_index_naming_file(index: &CheckpointIndex, file: u64) -> Vec<u8> {
         out.extend_from_slice(s.as_bytes());
     };
     let mut body = Vec::new();
-    str_(&mut body, &index.backend);
+    str_(&mut body, index.backend.name());
     var(&mut body, index.block_size);
     body.push(0); // content_metadata: null
     var(&mut body, 0); // common

@@ -9,6 +9,8 @@ mod common;
 use std::collections::BTreeSet;
 
 use common::*;
+use tessera::index::*;
+use tessera::storage::*;
 use tessera::*;
 
 const FILES: u64 = 64;
@@ -63,7 +65,7 @@ fn synthetic_index(tensors: u64, chunks_per_tensor: u64) -> CheckpointIndex {
         })
         .collect();
     CheckpointIndex {
-        backend: "tessera".into(),
+        backend: Backend::Tessera,
         version: FORMAT_VERSION,
         block_size,
         content_metadata: Value::Map(vec![("note".into(), Value::Str("synthetic".into()))]),

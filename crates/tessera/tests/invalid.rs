@@ -8,6 +8,10 @@ mod common;
 use std::ops::Range;
 
 use common::*;
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 /// A `[rows.start, rows.end) x all columns` box of an f32 tensor of global shape `global`,

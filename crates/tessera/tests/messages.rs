@@ -8,10 +8,11 @@
 mod common;
 
 use common::{f32_bytes, TempDir};
-use tessera::{
-    export_safetensors, load, open, save, DType, Error, ExportOptions, FormatRecord, LoadOptions, LocalStorage,
-    MemoryStorage, SaveOptions, ShardedTensor, SoloComm, StateTree, TensorData,
-};
+use tessera::comm::SoloComm;
+use tessera::index::FormatRecord;
+use tessera::storage::{LocalStorage, MemoryStorage};
+use tessera::tools::{export_safetensors, ExportOptions};
+use tessera::{load, open, save, DType, Error, LoadOptions, SaveOptions, ShardedTensor, StateTree, TensorData};
 
 fn checkpoint(dir: &std::path::Path) {
     let t = ShardedTensor::full("w", DType::BF16, &[2, 2], TensorData::Owned(vec![0; 8]));
@@ -139,7 +140,7 @@ fn an_unsharded_export_into_a_directory_writes_model_safetensors_there() {
         let file = out.join("model.safetensors");
         assert_eq!(report.files, std::slice::from_ref(&file), "{given}");
         assert!(out.path().is_dir() && file.is_file());
-        let storage = tessera::open_location(file.to_str().unwrap()).unwrap();
+        let storage = tessera::storage::Location::parse(file.to_str().unwrap()).open().unwrap();
         let read = open(&*storage).and_then(|c| c.read_tensors(None)).unwrap();
         assert_eq!(read["w"].data, f32_bytes(&[1.0, 2.0]));
     }

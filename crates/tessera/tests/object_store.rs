@@ -20,6 +20,12 @@ use std::time::Duration;
 use common::faults::*;
 use common::*;
 use tessera::__plan::load::{plan_reads, plan_request, ReadTuning, Request};
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::olmo::*;
+use tessera::storage::*;
+use tessera::tools::*;
+use tessera::torch_dist::*;
 use tessera::*;
 
 /// These tests move tens of MiB through one moto server: one at a time keeps each well inside
@@ -651,7 +657,7 @@ fn an_s3_url_is_configured_from_the_aws_environment() {
     std::env::set_var("AWS_ALLOW_HTTP", "true");
     let url = s3::fresh_url("env");
     let r = (|| -> Result<Vec<u8>> {
-        let storage = open_location(&url)?;
+        let storage = tessera::storage::Location::parse(&url).open()?;
         storage.put_atomic("x", b"hello")?;
         let back = storage.read("x")?;
         storage.delete("x")?;
@@ -662,7 +668,7 @@ fn an_s3_url_is_configured_from_the_aws_environment() {
     assert_eq!(r.unwrap(), b"hello");
 }
 
-/// The public conformance suite (`tessera::conformance`, run against moto directly by
+/// The public conformance suite (`tessera::storage::conformance`, run against moto directly by
 /// `tests/conformance.rs`) also holds through the proxy with a fifth of the requests throttled
 /// (503 Slow Down): the client's retries keep every semantic, conditional puts included.
 #[test]
@@ -811,12 +817,12 @@ fn an_s3_url_is_configured_from_an_aws_profile() {
     std::env::set_var("AWS_PROFILE", "ci");
     let url = s3::fresh_url("profile");
     let with_profile = (|| -> Result<Vec<u8>> {
-        let storage = open_location(&url)?;
+        let storage = tessera::storage::Location::parse(&url).open()?;
         storage.put_atomic("x", b"profile")?;
         storage.read("x")
     })();
     std::env::set_var("AWS_PROFILE", "missing");
-    let missing_profile = open_location(&url).map(|_| ());
+    let missing_profile = tessera::storage::Location::parse(&url).open().map(|_| ());
     std::env::remove_var("AWS_PROFILE");
     std::env::set_var("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent");
     let no_credentials = ObjectStorage::open(

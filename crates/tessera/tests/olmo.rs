@@ -12,12 +12,17 @@ use std::path::{Path, PathBuf};
 use common::files::copy_dir;
 use common::fixtures::{assert_loads, boxes, to_json, Expected};
 use common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
+use tessera::comm::SoloComm;
+use tessera::index::{Backend, FormatRecord};
+use tessera::olmo::save_olmo;
+use tessera::storage::{CountingStorage, LocalStorage};
+use tessera::tools::verify;
 use tessera::{
-    load, open, save_olmo, verify, CountingStorage, DType, Error, FormatRecord, LoadOptions, LocalStorage, ReplicaId,
-    SaveOptions, ShardedObject, ShardedTensor, SoloComm, StateTree, Storage, TensorData,
+    load, open, DType, Error, LoadOptions, ReplicaId, SaveOptions, ShardedObject, ShardedTensor, StateTree, Storage,
+    TensorData,
 };
 
-const BACKEND: &str = "olmo_safetensors";
+const BACKEND: Backend = Backend::OlmoSafetensors;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/olmo")
@@ -224,7 +229,7 @@ fn rank_tree<'a>(r: usize, world: usize, buffers: &'a [Vec<u8>]) -> StateTree<'a
     tree
 }
 
-fn save_world(dir: &Path, world: usize, opts: &SaveOptions) -> Vec<tessera::Result<tessera::OlmoSaveReport>> {
+fn save_world(dir: &Path, world: usize, opts: &SaveOptions) -> Vec<tessera::Result<tessera::olmo::OlmoSaveReport>> {
     let buffers: Vec<Vec<u8>> =
         layouts().iter().enumerate().map(|(i, l)| truth(l.dtype, &l.shape, i as u64 + 1)).collect();
     run_ranks(world, |comm| {
@@ -490,7 +495,7 @@ fn olmo_checkpoints_load_from_an_object_store() {
             let code = common::s3::http(common::s3::endpoint(), "PUT", &format!("/{prefix}/{rel}"), &body);
             assert_eq!(code, 200, "uploading {rel}");
         }
-        let store = tessera::ObjectStorage::open(&url, common::s3::test_options()).unwrap();
+        let store = tessera::storage::ObjectStorage::open(&url, common::s3::test_options()).unwrap();
         let got = open(&store).and_then(|c| c.read_tensors(None)).unwrap_or_else(|e| panic!("{name} on S3: {e}"));
         assert_tensors(name, &got, &expected_tensors(name));
         let report = verify(&store, 2).unwrap();
@@ -537,7 +542,7 @@ fn directories_saved_together_are_all_validated_before_any_is_touched() {
             (tree("w", m, &[4]), &model as &dyn Storage),
             (tree("w.__exp_avg", o, o_shape), &optim as &dyn Storage),
         ];
-        tessera::save_olmo_dirs(dirs, &SoloComm, &SaveOptions { overwrite, ..Default::default() })
+        tessera::olmo::save_olmo_dirs(dirs, &SoloComm, &SaveOptions { overwrite, ..Default::default() })
     };
     pair(&old, &old, &[4], false).unwrap();
     // A shard outside its tensor in optim/: refused, nothing removed or rewritten.

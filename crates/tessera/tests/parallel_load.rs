@@ -9,6 +9,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::*;
+use tessera::comm::*;
+use tessera::factory::*;
+use tessera::index::*;
+use tessera::storage::*;
 use tessera::*;
 
 /// Every tensor leaf of a loaded state, by dotted path.

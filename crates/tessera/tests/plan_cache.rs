@@ -9,6 +9,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use common::*;
+use tessera::comm::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 const WORLD: usize = 4;

@@ -14,6 +14,8 @@ use std::ops::Range;
 use common::*;
 use tessera::__plan::geometry::{check_tiling, decompose_flat, Piece};
 use tessera::__plan::load::ReadTuning;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 /// One global tensor of a case and its contents.

@@ -9,6 +9,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::*;
+use tessera::comm::*;
+use tessera::factory::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::*;
 use tessera::*;
 
 /// Saves `build(rank)` on `world` ranks; panics on any rank's error.

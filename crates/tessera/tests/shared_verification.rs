@@ -9,6 +9,7 @@
 mod common;
 
 use common::*;
+use tessera::storage::*;
 use tessera::*;
 
 /// `w`: 64 rows of 256 f32 (1 KiB each), checksummed in blocks of 4 rows.

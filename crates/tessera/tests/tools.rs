@@ -11,6 +11,11 @@ use std::path::Path;
 
 use common::*;
 use serde_json::{json, Value as J};
+use tessera::comm::*;
+use tessera::index::*;
+use tessera::storage::*;
+use tessera::tools::diff::*;
+use tessera::tools::*;
 use tessera::*;
 
 const TP: u64 = 2;
@@ -24,7 +29,7 @@ fn truth() -> BTreeMap<&'static str, (DType, Vec<u64>, Vec<u8>)> {
     t.insert("w", (DType::F32, vec![8, 6], f32s(48, &|i| 1.0 / 3.0 + i as f32 * 0.1)));
     t.insert("opt.exp_avg", (DType::F32, vec![8, 6], f32s(48, &|i| -3.0 + i as f32 * 0.37)));
     t.insert("emb", (DType::BF16, vec![10, 4], bf16_bytes(&(0..40).map(|i| i as f32 - 7.0).collect::<Vec<_>>())));
-    let stack = cast_bytes(&f32s(24, &|i| i as f32 * 0.5 - 2.0), DType::F32, DType::F16).unwrap();
+    let stack = DType::F32.cast_bytes(&f32s(24, &|i| i as f32 * 0.5 - 2.0), DType::F16).unwrap();
     t.insert("stack", (DType::F16, vec![2, 4, 3], stack));
     t.insert("steps", (DType::I64, vec![3], i64_bytes(&[5, -6, 7])));
     t.insert("scale", (DType::F32, vec![], f32_bytes(&[0.1])));
@@ -295,7 +300,7 @@ fn export_casts_floating_tensors_only() {
         let (d, s, b) = &truth[key.as_str()];
         assert_eq!(shape, s, "{key}");
         let (want_dtype, want) = match d {
-            DType::F32 | DType::F16 | DType::BF16 => (DType::BF16, cast_bytes(b, *d, DType::BF16).unwrap()),
+            DType::F32 | DType::F16 | DType::BF16 => (DType::BF16, d.cast_bytes(b, DType::BF16).unwrap()),
             other => (*other, b.clone()),
         };
         assert_eq!((dtype.as_str(), data), (want_dtype.safetensors_name(), &want), "{key}");
@@ -350,7 +355,7 @@ fn assert_same_checkpoint(src: &dyn Storage, dst: &dyn Storage) {
     let v = verify(dst, 2).unwrap();
     assert!(v.problems.is_empty(), "{:?}", v.problems);
     let di = open(dst).map(Checkpoint::into_index).unwrap();
-    assert_eq!(di.backend, "tessera");
+    assert_eq!(di.backend, tessera::index::Backend::Tessera);
     assert_eq!(
         open(dst).and_then(|c| c.read_tensors(None)).unwrap(),
         open(src).and_then(|c| c.read_tensors(None)).unwrap()
@@ -749,8 +754,12 @@ fn plain_safetensors_files_and_sharded_directories_read_as_checkpoints() {
     let opts = ExportOptions { max_shard_size: Some(300), ..Default::default() };
     export_safetensors(&src, &sharded, &opts, &mut no_progress()).unwrap();
     for location in [one.to_str().unwrap(), sharded.to_str().unwrap()] {
-        let storage = open_location(location).unwrap();
-        assert_eq!(FormatRecord::detect(storage.as_ref()).unwrap().backend, "safetensors", "{location}");
+        let storage = tessera::storage::Location::parse(location).open().unwrap();
+        assert_eq!(
+            FormatRecord::detect(storage.as_ref()).unwrap().backend,
+            tessera::index::Backend::Safetensors,
+            "{location}"
+        );
         let got = open(storage.as_ref()).and_then(|c| c.read_tensors(None)).unwrap();
         assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{location}");
         for (k, t) in &want {
@@ -763,7 +772,7 @@ fn plain_safetensors_files_and_sharded_directories_read_as_checkpoints() {
         assert!(diff(storage.as_ref(), &native, &DiffOptions::default()).unwrap().is_equal(), "{location}");
     }
     // A file opened by its path is read-only.
-    let file = open_location(one.to_str().unwrap()).unwrap();
+    let file = tessera::storage::Location::parse(one.to_str().unwrap()).open().unwrap();
     assert!(matches!(file.put_atomic("x", b"y"), Err(Error::InvalidArgument { .. })));
 
     // The index places a tensor in a file that lacks it.
@@ -782,14 +791,18 @@ fn plain_safetensors_files_and_sharded_directories_read_as_checkpoints() {
     };
     index["weight_map"][&key] = json!(file);
     std::fs::write(&index_path, index.to_string()).unwrap();
-    let err = open(open_location(sharded.to_str().unwrap()).unwrap().as_ref()).map(Checkpoint::into_index).unwrap_err();
+    let err = open(tessera::storage::Location::parse(sharded.to_str().unwrap()).open().unwrap().as_ref())
+        .map(Checkpoint::into_index)
+        .unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }) && err.to_string().contains(&key), "{err}");
     std::fs::write(&index_path, text).unwrap();
     // A header whose offsets run past the file.
     let bytes = std::fs::read(&one).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     std::fs::write(&one, &bytes[..8 + n + 4]).unwrap();
-    let err = open(open_location(one.to_str().unwrap()).unwrap().as_ref()).map(Checkpoint::into_index).unwrap_err();
+    let err = open(tessera::storage::Location::parse(one.to_str().unwrap()).open().unwrap().as_ref())
+        .map(Checkpoint::into_index)
+        .unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }) && err.to_string().contains("one.safetensors"), "{err}");
 
     // tessera's own data files without an index: an unfinished save, not plain safetensors.

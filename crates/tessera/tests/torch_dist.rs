@@ -12,9 +12,13 @@ mod hostile;
 use std::path::Path;
 
 use common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
+use tessera::comm::SoloComm;
+use tessera::index::FormatRecord;
+use tessera::storage::LocalStorage;
+use tessera::torch_dist::{save_torch_dist, TorchDistSave};
 use tessera::{
-    load, open, save_torch_dist, Communicator, DType, Error, FormatRecord, LoadOptions, LocalStorage, PathSeg,
-    ReplicaId, SaveOptions, ShardedObject, ShardedTensor, SoloComm, StateTree, TensorData, TorchDistSave, Value,
+    load, open, Communicator, DType, Error, LoadOptions, PathSeg, ReplicaId, SaveOptions, ShardedObject, ShardedTensor,
+    StateTree, TensorData, Value,
 };
 
 struct Layout {
@@ -106,7 +110,7 @@ fn save_world(dir: &Path, world: usize, opts: &SaveOptions) -> Vec<tessera::Resu
 
 fn check_written(dir: &Path, world: usize) {
     let storage = LocalStorage::new(dir);
-    assert_eq!(FormatRecord::detect(&storage).unwrap().backend, "torch_dist");
+    assert_eq!(FormatRecord::detect(&storage).unwrap().backend, tessera::index::Backend::TorchDist);
     let got = open(&storage).and_then(|c| c.read_tensors(None)).unwrap();
     let keys: Vec<&str> = got.keys().map(String::as_str).collect();
     assert_eq!(keys, ["cols.weight", "empty", "norm.weight", "rows.weight", "stacked", "step"]);
@@ -387,7 +391,7 @@ fn a_save_with_values_holds_them_as_dcp_byte_items_at_their_paths() {
         let plain = TempDir::new("torch-dist-values-plain");
         dcp_part(dir.path(), plain.path());
         let dcp = LocalStorage::new(plain.path());
-        assert_eq!(FormatRecord::detect(&dcp).unwrap().backend, "torch_dcp");
+        assert_eq!(FormatRecord::detect(&dcp).unwrap().backend, tessera::index::Backend::TorchDcp);
         let tensors = open(&dcp).and_then(|c| c.read_tensors(None)).unwrap();
         assert_eq!(tensors["optim.state.model.w.exp_avg"].data, w);
         let mut got = open(&dcp).unwrap().into_index().common;
@@ -487,12 +491,19 @@ fn a_native_checkpoint_with_flat_ranges_objects_and_common_state_converts_exactl
     });
     let dst = TempDir::new("to-dcp-dst");
     // A small budget: chunks are cut, flat ranges into boxes.
-    let opts = tessera::ConvertOptions { memory_budget: 256, max_file_size: 200, ..Default::default() };
-    let report =
-        tessera::convert_to_dcp(&LocalStorage::new(src.path()), &LocalStorage::new(dst.path()), &opts, &mut |_, _| {})
-            .unwrap();
+    let opts = tessera::tools::ConvertOptions { memory_budget: 256, max_file_size: 200, ..Default::default() };
+    let report = tessera::tools::convert_to_dcp(
+        &LocalStorage::new(src.path()),
+        &LocalStorage::new(dst.path()),
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap();
     assert!(report.files > 1 && report.chunks > 4, "{report:?}");
-    assert_eq!(FormatRecord::detect(&LocalStorage::new(dst.path())).unwrap().backend, "torch_dist");
+    assert_eq!(
+        FormatRecord::detect(&LocalStorage::new(dst.path())).unwrap().backend,
+        tessera::index::Backend::TorchDist
+    );
     same_tensors(src.path(), dst.path(), "native -> dcp");
     let storage = LocalStorage::new(dst.path());
     let mut tree = StateTree::map();
@@ -514,10 +525,12 @@ fn a_native_checkpoint_with_flat_ranges_objects_and_common_state_converts_exactl
     assert_eq!(meta, Some(&Value::Map(vec![("format".into(), Value::Int(2))])));
 
     // Refused over a committed checkpoint unless overwriting; then replaced.
-    let e = tessera::convert_to_dcp(&LocalStorage::new(src.path()), &storage, &opts, &mut |_, _| {}).unwrap_err();
+    let e =
+        tessera::tools::convert_to_dcp(&LocalStorage::new(src.path()), &storage, &opts, &mut |_, _| {}).unwrap_err();
     assert!(matches!(e, Error::AlreadyExists { .. }), "{e}");
-    let over = tessera::ConvertOptions { overwrite: true, ..Default::default() };
-    let report = tessera::convert_to_dcp(&LocalStorage::new(src.path()), &storage, &over, &mut |_, _| {}).unwrap();
+    let over = tessera::tools::ConvertOptions { overwrite: true, ..Default::default() };
+    let report =
+        tessera::tools::convert_to_dcp(&LocalStorage::new(src.path()), &storage, &over, &mut |_, _| {}).unwrap();
     assert_eq!(report.files, 1);
     assert_eq!(data_files(dst.path()).len(), 1, "the files of the replaced checkpoint are gone");
     same_tensors(src.path(), dst.path(), "native -> dcp, overwritten");
@@ -537,8 +550,8 @@ fn every_readable_fixture_converts_to_dcp_or_names_what_cannot_go() {
                 continue; // a fixture of a damaged or partial checkpoint
             }
             let dst = TempDir::new("fixture-to-dcp");
-            let opts = tessera::ConvertOptions::default();
-            match tessera::convert_to_dcp(
+            let opts = tessera::tools::ConvertOptions::default();
+            match tessera::tools::convert_to_dcp(
                 &LocalStorage::new(&src),
                 &LocalStorage::new(dst.path()),
                 &opts,
@@ -548,7 +561,8 @@ fn every_readable_fixture_converts_to_dcp_or_names_what_cannot_go() {
                     same_tensors(&src, dst.path(), &what);
                     // Objects, common state and content metadata too.
                     let (a, b) = (LocalStorage::new(&src), LocalStorage::new(dst.path()));
-                    let report = tessera::diff(&a, &b, &tessera::DiffOptions::default()).unwrap();
+                    let report =
+                        tessera::tools::diff::diff(&a, &b, &tessera::tools::diff::DiffOptions::default()).unwrap();
                     assert!(report.is_equal(), "{what}: {report:?}");
                     converted += 1;
                 }
@@ -681,7 +695,7 @@ fn a_location_holding_other_files_is_refused_unless_overwriting() {
 /// entry of `.metadata`, and a reader finds it for each.
 #[test]
 fn empty_shards_at_one_offset_save_and_load() {
-    let storage = tessera::MemoryStorage::new();
+    let storage = tessera::storage::MemoryStorage::new();
     let data: Vec<u8> = (0..4).collect();
     for r in run_ranks(3, |c| {
         let rank = tessera::Communicator::rank(c);

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional, Union
 
 from .. import _native
 
@@ -58,21 +58,14 @@ class CheckpointingConfig:
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def _detect(checkpoint_dir: PathLike) -> Optional[Tuple[str, int]]:
+def _detect(checkpoint_dir: PathLike) -> Optional[_native.CheckpointFormat]:
     try:
-        detected: Any = _native.detect(native_location(checkpoint_dir))
+        return _native.detect(native_location(checkpoint_dir))
     except FileNotFoundError:
         # Megatron answers "not a distributed checkpoint" for a missing directory, not an error.
         return None
-    if detected is None:
-        return None
-    backend, version = detected
-    return str(backend), int(version)
 
 
-# Foreign formats tessera reads (names of ``_native.detect``); Megatron's carry metadata.json.
-MEGATRON_BACKENDS = ("torch_dist", "zarr")
-DCP_BACKENDS = ("torch_dcp", "olmo_core")
 MEGATRON_CONFIG_FNAME = "metadata.json"
 #: Megatron's name for it.
 CONFIG_FNAME = MEGATRON_CONFIG_FNAME
@@ -83,12 +76,10 @@ COMMON_STATE_FNAME = "common.pt"
 
 def local_dir(checkpoint_dir: PathLike) -> Optional[str]:
     """The local filesystem path of a location (plain path or ``file://``), None for others."""
-    location = location_url(checkpoint_dir)
-    if location.startswith("file://"):
-        return location[len("file://") :]
-    if "://" in location:
-        return None
-    return location
+    location = checkpoint_dir if isinstance(checkpoint_dir, _native.Location) else location_url(checkpoint_dir)
+    if not isinstance(location, _native.Location):
+        location = _native.Location(location)
+    return location.local_dir
 
 
 def _megatron_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
@@ -111,12 +102,12 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
         # Not a format the core detects: a checkpoint written by a caller's own strategy still
         # describes itself in metadata.json, as Megatron's do.
         return _megatron_config(checkpoint_dir)
-    backend, version = detected
-    if backend in MEGATRON_BACKENDS:
+    backend, version = detected.backend, detected.version
+    if detected.is_megatron:
         config = _megatron_config(checkpoint_dir)
         if config is not None:
             return config
-    if backend in DCP_BACKENDS:
+    if detected.is_dcp:
         # Non-tensor values are byte items of the same DCP checkpoint.
         return CheckpointingConfig(
             sharded_backend=backend,
@@ -126,11 +117,11 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
         )
     # tessera commits the common state in the same index as the shards (same format version);
     # other formats keep Megatron's torch-pickled common state.
-    native = backend == "tessera"
+    native = detected.is_native
     return CheckpointingConfig(
         sharded_backend=backend,
         sharded_backend_version=version,
-        common_backend="tessera" if native else "torch",
+        common_backend=backend if native else "torch",
         common_backend_version=version if native else 1,
     )
 

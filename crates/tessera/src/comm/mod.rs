@@ -14,11 +14,11 @@ use std::time::Duration;
 mod mpi_comm;
 pub(crate) mod wire;
 
+#[cfg(feature = "mpi")]
+pub use self::mpi_comm::MpiComm;
 /// The `mpi` crate (rsmpi), for its `Universe` and communicators (feature `mpi`).
 #[cfg(feature = "mpi")]
 pub use ::mpi;
-#[cfg(feature = "mpi")]
-pub use self::mpi_comm::MpiComm;
 
 use crate::error::{Error, Result};
 
@@ -157,7 +157,8 @@ impl InProcessComm {
     /// Runs `f(comm)` on `world` threads, one per rank, and returns the results by rank.
     ///
     /// ```
-    /// use tessera::{Communicator, InProcessComm};
+    /// use tessera::Communicator;
+    /// use tessera::comm::InProcessComm;
     ///
     /// let gathered = InProcessComm::run(3, |comm| comm.all_gather(&[comm.rank() as u8 * 10]));
     /// for got in gathered {

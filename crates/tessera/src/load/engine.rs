@@ -161,7 +161,9 @@ pub struct LoadResult<'a> {
 ///
 /// ```
 /// use tessera::{load, save, LoadOptions, SaveOptions};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let storage = MemoryStorage::new();
 /// let w: Vec<u8> = (0..8).collect(); // a 2×4 u8 tensor, saved whole

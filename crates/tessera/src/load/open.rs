@@ -232,7 +232,8 @@ impl FormatRecord {
     /// files alone: nothing else is read or validated (that is [`open`]'s work).
     ///
     /// ```
-    /// use tessera::{FormatRecord, MemoryStorage};
+    /// use tessera::index::FormatRecord;
+    /// use tessera::storage::MemoryStorage;
     ///
     /// assert!(matches!(FormatRecord::detect(&MemoryStorage::new()), Err(tessera::Error::NotFound { .. })));
     /// ```
@@ -247,7 +248,9 @@ impl FormatRecord {
 /// Opening once and reading many times reuses the decoded index.
 ///
 /// ```
-/// use tessera::{open, save, MemoryStorage, SaveOptions, ShardedTensor, SoloComm, StateTree, TensorData, DType};
+/// use tessera::{open, save, DType, SaveOptions, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let storage = MemoryStorage::new();
 /// let w: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -255,7 +258,7 @@ impl FormatRecord {
 /// save(tree, &storage, &SoloComm, &SaveOptions::default())?;
 ///
 /// let ckpt = open(&storage)?;
-/// assert_eq!(ckpt.format().backend, "tessera");
+/// assert_eq!(ckpt.format().backend, tessera::index::Backend::Tessera);
 /// assert_eq!(ckpt.read_tensors(None)?["w"].data, w);
 /// # Ok::<(), tessera::Error>(())
 /// ```
@@ -350,7 +353,8 @@ pub fn open(storage: &dyn Storage) -> Result<Checkpoint<'_>> {
 /// their part of the index.
 ///
 /// ```
-/// use tessera::{open_with, MemoryStorage, OpenOptions};
+/// use tessera::{open_with, OpenOptions};
+/// use tessera::storage::MemoryStorage;
 ///
 /// let empty = MemoryStorage::new();
 /// let opts = OpenOptions { keys: Some(vec!["w".into()]) };

@@ -29,7 +29,9 @@ use crate::storage::{ObjectWriter, Storage};
 /// ```
 /// use std::sync::Arc;
 /// use tessera::{open, AsyncSaver, SaveOptions, StagingPool};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let storage = MemoryStorage::new();
 /// let mut saver = AsyncSaver::new(StagingPool::new(1 << 20)?, Arc::new(SoloComm));

@@ -450,7 +450,9 @@ fn remove_replaced(storage: &dyn Storage, index: &CheckpointIndex, bytes: &[u8],
 /// know ([`Error::CommitUnknown`]) removes nothing.
 ///
 /// ```
-/// use tessera::{open, save, DType, MemoryStorage, SaveOptions, ShardedTensor, SoloComm, StateTree, TensorData, Value};
+/// use tessera::{open, save, DType, SaveOptions, ShardedTensor, StateTree, TensorData, Value};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let storage = MemoryStorage::new();
 /// let tree = || {

@@ -61,8 +61,11 @@ pub struct OlmoSaveReport {
 /// identically on every rank.
 ///
 /// ```
-/// use tessera::{open, read_olmo_metadata, save_olmo, SaveOptions};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{open, SaveOptions};
+/// use tessera::olmo::{read_olmo_metadata, save_olmo};
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let storage = MemoryStorage::new();
 /// let w = ShardedTensor::full("w", DType::U8, &[4], TensorData::Owned(vec![1, 2, 3, 4]));
@@ -72,7 +75,7 @@ pub struct OlmoSaveReport {
 /// assert_eq!(read_olmo_metadata(&storage)?, report.metadata);
 ///
 /// let ckpt = open(&storage)?;
-/// assert_eq!(ckpt.format().backend, "olmo_safetensors");
+/// assert_eq!(ckpt.format().backend, tessera::index::Backend::OlmoSafetensors);
 /// assert_eq!(ckpt.read_tensors(None)?["w"].data, [1, 2, 3, 4]);
 /// # Ok::<(), tessera::Error>(())
 /// ```
@@ -90,8 +93,11 @@ pub fn save_olmo(
 /// written, and they are committed in the order given. Returns one report per directory.
 ///
 /// ```
-/// use tessera::{open, save_olmo_dirs, SaveOptions};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{open, SaveOptions};
+/// use tessera::olmo::save_olmo_dirs;
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let (model, optim) = (MemoryStorage::new(), MemoryStorage::new());
 /// let tree = |k: &str, v: u8| {

@@ -143,7 +143,8 @@ fn exchange_plans(comm: &dyn Communicator, c: &mut Collected<'_>) -> Result<Vec<
 /// save does first. Every rank must call it; every rank gets the same verdict.
 ///
 /// ```
-/// use tessera::{validate_sharding_integrity, DType, Error, InProcessComm, ShardedTensor, StateTree, TensorData};
+/// use tessera::{validate_sharding_integrity, DType, Error, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::InProcessComm;
 ///
 /// // Both ranks claim elements 0..2 of a 4-element tensor as their main replica: the shards
 /// // overlap (and 2..4 is missing). Metadata only: validating needs no tensor data.

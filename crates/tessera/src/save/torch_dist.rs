@@ -83,8 +83,12 @@ const REPLACEABLE: [Backend; 2] = [Backend::TorchDist, Backend::TorchDcp];
 /// [`TorchDistSave`]'s three steps in a row, the files written one after the other.
 ///
 /// ```
-/// use tessera::{open, save_torch_dist, SaveOptions, StorageExt};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{open, SaveOptions};
+/// use tessera::storage::StorageExt;
+/// use tessera::torch_dist::save_torch_dist;
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let storage = MemoryStorage::new();
 /// let w: Vec<u8> = [1.0f32, 2.0, 3.0].iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -99,7 +103,7 @@ const REPLACEABLE: [Backend; 2] = [Backend::TorchDist, Backend::TorchDcp];
 /// assert!(names[1].starts_with(".tessera-common-"));
 /// assert_eq!([&names[0], &names[2], &names[3], &names[4]], [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]);
 /// let ckpt = open(&storage)?;
-/// assert_eq!(ckpt.format().backend, "torch_dist");
+/// assert_eq!(ckpt.format().backend, tessera::index::Backend::TorchDist);
 /// assert_eq!(ckpt.read_tensors(None)?["w"].data, w);
 /// # Ok::<(), tessera::Error>(())
 /// ```
@@ -129,8 +133,11 @@ pub fn save_torch_dist(
 /// `tessera gc` removes).
 ///
 /// ```
-/// use tessera::{open, SaveOptions, TorchDistSave};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{open, SaveOptions};
+/// use tessera::torch_dist::TorchDistSave;
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let storage = MemoryStorage::new();
 /// let opts = SaveOptions::default();

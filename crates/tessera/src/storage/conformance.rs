@@ -1,13 +1,13 @@
 //! The storage conformance suite: the semantics written on [`Storage`] and [`ObjectWriter`],
 //! checked as plain functions over `&dyn Storage`. Compiled only with the cargo feature
-//! `conformance`; public as `tessera::conformance`.
+//! `conformance`; public as `tessera::storage::conformance`.
 //!
 //! Every backend's tests hand [`run`] a fresh, empty storage:
 //!
 //! ```ignore
 //! #[test]
 //! fn my_storage_conforms() {
-//!     tessera::conformance::run(&MyStorage::new(unique_location()));
+//!     tessera::storage::conformance::run(&MyStorage::new(unique_location()));
 //! }
 //! ```
 //!

@@ -25,7 +25,8 @@ use crate::error::{Error, Result};
 ///
 /// ```
 /// use tessera::storage::Location;
-/// use tessera::{open, save, DType, SaveOptions, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{open, save, DType, SaveOptions, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
 ///
 /// let dir = std::env::temp_dir().join(format!("tessera-doc-location-{}", std::process::id()));
 /// let at = Location::parse(dir.to_str().unwrap()).join("step-1"); // created on first write

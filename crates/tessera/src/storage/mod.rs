@@ -1,7 +1,7 @@
 //! Where checkpoint bytes live. A checkpoint is a flat set of named objects (a directory on a
 //! filesystem, a prefix in an object store); every backend implements [`Storage`] with the
 //! semantics written on each method, and passes the conformance suite (`storage/conformance.rs`,
-//! public as `tessera::conformance` under the cargo feature `conformance`).
+//! public as `tessera::storage::conformance` under the cargo feature `conformance`).
 //!
 //! The split follows the `object_store` crate's `ObjectStore` / `ObjectStoreExt`: [`Storage`]
 //! holds what only a backend can do (each method with written atomicity, overwrite, visibility
@@ -188,7 +188,7 @@ pub trait ObjectWriter: Send + Sync {
 
 /// Conveniences over any [`Storage`], implemented once for all of them (the blanket impl
 /// below): built on the trait's methods only, so no backend implements or overrides them.
-/// Bring it into scope (`use tessera::StorageExt;`) to call them.
+/// Bring it into scope (`use tessera::storage::StorageExt;`) to call them.
 pub trait StorageExt: Storage {
     /// The size of `name`, or `None` if it does not exist ([`Error::NotFound`]); any other
     /// failure is an error.

@@ -122,8 +122,12 @@ const MAX_EXTRA_PARTS: u64 = 1 << 20;
 /// `progress(bytes_done, bytes_total)` is called as data is written.
 ///
 /// ```
-/// use tessera::{convert, open, save_torch_dist, ConvertOptions, SaveOptions};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{open, SaveOptions};
+/// use tessera::tools::{convert, ConvertOptions};
+/// use tessera::torch_dist::save_torch_dist;
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// // A Megatron torch_dist checkpoint...
 /// let (src, dst) = (MemoryStorage::new(), MemoryStorage::new());
@@ -135,7 +139,7 @@ const MAX_EXTRA_PARTS: u64 = 1 << 20;
 /// let report = convert(&src, &dst, &ConvertOptions::default(), &mut |_done, _total| {})?;
 /// assert_eq!((report.tensors, report.bytes), (1, 6));
 /// let ckpt = open(&dst)?;
-/// assert_eq!(ckpt.format().backend, "tessera");
+/// assert_eq!(ckpt.format().backend, tessera::index::Backend::Tessera);
 /// assert_eq!(ckpt.read_tensors(None)?, open(&src)?.read_tensors(None)?);
 /// # Ok::<(), tessera::Error>(())
 /// ```

@@ -63,8 +63,11 @@ struct Place {
 /// data is written.
 ///
 /// ```
-/// use tessera::{convert_to_dcp, open, save, ConvertOptions, SaveOptions};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{open, save, SaveOptions};
+/// use tessera::tools::{convert_to_dcp, ConvertOptions};
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let (src, dst) = (MemoryStorage::new(), MemoryStorage::new());
 /// let w = ShardedTensor::full("w", DType::U8, &[2, 3], TensorData::Owned(vec![1, 2, 3, 4, 5, 6]));
@@ -72,7 +75,7 @@ struct Place {
 ///
 /// convert_to_dcp(&src, &dst, &ConvertOptions::default(), &mut |_done, _total| {})?;
 /// let ckpt = open(&dst)?;
-/// assert_eq!(ckpt.format().backend, "torch_dist");
+/// assert_eq!(ckpt.format().backend, tessera::index::Backend::TorchDist);
 /// assert_eq!(ckpt.read_tensors(None)?, open(&src)?.read_tensors(None)?);
 /// # Ok::<(), tessera::Error>(())
 /// ```

@@ -296,8 +296,11 @@ type DiffPart<'i> = (usize, u64, TensorPart<'i>, TensorPart<'i>);
 /// being read while the previous are compared.
 ///
 /// ```
-/// use tessera::{diff, save, DiffOptions, SaveOptions, TensorDifference};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{save, SaveOptions};
+/// use tessera::tools::diff::{diff, DiffOptions, TensorDifference};
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let ckpt = |w: Vec<f32>| -> tessera::Result<MemoryStorage> {
 ///     let s = MemoryStorage::new();

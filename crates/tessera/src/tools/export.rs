@@ -115,8 +115,11 @@ impl Out<'_> {
 /// bytes_total)` is called as data is written.
 ///
 /// ```
-/// use tessera::{export_safetensors, open, open_location, save, ExportOptions, SaveOptions};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{open, save, SaveOptions};
+/// use tessera::tools::{export_safetensors, ExportOptions};
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let storage = MemoryStorage::new();
 /// let w: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -130,7 +133,7 @@ impl Out<'_> {
 /// assert_eq!(report.files, [out.clone()]);
 ///
 /// // A plain safetensors file, which tessera opens too: bf16 1.0 and 2.0, renamed.
-/// let file = open_location(out.to_str().unwrap())?;
+/// let file = tessera::storage::Location::parse(out.to_str().unwrap()).open()?;
 /// let ckpt = open(&*file)?;
 /// let (format, tensors) = (ckpt.format().backend.clone(), ckpt.read_tensors(None)?);
 /// std::fs::remove_file(&out).unwrap();

@@ -64,7 +64,10 @@ pub struct GcReport {
 /// what it kept.
 ///
 /// ```
-/// use tessera::{gc, save, DType, GcOptions, MemoryStorage, SaveOptions, ShardedTensor, SoloComm, Storage, StateTree, TensorData};
+/// use tessera::{save, DType, SaveOptions, ShardedTensor, StateTree, Storage, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
+/// use tessera::tools::{gc, GcOptions};
 ///
 /// let storage = MemoryStorage::new();
 /// let w = ShardedTensor::full("w", DType::U8, &[4], TensorData::Owned(vec![1, 2, 3, 4]));
@@ -219,8 +222,11 @@ fn is_megatron_companion(storage: &dyn Storage, name: &str) -> Result<bool> {
 /// are left as they are. Returns the keys removed.
 ///
 /// ```
-/// use tessera::{open, remove_sharded_tensors, save, SaveOptions};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::{open, save, SaveOptions};
+/// use tessera::tools::remove_sharded_tensors;
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let storage = MemoryStorage::new();
 /// let t = |k: &str| StateTree::Tensor(ShardedTensor::full(k, DType::U8, &[1], TensorData::Owned(vec![0])));

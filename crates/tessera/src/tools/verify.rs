@@ -45,8 +45,11 @@ pub struct VerifyReport {
 /// it does not list reported.
 ///
 /// ```
-/// use tessera::{save, verify, SaveOptions};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, Storage, StateTree, TensorData};
+/// use tessera::{save, SaveOptions};
+/// use tessera::tools::verify;
+/// use tessera::{DType, ShardedTensor, StateTree, Storage, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let storage = MemoryStorage::new();
 /// let w = ShardedTensor::full("w", DType::U8, &[1024], TensorData::Owned(vec![3; 1024]));
@@ -68,8 +71,8 @@ pub struct VerifyReport {
 pub fn verify(storage: &dyn Storage, threads: usize) -> Result<VerifyReport> {
     let ckpt = open_unvalidated(storage)?;
     // The native index's own files: it may be invalid (then it is the report, not an error).
-    let referenced = (ckpt.index.backend == Backend::Tessera)
-        .then(|| ckpt.index.files.iter().map(|f| f.name.clone()).collect());
+    let referenced =
+        (ckpt.index.backend == Backend::Tessera).then(|| ckpt.index.files.iter().map(|f| f.name.clone()).collect());
     let leftovers = crate::tools::maintenance::analyse(storage, &Default::default(), referenced)?.0;
     // The checkpoint's own files (integrity.json names them), beside the view of its index.
     let base = storage;

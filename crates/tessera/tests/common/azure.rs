@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use tessera::{ObjectStorage, ObjectStoreOptions};
+use tessera::storage::{ObjectStorage, ObjectStoreOptions};
 
 /// Container the tests use (created if missing).
 pub const CONTAINER: &str = "tessera-test";

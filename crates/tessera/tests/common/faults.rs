@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tessera::{ObjectStorage, ObjectStoreOptions};
+use tessera::storage::{ObjectStorage, ObjectStoreOptions};
 
 use super::Rng;
 

@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use tessera::{load, DType, LoadOptions, SoloComm, StateTree, Storage, Value};
+use tessera::comm::SoloComm;
+use tessera::{load, DType, LoadOptions, StateTree, Storage, Value};
 
 /// A full tensor as a fixture's expected file holds it.
 pub struct Expected {

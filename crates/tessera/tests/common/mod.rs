@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use tessera::comm::*;
 use tessera::*;
 
 /// splitmix64: tiny, deterministic, good enough for picking shapes and layouts.

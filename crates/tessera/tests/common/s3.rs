@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use tessera::{ObjectStorage, ObjectStoreOptions};
+use tessera::storage::{ObjectStorage, ObjectStoreOptions};
 
 /// Bucket the tests use (created if missing).
 pub const BUCKET: &str = "tessera-test";

@@ -281,8 +281,11 @@ fn optimizer_values(
 /// `save_model_and_optim_state` directory has one in each of `model/` and `optim/`.
 ///
 /// ```
-/// use tessera::{read_olmo_metadata, save_olmo, SaveOptions};
-/// use tessera::{DType, MemoryStorage, ShardedTensor, SoloComm, StateTree, TensorData};
+/// use tessera::SaveOptions;
+/// use tessera::olmo::{read_olmo_metadata, save_olmo};
+/// use tessera::{DType, ShardedTensor, StateTree, TensorData};
+/// use tessera::comm::SoloComm;
+/// use tessera::storage::MemoryStorage;
 ///
 /// let storage = MemoryStorage::new();
 /// let w = ShardedTensor::full("w", DType::F32, &[4], TensorData::Owned(vec![0; 16]));

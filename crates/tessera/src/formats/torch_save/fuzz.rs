@@ -47,8 +47,12 @@ pub fn torch_save(archive: &[u8]) -> Result<PickleValue, String> {
 pub fn torch_save_tensor(archive: &[u8]) -> Result<Vec<u8>, String> {
     let entries = entries(archive)?;
     let pkl = find_entry(&entries, "data.pkl").ok_or("no data.pkl")?;
-    let v = pickle::unpickle(&archive[pkl.data_offset as usize..(pkl.data_offset + pkl.size) as usize], "fuzz.pt", &limits())
-        .map_err(|e| e.to_string())?;
+    let v = pickle::unpickle(
+        &archive[pkl.data_offset as usize..(pkl.data_offset + pkl.size) as usize],
+        "fuzz.pt",
+        &limits(),
+    )
+    .map_err(|e| e.to_string())?;
     let rec = tensor_record(&v)?;
     let e = find_entry(&entries, &format!("data/{}", rec.storage_key)).ok_or("no storage entry")?;
     gather(&archive[e.data_offset as usize..(e.data_offset + e.size) as usize], &rec)

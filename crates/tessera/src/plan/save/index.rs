@@ -6,8 +6,8 @@ use std::sync::Mutex;
 
 use super::{KeyNumbers, RankPlan};
 use crate::error::{Error, Result};
-use crate::format::{CheckpointIndex, Crcs, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry};
 use crate::format::FORMAT_VERSION;
+use crate::format::{CheckpointIndex, Crcs, FileEntry, ObjectEntry, StoredChunk, StoredObject, TensorEntry};
 use crate::model::codec::{Decoder, Encoder};
 use crate::model::{StatePath, Value};
 use crate::plan::ForEach;
