@@ -137,7 +137,7 @@ impl Out<'_> {
 /// let ckpt = open(&*file)?;
 /// let (format, tensors) = (ckpt.format().backend.clone(), ckpt.read_tensors(None)?);
 /// std::fs::remove_file(&out).unwrap();
-/// assert_eq!(format, "safetensors");
+/// assert_eq!(format, tessera::index::Backend::Safetensors);
 /// assert_eq!(tensors["w"].data, [0x80, 0x3f, 0x00, 0x40]);
 /// # Ok::<(), tessera::Error>(())
 /// ```
