@@ -11,8 +11,6 @@
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod counting;
-#[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
-mod credentials;
 mod local;
 mod location;
 mod memory;

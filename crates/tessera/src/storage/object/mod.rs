@@ -13,7 +13,15 @@ use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
-use super::{check_name, credentials, ObjectWriter, Storage, CONDITIONAL_PUT_PROBE};
+#[cfg(feature = "azure")]
+mod azure;
+mod credentials;
+#[cfg(feature = "gcs")]
+mod gcs;
+#[cfg(feature = "s3")]
+mod s3;
+
+use super::{check_name, ObjectWriter, Storage, CONDITIONAL_PUT_PROBE};
 use crate::error::{Error, Result};
 
 /// How an [`ObjectStorage`] talks to its store.
@@ -135,6 +143,69 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
     runtime().block_on(f)
 }
 
+/// What every cloud's builder starts from: the URL, the retry and timeout settings, and the
+/// storage options meant for this store (another cloud's keys are left out).
+struct Common<'a> {
+    url: &'a str,
+    retry: object_store::RetryConfig,
+    /// The client timeout, as a configuration value: set as a config key, not with
+    /// `with_client_options`, which would replace the client options read from the
+    /// environment (AWS_ALLOW_HTTP, proxies, …).
+    timeout: String,
+    config: Vec<(String, String)>,
+}
+
+impl<'a> Common<'a> {
+    fn new(url: &'a str, scheme: &str, opts: &ObjectStoreOptions) -> Common<'a> {
+        let retry = object_store::RetryConfig {
+            max_retries: opts.max_retries,
+            retry_timeout: Duration::from_secs(300),
+            backoff: object_store::BackoffConfig {
+                init_backoff: Duration::from_millis(100),
+                max_backoff: Duration::from_secs(15),
+                base: 2.0,
+            },
+        };
+        let own_prefix = match scheme {
+            "s3" | "s3a" => "aws_",
+            "gs" | "gcs" => "google_",
+            _ => "azure_",
+        };
+        let config = opts
+            .config
+            .iter()
+            .filter(|(k, _)| {
+                let k = k.to_ascii_lowercase();
+                k.starts_with(own_prefix) || !["aws_", "google_", "azure_"].iter().any(|p| k.starts_with(p))
+            })
+            .cloned()
+            .collect();
+        Common { url, retry, timeout: format!("{}ms", opts.timeout.as_millis()), config }
+    }
+
+    /// A storage option the store does not know.
+    fn key_err(&self, k: &str, e: object_store::Error) -> Error {
+        Error::invalid(format!("{}: storage option {k:?} is not a configuration key of this store ({e})", self.url))
+    }
+
+    /// A builder that refused its configuration.
+    fn build_err(&self, e: object_store::Error) -> Error {
+        Error::invalid(format!("{:?}: {e}", self.url))
+    }
+}
+
+/// What a cloud's builder gives back.
+struct Built {
+    store: Arc<dyn ObjectStore>,
+    multipart: Arc<dyn MultipartStore>,
+    /// The instance-metadata service the client falls back to, when no explicit credentials
+    /// were found (its refusal then says what was tried).
+    fallback: Option<credentials::MetadataFallback>,
+    /// What, besides scheme and bucket, tells stores apart for the conditional-put probe: the
+    /// resolved endpoint (never a secret).
+    probe_key: String,
+}
+
 impl ObjectStorage {
     /// Opens `url` (`s3://bucket/prefix`, `gs://…`, `az://container/prefix`), configured as the
     /// clouds' own tools are, then by `opts.config` (`object_store` configuration keys, which
@@ -164,237 +235,16 @@ impl ObjectStorage {
         let (scheme, rest) = url.split_once("://").ok_or_else(|| Error::invalid(format!("not a URL: {url:?}")))?;
         let prefix = rest.split_once('/').map_or("", |(_, p)| p).trim_matches('/');
         let prefix = Path::parse(prefix).map_err(|e| Error::invalid(format!("{url:?}: {e}")))?;
-        let retry = object_store::RetryConfig {
-            max_retries: opts.max_retries,
-            retry_timeout: Duration::from_secs(300),
-            backoff: object_store::BackoffConfig {
-                init_backoff: Duration::from_millis(100),
-                max_backoff: Duration::from_secs(15),
-                base: 2.0,
-            },
-        };
-        // Set as a config key, not with `with_client_options`, which would replace the client
-        // options read from the environment (AWS_ALLOW_HTTP, proxies, …).
-        let timeout = format!("{}ms", opts.timeout.as_millis());
-        let timeout_key = object_store::ClientConfigKey::Timeout;
-        let build_err = |e: object_store::Error| Error::invalid(format!("{url:?}: {e}"));
-        let own_prefix = match scheme {
-            "s3" | "s3a" => "aws_",
-            "gs" | "gcs" => "google_",
-            _ => "azure_",
-        };
-        let config: Vec<(String, String)> = opts
-            .config
-            .iter()
-            .filter(|(k, _)| {
-                let k = k.to_ascii_lowercase();
-                k.starts_with(own_prefix) || !["aws_", "google_", "azure_"].iter().any(|p| k.starts_with(p))
-            })
-            .cloned()
-            .collect();
-        let key_err = |k: &str, e: object_store::Error| {
-            Error::invalid(format!("{url}: storage option {k:?} is not a configuration key of this store ({e})"))
-        };
-        let fallback;
-        // What, besides scheme and bucket, tells stores apart for the conditional-put probe:
-        // the resolved endpoint (never a secret).
-        let probe_key: String;
-        let (store, multipart): (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>) = match scheme {
+        let c = Common::new(url, scheme, &opts);
+        let Built { store, multipart, fallback, probe_key } = match scheme {
             #[cfg(feature = "s3")]
-            "s3" | "s3a" => {
-                use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey as K};
-                let mut options = Vec::new();
-                for (k, v) in &config {
-                    options.push((k.parse::<K>().map_err(|e| key_err(k, e))?, v));
-                }
-                let mut b = AmazonS3Builder::from_env()
-                    .with_url(url)
-                    .with_retry(retry)
-                    .with_config(K::Client(timeout_key), &timeout);
-                // The AWS SDKs' names, which `from_env` does not all know.
-                for (var, key) in [("AWS_ENDPOINT_URL", K::Endpoint), ("AWS_REGION", K::Region)] {
-                    if let Ok(v) = std::env::var(var) {
-                        b = b.with_config(key, v);
-                    }
-                }
-                // The shared files fill in what the environment left unset; their keys only
-                // when no key was given at all (a profile's token must not pair with another key).
-                let keyed = b.get_config_value(&K::AccessKeyId).is_some()
-                    || options.iter().any(|(k, _)| matches!(k, K::AccessKeyId));
-                // A profile named but absent matters only when it was to give the keys.
-                let profile = match credentials::aws_profile() {
-                    Ok(p) => p,
-                    Err(_) if keyed => None,
-                    Err(e) => return Err(e),
-                };
-                let unsupported_profile = profile.as_ref().and_then(|p| p.unsupported.clone());
-                if let Some(profile) = profile {
-                    if let (false, Some((id, secret, token))) = (keyed, profile.credentials) {
-                        b = b.with_access_key_id(id).with_secret_access_key(secret);
-                        if let Some(t) = token {
-                            b = b.with_token(t);
-                        }
-                    }
-                    if std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err() {
-                        if let Some(r) = profile.region {
-                            b = b.with_region(r);
-                        }
-                    }
-                    if b.get_config_value(&K::Endpoint).is_none() {
-                        if let Some(e) = profile.endpoint_url {
-                            b = b.with_endpoint(e);
-                        }
-                    }
-                }
-                if b.get_config_value(&K::Region).is_none() {
-                    b = b.with_region("us-east-1");
-                }
-                for (k, v) in options {
-                    b = b.with_config(k, v);
-                }
-                let set = |k: K| b.get_config_value(&k).is_some_and(|v| !v.is_empty());
-                let explicit = set(K::AccessKeyId)
-                    || (set(K::WebIdentityTokenFile) && set(K::RoleArn))
-                    || set(K::ContainerCredentialsRelativeUri)
-                    || set(K::ContainerCredentialsFullUri)
-                    || credentials::truthy(b.get_config_value(&K::SkipSignature));
-                if let (false, Some(reason)) = (explicit, unsupported_profile) {
-                    return Err(Error::AccessDenied { path: url.into(), reason });
-                }
-                let metadata = b.get_config_value(&K::MetadataEndpoint).unwrap_or("http://169.254.169.254".into());
-                probe_key = format!("{:?} {:?}", b.get_config_value(&K::Endpoint), b.get_config_value(&K::Region));
-                fallback = credentials::require_credentials(
-                    url,
-                    "S3",
-                    explicit,
-                    &[metadata],
-                    "AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY, the storage options aws_access_key_id + \
-                     aws_secret_access_key, the profile AWS_PROFILE (else default) of ~/.aws/credentials and \
-                     ~/.aws/config, AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN, AWS_CONTAINER_CREDENTIALS_*",
-                )?;
-                let s3 = Arc::new(b.build().map_err(build_err)?);
-                (s3.clone(), s3)
-            }
+            "s3" | "s3a" => s3::build(&c)?,
             #[cfg(feature = "gcs")]
-            "gs" | "gcs" => {
-                use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey as K};
-                let mut b = GoogleCloudStorageBuilder::from_env()
-                    .with_url(url)
-                    .with_retry(retry)
-                    .with_config(K::Client(timeout_key), &timeout);
-                for (k, v) in &config {
-                    b = b.with_config(k.parse::<K>().map_err(|e| key_err(k, e))?, v);
-                }
-                // An emulator's credentials given as application-default credentials: its
-                // `gcs_base_url` / `disable_oauth` count only in a service-account key.
-                let set = |b: &GoogleCloudStorageBuilder, k: K| b.get_config_value(&k).is_some_and(|v| !v.is_empty());
-                if !set(&b, K::ServiceAccount) && !set(&b, K::ServiceAccountKey) {
-                    if let Some(adc) = b.get_config_value(&K::ApplicationCredentials) {
-                        if credentials::gcs_emulator(&adc).is_some() {
-                            b = b.with_service_account_path(adc);
-                        }
-                    }
-                }
-                // An emulator served over plain HTTP, named so by its key: allowed, unless
-                // the options say otherwise.
-                let key = b.get_config_value(&K::ServiceAccountKey).or_else(|| b.get_config_value(&K::ServiceAccount));
-                let emulator = key.and_then(|k| credentials::gcs_emulator(&k));
-                let allow_http_given = config.iter().any(|(k, _)| k.ends_with("allow_http"));
-                if emulator.as_ref().is_some_and(|base| base.starts_with("http://")) && !allow_http_given {
-                    b = b.with_config(K::Client(object_store::ClientConfigKey::AllowHttp), "true");
-                }
-                let gcloud_adc = std::env::var_os("HOME").is_some_and(|h| {
-                    PathBuf::from(h).join(".config/gcloud/application_default_credentials.json").exists()
-                });
-                let explicit = set(&b, K::ServiceAccount)
-                    || set(&b, K::ServiceAccountKey)
-                    || set(&b, K::ApplicationCredentials)
-                    || set(&b, K::BearerToken)
-                    || credentials::truthy(b.get_config_value(&K::SkipSignature))
-                    || gcloud_adc;
-                // Where the client looks, in its order: the metadata host, then its address.
-                let env = |v: &str| std::env::var(v).ok().filter(|h| !h.is_empty());
-                let host = env("GCE_METADATA_HOST").or_else(|| env("GCE_METADATA_ROOT"));
-                let metadata = [
-                    host.unwrap_or_else(|| "metadata.google.internal".into()),
-                    env("GCE_METADATA_IP").unwrap_or_else(|| "169.254.169.254".into()),
-                ]
-                .map(|h| if h.contains("://") { h } else { format!("http://{h}") });
-                probe_key = format!("{emulator:?}");
-                fallback = credentials::require_credentials(
-                    url,
-                    "GCS",
-                    explicit,
-                    &metadata,
-                    "GOOGLE_SERVICE_ACCOUNT (or the storage option google_service_account), \
-                     GOOGLE_SERVICE_ACCOUNT_KEY, GOOGLE_APPLICATION_CREDENTIALS, \
-                     ~/.config/gcloud/application_default_credentials.json",
-                )?;
-                let gcs = Arc::new(b.build().map_err(build_err)?);
-                (gcs.clone(), gcs)
-            }
+            "gs" | "gcs" => gcs::build(&c)?,
             #[cfg(feature = "azure")]
-            "az" | "azure" | "abfs" | "abfss" => {
-                use object_store::azure::{AzureConfigKey as K, MicrosoftAzureBuilder};
-                let is_connection_string = |k: &str| {
-                    matches!(k.to_ascii_lowercase().as_str(), "azure_storage_connection_string" | "connection_string")
-                };
-                let mut b = MicrosoftAzureBuilder::from_env()
-                    .with_url(url)
-                    .with_retry(retry)
-                    .with_config(K::Client(timeout_key), &timeout);
-                // A connection string (the Azure CLI's and SDKs' variable, or the same key in
-                // the options) stands for several keys: over the environment's, under the
-                // options' other keys.
-                let connection = config
-                    .iter()
-                    .rev()
-                    .find(|(k, _)| is_connection_string(k))
-                    .map(|(_, v)| v.clone())
-                    .or_else(|| std::env::var("AZURE_STORAGE_CONNECTION_STRING").ok());
-                if let Some(text) = connection {
-                    for (k, v) in credentials::azure_connection_string(&text)
-                        .map_err(|e| Error::invalid(format!("{url}: {e}")))?
-                    {
-                        b = b.with_config(k.parse::<K>().map_err(|e| key_err(k, e))?, v);
-                    }
-                }
-                for (k, v) in config.iter().filter(|(k, _)| !is_connection_string(k)) {
-                    b = b.with_config(k.parse::<K>().map_err(|e| key_err(k, e))?, v);
-                }
-                let set = |k: K| b.get_config_value(&k).is_some_and(|v| !v.is_empty());
-                let on = |k: K| credentials::truthy(b.get_config_value(&k));
-                let explicit = on(K::UseEmulator)
-                    || set(K::AccessKey)
-                    || set(K::SasKey)
-                    || set(K::Token)
-                    || (set(K::ClientId) && set(K::ClientSecret))
-                    || set(K::FederatedTokenFile)
-                    || on(K::UseAzureCli)
-                    || on(K::SkipSignature)
-                    || b.get_config_value(&K::CredentialType).is_some_and(|t| t != "auto" && t != "managed_identity");
-                let metadata = b.get_config_value(&K::MsiEndpoint).unwrap_or("http://169.254.169.254".into());
-                probe_key = format!(
-                    "{:?} {:?} {}",
-                    b.get_config_value(&K::Endpoint),
-                    b.get_config_value(&K::AccountName),
-                    on(K::UseEmulator)
-                );
-                fallback = credentials::require_credentials(
-                    url,
-                    "Azure",
-                    explicit,
-                    &[metadata],
-                    "AZURE_STORAGE_ACCOUNT_KEY (or the storage option azure_storage_account_key), \
-                     AZURE_STORAGE_SAS_KEY, AZURE_STORAGE_CONNECTION_STRING, AZURE_CLIENT_ID + \
-                     AZURE_CLIENT_SECRET, AZURE_FEDERATED_TOKEN_FILE, AZURE_USE_AZURE_CLI, \
-                     AZURE_STORAGE_USE_EMULATOR",
-                )?;
-                let az = Arc::new(b.build().map_err(build_err)?);
-                (az.clone(), az)
-            }
+            "az" | "azure" | "abfs" | "abfss" => azure::build(&c)?,
             other => {
-                let _ = (retry, timeout, timeout_key, key_err, config);
+                let _ = c;
                 let built: Vec<&str> =
                     [(cfg!(feature = "s3"), "s3"), (cfg!(feature = "gcs"), "gcs"), (cfg!(feature = "azure"), "azure")]
                         .into_iter()
