@@ -23,15 +23,16 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde_json::json;
 use tessera::storage::LocalStorage;
-use tessera::{LoadOptions, SaveOptions};
-
-use crate::scratch::Scratch;
 use tessera::storage::Location;
-use tessera_cli::jobs;
-use tessera_cli::model::{self, Layout, ModelConfig};
-use tessera_cli::progress::Progress;
-use tessera_cli::sizes::{fmt_bytes, fmt_secs, gbps};
-use tessera_cli::system;
+use tessera::{LoadOptions, SaveOptions};
+use tessera_synth::jobs;
+use tessera_synth::model::{self, Layout, ModelConfig};
+use tessera_synth::progress::Progress;
+use tessera_synth::sizes::{fmt_bytes, fmt_secs, gbps};
+use tessera_synth::system;
+
+use crate::os;
+use crate::scratch::Scratch;
 
 /// Arguments of the IO benchmark.
 pub struct BenchArgs {
@@ -76,12 +77,12 @@ impl Memory {
     fn mark(&mut self, start: bool, phase: &Mutex<Phase>) {
         let mut phase = phase.lock().unwrap();
         if start {
-            system::trim_heap();
-            self.overall_peak = self.overall_peak.max(system::peak_rss().unwrap_or(0));
-            self.resettable = system::reset_peak_rss();
-            *phase = Phase { rss_start: system::current_rss().unwrap_or(0), peak: 0 };
+            os::trim_heap();
+            self.overall_peak = self.overall_peak.max(os::peak_rss().unwrap_or(0));
+            self.resettable = os::reset_peak_rss();
+            *phase = Phase { rss_start: os::current_rss().unwrap_or(0), peak: 0 };
         } else {
-            phase.peak = system::peak_rss().unwrap_or(0);
+            phase.peak = os::peak_rss().unwrap_or(0);
             self.overall_peak = self.overall_peak.max(phase.peak);
         }
     }
@@ -193,7 +194,7 @@ pub(crate) fn ratio(a: f64, b: f64) -> f64 {
 /// Runs one round; removes the checkpoint afterwards unless `keep`.
 fn run_round(args: &BenchArgs, setup: &Setup, round: usize, keep: bool) -> Result<Round> {
     // Give back what the previous round freed, so it does not count in this round's memory.
-    system::trim_heap();
+    os::trim_heap();
     let write_secs = raw_write(&args.dir, args.size)?;
     let mem = Mutex::new(Memory::default());
     let opts = SaveOptions { overwrite: true, ..SaveOptions::default() };
@@ -202,7 +203,7 @@ fn run_round(args: &BenchArgs, setup: &Setup, round: usize, keep: bool) -> Resul
         mem.lock().unwrap().mark(start, &save_mem)
     })?;
     // The state is freed: give its memory back before the load allocates its targets.
-    system::trim_heap();
+    os::trim_heap();
     // The raw read goes first in odd rounds and second in even ones, so that whatever the disk
     // does to a first (or second) read after a write weighs on both sides alike.
     let mut reference = None;

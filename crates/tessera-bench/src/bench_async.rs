@@ -43,17 +43,17 @@ use anyhow::{Context, Result};
 use serde_json::json;
 use tessera::comm::InProcessComm;
 use tessera::index::DEFAULT_BLOCK_SIZE;
+use tessera::storage::Location;
 use tessera::{AsyncSave, AsyncSaver, Communicator, SaveOptions, StagingPool, Storage, TensorData};
+use tessera_synth::model::{self, Layout, Leaf, ModelConfig};
+use tessera_synth::progress::Progress;
+use tessera_synth::ranks;
+use tessera_synth::sizes::{fmt_bytes, fmt_secs};
 
 use crate::bench::{ratio, Spread};
+use crate::os;
 use crate::peak::{self, PeakWatch};
 use crate::scratch::Scratch;
-use tessera::storage::Location;
-use tessera_cli::model::{self, Layout, Leaf, ModelConfig};
-use tessera_cli::progress::Progress;
-use tessera_cli::ranks;
-use tessera_cli::sizes::{fmt_bytes, fmt_secs};
-use tessera_cli::system;
 
 /// Arguments of the async-save benchmark.
 pub struct AsyncArgs {
@@ -189,8 +189,8 @@ fn run_config(
     // The RSS before the pools: every rank idle, the previous configuration's pools freed.
     comm.barrier()?;
     if rank == 0 {
-        system::trim_heap();
-        out.rss_before = system::current_rss().unwrap_or(0);
+        os::trim_heap();
+        out.rss_before = os::current_rss().unwrap_or(0);
     }
     comm.barrier()?;
     let start = Instant::now();
@@ -201,7 +201,7 @@ fn run_config(
     out.create_secs = ranks::max_over_ranks(comm, create)?;
     out.capacity = pool.capacity();
     if rank == 0 {
-        out.rss_after_pools = system::current_rss().unwrap_or(0);
+        out.rss_after_pools = os::current_rss().unwrap_or(0);
     }
     let mut saver = AsyncSaver::new(pool.clone(), commit.clone());
     if rank == 0 && !ctx.args.json {
@@ -260,7 +260,7 @@ fn run_config(
                 let storage = open(comm, &ctx.ckpt)?;
                 let watch = (rank == 0).then(PeakWatch::start);
                 if rank == 0 {
-                    r.rss_start = system::current_rss().unwrap_or(0);
+                    r.rss_start = os::current_rss().unwrap_or(0);
                 }
                 comm.barrier()?;
                 let start = Instant::now();

@@ -24,15 +24,15 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde_json::json;
 use tessera::comm::InProcessComm;
+use tessera::storage::Location;
 use tessera::{Communicator, SaveOptions, SaveReport, TensorData};
+use tessera_synth::model::{self, Layout, Leaf, ModelConfig};
+use tessera_synth::progress::Progress;
+use tessera_synth::ranks;
+use tessera_synth::sizes::{fmt_bytes, fmt_secs};
 
 use crate::bench::{ratio, Spread};
 use crate::scratch::Scratch;
-use tessera::storage::Location;
-use tessera_cli::model::{self, Layout, Leaf, ModelConfig};
-use tessera_cli::progress::Progress;
-use tessera_cli::ranks;
-use tessera_cli::sizes::{fmt_bytes, fmt_secs};
 
 /// Arguments of the fully-parallel save benchmark.
 pub struct ParallelArgs {

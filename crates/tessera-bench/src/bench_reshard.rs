@@ -39,17 +39,17 @@ use anyhow::{Context, Result};
 use serde_json::json;
 use tessera::comm::InProcessComm;
 use tessera::storage::LocalStorage;
+use tessera::storage::Location;
 use tessera::{
     Communicator, DType, LoadOptions, LoadStats, PathSeg, ReplicaId, SaveOptions, ShardedTensor, StateTree, TensorData,
 };
-
-use crate::scratch::Scratch;
-use tessera::storage::Location;
-use tessera_cli::ranks;
-use tessera_cli::sizes::{fmt_bytes, fmt_secs};
-use tessera_cli::system;
+use tessera_synth::ranks;
+use tessera_synth::sizes::{fmt_bytes, fmt_secs};
+use tessera_synth::system;
 
 use crate::bench::{ratio, Spread};
+use crate::os;
+use crate::scratch::Scratch;
 
 /// Arguments of the resharding benchmark.
 pub struct ReshardArgs {
@@ -179,7 +179,7 @@ fn timed<T: Send>(ranks: usize, step: impl Fn(&dyn Communicator) -> Result<T> + 
         comm.barrier()?;
         let start = Instant::now();
         let r = step(comm);
-        tessera_cli::ranks::all_ok(comm, r.is_ok())?;
+        ranks::all_ok(comm, r.is_ok())?;
         let secs = start.elapsed().as_secs_f64();
         let secs = ranks::max_over_ranks(comm, secs)?;
         Ok((secs, r?))
@@ -248,7 +248,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
     }
     let mut rounds = Vec::new();
     for round in 0..args.rounds {
-        system::trim_heap();
+        os::trim_heap();
         // Raw write: each rank its share into its own file, then fsync.
         let (raw_write, raw_files) = timed(world, |comm| {
             let path = args.dir.join(format!("tessera-bench-raw-{}.bin", comm.rank()));
@@ -278,7 +278,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
             tessera::save(tree, &storage, comm, &opts).with_context(|| format!("save, rank {}", comm.rank()))
         })?;
         zero(&targets);
-        let cpu = system::cpu_secs().unwrap_or(0.0);
+        let cpu = os::cpu_secs().unwrap_or(0.0);
         let (memcpy, _) = timed(world, |comm| {
             let mut mine = targets[comm.rank()].lock().unwrap();
             for (dst, src) in mine.iter_mut().zip(&truth[comm.rank()]) {
@@ -286,7 +286,7 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
             }
             Ok(())
         })?;
-        let memcpy_cpu = system::cpu_secs().unwrap_or(0.0) - cpu;
+        let memcpy_cpu = os::cpu_secs().unwrap_or(0.0) - cpu;
         zero(&targets);
         // The floor of any reader through the kernel: exactly the bytes a rank needs, each run
         // (a row's piece) read by `pread` straight into its place in the targets, no checksum,
@@ -340,11 +340,11 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
         if args.cold {
             system::drop_dir_cache(&ckpt)?;
         }
-        system::trim_heap();
-        let rss_start = system::current_rss().unwrap_or(0);
-        let peak_resettable = system::reset_peak_rss();
+        os::trim_heap();
+        let rss_start = os::current_rss().unwrap_or(0);
+        let peak_resettable = os::reset_peak_rss();
         let storage = storage_at(&ckpt, args.not_local);
-        let cpu = system::cpu_secs().unwrap_or(0.0);
+        let cpu = os::cpu_secs().unwrap_or(0.0);
         let (load, stats) = timed(world, |comm| {
             let mut mine = targets[comm.rank()].lock().unwrap();
             let bufs = mine.iter_mut().map(|b| TensorData::Mut(b)).collect();
@@ -355,9 +355,9 @@ pub fn run(args: ReshardArgs) -> Result<u8> {
                 tessera::load(tree, &storage, comm, &opts).with_context(|| format!("load, rank {}", comm.rank()))?;
             Ok(loaded.stats)
         })?;
-        let load_cpu = system::cpu_secs().unwrap_or(0.0) - cpu;
+        let load_cpu = os::cpu_secs().unwrap_or(0.0) - cpu;
         // Without a reset the kernel's peak is the whole run's: the load's own is unknown.
-        let load_extra = peak_resettable.then(|| system::peak_rss().unwrap_or(0).saturating_sub(rss_start));
+        let load_extra = peak_resettable.then(|| os::peak_rss().unwrap_or(0).saturating_sub(rss_start));
         let mut mismatches = 0;
         for (t, want) in targets.iter().zip(&truth) {
             mismatches += t.lock().unwrap().iter().zip(want).filter(|(got, want)| got != want).count();

@@ -27,16 +27,17 @@ use anyhow::{Context, Result};
 use serde_json::{json, Value as J};
 use tessera::__plan::load::{plan_request, Request};
 use tessera::index::CheckpointIndex;
+use tessera::storage::Location;
 use tessera::storage::{LocalStorage, ObjectStorage, ObjectStoreOptions, RequestCounts};
 use tessera::{LoadOptions, SaveOptions};
+use tessera_synth::jobs;
+use tessera_synth::model::{self, Layout, ModelConfig};
+use tessera_synth::sizes::{fmt_bytes, fmt_secs};
+use tessera_synth::system;
 
 use crate::bench::{ratio, Spread};
+use crate::os;
 use crate::scratch::Scratch;
-use tessera::storage::Location;
-use tessera_cli::jobs;
-use tessera_cli::model::{self, Layout, ModelConfig};
-use tessera_cli::sizes::{fmt_bytes, fmt_secs};
-use tessera_cli::system;
 
 /// Default state size: moto, the test server, keeps every object in the memory of one Python
 /// process.
@@ -145,7 +146,7 @@ fn run_side(setup: &Setup, remote: bool) -> Result<Side> {
         let storage = local_storage(&setup.local)?;
         (jobs::save(&setup.cfg, setup.save_layout, &storage, &opts, &|_| {})?, RequestCounts::default())
     };
-    system::trim_heap();
+    os::trim_heap();
     let mut loads = Vec::with_capacity(2);
     let mut load_req = [RequestCounts::default(), RequestCounts::default()];
     for (i, (_, verify)) in LOAD_MODES.iter().enumerate() {
@@ -163,7 +164,7 @@ fn run_side(setup: &Setup, remote: bool) -> Result<Side> {
             let storage = local_storage(&setup.local)?;
             jobs::load(&setup.cfg, setup.load_layout, &rng_grid, &storage, &opts, &|_| {})?
         };
-        system::trim_heap();
+        os::trim_heap();
         loads.push(loaded);
     }
     let loads: [jobs::Loaded; 2] = loads.try_into().map_err(|_| anyhow::anyhow!("two loads"))?;

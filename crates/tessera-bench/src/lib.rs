@@ -5,9 +5,10 @@
 //! `tessera-bench` binary (`src/main.rs`).
 //!
 //! The benchmarks save and load the synthetic model of the `tessera` command's demo
-//! ([`tessera_cli::model`], over in-process ranks with [`tessera_cli::jobs`]) and use that
-//! crate's locations, progress, sizes and system helpers: the dependency goes one way, from
-//! here to `tessera-cli`.
+//! ([`tessera_synth::model`], over in-process ranks with [`tessera_synth::jobs`]) and report
+//! with that crate's progress, sizes and system helpers; the OS helpers only they use (memory
+//! and CPU figures) are in `src/os.rs`. They do not depend on `tessera-cli`, and nothing but this
+//! crate's binary depends on them.
 
 #![deny(missing_docs)]
 
@@ -17,6 +18,7 @@ mod bench_parallel;
 mod bench_reshard;
 mod bench_s3;
 mod emulators;
+mod os;
 mod peak;
 mod plansim;
 mod scratch;
@@ -26,8 +28,24 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use clap::Parser;
 use tessera::storage::Location;
-use tessera_cli::progress::ProgressArg;
-use tessera_cli::sizes;
+use tessera_synth::progress::ProgressArg;
+use tessera_synth::sizes;
+
+/// The `--storage-option KEY=VALUE` option, as the `tessera` command takes it (global: it
+/// reaches every location).
+#[derive(clap::Args)]
+struct StorageOptionArg {
+    /// An `object_store` configuration key for object-store locations, over the environment
+    /// and credential files (repeatable): aws_endpoint=http://host:9000,
+    /// google_service_account=/path/key.json, azure_storage_account_key=…,
+    /// azure_storage_connection_string=…
+    #[arg(long = "storage-option", global = true, value_name = "KEY=VALUE", value_parser = parse_storage_option)]
+    storage_options: Vec<(String, String)>,
+}
+
+fn parse_storage_option(s: &str) -> std::result::Result<(String, String), String> {
+    tessera::storage::parse_option(s).map_err(|e| e.to_string())
+}
 
 /// Benchmarks: save and resharded load against raw IO; an object store against a local
 /// directory (--s3); async save (--async); fully-parallel save (--fully-parallel); metadata
@@ -67,7 +85,7 @@ struct Cli {
     #[arg(long, conflicts_with_all = ["plan_only", "async_save", "fully_parallel", "s3"])]
     emulators: bool,
     #[command(flatten)]
-    storage: tessera_cli::location::StorageOptionArg,
+    storage: StorageOptionArg,
     /// Bytes to write (default 1GiB; 256MiB with --s3); with --fully-parallel, bytes of the
     /// replicated parameters (default 256MiB).
     #[arg(long)]
@@ -238,9 +256,15 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    let cli: Cli = match tessera_cli::parse_args(args) {
+    // Output into a closed pipe (`tessera-bench … | head`) ends the process quietly.
+    tessera_synth::system::default_sigpipe();
+    let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
-        Err(code) => return code,
+        Err(e) => {
+            // Help and the version (stdout) exit 0, usage errors (stderr) 2.
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
     };
     cli.progress.apply();
     match dispatch(cli) {

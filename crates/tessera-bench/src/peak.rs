@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use tessera_cli::system;
+use crate::os;
 
 /// How the peak of a phase was measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,17 +35,17 @@ pub struct PeakWatch {
 impl PeakWatch {
     /// Starts watching (after giving freed heap memory back to the kernel).
     pub fn start() -> PeakWatch {
-        system::trim_heap();
-        if system::reset_peak_rss() {
+        os::trim_heap();
+        if os::reset_peak_rss() {
             return PeakWatch { sampler: None };
         }
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::spawn(move || {
-            let mut peak = system::current_rss().unwrap_or(0);
+            let mut peak = os::current_rss().unwrap_or(0);
             while !flag.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(1));
-                peak = peak.max(system::current_rss().unwrap_or(0));
+                peak = peak.max(os::current_rss().unwrap_or(0));
             }
             peak
         });
@@ -64,11 +64,11 @@ impl PeakWatch {
     /// The peak RSS since the start, in bytes.
     pub fn finish(self) -> u64 {
         match self.sampler {
-            None => system::peak_rss().unwrap_or(0),
+            None => os::peak_rss().unwrap_or(0),
             Some((stop, thread)) => {
                 stop.store(true, Ordering::Relaxed);
                 let sampled = thread.join().unwrap_or(0);
-                sampled.max(system::current_rss().unwrap_or(0))
+                sampled.max(os::current_rss().unwrap_or(0))
             }
         }
     }

@@ -25,10 +25,10 @@ use tessera::__plan::save::{
 use tessera::index::{CheckpointIndex, DEFAULT_BLOCK_SIZE, INDEX_FILE};
 use tessera::storage::{CountingStorage, MemoryStorage};
 use tessera::{open_with, DType, OpenOptions, PathSeg, Storage, Value};
+use tessera_synth::model::{jittered_bounds, key_seed, split_range};
+use tessera_synth::sizes::{fmt_bytes, fmt_secs};
 
-use tessera_cli::model::{jittered_bounds, key_seed, split_range};
-use tessera_cli::sizes::{fmt_bytes, fmt_secs};
-use tessera_cli::system;
+use crate::os;
 
 /// Arguments of the planning benchmark.
 pub struct PlanArgs {
@@ -250,7 +250,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let critical = per_rank_encode + t_decode + t_validate + t_layout + t_written + t_build + t_index_encode;
     let per_rank_digest = t_digest_all / n as f64;
     let critical_cached = per_rank_digest + t_checks + t_layout + t_written + t_build + t_index_encode;
-    let peak = system::peak_rss().unwrap_or(0);
+    let peak = os::peak_rss().unwrap_or(0);
     let per_rank_sent = (plan_bytes + written_bytes) as f64 / n as f64;
 
     if args.json {

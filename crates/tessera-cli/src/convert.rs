@@ -3,10 +3,10 @@
 
 use anyhow::{Context, Result};
 use tessera::tools::ConvertOptions;
+use tessera_synth::progress::Progress;
+use tessera_synth::sizes::fmt_bytes;
 
 use crate::location::Location;
-use crate::progress::Progress;
-use crate::sizes::fmt_bytes;
 
 /// The format `tessera convert` writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,7 +20,7 @@ pub enum Target {
 /// Runs `tessera convert`.
 pub fn run(src: &Location, dst: &Location, to: Target, overwrite: bool, memory: u64) -> Result<()> {
     let from = src.open()?;
-    crate::location::create(&dst)?;
+    crate::location::create(dst)?;
     let dst_storage = dst.open()?;
     let opts = ConvertOptions { overwrite, memory_budget: memory, ..Default::default() };
     let mut bar: Option<Progress> = None;

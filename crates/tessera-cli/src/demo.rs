@@ -5,12 +5,12 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use tessera::{LoadOptions, SaveOptions, Storage, StrictHandling, Value};
+use tessera_synth::jobs;
+use tessera_synth::model::{CheckReport, Layout, ModelConfig};
+use tessera_synth::sizes::{fmt_bytes, fmt_rate, fmt_secs};
+use tessera_synth::system;
 
-use crate::jobs;
 use crate::location::Location;
-use crate::model::{CheckReport, Layout, ModelConfig};
-use crate::sizes::{fmt_bytes, fmt_rate, fmt_secs};
-use crate::system;
 
 /// Arguments of `tessera demo`.
 pub struct DemoArgs {

@@ -4,10 +4,10 @@
 use anyhow::{Context, Result};
 use serde_json::json;
 use tessera::tools::diff::DiffOptions;
+use tessera_synth::progress::Progress;
+use tessera_synth::sizes::fmt_bytes;
 
 use crate::location::Location;
-use crate::progress::Progress;
-use crate::sizes::fmt_bytes;
 
 /// Runs `tessera diff`.
 pub fn run(a: &Location, b: &Location, atol: f64, keys: Option<&str>, json: bool) -> Result<u8> {

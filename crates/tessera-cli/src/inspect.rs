@@ -29,9 +29,9 @@ use anyhow::Result;
 use serde_json::{json, Map, Value as J};
 use tessera::index::{CheckpointIndex, TensorEntry};
 use tessera::PathSeg;
+use tessera_synth::sizes::fmt_bytes;
 
 use crate::location::Location;
-use crate::sizes::fmt_bytes;
 
 /// Output format.
 pub enum Format {

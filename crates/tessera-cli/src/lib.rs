@@ -3,10 +3,9 @@
 //! `tessera` binary (`src/main.rs`) and the `tessera` console script `pip install` gives
 //! (`tessera._native.cli`).
 //!
-//! The public modules are what the demo runs on — the synthetic model ([`model`]), saving and
-//! loading it over in-process ranks ([`jobs`], [`ranks`]) — and the helpers every command
-//! uses ([`location`], [`progress`], [`sizes`], [`system`]); the benchmarks (the
-//! `tessera-bench` crate) build on them.
+//! Only [`run`] is public. The demo's synthetic model and the in-process ranks that save and
+//! load it, and the progress, size and OS helpers the commands share with the benchmarks, are
+//! the `tessera-synth` crate; the benchmarks (`tessera-bench`) do not depend on this one.
 
 #![deny(missing_docs)]
 
@@ -15,14 +14,8 @@ mod demo;
 mod diff;
 mod gc;
 mod inspect;
-pub mod jobs;
 mod keys;
-pub mod location;
-pub mod model;
-pub mod progress;
-pub mod ranks;
-pub mod sizes;
-pub mod system;
+mod location;
 mod unshard;
 mod verify;
 
@@ -30,6 +23,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
+use tessera_synth::{progress, sizes, system};
 
 use crate::location::Location;
 
@@ -282,7 +276,7 @@ where
 /// Parses the command line `args` (the program name first) as `C`, after restoring the default
 /// SIGPIPE action (so that output into a closed pipe ends the process quietly). `Err` holds the
 /// exit status when clap has printed help or the version (0) or a usage error (2) instead.
-pub fn parse_args<C, I, T>(args: I) -> std::result::Result<C, u8>
+fn parse_args<C, I, T>(args: I) -> std::result::Result<C, u8>
 where
     C: Parser,
     I: IntoIterator<Item = T>,

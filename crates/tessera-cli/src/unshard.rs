@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use tessera::tools::ExportOptions;
 use tessera::DType;
+use tessera_synth::progress::Progress;
+use tessera_synth::sizes::fmt_bytes;
 
 use crate::location::Location;
-use crate::progress::Progress;
-use crate::sizes::fmt_bytes;
 
 /// What to export and how.
 pub struct UnshardArgs {

@@ -2,10 +2,10 @@
 
 use anyhow::Result;
 use serde_json::json;
+use tessera_synth::progress::Progress;
+use tessera_synth::sizes::fmt_bytes;
 
 use crate::location::Location;
-use crate::progress::Progress;
-use crate::sizes::fmt_bytes;
 
 /// Runs `tessera verify`: exit 0 if the checkpoint is sound, 1 if anything is wrong or it
 /// cannot be opened (not committed, corrupt index, unsupported version). Leftover files of
