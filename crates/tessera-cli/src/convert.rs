@@ -20,7 +20,7 @@ pub enum Target {
 /// Runs `tessera convert`.
 pub fn run(src: &Location, dst: &Location, to: Target, overwrite: bool, memory: u64) -> Result<()> {
     let from = src.open()?;
-    crate::location::create(&dst)?;
+    crate::location::create(dst)?;
     let dst_storage = dst.open()?;
     let opts = ConvertOptions { overwrite, memory_budget: memory, ..Default::default() };
     let mut bar: Option<Progress> = None;

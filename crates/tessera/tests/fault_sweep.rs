@@ -250,7 +250,7 @@ fn step_at(
 /// the data files its index names.
 fn committed_files(storage: &dyn Storage) -> BTreeSet<String> {
     let Ok(ckpt) = open(storage) else { return BTreeSet::new() };
-    let backend = ckpt.format().backend.clone();
+    let backend = ckpt.format().backend;
     // Foreign formats name virtual files `file@offset`.
     let mut files: BTreeSet<String> =
         ckpt.index().files.iter().map(|f| f.name.split('@').next().unwrap().to_string()).collect();
