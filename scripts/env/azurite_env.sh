@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Azurite (Microsoft's Azure Storage emulator, npm package `azurite`) into
-# target/azurite if missing, for the az:// tests (crates/tessera/tests/common/azure.rs and
+# target/azurite if missing, for the az:// tests (crates/tessera-testkit/src/azure.rs and
 # tests/python/test_storage_options.py start `azurite-blob` from there, in memory, on a free
 # loopback port). Installs Node.js and npm with apt first if they are missing (sudo when not
 # root). Safe to rerun.

@@ -1,20 +1,10 @@
 //! `--emulators`: one object store of each kind on loopback — moto (S3), Azurite (Azure Blob)
 //! and fake-gcs-server (GCS, behind the write adapter of its harness) — started by the same
-//! harness modules the library's tests use (`crates/tessera/tests/common/`), in memory, and
-//! stopped with this process. Emulators are not clouds: what they give is each store's
-//! request pattern and a ratio against the local directory in the same run, not cloud speed.
+//! harnesses the library's tests use (the `tessera-testkit` crate), in memory, and stopped with
+//! this process. Emulators are not clouds: what they give is each store's request pattern and a
+//! ratio against the local directory in the same run, not cloud speed.
 
-#[path = "../../tessera/tests/common/azure.rs"]
-#[allow(dead_code)]
-mod azure;
-#[path = "../../tessera/tests/common/gcs.rs"]
-#[allow(dead_code)]
-mod gcs;
-#[path = "../../tessera/tests/common/s3.rs"]
-#[allow(dead_code)]
-mod s3;
-#[path = "../../tessera/tests/common/server.rs"]
-mod server;
+use tessera_testkit::{azure, gcs, s3};
 
 /// A store to benchmark: its name, a fresh URL and the storage options that reach it.
 pub struct Store {

@@ -3,22 +3,11 @@
 //! (`s3://` locations on moto).
 
 use tessera::Storage;
+use tessera_testkit::cli::{json, s3, text, Binary, Scratch};
 
-const BIN: &str = env!("CARGO_BIN_EXE_tessera-bench");
-
-/// The `tessera` command's test harness: [`harness::run`] runs `BIN`.
-#[path = "../../tessera-cli/tests/common/harness.rs"]
-#[allow(dead_code)]
-mod harness;
-use harness::{expect, json, refused, run, s3, text, Scratch};
-
-/// The library tests' S3 server helper (moto started once per process, bucket created), which
-/// the [`harness::s3`] helpers point the binary at.
-#[path = "../../tessera/tests/common/s3.rs"]
-#[allow(dead_code)]
-mod s3_server;
-#[path = "../../tessera/tests/common/server.rs"]
-mod server;
+/// The binary under test, run through the test kit's end-to-end harness (the one the `tessera`
+/// command's tests use).
+const BIN: Binary = Binary::new(env!("CARGO_BIN_EXE_tessera-bench"));
 
 /// `tessera::tools::verify` of the checkpoint in `storage`: its problems (none: sound), or why it
 /// could not be opened.
@@ -33,14 +22,14 @@ fn verify_dir(dir: &std::path::Path) -> Result<Vec<String>, String> {
 
 /// An `s3://` location on the test server, opened with the library.
 fn object_storage(url: &str) -> tessera::storage::ObjectStorage {
-    tessera::storage::ObjectStorage::open(url, s3_server::test_options()).unwrap()
+    tessera::storage::ObjectStorage::open(url, tessera_testkit::s3::test_options()).unwrap()
 }
 
 #[test]
 fn bench_json_has_the_required_fields() {
     let scratch = Scratch::new("bench");
     let dir = scratch.path().to_str().unwrap();
-    let b = json(&expect(&["--dir", dir, "--size", "8MiB", "--ranks", "2", "--rounds", "2", "--json"], 0));
+    let b = json(&BIN.expect(&["--dir", dir, "--size", "8MiB", "--ranks", "2", "--rounds", "2", "--json"], 0));
     for field in ["save_vs_raw", "load_vs_raw", "bytes_read_vs_needed", "peak_rss_bytes", "save_secs", "load_secs"] {
         assert!(b[field].as_f64().is_some_and(|x| x > 0.0), "{field}: {b}");
     }
@@ -70,7 +59,7 @@ fn bench_json_has_the_required_fields() {
 fn bench_text_reports_every_round_and_keeps_the_last_checkpoint() {
     let scratch = Scratch::new("bench-text");
     let dir = scratch.path().to_str().unwrap();
-    let out = expect(&["--dir", dir, "--size", "4MiB", "--ranks", "2", "--rounds", "2", "--keep"], 0);
+    let out = BIN.expect(&["--dir", dir, "--size", "4MiB", "--ranks", "2", "--rounds", "2", "--keep"], 0);
     for round in ["round 1/2", "round 2/2"] {
         assert_eq!(out.lines().filter(|l| l.starts_with(round)).count(), 1, "{round}:\n{out}");
     }
@@ -80,7 +69,7 @@ fn bench_text_reports_every_round_and_keeps_the_last_checkpoint() {
     let names: Vec<_> = std::fs::read_dir(scratch.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names, ["ckpt"]);
     assert_eq!(verify_dir(&scratch.path().join("ckpt")), Ok(vec![]));
-    let out = run(&["--dir", dir, "--size", "4MiB", "--rounds", "0"]);
+    let out = BIN.run(&["--dir", dir, "--size", "4MiB", "--rounds", "0"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("--rounds"), "{}", text(&out.stderr));
 }
@@ -90,7 +79,7 @@ fn bench_async_json_has_the_required_fields() {
     let scratch = Scratch::new("bench-async");
     let dir = scratch.path().to_str().unwrap();
     let args = ["--async", "--dir", dir, "--size", "8MiB", "--ranks", "2", "--budget", "1MiB", "--rounds", "2"];
-    let b = json(&expect(&[&args[..], &["--json"]].concat(), 0));
+    let b = json(&BIN.expect(&[&args[..], &["--json"]].concat(), 0));
     assert_eq!((b["mode"].as_str(), b["ranks"].as_u64(), b["rounds"].as_u64()), (Some("async"), Some(2), Some(2)));
     assert!(b["share_bytes_max"].as_u64().is_some_and(|x| x > 1 << 20), "{b}");
     // A 1 MiB budget stages each rank's ~4 MiB in waves; the second configuration holds it all.
@@ -136,12 +125,12 @@ fn bench_async_json_has_the_required_fields() {
     // The checkpoint is cleaned up.
     assert_eq!(std::fs::read_dir(scratch.path()).unwrap().count(), 0);
     // Text: every round of both configurations, their medians and memory.
-    let out = expect(&args, 0);
+    let out = BIN.expect(&args, 0);
     assert_eq!(out.lines().filter(|l| l.starts_with("round 2/2")).count(), 2, "{out}");
     assert_eq!(out.lines().filter(|l| l.starts_with("median") && l.contains("min–max")).count(), 2, "{out}");
     assert!(out.contains("over the RSS before the pools"), "{out}");
     // --budget belongs to --async.
-    assert_eq!(run(&["--dir", dir, "--budget", "1MiB"]).status.code(), Some(2));
+    assert_eq!(BIN.run(&["--dir", dir, "--budget", "1MiB"]).status.code(), Some(2));
 }
 
 #[test]
@@ -149,7 +138,7 @@ fn bench_fully_parallel_json_reports_bytes_per_rank() {
     let scratch = Scratch::new("bench-parallel");
     let dir = scratch.path().to_str().unwrap();
     let args = ["--fully-parallel", "--dir", dir, "--size", "4MiB", "--dp", "2,4", "--rounds", "1", "--json"];
-    let b = json(&expect(&args, 0));
+    let b = json(&BIN.expect(&args, 0));
     assert_eq!((b["mode"].as_str(), b["tp"].as_u64()), (Some("fully_parallel"), Some(1)));
     let runs = b["runs"].as_array().unwrap();
     assert_eq!(runs.iter().map(|r| r["dp"].as_u64().unwrap()).collect::<Vec<_>>(), [2, 4]);
@@ -174,7 +163,7 @@ fn bench_fully_parallel_json_reports_bytes_per_rank() {
 
 #[test]
 fn bench_plan_only_simulates_many_ranks() {
-    let b = json(&expect(&["--plan-only", "--ranks", "64", "--tensors", "20", "--json"], 0));
+    let b = json(&BIN.expect(&["--plan-only", "--ranks", "64", "--tensors", "20", "--json"], 0));
     assert_eq!(b["ranks"], 64);
     assert_eq!(b["shards"], 64 * 20);
     // 10 parameters stored once per TP rank, 10 optimizer tensors stored once per rank.
@@ -182,7 +171,7 @@ fn bench_plan_only_simulates_many_ranks() {
     for field in ["index_bytes_per_chunk", "gathered_bytes_total", "bytes_sent_per_rank", "load_plan_bytes_needed"] {
         assert!(b[field].as_f64().is_some_and(|x| x > 0.0), "{field}: {b}");
     }
-    let text = expect(&["--plan-only", "--ranks", "8", "--tensors", "4"], 0);
+    let text = BIN.expect(&["--plan-only", "--ranks", "8", "--tensors", "4"], 0);
     assert!(text.contains("validate") && text.contains("bytes/chunk"), "{text}");
 }
 
@@ -199,7 +188,7 @@ fn benchmarks_delete_only_what_they_created() {
     for mode in [&["--async", "--budget", "1MiB"][..], &["--fully-parallel", "--dp", "2"][..], &[][..]] {
         let args =
             [&["--dir", dir][..], mode, if mode.contains(&"--fully-parallel") { &small[..2] } else { &small }].concat();
-        let err = refused(&args, &ckpt);
+        let err = BIN.refused(&args, &ckpt);
         assert!(err.contains("not empty"), "{err}");
         assert_eq!(std::fs::read(&user).unwrap(), b"user data", "{mode:?}");
     }
@@ -207,12 +196,12 @@ fn benchmarks_delete_only_what_they_created() {
     std::fs::remove_dir_all(&ckpt).unwrap();
     let raw = d.join("tessera-bench-raw.bin");
     std::fs::write(&raw, b"user data").unwrap();
-    refused(&["--dir", dir, "--size", "2MiB", "--rounds", "1"], &raw);
+    BIN.refused(&["--dir", dir, "--size", "2MiB", "--rounds", "1"], &raw);
     assert_eq!(std::fs::read(&raw).unwrap(), b"user data");
     std::fs::remove_file(&raw).unwrap();
     // An empty D/ckpt is the benchmark's to use (and remove).
     std::fs::create_dir_all(&ckpt).unwrap();
-    expect(&["--async", "--dir", dir, "--budget", "1MiB", "--size", "2MiB", "--ranks", "2", "--rounds", "1"], 0);
+    BIN.expect(&["--async", "--dir", dir, "--budget", "1MiB", "--size", "2MiB", "--ranks", "2", "--rounds", "1"], 0);
     assert_eq!(std::fs::read_dir(d).unwrap().count(), 0);
 }
 
@@ -222,7 +211,7 @@ fn bench_s3_compares_with_a_local_directory() {
     let dir = scratch.path().to_str().unwrap();
     let url = s3::url("bench");
     let args = ["--dir", dir, "--s3", &url, "--size", "8MiB", "--ranks", "2"];
-    let b = json(&s3::expect(&[&args[..], &["--rounds", "2", "--json"]].concat(), 0));
+    let b = json(&BIN.s3().expect(&[&args[..], &["--rounds", "2", "--json"]].concat(), 0));
     assert_eq!((b["mode"].as_str(), b["url"].as_str(), b["load_ranks"].as_u64()), (Some("s3"), Some(&*url), Some(1)));
     for field in [
         "local_save_secs",
@@ -259,7 +248,7 @@ fn bench_s3_compares_with_a_local_directory() {
     assert_eq!(object_storage(&format!("{url}/ckpt")).list().unwrap(), Vec::<String>::new());
 
     // Text: every round, the medians, the requests.
-    let out = s3::expect(&[&args[..], &["--rounds", "1", "--keep"]].concat(), 0);
+    let out = BIN.s3().expect(&[&args[..], &["--rounds", "1", "--keep"]].concat(), 0);
     assert!(out.lines().any(|l| l.starts_with("round 1/1")), "{out}");
     assert!(out.lines().any(|l| l.starts_with("median") && l.contains("min–max")), "{out}");
     assert!(
@@ -276,13 +265,13 @@ fn bench_modes_and_object_stores() {
     // The fully-parallel save runs on an object store too.
     let url = s3::url("bench-parallel");
     let args = ["--fully-parallel", "--dir", &url, "--size", "2MiB", "--dp", "2", "--rounds", "1", "--json"];
-    let b = json(&s3::expect(&args, 0));
+    let b = json(&BIN.s3().expect(&args, 0));
     assert_eq!(b["dir"], url.as_str());
     assert_eq!(b["runs"][0]["verified"], true, "{b}");
     // The raw-IO benchmark needs a local directory, and says what to use instead.
-    let out = s3::run(&["--dir", &url, "--size", "2MiB"]);
+    let out = BIN.s3().run(&["--dir", &url, "--size", "2MiB"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("--s3"), "{}", text(&out.stderr));
     // --s3 is not a mode of --async or --plan-only.
-    assert_eq!(run(&["--async", "--dir", "/tmp", "--s3", &url]).status.code(), Some(2));
+    assert_eq!(BIN.run(&["--async", "--dir", "/tmp", "--s3", &url]).status.code(), Some(2));
 }

@@ -1,22 +1,16 @@
 //! End-to-end tests of the `tessera` binary: demo, inspect, verify, gc, unshard, convert, diff,
 //! on local directories and on `s3://` locations (moto). (The benchmarks: tessera-bench's tests.)
 
-#[path = "../../tessera/tests/common/files.rs"]
-mod files;
-use files::{copy_dir, snapshot};
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value as J;
+use tessera_testkit::cli::{json, s3, text, Binary, Scratch};
+use tessera_testkit::files::{copy_dir, snapshot};
+use tessera_testkit::{azure, gcs};
 
-const BIN: &str = env!("CARGO_BIN_EXE_tessera");
-
-/// The shared harness: [`harness::run`] runs `BIN`.
-#[path = "common/harness.rs"]
-#[allow(dead_code)]
-mod harness;
-use harness::{expect, json, refused, run as tessera, s3, text, Scratch};
+/// The binary under test, run through the test kit's end-to-end harness.
+const BIN: Binary = Binary::new(env!("CARGO_BIN_EXE_tessera"));
 
 fn data_files(dir: &Path) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -32,14 +26,14 @@ fn data_files(dir: &Path) -> Vec<PathBuf> {
 fn demo_then_inspect_verify_corrupt_and_gc() {
     let scratch = Scratch::new("demo");
     let dir = scratch.path().to_str().unwrap();
-    let out = expect(&["demo", "--size", "8MiB", "--dir", dir], 0);
+    let out = BIN.expect(&["demo", "--size", "8MiB", "--dir", dir], 0);
     assert!(out.contains("every byte matched"), "{out}");
     assert!(out.contains("TP=2 × PP=2"), "{out}");
     // Rerunning into the same directory overwrites the checkpoint.
-    expect(&["demo", "--size", "8MiB", "--dir", dir], 0);
+    BIN.expect(&["demo", "--size", "8MiB", "--dir", dir], 0);
 
     // The JSON summary.
-    let s = json(&expect(&["inspect", dir, "--json"], 0));
+    let s = json(&BIN.expect(&["inspect", dir, "--json"], 0));
     assert_eq!(s["format"]["backend"], "tessera");
     assert_eq!(s["format"]["version"], tessera::index::FORMAT_VERSION);
     let tensors = s["tensors"].as_object().unwrap();
@@ -71,14 +65,14 @@ fn demo_then_inspect_verify_corrupt_and_gc() {
     assert_eq!(s["totals"]["tensor_bytes"].as_u64().unwrap(), total);
 
     // The text view and the full index dump.
-    let t = expect(&["inspect", dir], 0);
+    let t = BIN.expect(&["inspect", dir], 0);
     assert!(
         t.contains(&format!("tessera v{}", tessera::index::FORMAT_VERSION))
             && t.contains("rng_state")
             && t.contains("iteration = 1000"),
         "{t}"
     );
-    let idx = json(&expect(&["inspect", dir, "--index-json"], 0));
+    let idx = json(&BIN.expect(&["inspect", dir, "--index-json"], 0));
     let chunks = idx["tensors"][0]["chunks"].as_array().unwrap();
     assert!(!chunks.is_empty());
     let crc = chunks[0]["crc32c"][0].as_str().unwrap();
@@ -88,15 +82,15 @@ fn demo_then_inspect_verify_corrupt_and_gc() {
         idx["tensors"].as_array().unwrap().iter().map(|t| t["chunks"].as_array().unwrap().len()).sum();
     assert_eq!(n_chunks as u64, s["totals"]["chunks"].as_u64().unwrap());
 
-    let v = expect(&["verify", dir], 0);
+    let v = BIN.expect(&["verify", dir], 0);
     assert!(v.contains("sound"), "{v}");
 
     // gc keeps everything committed and removes a leftover of an interrupted save.
-    let g = expect(&["gc", dir], 0);
+    let g = BIN.expect(&["gc", dir], 0);
     assert!(g.contains("0 leftover"), "{g}");
     let leftover = scratch.path().join("0123456789abcdef-r00003.safetensors");
     std::fs::write(&leftover, b"partial").unwrap();
-    let g = expect(&["gc", dir], 0);
+    let g = BIN.expect(&["gc", dir], 0);
     assert!(g.contains("removed 0123456789abcdef-r00003.safetensors"), "{g}");
     assert!(!leftover.exists());
 
@@ -106,24 +100,24 @@ fn demo_then_inspect_verify_corrupt_and_gc() {
     let at = bytes.len() - 1000;
     bytes[at] ^= 0x40;
     std::fs::write(&victim, &bytes).unwrap();
-    let out = expect(&["verify", dir], 1);
+    let out = BIN.expect(&["verify", dir], 1);
     let name = victim.file_name().unwrap().to_str().unwrap();
     assert!(out.contains("CORRUPT") && out.contains(name), "{out}");
 
     // Without the index the directory is not a committed checkpoint.
     std::fs::remove_file(scratch.path().join("tessera.index")).unwrap();
-    let out = tessera(&["verify", dir]);
+    let out = BIN.run(&["verify", dir]);
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
     assert!(err.contains("no committed checkpoint in") && err.contains("found neither tessera.index"), "{err}");
     assert!(err.contains(&format!("`tessera gc {dir}` removes them")), "{err}");
-    let out = tessera(&["inspect", dir, "--json"]);
+    let out = BIN.run(&["inspect", dir, "--json"]);
     assert_eq!(out.status.code(), Some(1));
 }
 
 #[test]
 fn demo_in_a_temporary_directory() {
-    let out = expect(&["demo", "--size", "2MiB"], 0);
+    let out = BIN.expect(&["demo", "--size", "2MiB"], 0);
     assert!(out.contains("every byte matched") && out.contains("temporary"), "{out}");
     let dir = out.lines().find_map(|l| l.strip_prefix("checkpoint: ")).unwrap().split(" (").next().unwrap();
     assert!(!Path::new(dir).exists(), "{dir} was not removed");
@@ -133,7 +127,7 @@ fn demo_in_a_temporary_directory() {
 fn verify_of_a_missing_directory_fails_naming_it() {
     let scratch = Scratch::new("missing");
     let dir = scratch.path().join("nothing-here");
-    let out = tessera(&["verify", dir.to_str().unwrap()]);
+    let out = BIN.run(&["verify", dir.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("nothing-here"), "{}", text(&out.stderr));
 }
@@ -146,13 +140,13 @@ fn a_location_without_a_checkpoint_says_what_it_holds() {
     let scratch = Scratch::new("no-checkpoint");
     let run = scratch.path().join("run");
     for step in ["step100", "step200"] {
-        expect(&["demo", "--size", "1MiB", "--dir", run.join(step).to_str().unwrap()], 0);
+        BIN.expect(&["demo", "--size", "1MiB", "--dir", run.join(step).to_str().unwrap()], 0);
     }
     let run = run.to_str().unwrap();
     // (inspect lists such a folder: inspect_lists_a_folder_of_step_checkpoints.)
     for command in ["verify", "diff"] {
         let args: Vec<&str> = if command == "diff" { vec![command, run, run] } else { vec![command, run] };
-        let out = tessera(&args);
+        let out = BIN.run(&args);
         assert_ne!(out.status.code(), Some(0), "{command}");
         let err = text(&out.stderr);
         let said = format!("no checkpoint in {run}: it holds step100/, step200/ (checkpoints): pass one of them");
@@ -160,11 +154,11 @@ fn a_location_without_a_checkpoint_says_what_it_holds() {
     }
     let empty = scratch.path().join("empty");
     std::fs::create_dir_all(&empty).unwrap();
-    let out = tessera(&["inspect", empty.to_str().unwrap()]);
+    let out = BIN.run(&["inspect", empty.to_str().unwrap()]);
     let said = format!("tessera: error: no checkpoint in {}: the directory is empty\n", empty.display());
     assert_eq!(text(&out.stderr), said);
     std::fs::write(empty.join("notes.txt"), b"x").unwrap();
-    let out = tessera(&["inspect", empty.to_str().unwrap()]);
+    let out = BIN.run(&["inspect", empty.to_str().unwrap()]);
     assert!(text(&out.stderr).contains("; it holds notes.txt"), "{}", text(&out.stderr));
 }
 
@@ -184,7 +178,7 @@ fn inspect_lists_a_folder_of_step_checkpoints() {
     std::fs::write(run.join("logs/train.txt"), b"x").unwrap();
     let dir = run.to_str().unwrap();
 
-    let out = expect(&["inspect", dir], 0);
+    let out = BIN.expect(&["inspect", dir], 0);
     let lines: Vec<&str> = out.lines().collect();
     assert!(lines[0].contains("a folder of 3 step checkpoint(s), newest first"), "{out}");
     let row = |folder: &str| *lines.iter().find(|l| l.contains(folder)).unwrap_or_else(|| panic!("{folder}: {out}"));
@@ -196,7 +190,7 @@ fn inspect_lists_a_folder_of_step_checkpoints() {
     assert!(!out.contains("logs"), "{out}");
     assert!(out.contains("latest committed: iter_0000200 (step 200)"), "{out}");
 
-    let j = json(&expect(&["inspect", dir, "--json"], 0));
+    let j = json(&BIN.expect(&["inspect", dir, "--json"], 0));
     assert_eq!(j["latest_committed"], "iter_0000200");
     let steps = j["steps"].as_array().unwrap();
     let got: Vec<(u64, bool)> = steps.iter().map(|s| (s["step"].as_u64().unwrap(), s["committed"] == true)).collect();
@@ -209,60 +203,52 @@ fn inspect_lists_a_folder_of_step_checkpoints() {
 #[test]
 fn the_benchmarks_are_not_a_tessera_command() {
     // They are the tessera-bench binary's.
-    assert_eq!(tessera(&["bench", "--plan-only"]).status.code(), Some(2));
+    assert_eq!(BIN.run(&["bench", "--plan-only"]).status.code(), Some(2));
 }
 
 #[test]
 fn bad_sizes_are_refused() {
-    let out = tessera(&["demo", "--size", "12parsecs"]);
+    let out = BIN.run(&["demo", "--size", "12parsecs"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("unknown unit"), "{}", text(&out.stderr));
 }
 
-/// The library tests' S3 server helper (moto started once per process, bucket created), which
-/// the [`harness::s3`] helpers point the binary at.
-#[path = "../../tessera/tests/common/s3.rs"]
-#[allow(dead_code)]
-mod s3_server;
-#[path = "../../tessera/tests/common/server.rs"]
-mod server;
-
 #[test]
 fn demo_inspect_verify_gc_on_s3() {
     let url = s3::url("demo");
-    let out = s3::expect(&["demo", "--size", "4MiB", "--dir", &url], 0);
+    let out = BIN.s3().expect(&["demo", "--size", "4MiB", "--dir", &url], 0);
     assert!(out.contains("every byte matched") && out.contains(&format!("checkpoint: {url}")), "{out}");
     assert!(out.contains(&format!("next: tessera inspect {url}")), "{out}");
 
-    let s = json(&s3::expect(&["inspect", &url, "--json"], 0));
+    let s = json(&BIN.s3().expect(&["inspect", &url, "--json"], 0));
     assert_eq!(s["path"], url.as_str());
     assert_eq!(s["format"]["backend"], "tessera");
     assert_eq!(s["tensors"]["embedding.word_embeddings.weight"]["chunks"], 4);
     assert_eq!(s["common"]["iteration"], 1000);
     assert_eq!(s["content_metadata"]["producer"], "tessera demo");
-    let t = s3::expect(&["inspect", &url], 0);
+    let t = BIN.s3().expect(&["inspect", &url], 0);
     assert!(t.contains(&format!("checkpoint {url}")) && t.contains("rng_state"), "{t}");
-    let v = s3::expect(&["verify", &url], 0);
+    let v = BIN.s3().expect(&["verify", &url], 0);
     assert!(v.contains(&format!("{url}: sound")), "{v}");
     // A trailing slash names the same prefix.
-    s3::expect(&["verify", &format!("{url}/")], 0);
+    BIN.s3().expect(&["verify", &format!("{url}/")], 0);
 
     // gc keeps the committed checkpoint and removes the leftover of an interrupted save.
-    let g = s3::expect(&["gc", &url], 0);
+    let g = BIN.s3().expect(&["gc", &url], 0);
     assert!(g.contains("0 leftover"), "{g}");
     let leftover = s3::object_path(&url, "0123456789abcdef-r00003.safetensors");
     assert_eq!(s3::http(s3::endpoint(), "PUT", &leftover, b"partial"), 200);
-    let g = s3::expect(&["gc", &url], 0);
+    let g = BIN.s3().expect(&["gc", &url], 0);
     assert!(g.contains("removed 0123456789abcdef-r00003.safetensors") && g.contains("1 leftover"), "{g}");
-    s3::expect(&["verify", &url], 0);
+    BIN.s3().expect(&["verify", &url], 0);
 
     // A damaged index (moto accepts unsigned PUTs of new objects only: a fresh prefix).
     let damaged = s3::url("damaged");
     assert_eq!(s3::http(s3::endpoint(), "PUT", &s3::object_path(&damaged, "tessera.index"), b"garbage"), 200);
-    let out = s3::run(&["verify", &damaged]);
+    let out = BIN.s3().run(&["verify", &damaged]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains(&format!("{damaged}/tessera.index")), "{}", text(&out.stderr));
-    assert_eq!(s3::run(&["inspect", &damaged]).status.code(), Some(1));
+    assert_eq!(BIN.s3().run(&["inspect", &damaged]).status.code(), Some(1));
 
     // Leftovers of a save that never committed: not a committed checkpoint; gc removes them.
     let partial = s3::url("partial");
@@ -270,24 +256,16 @@ fn demo_inspect_verify_gc_on_s3() {
         s3::http(s3::endpoint(), "PUT", &s3::object_path(&partial, "0123456789abcdef-r00000.safetensors"), b"x"),
         200
     );
-    let out = s3::run(&["verify", &partial]);
+    let out = BIN.s3().run(&["verify", &partial]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("no committed checkpoint in"), "{}", text(&out.stderr));
-    let g = s3::expect(&["gc", &partial], 0);
+    let g = BIN.s3().expect(&["gc", &partial], 0);
     assert!(g.contains("removed 0123456789abcdef-r00000.safetensors"), "{g}");
     // An empty prefix: nothing there.
-    let out = s3::run(&["verify", &s3::url("nothing-here")]);
+    let out = BIN.s3().run(&["verify", &s3::url("nothing-here")]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("nothing-here"), "{}", text(&out.stderr));
 }
-
-/// The library tests' Azurite and fake-gcs-server helpers (servers started once per process).
-#[path = "../../tessera/tests/common/azure.rs"]
-#[allow(dead_code)]
-mod azure_server;
-#[path = "../../tessera/tests/common/gcs.rs"]
-#[allow(dead_code)]
-mod gcs_server;
 
 /// Runs the binary with `args` and `env` only (no store variables inherited); expects `code`.
 fn run_clean(args: &[String], env: &[(&str, &str)], code: i32) -> String {
@@ -298,7 +276,7 @@ fn run_clean(args: &[String], env: &[(&str, &str)], code: i32) -> String {
 
 /// The binary with `args`, the environment without any store's variables, plus `env`.
 fn clean_command<S: AsRef<std::ffi::OsStr>>(args: &[S], env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new(BIN);
+    let mut cmd = Command::new(BIN.path());
     cmd.args(args);
     for (k, _) in std::env::vars() {
         if k.starts_with("AWS_") || k.starts_with("AZURE_") || k.starts_with("GOOGLE_") {
@@ -332,18 +310,18 @@ fn demo_round_trip(url: &str, extra: &[&str], env: &[(&str, &str)]) {
 /// through a connection string in the environment (as the Azure CLI takes it).
 #[test]
 fn demo_inspect_verify_unshard_on_azure() {
-    let endpoint = azure_server::endpoint();
+    let endpoint = azure::endpoint();
     let options: Vec<String> =
-        azure_server::config_for(endpoint).iter().map(|(k, v)| format!("--storage-option={k}={v}")).collect();
+        azure::config_for(endpoint).iter().map(|(k, v)| format!("--storage-option={k}={v}")).collect();
     let options: Vec<&str> = options.iter().map(String::as_str).collect();
-    let url = format!("az://{}/cli-demo-{}", azure_server::CONTAINER, std::process::id());
+    let url = format!("az://{}/cli-demo-{}", azure::CONTAINER, std::process::id());
     demo_round_trip(&url, &options, &[]);
     let conn = format!(
         "DefaultEndpointsProtocol=http;AccountName={};AccountKey={};BlobEndpoint={endpoint};",
-        azure_server::ACCOUNT,
-        azure_server::KEY
+        azure::ACCOUNT,
+        azure::KEY
     );
-    let url = format!("az://{}/cli-demo-conn-{}", azure_server::CONTAINER, std::process::id());
+    let url = format!("az://{}/cli-demo-conn-{}", azure::CONTAINER, std::process::id());
     demo_round_trip(&url, &[], &[("AZURE_STORAGE_CONNECTION_STRING", &conn)]);
 }
 
@@ -355,7 +333,7 @@ fn demo_inspect_verify_unshard_on_gcs() {
     let scratch = Scratch::new("gcs-key");
     let key = scratch.path().join("emulator.json");
     let json = serde_json::json!({
-        "gcs_base_url": gcs_server::endpoint(),
+        "gcs_base_url": gcs::endpoint(),
         "disable_oauth": true,
         "client_email": "",
         "private_key": "",
@@ -363,7 +341,7 @@ fn demo_inspect_verify_unshard_on_gcs() {
     });
     std::fs::create_dir_all(scratch.path()).unwrap();
     std::fs::write(&key, json.to_string()).unwrap();
-    let url = format!("gs://{}/cli-demo-{}", gcs_server::BUCKET, std::process::id());
+    let url = format!("gs://{}/cli-demo-{}", gcs::BUCKET, std::process::id());
     demo_round_trip(&url, &[], &[("GOOGLE_APPLICATION_CREDENTIALS", key.to_str().unwrap())]);
 }
 
@@ -427,13 +405,13 @@ fn plain_tensors(dir: &Path) -> std::collections::BTreeMap<String, tessera::Plai
 fn unshard_to_one_file_shards_a_key_subset_and_a_dtype() {
     let scratch = Scratch::new("unshard");
     let ck = scratch.path().join("ck");
-    expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
+    BIN.expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
     let plain = plain_tensors(&ck);
     let ck = ck.to_str().unwrap();
 
     // One file: every tensor whole, as load_plain_tensors gives it.
     let one = scratch.path().join("out/model.safetensors");
-    let out = expect(&["unshard", ck, "--out", one.to_str().unwrap(), "--memory", "1MiB"], 0);
+    let out = BIN.expect(&["unshard", ck, "--out", one.to_str().unwrap(), "--memory", "1MiB"], 0);
     assert!(out.contains(&format!("{} tensors", plain.len())) && out.contains("1 file(s)"), "{out}");
     let (meta, tensors) = read_safetensors(&one);
     assert_eq!(meta, serde_json::json!({"format": "pt"}));
@@ -445,7 +423,7 @@ fn unshard_to_one_file_shards_a_key_subset_and_a_dtype() {
 
     // Shards of at most 256 KiB (or one tensor), with the index.
     let hf = scratch.path().join("hf");
-    expect(&["unshard", ck, "--out", hf.to_str().unwrap(), "--max-shard-size", "256KiB"], 0);
+    BIN.expect(&["unshard", ck, "--out", hf.to_str().unwrap(), "--max-shard-size", "256KiB"], 0);
     let index = json(&std::fs::read_to_string(hf.join("model.safetensors.index.json")).unwrap());
     let weight_map = index["weight_map"].as_object().unwrap();
     assert_eq!(weight_map.len(), plain.len());
@@ -466,13 +444,13 @@ fn unshard_to_one_file_shards_a_key_subset_and_a_dtype() {
     assert_eq!(index["metadata"]["total_size"], total);
     // Decimal units are accepted too; a size that holds everything gives one shard.
     let big = scratch.path().join("big");
-    expect(&["unshard", ck, "--out", big.to_str().unwrap(), "--max-shard-size", "5GB"], 0);
+    BIN.expect(&["unshard", ck, "--out", big.to_str().unwrap(), "--max-shard-size", "5GB"], 0);
     assert!(big.join("model-00001-of-00001.safetensors").exists());
 
     // A key subset, cast to bf16.
     let sub = scratch.path().join("sub.safetensors");
     let args = ["unshard", ck, "--out", sub.to_str().unwrap(), "--keys", r"^optimizer\.exp_avg\.", "--dtype", "bf16"];
-    expect(&args, 0);
+    BIN.expect(&args, 0);
     let (_, tensors) = read_safetensors(&sub);
     let wanted: Vec<&String> = plain.keys().filter(|k| k.starts_with("optimizer.exp_avg.")).collect();
     assert!(!wanted.is_empty());
@@ -485,11 +463,11 @@ fn unshard_to_one_file_shards_a_key_subset_and_a_dtype() {
     }
 
     // An empty selection, an unknown dtype, a bad size: errors.
-    let out = tessera(&["unshard", ck, "--out", sub.to_str().unwrap(), "--keys", "^nothing"]);
+    let out = BIN.run(&["unshard", ck, "--out", sub.to_str().unwrap(), "--keys", "^nothing"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("matches no key"), "{}", text(&out.stderr));
-    assert_eq!(tessera(&["unshard", ck, "--out", "x.safetensors", "--dtype", "i32"]).status.code(), Some(2));
-    let out = tessera(&["unshard", ck, "--out", "x.safetensors", "--memory", "lots"]);
+    assert_eq!(BIN.run(&["unshard", ck, "--out", "x.safetensors", "--dtype", "i32"]).status.code(), Some(2));
+    let out = BIN.run(&["unshard", ck, "--out", "x.safetensors", "--memory", "lots"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(!Path::new("x.safetensors").exists());
 }
@@ -500,23 +478,23 @@ fn convert_round_trip_then_verify_and_diff() {
     let ck = scratch.path().join("ck");
     let conv = scratch.path().join("conv");
     let (ck, conv) = (ck.to_str().unwrap(), conv.to_str().unwrap());
-    expect(&["demo", "--size", "1MiB", "--dir", ck], 0);
-    let out = expect(&["convert", ck, conv, "--memory", "1MiB"], 0);
+    BIN.expect(&["demo", "--size", "1MiB", "--dir", ck], 0);
+    let out = BIN.expect(&["convert", ck, conv, "--memory", "1MiB"], 0);
     assert!(out.contains("tensors in") && out.contains("object shard(s)"), "{out}");
-    let v = expect(&["verify", conv], 0);
+    let v = BIN.expect(&["verify", conv], 0);
     assert!(v.contains("sound"), "{v}");
-    let d = expect(&["diff", ck, conv], 0);
+    let d = BIN.expect(&["diff", ck, conv], 0);
     assert!(d.contains("equal"), "{d}");
     assert_eq!(plain_tensors(Path::new(conv)), plain_tensors(Path::new(ck)));
     // A committed destination is refused, unless --overwrite (the flag, as the message says).
-    let out = tessera(&["convert", ck, conv]);
+    let out = BIN.run(&["convert", ck, conv]);
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
     assert!(err.contains("already exists") && err.contains("pass --overwrite to replace it"), "{err}");
-    expect(&["convert", ck, conv, "--overwrite"], 0);
-    expect(&["verify", conv], 0);
+    BIN.expect(&["convert", ck, conv, "--overwrite"], 0);
+    BIN.expect(&["verify", conv], 0);
     // A source that is not a checkpoint.
-    let out = tessera(&["convert", scratch.path().join("nothing").to_str().unwrap(), conv, "--overwrite"]);
+    let out = BIN.run(&["convert", scratch.path().join("nothing").to_str().unwrap(), conv, "--overwrite"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("/nothing: no such directory"), "{}", text(&out.stderr));
 }
@@ -526,8 +504,8 @@ fn convert_to_dcp_and_back() {
     let scratch = Scratch::new("convert-dcp");
     let (ck, dcp, back) = (scratch.path().join("ck"), scratch.path().join("dcp"), scratch.path().join("back"));
     let (ck, dcp, back) = (ck.to_str().unwrap(), dcp.to_str().unwrap(), back.to_str().unwrap());
-    expect(&["demo", "--size", "1MiB", "--dir", ck], 0);
-    let out = expect(&["convert", ck, dcp, "--to", "dcp", "--memory", "1MiB"], 0);
+    BIN.expect(&["demo", "--size", "1MiB", "--dir", ck], 0);
+    let out = BIN.expect(&["convert", ck, dcp, "--to", "dcp", "--memory", "1MiB"], 0);
     assert!(out.contains("tensors in"), "{out}");
     for name in [".metadata", "metadata.json", "common.pt"] {
         assert!(Path::new(dcp).join(name).exists(), "{name}");
@@ -539,18 +517,18 @@ fn convert_to_dcp_and_back() {
     assert_eq!(data.count(), 1, "rank 0's data file");
     assert_eq!(plain_tensors(Path::new(dcp)), plain_tensors(Path::new(ck)));
     // The copy holds what its source holds: objects and common state too.
-    let d = expect(&["diff", ck, dcp], 0);
+    let d = BIN.expect(&["diff", ck, dcp], 0);
     assert!(d.contains("equal"), "{d}");
     // And back to the native format (the default target).
-    expect(&["convert", dcp, back], 0);
+    BIN.expect(&["convert", dcp, back], 0);
     assert_eq!(plain_tensors(Path::new(back)), plain_tensors(Path::new(ck)));
     // A committed destination is refused, unless --overwrite; an unknown target is a usage error.
-    let out = tessera(&["convert", ck, dcp, "--to", "dcp"]);
+    let out = BIN.run(&["convert", ck, dcp, "--to", "dcp"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("already exists"), "{}", text(&out.stderr));
-    expect(&["convert", ck, dcp, "--to", "torch_dist", "--overwrite"], 0);
+    BIN.expect(&["convert", ck, dcp, "--to", "torch_dist", "--overwrite"], 0);
     assert_eq!(plain_tensors(Path::new(dcp)), plain_tensors(Path::new(ck)));
-    assert_eq!(tessera(&["convert", ck, dcp, "--to", "zarr"]).status.code(), Some(2));
+    assert_eq!(BIN.run(&["convert", ck, dcp, "--to", "zarr"]).status.code(), Some(2));
 }
 
 /// A one-rank checkpoint with tensors `x` (and `y`) and a common value.
@@ -574,26 +552,26 @@ fn diff_exit_codes_name_the_differing_keys() {
     small_checkpoint(&a, &[1.0, 2.0, 3.0, 4.0], false, 1);
     small_checkpoint(&b, &[1.0, 2.0, 3.5, 4.0], true, 2);
     let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
-    expect(&["diff", a, a], 0);
-    let out = expect(&["diff", a, b], 1);
+    BIN.expect(&["diff", a, a], 0);
+    let out = BIN.expect(&["diff", a, b], 1);
     assert!(out.contains("tensor x: 1 element(s) differ, max |a - b| = 0.5, first at [2]"), "{out}");
     assert!(out.contains("tensor y: only in B"), "{out}");
     assert!(out.contains("common iteration: 1 vs 2"), "{out}");
     assert!(out.contains("DIFFERENT: 3 difference(s)"), "{out}");
     // Within the tolerance, on the selected keys only: equal.
-    let out = expect(&["diff", a, b, "--atol", "0.5", "--keys", "^x$"], 0);
+    let out = BIN.expect(&["diff", a, b, "--atol", "0.5", "--keys", "^x$"], 0);
     assert!(out.contains("equal"), "{out}");
-    let out = expect(&["diff", a, b, "--atol", "0.25", "--keys", "^x$"], 1);
+    let out = BIN.expect(&["diff", a, b, "--atol", "0.25", "--keys", "^x$"], 1);
     assert!(out.contains("tensor x:") && !out.contains("tensor y") && !out.contains("common"), "{out}");
     // Errors exit 2: a missing checkpoint, a selection matching nothing, a bad regex, bad usage.
     let missing = scratch.path().join("missing");
-    let out = tessera(&["diff", a, missing.to_str().unwrap()]);
+    let out = BIN.run(&["diff", a, missing.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("missing"), "{}", text(&out.stderr));
-    assert_eq!(tessera(&["diff", a, b, "--keys", "^nothing$"]).status.code(), Some(2));
-    assert_eq!(tessera(&["diff", a, b, "--keys", "("]).status.code(), Some(2));
-    assert_eq!(tessera(&["diff", a, b, "--atol", "-1"]).status.code(), Some(2));
-    assert_eq!(tessera(&["diff", a]).status.code(), Some(2));
+    assert_eq!(BIN.run(&["diff", a, b, "--keys", "^nothing$"]).status.code(), Some(2));
+    assert_eq!(BIN.run(&["diff", a, b, "--keys", "("]).status.code(), Some(2));
+    assert_eq!(BIN.run(&["diff", a, b, "--atol", "-1"]).status.code(), Some(2));
+    assert_eq!(BIN.run(&["diff", a]).status.code(), Some(2));
 }
 
 #[test]
@@ -601,17 +579,17 @@ fn unshard_convert_diff_with_s3_locations() {
     let scratch = Scratch::new("tools-s3");
     let ck = scratch.path().join("ck");
     let ck = ck.to_str().unwrap();
-    expect(&["demo", "--size", "1MiB", "--dir", ck], 0);
+    BIN.expect(&["demo", "--size", "1MiB", "--dir", ck], 0);
     let url = s3::url("converted");
-    s3::expect(&["convert", ck, &url], 0);
-    s3::expect(&["verify", &url], 0);
-    let d = s3::expect(&["diff", ck, &url], 0);
+    BIN.s3().expect(&["convert", ck, &url], 0);
+    BIN.s3().expect(&["verify", &url], 0);
+    let d = BIN.s3().expect(&["diff", ck, &url], 0);
     assert!(d.contains("equal"), "{d}");
     let (local, remote) = (scratch.path().join("local.safetensors"), scratch.path().join("remote.safetensors"));
-    expect(&["unshard", ck, "--out", local.to_str().unwrap()], 0);
-    s3::expect(&["unshard", &url, "--out", remote.to_str().unwrap()], 0);
+    BIN.expect(&["unshard", ck, "--out", local.to_str().unwrap()], 0);
+    BIN.s3().expect(&["unshard", &url, "--out", remote.to_str().unwrap()], 0);
     assert_eq!(std::fs::read(&local).unwrap(), std::fs::read(&remote).unwrap());
-    let out = s3::run(&["convert", ck, &url]);
+    let out = BIN.s3().run(&["convert", ck, &url]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("already exists"), "{}", text(&out.stderr));
 }
@@ -636,17 +614,17 @@ fn foreign(name: &str) -> String {
 #[test]
 fn inspect_verify_unshard_convert_and_diff_a_megatron_checkpoint() {
     let src = foreign("megatron_tp2_dp2");
-    let shown = expect(&["inspect", &src], 0);
+    let shown = BIN.expect(&["inspect", &src], 0);
     assert!(shown.contains("torch_dist v1"), "{shown}");
     assert!(shown.contains("layers.qkv.weight") && shown.contains("rng_state"), "{shown}");
     assert!(shown.contains("iteration = 1234"), "{shown}");
-    let j = json(&expect(&["inspect", &src, "--json"], 0));
+    let j = json(&BIN.expect(&["inspect", &src, "--json"], 0));
     assert_eq!(j["format"]["backend"], "torch_dist", "{j}");
-    expect(&["verify", &src], 0);
+    BIN.expect(&["verify", &src], 0);
 
     let scratch = Scratch::new("foreign-tools");
     let out = scratch.path().join("model.safetensors");
-    expect(&["unshard", &src, "--out", out.to_str().unwrap(), "--keys", "^layers\\."], 0);
+    BIN.expect(&["unshard", &src, "--out", out.to_str().unwrap(), "--keys", "^layers\\."], 0);
     let (_, tensors) = read_safetensors(&out);
     assert_eq!(tensors.keys().collect::<Vec<_>>(), ["layers.norm.weight", "layers.proj.weight", "layers.qkv.weight"]);
     let plain = tessera::open(&tessera::storage::LocalStorage::new(&src)).and_then(|c| c.read_tensors(None)).unwrap();
@@ -655,16 +633,16 @@ fn inspect_verify_unshard_convert_and_diff_a_megatron_checkpoint() {
     }
 
     let native = scratch.path().join("native");
-    expect(&["convert", &src, native.to_str().unwrap()], 0);
-    expect(&["verify", native.to_str().unwrap()], 0);
-    let same = expect(&["diff", &src, native.to_str().unwrap()], 0);
+    BIN.expect(&["convert", &src, native.to_str().unwrap()], 0);
+    BIN.expect(&["verify", native.to_str().unwrap()], 0);
+    let same = BIN.expect(&["diff", &src, native.to_str().unwrap()], 0);
     assert!(same.contains("equal"), "{same}");
     // Against a different checkpoint: exit 1, naming keys.
     let other = foreign("dcp_mesh2d");
-    let differ = expect(&["diff", &src, &other], 1);
+    let differ = BIN.expect(&["diff", &src, &other], 1);
     assert!(differ.contains("embedding.weight"), "{differ}");
     // gc cleans torch_dist locations too: a committed one, without leftovers, keeps every file.
-    let g = expect(&["gc", &src], 0);
+    let g = BIN.expect(&["gc", &src], 0);
     assert!(g.contains("0 leftover file(s) removed"), "{g}");
 }
 
@@ -676,13 +654,13 @@ fn olmo(name: &str) -> String {
 fn every_tool_works_on_an_olmo_core_checkpoint() {
     // Written by ai2-olmo-core 0.1.0 (FSDP1, 3 ranks): model/ and optim/ as one checkpoint.
     let src = olmo("olmo_fsdp1_w3");
-    let shown = expect(&["inspect", &src], 0);
+    let shown = BIN.expect(&["inspect", &src], 0);
     assert!(shown.contains("olmo_safetensors v1") && shown.contains("no checksums"), "{shown}");
     assert!(shown.contains("model/embed.weight") && shown.contains("optim/state.embed.weight.__exp_avg"), "{shown}");
     assert!(shown.contains("optim.param_groups") && shown.contains("\"lr\":0.01"), "{shown}");
-    let j = json(&expect(&["inspect", &src, "--json"], 0));
+    let j = json(&BIN.expect(&["inspect", &src, "--json"], 0));
     assert_eq!(j["format"]["backend"], "olmo_safetensors", "{j}");
-    let verified = expect(&["verify", &src], 0);
+    let verified = BIN.expect(&["verify", &src], 0);
     assert!(verified.contains("sound") && verified.contains("no block checksums"), "{verified}");
 
     // unshard the whole, model/ alone and optim/ alone: OLMo-core's own unshard, key for key.
@@ -690,7 +668,7 @@ fn every_tool_works_on_an_olmo_core_checkpoint() {
     let expected = read_safetensors(Path::new(&olmo("olmo_fsdp1_w3.expected.safetensors"))).1;
     for (dir, prefix) in [("", ""), ("/model", "model/"), ("/optim", "optim/")] {
         let out = scratch.path().join(format!("u{}.safetensors", prefix.len()));
-        expect(&["unshard", &format!("{src}{dir}"), "--out", out.to_str().unwrap()], 0);
+        BIN.expect(&["unshard", &format!("{src}{dir}"), "--out", out.to_str().unwrap()], 0);
         let (_, tensors) = read_safetensors(&out);
         let want: Vec<(String, _)> =
             expected.iter().filter_map(|(k, v)| k.strip_prefix(prefix).map(|k| (k.to_string(), v))).collect();
@@ -702,14 +680,14 @@ fn every_tool_works_on_an_olmo_core_checkpoint() {
 
     // convert to native; diff against the conversion is equal; the native copy is checksummed.
     let native = scratch.path().join("native");
-    expect(&["convert", &src, native.to_str().unwrap()], 0);
-    expect(&["verify", native.to_str().unwrap()], 0);
-    let same = expect(&["diff", &src, native.to_str().unwrap()], 0);
+    BIN.expect(&["convert", &src, native.to_str().unwrap()], 0);
+    BIN.expect(&["verify", native.to_str().unwrap()], 0);
+    let same = BIN.expect(&["diff", &src, native.to_str().unwrap()], 0);
     assert!(same.contains("equal"), "{same}");
-    let differ = expect(&["diff", &src, &olmo("olmo_fsdp1_w2")], 1);
+    let differ = BIN.expect(&["diff", &src, &olmo("olmo_fsdp1_w2")], 1);
     assert!(differ.contains("model/embed.weight"), "{differ}");
     // gc cleans OLMo-core locations too: a committed one, without leftovers, keeps every file.
-    let g = expect(&["gc", &src], 0);
+    let g = BIN.expect(&["gc", &src], 0);
     assert!(g.contains("0 leftover file(s) removed"), "{g}");
 }
 
@@ -721,17 +699,17 @@ fn every_tool_works_on_an_olmo_core_checkpoint() {
 fn unshard_refuses_outputs_inside_the_source_and_onto_special_files() {
     let scratch = Scratch::new("unshard-hostile");
     let ck = scratch.path().join("ck");
-    expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
+    BIN.expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
     let before = snapshot(&ck);
     let src = ck.to_str().unwrap();
     for out in [ck.join("tessera.index"), ck.join("model.safetensors")] {
-        let err = refused(&["unshard", src, "--out", out.to_str().unwrap()], &out);
+        let err = BIN.refused(&["unshard", src, "--out", out.to_str().unwrap()], &out);
         assert!(err.contains("inside the source checkpoint"), "{err}");
     }
-    let err = refused(&["unshard", src, "--out", src, "--max-shard-size", "1MiB"], &ck);
+    let err = BIN.refused(&["unshard", src, "--out", src, "--max-shard-size", "1MiB"], &ck);
     assert!(err.contains("inside the source checkpoint"), "{err}");
     assert_eq!(snapshot(&ck), before, "the source is intact, byte for byte");
-    expect(&["verify", src], 0);
+    BIN.expect(&["verify", src], 0);
 
     // A FIFO, a symlink to a user file, a directory: refused, left as they are.
     let outs = scratch.path().join("outs");
@@ -746,12 +724,12 @@ fn unshard_refuses_outputs_inside_the_source_and_onto_special_files() {
     std::fs::create_dir(&dir).unwrap();
     let before = snapshot(&outs);
     for out in [&fifo, &link] {
-        refused(&["unshard", src, "--out", out.to_str().unwrap()], out);
+        BIN.refused(&["unshard", src, "--out", out.to_str().unwrap()], out);
     }
     // A directory's model.safetensors, the same way.
     let inside = dir.join("model.safetensors");
     std::os::unix::fs::symlink(&victim, &inside).unwrap();
-    refused(&["unshard", src, "--out", dir.to_str().unwrap()], &inside);
+    BIN.refused(&["unshard", src, "--out", dir.to_str().unwrap()], &inside);
     std::fs::remove_file(&inside).unwrap();
     assert_eq!(snapshot(&outs), before);
     assert_eq!(std::fs::read(&victim).unwrap(), b"user data");
@@ -760,7 +738,7 @@ fn unshard_refuses_outputs_inside_the_source_and_onto_special_files() {
     use std::os::unix::fs::MetadataExt;
     let null = Path::new("/dev/null");
     let m0 = std::fs::symlink_metadata(null).unwrap();
-    let err = refused(&["unshard", src, "--out", "/dev/null"], null);
+    let err = BIN.refused(&["unshard", src, "--out", "/dev/null"], null);
     assert!(err.contains("not a regular file"), "{err}");
     let m1 = std::fs::symlink_metadata(null).unwrap();
     assert_eq!((m0.ino(), m0.mode(), m0.rdev()), (m1.ino(), m1.mode(), m1.rdev()));
@@ -768,7 +746,7 @@ fn unshard_refuses_outputs_inside_the_source_and_onto_special_files() {
     // A regular file is replaced, as before.
     let regular = outs.join("model.safetensors");
     std::fs::write(&regular, b"old").unwrap();
-    expect(&["unshard", src, "--out", regular.to_str().unwrap()], 0);
+    BIN.expect(&["unshard", src, "--out", regular.to_str().unwrap()], 0);
     assert!(std::fs::metadata(&regular).unwrap().len() > 1000);
 }
 
@@ -779,10 +757,10 @@ fn unshard_refuses_outputs_inside_the_source_and_onto_special_files() {
 fn unshard_into_a_directory_writes_model_safetensors_there() {
     let scratch = Scratch::new("unshard-dir");
     let ck = scratch.path().join("ck");
-    expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
+    BIN.expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
     let src = ck.to_str().unwrap();
     let hf = scratch.path().join("hf");
-    let out = expect(&["unshard", src, "--out", &format!("{}/", hf.display())], 0);
+    let out = BIN.expect(&["unshard", src, "--out", &format!("{}/", hf.display())], 0);
     assert!(hf.is_dir(), "hf/ is a directory");
     let file = hf.join("model.safetensors");
     assert!(out.contains(&file.display().to_string()), "{out}");
@@ -790,16 +768,16 @@ fn unshard_into_a_directory_writes_model_safetensors_there() {
     assert_eq!(tensors.len(), plain_tensors(&ck).len());
     // An existing directory, named without the slash: the same.
     std::fs::remove_file(&file).unwrap();
-    expect(&["unshard", src, "--out", hf.to_str().unwrap()], 0);
+    BIN.expect(&["unshard", src, "--out", hf.to_str().unwrap()], 0);
     assert!(file.is_file());
     // A file named with a trailing slash: refused, the file kept.
     let plain = scratch.path().join("plain.safetensors");
     std::fs::write(&plain, b"mine").unwrap();
-    let err = refused(&["unshard", src, "--out", &format!("{}/", plain.display())], &plain);
+    let err = BIN.refused(&["unshard", src, "--out", &format!("{}/", plain.display())], &plain);
     assert!(err.contains("is a file"), "{err}");
     assert_eq!(std::fs::read(&plain).unwrap(), b"mine");
     // --help says so.
-    let help = expect(&["unshard", "--help"], 0);
+    let help = BIN.expect(&["unshard", "--help"], 0);
     assert!(help.contains("model.safetensors"), "{help}");
 }
 
@@ -807,16 +785,16 @@ fn unshard_into_a_directory_writes_model_safetensors_there() {
 fn convert_into_a_directory_holding_a_dcp_checkpoint_needs_overwrite() {
     let scratch = Scratch::new("convert-hostile");
     let ck = scratch.path().join("ck");
-    expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
+    BIN.expect(&["demo", "--size", "1MiB", "--dir", ck.to_str().unwrap()], 0);
     let dst = scratch.path().join("dcp");
     copy_dir(Path::new(&foreign("dcp_single")), &dst);
     let before = snapshot(&dst);
-    let err = refused(&["convert", ck.to_str().unwrap(), dst.to_str().unwrap()], &dst);
+    let err = BIN.refused(&["convert", ck.to_str().unwrap(), dst.to_str().unwrap()], &dst);
     assert!(err.contains("already exists"), "{err}");
     assert_eq!(snapshot(&dst), before, "the DCP checkpoint is not shadowed");
-    expect(&["convert", ck.to_str().unwrap(), dst.to_str().unwrap(), "--overwrite"], 0);
-    expect(&["verify", dst.to_str().unwrap()], 0);
-    let s = json(&expect(&["inspect", dst.to_str().unwrap(), "--json"], 0));
+    BIN.expect(&["convert", ck.to_str().unwrap(), dst.to_str().unwrap(), "--overwrite"], 0);
+    BIN.expect(&["verify", dst.to_str().unwrap()], 0);
+    let s = json(&BIN.expect(&["inspect", dst.to_str().unwrap(), "--json"], 0));
     assert_eq!(s["format"]["backend"], "tessera");
 }
 
@@ -828,17 +806,17 @@ fn the_demo_overwrites_only_a_checkpoint_a_demo_wrote() {
     let theirs = d.join("theirs");
     copy_dir(Path::new(&foreign("dcp_single")), &theirs);
     let before = snapshot(&theirs);
-    let err = refused(&["demo", "--size", "1MiB", "--dir", theirs.to_str().unwrap()], &theirs);
+    let err = BIN.refused(&["demo", "--size", "1MiB", "--dir", theirs.to_str().unwrap()], &theirs);
     assert!(err.contains("overwrite"), "{err}");
     assert_eq!(snapshot(&theirs), before);
     let native = d.join("native");
-    expect(&["demo", "--size", "1MiB", "--dir", native.to_str().unwrap()], 0);
+    BIN.expect(&["demo", "--size", "1MiB", "--dir", native.to_str().unwrap()], 0);
     let converted = d.join("converted");
-    expect(&["convert", &foreign("dcp_single"), converted.to_str().unwrap()], 0);
+    BIN.expect(&["convert", &foreign("dcp_single"), converted.to_str().unwrap()], 0);
     let before = snapshot(&converted);
-    refused(&["demo", "--size", "1MiB", "--dir", converted.to_str().unwrap()], &converted);
+    BIN.refused(&["demo", "--size", "1MiB", "--dir", converted.to_str().unwrap()], &converted);
     assert_eq!(snapshot(&converted), before);
-    expect(&["demo", "--size", "1MiB", "--dir", native.to_str().unwrap()], 0);
+    BIN.expect(&["demo", "--size", "1MiB", "--dir", native.to_str().unwrap()], 0);
 }
 
 #[test]
@@ -850,12 +828,12 @@ fn verify_and_unshard_refuse_a_chunk_linked_out_of_the_checkpoint() {
     copy_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tessera/tests/fixtures/foreign/megatron_zarr"), &ck);
     std::fs::remove_file(ck.join("step_counts/0.1")).unwrap();
     std::os::unix::fs::symlink("/proc/self/environ", ck.join("step_counts/0.1")).unwrap();
-    let out = tessera(&["verify", ck.to_str().unwrap()]);
+    let out = BIN.run(&["verify", ck.to_str().unwrap()]);
     let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(1), "{said}");
     assert!(said.contains("step_counts/0.1") && said.contains("symbolic link"), "{said}");
     let dest = scratch.path().join("model.safetensors");
-    let out = tessera(&["unshard", ck.to_str().unwrap(), "--out", dest.to_str().unwrap()]);
+    let out = BIN.run(&["unshard", ck.to_str().unwrap(), "--out", dest.to_str().unwrap()]);
     let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(1), "{said}");
     assert!(said.contains("step_counts/0.1") && said.contains("symbolic link"), "{said}");

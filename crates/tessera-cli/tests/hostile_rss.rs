@@ -2,17 +2,11 @@
 //! to) gigabytes: it exits 1 (never a signal) with a message naming the file, and its peak RSS
 //! (the child's `ru_maxrss`, from `wait4`) stays within 2 × the input + 64 MiB.
 
-#[path = "../../tessera/tests/common/files.rs"]
-mod files;
-use files::copy_dir;
-
-#[path = "../../tessera/tests/common/hostile.rs"]
-mod hostile;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use hostile::*;
+use tessera_testkit::files::copy_dir;
+use tessera_testkit::hostile::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tessera");
 

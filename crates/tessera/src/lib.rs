@@ -58,7 +58,10 @@
 #![deny(missing_docs)]
 // Every type a user can reach, a user can name (the doc-hidden doors for the fuzz targets, the
 // plan simulator and the tests hand out internal types, behind their features: not API).
-#![cfg_attr(not(any(feature = "fuzzing", feature = "plan-internals", feature = "fault-injection")), deny(unnameable_types))]
+#![cfg_attr(
+    not(any(feature = "fuzzing", feature = "plan-internals", feature = "fault-injection")),
+    deny(unnameable_types)
+)]
 
 pub mod comm;
 mod error;

@@ -5,8 +5,7 @@
 //! (`tests/python/test_dcp_copy.py` has torch load the same kind of copy).
 
 mod common;
-#[path = "common/hostile.rs"]
-mod hostile;
+use common::hostile;
 
 use std::path::Path;
 

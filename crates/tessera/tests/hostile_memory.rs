@@ -1,10 +1,9 @@
 //! Memory is bounded by what is on disk: hostile checkpoints of a few KiB that claim (or expand
 //! to) gigabytes fail with `Error::Corrupt` naming the file and the key, before allocating what
-//! they claim. Every input is built by the test (see `common/hostile.rs`).
+//! they claim. Every input is built by the test (see `tessera_testkit::hostile`).
 
 mod common;
-#[path = "common/hostile.rs"]
-mod hostile;
+use common::hostile;
 
 use std::path::Path;
 

@@ -6,8 +6,7 @@
 //! truncated onto file 0. Every input is built by the test.
 
 mod common;
-#[path = "common/hostile.rs"]
-mod hostile;
+use common::hostile;
 
 use std::path::Path;
 

@@ -6,8 +6,7 @@
 //! `scripts/interop/check_torch_dist_interop.py` has megatron-core load them.)
 
 mod common;
-#[path = "common/hostile.rs"]
-mod hostile;
+use common::hostile;
 
 use std::path::Path;
 

@@ -43,13 +43,13 @@ fn azurite_binary() -> PathBuf {
 }
 
 fn start_azurite() -> String {
-    let port = super::server::free_port();
+    let port = crate::server::free_port();
     let args = ["--blobHost", "127.0.0.1", "--blobPort", &port.to_string()]
         .into_iter()
         .chain(["--inMemoryPersistence", "--skipApiVersionCheck", "--silent", "--loose"])
         .map(String::from)
         .collect();
-    super::server::spawn_on_loopback(
+    crate::server::spawn_on_loopback(
         azurite_binary(),
         args,
         port,

@@ -106,7 +106,7 @@ fn emulator_binary() -> PathBuf {
 }
 
 fn start_emulator() -> String {
-    let port = super::server::free_port();
+    let port = crate::server::free_port();
     let addr = format!("127.0.0.1:{port}");
     // -public-host: the XML API (path-style reads, listings, deletes) answers only requests
     // whose Host header is this.
@@ -115,7 +115,7 @@ fn start_emulator() -> String {
         .chain(["-public-host", &addr, "-log-level", "error"])
         .map(String::from)
         .collect();
-    super::server::spawn_on_loopback(
+    crate::server::spawn_on_loopback(
         emulator_binary(),
         args,
         port,

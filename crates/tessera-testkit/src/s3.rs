@@ -56,9 +56,9 @@ fn moto_binary() -> PathBuf {
 }
 
 fn start_moto() -> String {
-    let port = super::server::free_port();
+    let port = crate::server::free_port();
     let args = ["-H", "127.0.0.1", "-p", &port.to_string()].map(String::from).to_vec();
-    super::server::spawn_on_loopback(
+    crate::server::spawn_on_loopback(
         moto_binary(),
         args,
         port,

@@ -1,6 +1,4 @@
-//! File helpers shared by the library's and the CLI's tests (the CLI's include this file by path).
-// Each test crate uses some of them.
-#![allow(dead_code)]
+//! File helpers shared by the library's and the CLI's tests.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

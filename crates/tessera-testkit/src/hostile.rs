@@ -1,21 +1,28 @@
 //! Builders of hostile checkpoints, made byte by byte: a small pickle writer, stored zip archives
 //! (`torch.save`), zstd frames of RLE blocks (huge output from a few bytes), and DCP directories
-//! (`.metadata` + `__0_0.distcp`). Shared by `tests/hostile_memory.rs` and the CLI's
-//! `tests/hostile_rss.rs` (included there with `#[path]`).
-#![allow(dead_code)]
+//! (`.metadata` + `__0_0.distcp`). Used by the library's hostile-input tests
+//! (`tests/hostile_memory.rs`, `tests/hostile_shapes.rs`, …) and the CLI's `tests/hostile_rss.rs`.
 
 use std::path::Path;
 
 /// A value to pickle.
 #[derive(Debug, Clone)]
 pub enum P {
+    /// `None`.
     None,
+    /// `True` / `False`.
     Bool(bool),
+    /// A non-negative integer.
     Int(u64),
+    /// A string.
     Str(String),
+    /// A tuple.
     Tuple(Vec<P>),
+    /// A list.
     List(Vec<P>),
+    /// A dict of (key, value) pairs, in order.
     Dict(Vec<(P, P)>),
+    /// The global `module.name`.
     Global(&'static str, &'static str),
     /// `cls.__new__(cls)` with `BUILD` state.
     Obj(&'static str, &'static str, Box<P>),
@@ -27,6 +34,7 @@ pub enum P {
     Raw(Vec<u8>),
 }
 
+/// The string `x`.
 pub fn s(x: &str) -> P {
     P::Str(x.to_string())
 }
@@ -199,9 +207,25 @@ pub fn zstd_rle_bomb(blocks: usize) -> Vec<u8> {
 pub enum Item {
     /// A tensor `fqn` (f32, one chunk at the origin covering `size`): the item's bytes and
     /// its transforms (`["stream.zstd/1"]` for a zstd item).
-    Tensor { fqn: &'static str, size: Vec<u64>, data: Vec<u8>, transforms: Vec<&'static str> },
+    Tensor {
+        /// The item's key.
+        fqn: &'static str,
+        /// The tensor's shape.
+        size: Vec<u64>,
+        /// Its stored bytes.
+        data: Vec<u8>,
+        /// The transforms its location names.
+        transforms: Vec<&'static str>,
+    },
     /// A byte item `fqn` whose location claims `length` bytes (the file may hold fewer).
-    Bytes { fqn: &'static str, data: Vec<u8>, length: Option<u64> },
+    Bytes {
+        /// The item's key.
+        fqn: &'static str,
+        /// Its stored bytes.
+        data: Vec<u8>,
+        /// The length its location claims (`None`: that of `data`).
+        length: Option<u64>,
+    },
 }
 
 /// The `.metadata` pickle of `items`, laid out back to back in `__0_0.distcp`, and that file.
@@ -366,6 +390,7 @@ pub fn dir_size(dir: &Path) -> u64 {
 /// `STACK_GLOBAL`, memo gets for every value seen before), straight into bytes: the builder for
 /// pickles of millions of entries, which a tree of [`P`] values would take gigabytes to hold.
 pub struct Pickler {
+    /// The pickle so far.
     pub out: Vec<u8>,
     memo: u32,
 }
