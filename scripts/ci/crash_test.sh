@@ -14,7 +14,7 @@ modes="${MODES:-sync async torch_dist olmo}"
 report=target/crash-report.txt
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 
-cargo test --release -j"$CARGO_BUILD_JOBS" -p tessera --test crash --test crash_writers --no-run
+cargo test --release -j"$CARGO_BUILD_JOBS" -p tessera --test integration --no-run
 lines=()
 for mode in $modes; do
     log="$(mktemp)"
@@ -23,8 +23,8 @@ for mode in $modes; do
         sync|async) target=crash test="kill9_during_${mode}_saves_never_loads_half_written" ;;
         *) target=crash_writers test="kill9_during_${mode}_saves_never_loses_or_mixes_a_checkpoint" ;;
     esac
-    if ! TESSERA_CRASH_INSTANTS="$instants" cargo test --release -j"$CARGO_BUILD_JOBS" -p tessera --test "$target" \
-        -- --nocapture --exact "$test" >"$log" 2>&1; then
+    if ! TESSERA_CRASH_INSTANTS="$instants" cargo test --release -j"$CARGO_BUILD_JOBS" -p tessera --test integration \
+        -- --nocapture --exact "$target::$test" >"$log" 2>&1; then
         cat "$log"
         rm -f "$log"
         echo "crash test failed (mode $mode)" >&2

@@ -65,7 +65,7 @@ export AWS_ACCESS_KEY_ID="$key_id" AWS_SECRET_ACCESS_KEY="$secret" AWS_REGION=ga
 echo "Garage on $TESSERA_TEST_S3_ENDPOINT"
 status=0
 echo "== conformance suite"
-if ! cargo test -q -p tessera --test conformance -- --exact s3_storage_conforms --nocapture >"$work/test.log" 2>&1; then
+if ! cargo test -q -p tessera --test integration -- --exact conformance::s3_storage_conforms --nocapture >"$work/test.log" 2>&1; then
   status=1
 fi
 grep -E "^conformance (PASS|FAIL)" "$work/test.log" || tail -20 "$work/test.log"
@@ -75,7 +75,7 @@ grep -E "^conformance (PASS|FAIL)" "$work/test.log" || tail -20 "$work/test.log"
 echo "== concurrent commits (20 races)"
 one=0; both=0; broken=0
 for _ in $(seq 1 20); do
-  out="$(cargo test -q -p tessera --test commit_race -- --exact concurrent_saves_into_s3 2>&1 || true)"
+  out="$(cargo test -q -p tessera --test integration -- --exact commit_race::concurrent_saves_into_s3 2>&1 || true)"
   if echo "$out" | grep -q "test result: ok"; then one=$((one + 1))
   elif echo "$out" | grep -q "exactly one group"; then both=$((both + 1))
   else broken=$((broken + 1)); echo "$out" | grep -A3 panicked | head -5; fi

@@ -7,5 +7,5 @@ cd "$(dirname "$0")/../.."
 out="$PWD/target/dcp_metadata_256x300.pkl"
 mkdir -p target
 .venv/bin/python scripts/fixtures/make_dcp_metadata.py 256 300 "$out"
-TESSERA_BUDGET_PICKLE="$out" cargo test --release -p tessera --test hostile_memory \
-    unpickler_budget_of_real_metadata -- --ignored --nocapture 2>&1 | grep -E '^ratio|test result'
+TESSERA_BUDGET_PICKLE="$out" cargo test --release -p tessera --test integration \
+    hostile_memory::unpickler_budget_of_real_metadata -- --ignored --nocapture 2>&1 | grep -E '^ratio|test result'

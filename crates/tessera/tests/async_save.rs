@@ -1,13 +1,12 @@
 //! Async save (staging pool, background write and commit, one verdict on every rank) and the
 //! fully-parallel save (replicated chunks written by their replicas, balanced).
 
-mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::index::*;
 use tessera::storage::*;

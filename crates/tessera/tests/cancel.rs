@@ -1,11 +1,10 @@
 //! Cancellation: a set cancel flag stops a save (nothing committed, every rank fails) or a load.
 
-mod common;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::storage::*;
 use tessera::*;

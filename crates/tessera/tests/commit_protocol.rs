@@ -3,13 +3,12 @@
 //! beside running saves removes none of their files. (Each failed before the one commit
 //! protocol and the leases; `fault_sweep.rs` then fails every call in turn.)
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use tessera::index::*;
 use tessera::olmo::*;
 use tessera::storage::*;

@@ -1,11 +1,10 @@
 //! Two saves into one location at once, neither asking to overwrite: exactly one commits, the
 //! other fails with `AlreadyExists` on all its ranks, and the location holds the winner whole.
 
-mod common;
 
 use std::sync::{Arc, Barrier};
 
-use common::*;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::index::*;
 use tessera::storage::*;

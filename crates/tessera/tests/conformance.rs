@@ -7,11 +7,10 @@
 //! here and not in the library's suite, which depends on the storage module only). Read-only
 //! views run [`conformance::run_read_only`] over the objects they show.
 
-mod common;
 
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use tessera::storage::*;
 use tessera::tools::*;
 use tessera::*;
@@ -68,12 +67,12 @@ fn local_storage_conforms_in_an_existing_directory() {
 /// `scripts/ci/garage_conformance.sh`, which runs this test by name).
 #[test]
 fn s3_storage_conforms() {
-    conforms(&common::s3::fresh_storage("conformance"));
+    conforms(&crate::common::s3::fresh_storage("conformance"));
 }
 
 #[test]
 fn azure_storage_conforms() {
-    conforms(&common::azure::fresh_storage("conformance"));
+    conforms(&crate::common::azure::fresh_storage("conformance"));
 }
 
 /// The pass-through counter conforms over both local backends, and counts the reads the suite

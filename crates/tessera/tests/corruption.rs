@@ -2,12 +2,11 @@
 //! files and in the index, truncated and missing files, a missing index, a future format
 //! version, an empty or absent directory, an index naming a path outside the checkpoint.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::index::*;
 use tessera::storage::*;

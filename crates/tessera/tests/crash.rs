@@ -20,7 +20,6 @@
 //! (a line per instant). `scripts/ci/crash_test.sh` runs it in release with 500 instants.
 #![cfg(unix)]
 
-mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -30,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::index::*;
 use tessera::storage::*;
@@ -788,7 +787,8 @@ impl ChildRun {
 fn run_child(root: &Path, mode: Mode, steps: u64, kill_after: Option<Duration>) -> ChildRun {
     use std::io::{BufRead, Read};
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["crash_child", "--exact", "--nocapture", "--include-ignored", "--test-threads=1"])
+        .arg(crate::common::test_path(module_path!(), "crash_child"))
+        .args(["--exact", "--nocapture", "--include-ignored", "--test-threads=1"])
         .env(ROOT_ENV, root)
         .env(MODE_ENV, mode.name())
         .env(FIRST_ENV, "1")

@@ -21,7 +21,6 @@
 //! `TESSERA_CRASH_INSTANTS` (default 30), `TESSERA_CRASH_SEED`, `TESSERA_CRASH_VERBOSE`.
 #![cfg(unix)]
 
-mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -30,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::olmo::*;
 use tessera::storage::*;
@@ -347,7 +346,8 @@ fn run_child(
 ) -> (std::process::ExitStatus, String, Duration) {
     use std::io::{BufRead, Read};
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["crash_writers_child", "--exact", "--nocapture", "--include-ignored", "--test-threads=1"])
+        .arg(crate::common::test_path(module_path!(), "crash_writers_child"))
+        .args(["--exact", "--nocapture", "--include-ignored", "--test-threads=1"])
         .env(ROOT_ENV, root)
         .env(MODE_ENV, mode.name())
         .env(STEPS_ENV, steps.to_string())

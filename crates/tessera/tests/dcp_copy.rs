@@ -4,12 +4,11 @@
 //! `common.pt`; and tessera reads the copy back with the source's values, not doubled
 //! (`tests/python/test_dcp_copy.py` has torch load the same kind of copy).
 
-mod common;
-use common::hostile;
+use crate::common::hostile;
 
 use std::path::Path;
 
-use common::{f32_bytes, TempDir};
+use crate::common::{f32_bytes, TempDir};
 use hostile::{pickle, s, zip, P};
 use tessera::comm::SoloComm;
 use tessera::index::FormatRecord;

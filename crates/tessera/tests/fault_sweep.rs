@@ -17,7 +17,6 @@
 //! Each test prints its size (cases and outcomes); README.md reports them.
 //! `TESSERA_SWEEP_VERBOSE=1` prints every case.
 
-mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -25,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::index::*;
 use tessera::olmo::*;

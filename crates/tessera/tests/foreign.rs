@@ -3,14 +3,13 @@
 //! `NAME.expected.safetensors`, its non-tensor values match `NAME.expected.json`, resharded
 //! loads return the right slices, and damaged files give errors, never panics.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::files::copy_dir;
-use common::fixtures::{assert_loads, boxes, json_eq, to_json, Expected};
-use common::{box_bytes, bytes_at, run_ranks, CountingComm};
+use crate::common::files::copy_dir;
+use crate::common::fixtures::{assert_loads, boxes, json_eq, to_json, Expected};
+use crate::common::{box_bytes, bytes_at, run_ranks, CountingComm};
 
 use tessera::comm::SoloComm;
 use tessera::index::FormatRecord;
@@ -26,11 +25,11 @@ fn fixtures() -> PathBuf {
 }
 
 fn expected_tensors(name: &str) -> BTreeMap<String, Expected> {
-    common::fixtures::expected_tensors(&fixtures(), name)
+    crate::common::fixtures::expected_tensors(&fixtures(), name)
 }
 
 fn expected_json(name: &str) -> serde_json::Value {
-    common::fixtures::expected_json(&fixtures(), name)
+    crate::common::fixtures::expected_json(&fixtures(), name)
 }
 
 const ALL: &[(&str, &str)] = &[
@@ -496,15 +495,15 @@ fn foreign_checkpoints_load_from_an_object_store() {
     // The same fixtures uploaded to S3 (moto): nested zarr folders, OLMo-core's subfolder, zstd
     // items and in-place reads all go through ObjectStorage.
     for name in ["megatron_zarr", "olmo_core", "dcp_zstd", "dcp_large_item", "megatron_tp2_dp2"] {
-        let url = common::s3::fresh_url(&format!("foreign-{name}"));
+        let url = crate::common::s3::fresh_url(&format!("foreign-{name}"));
         let prefix = url.trim_start_matches("s3://");
         let local = LocalStorage::new(fixtures().join(name));
         for rel in local.list_recursive().unwrap() {
             let body = std::fs::read(fixtures().join(name).join(&rel)).unwrap();
-            let code = common::s3::http(common::s3::endpoint(), "PUT", &format!("/{prefix}/{rel}"), &body);
+            let code = crate::common::s3::http(crate::common::s3::endpoint(), "PUT", &format!("/{prefix}/{rel}"), &body);
             assert_eq!(code, 200, "uploading {rel}");
         }
-        let store = tessera::storage::ObjectStorage::open(&url, common::s3::test_options()).unwrap();
+        let store = tessera::storage::ObjectStorage::open(&url, crate::common::s3::test_options()).unwrap();
         let got = open(&store).and_then(|c| c.read_tensors(None)).unwrap_or_else(|e| panic!("{name} on S3: {e}"));
         let want = expected_tensors(name);
         assert_eq!(got.len(), want.len(), "{name}");
@@ -540,7 +539,7 @@ fn with_tensor_byte_flipped(name: &str, key: &str, tag: &str) -> (PathBuf, Strin
 }
 
 /// Loads tensor `key` of the checkpoint in `dir` whole, checking checksums or not.
-fn load_whole(dir: &Path, key: &str, want: &common::fixtures::Expected, verify: bool) -> Result<Vec<u8>, Error> {
+fn load_whole(dir: &Path, key: &str, want: &crate::common::fixtures::Expected, verify: bool) -> Result<Vec<u8>, Error> {
     let t = ShardedTensor::full(key, want.dtype, &want.shape, TensorData::Owned(vec![0; want.data.len()]));
     let opts = LoadOptions { verify_checksums: verify, ..LoadOptions::default() };
     let r = load(StateTree::map().with("t", StateTree::Tensor(t)), &LocalStorage::new(dir), &SoloComm, &opts)?;

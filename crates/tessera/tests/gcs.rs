@@ -1,14 +1,13 @@
 //! The GCS backend (`gs://`, cargo feature `gcs`) against fake-gcs-server behind the test
-//! adapter of `common::gcs` (which says what the emulator does and what the adapter rewrites):
+//! adapter of `crate::common::gcs` (which says what the emulator does and what the adapter rewrites):
 //! the storage conformance suite, conditional creates, and multipart uploads (tessera's, and
 //! `object_store`'s with more parts than one compose takes), and a checkpoint saved, loaded and
 //! verified through it.
 
-mod common;
 
 use std::sync::Arc;
 
-use common::{f32_bytes, f32s, gcs, run_ranks, shard, small_blocks};
+use crate::common::{f32_bytes, f32s, gcs, run_ranks, shard, small_blocks};
 use object_store::multipart::MultipartStore;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
@@ -129,7 +128,7 @@ fn object_store_multipart_upload() {
 #[test]
 fn tessera_multipart_object() {
     let storage = gcs::fresh_storage("tessera-multipart");
-    let data = common::Rng::new(7).bytes(11 << 20);
+    let data = crate::common::Rng::new(7).bytes(11 << 20);
     let w = storage.create("big", data.len() as u64).unwrap();
     for (i, piece) in data.chunks(1 << 20).enumerate().rev() {
         w.write_at((i << 20) as u64, piece).unwrap();

@@ -9,14 +9,13 @@
 //! change, content does not):
 //!
 //! ```text
-//! cargo test -p tessera --test golden -- --ignored regenerate_golden_v2
+//! cargo test -p tessera --test integration -- --ignored golden::regenerate_golden_v2
 //! ```
 
-mod common;
 
 use std::collections::BTreeMap;
 
-use common::*;
+use crate::common::*;
 use tessera::index::*;
 use tessera::storage::*;
 use tessera::tools::*;

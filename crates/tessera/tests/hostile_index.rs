@@ -3,12 +3,11 @@
 //! wrap, chunks outside their tensor or file, in the native format and in foreign ones (OLMo-
 //! core's `metadata.json`). `verify` reports each defect and never calls such a checkpoint sound.
 
-mod common;
 
 use std::ops::Range;
 
-use common::files::copy_dir;
-use common::*;
+use crate::common::files::copy_dir;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::index::*;
 use tessera::storage::*;

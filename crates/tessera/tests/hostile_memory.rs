@@ -2,13 +2,12 @@
 //! to) gigabytes fail with `Error::Corrupt` naming the file and the key, before allocating what
 //! they claim. Every input is built by the test (see `tessera_testkit::hostile`).
 
-mod common;
-use common::hostile;
+use crate::common::hostile;
 
 use std::path::Path;
 
-use common::files::copy_dir;
-use common::{shard, TempDir};
+use crate::common::files::copy_dir;
+use crate::common::{shard, TempDir};
 use hostile::*;
 use tessera::__fuzz::{parse_header, unpickle, PickleValue, UnpickleLimits};
 use tessera::comm::*;
@@ -292,8 +291,8 @@ fn child_within_bound(test: &str, what: &str, dir: &TempDir, env: &[(&str, &std:
     let input = dir_size(dir.path());
     let mut all = vec![(RSS_CHILD, dir.path().as_os_str())];
     all.extend_from_slice(env);
-    let rss = common::rss::child_peak_rss(test, &all);
-    let limit = common::rss::rss_bound(input);
+    let rss = crate::common::rss::child_peak_rss(&crate::common::test_path(module_path!(), test), &all);
+    let limit = crate::common::rss::rss_bound(input);
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     eprintln!("{what}: input {:.1} MiB, peak RSS {:.1} MiB (limit {:.1} MiB)", mib(input), mib(rss), mib(limit));
     assert!(rss <= limit, "{what}: peak RSS {rss} > {limit} for {input} bytes of checkpoint");
@@ -307,7 +306,7 @@ fn verify_of_a_block_size_1_checkpoint_stays_within_2x_input_plus_64_mib() {
         assert!(report.problems.is_empty() && report.checksummed, "{:?}", report.problems);
         let file_size = open(&st).unwrap().index().files[0].size;
         assert_eq!(report.bytes_checked, file_size, "the data and its file's header");
-        common::rss::report_peak_rss();
+        crate::common::rss::report_peak_rss();
         return;
     }
     block_size_1_within_bound("verify_of_a_block_size_1_checkpoint_stays_within_2x_input_plus_64_mib", "verify");
@@ -318,7 +317,7 @@ fn load_of_a_block_size_1_checkpoint_stays_within_2x_input_plus_64_mib() {
     if let Some(dir) = std::env::var_os(RSS_CHILD) {
         let got = open(&LocalStorage::new(dir)).and_then(|c| c.read_tensors(None)).unwrap();
         assert_eq!(got["model.layers.0.mlp.weight"].data.len(), 4 << 20);
-        common::rss::report_peak_rss();
+        crate::common::rss::report_peak_rss();
         return;
     }
     block_size_1_within_bound("load_of_a_block_size_1_checkpoint_stays_within_2x_input_plus_64_mib", "load");
@@ -365,7 +364,7 @@ fn dcp_metadata_of_millions_of_small_ints_opens_within_2x_input_plus_64_mib() {
         // 4 M small ints (8 MB) in the planner's data: read in place, never built as values.
         let got = open(&LocalStorage::new(dir)).and_then(|c| c.read_tensors(None)).unwrap();
         assert_eq!(got["w"].data, vec![0u8; 16]);
-        common::rss::report_peak_rss();
+        crate::common::rss::report_peak_rss();
         return;
     }
     let test = "dcp_metadata_of_millions_of_small_ints_opens_within_2x_input_plus_64_mib";
@@ -378,7 +377,7 @@ fn dcp_metadata_of_millions_of_nones_is_refused_within_2x_input_plus_64_mib() {
         // 4 M Nones (4 MB) would be 250 MB as values: over the unpickler's budget.
         let (path, reason) = corrupt(open(&LocalStorage::new(dir)).map(|_| ()));
         assert!(path.ends_with(".metadata") && reason.contains("budget"), "{path}: {reason}");
-        common::rss::report_peak_rss();
+        crate::common::rss::report_peak_rss();
         return;
     }
     let test = "dcp_metadata_of_millions_of_nones_is_refused_within_2x_input_plus_64_mib";
@@ -431,7 +430,7 @@ fn open_byte_items(dir: std::ffi::OsString) {
     let last = vec![PathSeg::Key(format!("optim.param_groups.{}.lr", n - 1))];
     assert_eq!(common.iter().find(|(p, _)| *p == last).map(|(_, v)| v), Some(&Value::Int(7)));
     assert_eq!(ckpt.index().tensor("w").map(|t| t.chunks().len()), Some(1));
-    common::rss::report_peak_rss();
+    crate::common::rss::report_peak_rss();
 }
 
 #[test]

@@ -3,12 +3,11 @@
 //! temporary name; a conversion into a directory that holds a committed checkpoint of any format
 //! (native, DCP, Megatron torch_dist and zarr, OLMo-core) without overwrite.
 
-mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::files::{copy_dir, snapshot};
-use common::*;
+use crate::common::files::{copy_dir, snapshot};
+use crate::common::*;
 use tessera::comm::*;
 use tessera::index::*;
 use tessera::storage::*;

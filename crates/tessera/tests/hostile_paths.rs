@@ -4,15 +4,14 @@
 //! export, each format) must refuse them with `Error::Corrupt` naming the entry, never read
 //! through them, never hang, and `verify` must never call such a checkpoint sound.
 
-mod common;
 
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::files::copy_dir;
-use common::TempDir;
+use crate::common::files::copy_dir;
+use crate::common::TempDir;
 use tessera::index::INDEX_FILE;
 use tessera::storage::LocalStorage;
 use tessera::tools::{export_safetensors, verify, ExportOptions};

@@ -5,13 +5,12 @@
 //! native index naming a file number that does not fit 32 bits is refused instead of being
 //! truncated onto file 0. Every input is built by the test.
 
-mod common;
-use common::hostile;
+use crate::common::hostile;
 
 use std::path::Path;
 
-use common::files::copy_dir;
-use common::{shard, TempDir};
+use crate::common::files::copy_dir;
+use crate::common::{shard, TempDir};
 use hostile::*;
 use tessera::comm::*;
 use tessera::index::*;

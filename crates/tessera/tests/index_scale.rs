@@ -4,11 +4,10 @@
 //! tensor's records fails exactly the readers of that tensor.
 //! No timing assertions: speed is measured by the CLI's bench, not by tests.
 
-mod common;
 
 use std::collections::BTreeSet;
 
-use common::*;
+use crate::common::*;
 use tessera::index::*;
 use tessera::storage::*;
 use tessera::*;

@@ -3,11 +3,10 @@
 //! committed checkpoint is never overwritten unless asked, and an overwrite leaves only the
 //! new checkpoint's files.
 
-mod common;
 
 use std::ops::Range;
 
-use common::*;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::index::*;
 use tessera::storage::*;

@@ -5,9 +5,8 @@
 //! of another dtype or shape (the message names no option of any one API); exporting into a
 //! directory.
 
-mod common;
 
-use common::{f32_bytes, TempDir};
+use crate::common::{f32_bytes, TempDir};
 use tessera::comm::SoloComm;
 use tessera::index::FormatRecord;
 use tessera::storage::{LocalStorage, MemoryStorage};

@@ -1,5 +1,5 @@
 //! The object-store backend under faults, and its request counts: every test talks to moto
-//! through the fault-injecting, request-counting proxy of `common::faults`, so the real client
+//! through the fault-injecting, request-counting proxy of `crate::common::faults`, so the real client
 //! stack (signing, retries with backoff, timeouts) runs.
 //!
 //! - Saves and resharded loads survive throttling (503 Slow Down) and stalls (client timeouts):
@@ -11,14 +11,13 @@
 //! - Ranks that each need half of every row verify the blocks together and download what they
 //!   need, not the whole blocks.
 
-mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use common::faults::*;
-use common::*;
+use crate::common::faults::*;
+use crate::common::*;
 use tessera::__plan::load::{plan_reads, plan_request, ReadTuning, Request};
 use tessera::comm::*;
 use tessera::index::*;
@@ -650,6 +649,9 @@ fn request_counts_agree_with_what_went_over_the_wire() {
 /// take their endpoint and `AWS_ALLOW_HTTP` from the environment.
 #[test]
 fn an_s3_url_is_configured_from_the_aws_environment() {
+    if !crate::common::in_own_process(module_path!(), "an_s3_url_is_configured_from_the_aws_environment") {
+        return; // it changes the environment, which the other tests of this binary read
+    }
     let _serial = serial();
     let endpoint = s3::endpoint();
     // Every test of this binary holds the lock: nothing else reads the environment meanwhile.
@@ -795,6 +797,9 @@ fn conditional_creates_are_probed_and_a_store_that_ignores_them_is_detected() {
 /// what it tried.
 #[test]
 fn an_s3_url_is_configured_from_an_aws_profile() {
+    if !crate::common::in_own_process(module_path!(), "an_s3_url_is_configured_from_an_aws_profile") {
+        return; // it changes the environment, which the other tests of this binary read
+    }
     let _serial = serial();
     let endpoint = s3::endpoint();
     let dir = TempDir::new("aws-profile");
@@ -858,6 +863,9 @@ fn an_s3_url_is_configured_from_an_aws_profile() {
 /// `AccessDenied` at open, at once. Opening makes no request, so no server is needed.
 #[test]
 fn configured_credentials_of_every_kind_pass_the_check_and_none_fails_it() {
+    if !crate::common::in_own_process(module_path!(), "configured_credentials_of_every_kind_pass_the_check_and_none_fails_it") {
+        return; // it changes the environment, which the other tests of this binary read
+    }
     let _serial = serial();
     let dead = "http://127.0.0.1:9";
     let dir = TempDir::new("credential-kinds");

@@ -4,14 +4,13 @@
 //! optimizer fields decoded; tessera's own writer produces checkpoints the reader (and, in
 //! `scripts/interop/olmo_interop.sh`, OLMo-core) loads; damaged metadata is a clear error.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::files::copy_dir;
-use common::fixtures::{assert_loads, boxes, to_json, Expected};
-use common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
+use crate::common::files::copy_dir;
+use crate::common::fixtures::{assert_loads, boxes, to_json, Expected};
+use crate::common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
 use tessera::comm::SoloComm;
 use tessera::index::{Backend, FormatRecord};
 use tessera::olmo::save_olmo;
@@ -40,11 +39,11 @@ const ALL: &[(&str, bool)] = &[
 ];
 
 fn expected_tensors(name: &str) -> BTreeMap<String, Expected> {
-    common::fixtures::expected_tensors(&fixtures(), name)
+    crate::common::fixtures::expected_tensors(&fixtures(), name)
 }
 
 fn expected_json(name: &str) -> serde_json::Value {
-    common::fixtures::expected_json(&fixtures(), name)
+    crate::common::fixtures::expected_json(&fixtures(), name)
 }
 
 fn fixture_storage(name: &str) -> LocalStorage {
@@ -487,15 +486,15 @@ fn a_file_lacking_a_listed_key_or_truncated_is_named() {
 #[test]
 fn olmo_checkpoints_load_from_an_object_store() {
     for name in ["olmo_fsdp1_w3", "olmo_fsdp2_w2"] {
-        let url = common::s3::fresh_url(&format!("olmo-{name}"));
+        let url = crate::common::s3::fresh_url(&format!("olmo-{name}"));
         let prefix = url.trim_start_matches("s3://");
         let local = LocalStorage::new(fixtures().join(name));
         for rel in local.list_recursive().unwrap() {
             let body = std::fs::read(fixtures().join(name).join(&rel)).unwrap();
-            let code = common::s3::http(common::s3::endpoint(), "PUT", &format!("/{prefix}/{rel}"), &body);
+            let code = crate::common::s3::http(crate::common::s3::endpoint(), "PUT", &format!("/{prefix}/{rel}"), &body);
             assert_eq!(code, 200, "uploading {rel}");
         }
-        let store = tessera::storage::ObjectStorage::open(&url, common::s3::test_options()).unwrap();
+        let store = tessera::storage::ObjectStorage::open(&url, crate::common::s3::test_options()).unwrap();
         let got = open(&store).and_then(|c| c.read_tensors(None)).unwrap_or_else(|e| panic!("{name} on S3: {e}"));
         assert_tensors(name, &got, &expected_tensors(name));
         let report = verify(&store, 2).unwrap();

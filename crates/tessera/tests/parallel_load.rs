@@ -3,12 +3,11 @@
 //! normal load, the group must read each needed byte exactly once, and a failure on any rank
 //! must fail every rank instead of leaving one waiting.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::factory::*;
 use tessera::index::*;

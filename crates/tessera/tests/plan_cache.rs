@@ -3,12 +3,11 @@
 //! rank's structure, of the options, of which save the caches come from — falls back to full
 //! planning on every rank alike.
 
-mod common;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::storage::*;
 use tessera::tools::*;

@@ -3,15 +3,14 @@
 //! world size B in another random layout — every byte must match the global truth. Plus the
 //! pure geometry (`check_tiling`, `decompose_flat`) against brute force.
 //!
-//! Reproduce a failing seed with `TESSERA_SEED=<seed> cargo test -p tessera --test property`;
+//! Reproduce a failing seed with `TESSERA_SEED=<seed> cargo test -p tessera --test integration property::`;
 //! run more seeds with `TESSERA_SEEDS=<count>`.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use common::*;
+use crate::common::*;
 use tessera::__plan::geometry::{check_tiling, decompose_flat, Piece};
 use tessera::__plan::load::ReadTuning;
 use tessera::storage::*;

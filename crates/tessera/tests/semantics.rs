@@ -3,12 +3,11 @@
 //! plain loads, shape mismatch, prepended axes, narrow dtypes, empty and scalar tensors,
 //! garbage collection, read amplification, the strategy registry and the safetensors files.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use tessera::comm::*;
 use tessera::factory::*;
 use tessera::index::*;

@@ -6,9 +6,8 @@
 //!
 //! The checkpoints are directories treated as not local, as on a network filesystem.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use tessera::storage::*;
 use tessera::*;
 

@@ -4,12 +4,11 @@
 //! and diff (equal, values with and without tolerance, keys on one side, shapes, dtypes, common
 //! state, objects, content metadata).
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value as J};
 use tessera::comm::*;
 use tessera::index::*;

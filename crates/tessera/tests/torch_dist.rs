@@ -5,12 +5,11 @@
 //! (`tests/python/test_torch_dist_write.py` has torch load the same files;
 //! `scripts/interop/check_torch_dist_interop.py` has megatron-core load them.)
 
-mod common;
-use common::hostile;
+use crate::common::hostile;
 
 use std::path::Path;
 
-use common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
+use crate::common::{box_bytes, run_ranks, seeded_truth as truth, shard, TempDir};
 use tessera::comm::SoloComm;
 use tessera::index::FormatRecord;
 use tessera::storage::LocalStorage;

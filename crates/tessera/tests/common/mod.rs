@@ -464,3 +464,38 @@ pub fn committed_common_copy(storage: &dyn Storage) -> Option<String> {
     let id = std::str::from_utf8(meta.get(at.checked_sub(16)?..at)?).ok()?;
     Some(format!(".tessera-common-{id}.pt"))
 }
+
+/// The name of the test `name` of the module `module` (its `module_path!()`) as this binary's
+/// harness knows it: `hostile_memory::name`, for running it alone with `--exact`.
+pub fn test_path(module: &str, name: &str) -> String {
+    match module.split_once("::") {
+        Some((_, m)) => format!("{m}::{name}"),
+        None => name.to_string(),
+    }
+}
+
+/// For a test that changes the process environment (`std::env::set_var`), which every other
+/// test of this binary reads from its own threads: runs the test `name` of `module` alone in a
+/// child process of this binary and checks that it ran and passed. Returns `true` in that
+/// child (go on with the test), `false` in the parent (the child has run it: return).
+pub fn in_own_process(module: &str, name: &str) -> bool {
+    const MARK: &str = "TESSERA_TEST_OWN_PROCESS";
+    let path = test_path(module, name);
+    if std::env::var(MARK).is_ok_and(|v| v == path) {
+        return true;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([path.as_str(), "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env(MARK, &path)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("test result: ok. 1 passed"),
+        "{path} in its own process ({}): {stdout}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    false
+}
