@@ -1,7 +1,6 @@
 //! Async save (staging pool, background write and commit, one verdict on every rank) and the
 //! fully-parallel save (replicated chunks written by their replicas, balanced).
 
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

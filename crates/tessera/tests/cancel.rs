@@ -1,6 +1,5 @@
 //! Cancellation: a set cancel flag stops a save (nothing committed, every rank fails) or a load.
 
-
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 

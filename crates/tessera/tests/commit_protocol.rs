@@ -3,7 +3,6 @@
 //! beside running saves removes none of their files. (Each failed before the one commit
 //! protocol and the leases; `fault_sweep.rs` then fails every call in turn.)
 
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;

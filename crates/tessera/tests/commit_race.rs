@@ -1,7 +1,6 @@
 //! Two saves into one location at once, neither asking to overwrite: exactly one commits, the
 //! other fails with `AlreadyExists` on all its ranks, and the location holds the winner whole.
 
-
 use std::sync::{Arc, Barrier};
 
 use crate::common::*;

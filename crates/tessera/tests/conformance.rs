@@ -7,7 +7,6 @@
 //! here and not in the library's suite, which depends on the storage module only). Read-only
 //! views run [`conformance::run_read_only`] over the objects they show.
 
-
 use std::path::Path;
 
 use crate::common::*;

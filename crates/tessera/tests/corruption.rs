@@ -2,7 +2,6 @@
 //! files and in the index, truncated and missing files, a missing index, a future format
 //! version, an empty or absent directory, an index naming a path outside the checkpoint.
 
-
 use std::collections::BTreeMap;
 use std::path::Path;
 

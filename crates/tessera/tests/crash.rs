@@ -20,7 +20,6 @@
 //! (a line per instant). `scripts/ci/crash_test.sh` runs it in release with 500 instants.
 #![cfg(unix)]
 
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::ops::Range;

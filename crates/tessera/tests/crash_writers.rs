@@ -21,7 +21,6 @@
 //! `TESSERA_CRASH_INSTANTS` (default 30), `TESSERA_CRASH_SEED`, `TESSERA_CRASH_VERBOSE`.
 #![cfg(unix)]
 
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::os::unix::process::ExitStatusExt;

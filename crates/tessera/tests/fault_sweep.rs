@@ -17,7 +17,6 @@
 //! Each test prints its size (cases and outcomes); README.md reports them.
 //! `TESSERA_SWEEP_VERBOSE=1` prints every case.
 
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -3,7 +3,6 @@
 //! `NAME.expected.safetensors`, its non-tensor values match `NAME.expected.json`, resharded
 //! loads return the right slices, and damaged files give errors, never panics.
 
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -500,7 +499,8 @@ fn foreign_checkpoints_load_from_an_object_store() {
         let local = LocalStorage::new(fixtures().join(name));
         for rel in local.list_recursive().unwrap() {
             let body = std::fs::read(fixtures().join(name).join(&rel)).unwrap();
-            let code = crate::common::s3::http(crate::common::s3::endpoint(), "PUT", &format!("/{prefix}/{rel}"), &body);
+            let code =
+                crate::common::s3::http(crate::common::s3::endpoint(), "PUT", &format!("/{prefix}/{rel}"), &body);
             assert_eq!(code, 200, "uploading {rel}");
         }
         let store = tessera::storage::ObjectStorage::open(&url, crate::common::s3::test_options()).unwrap();

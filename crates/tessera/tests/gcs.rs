@@ -4,7 +4,6 @@
 //! `object_store`'s with more parts than one compose takes), and a checkpoint saved, loaded and
 //! verified through it.
 
-
 use std::sync::Arc;
 
 use crate::common::{f32_bytes, f32s, gcs, run_ranks, shard, small_blocks};

@@ -12,7 +12,6 @@
 //! cargo test -p tessera --test integration -- --ignored golden::regenerate_golden_v2
 //! ```
 
-
 use std::collections::BTreeMap;
 
 use crate::common::*;

@@ -3,7 +3,6 @@
 //! wrap, chunks outside their tensor or file, in the native format and in foreign ones (OLMo-
 //! core's `metadata.json`). `verify` reports each defect and never calls such a checkpoint sound.
 
-
 use std::ops::Range;
 
 use crate::common::files::copy_dir;

@@ -3,7 +3,6 @@
 //! temporary name; a conversion into a directory that holds a committed checkpoint of any format
 //! (native, DCP, Megatron torch_dist and zarr, OLMo-core) without overwrite.
 
-
 use std::path::{Path, PathBuf};
 
 use crate::common::files::{copy_dir, snapshot};

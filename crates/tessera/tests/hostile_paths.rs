@@ -4,7 +4,6 @@
 //! export, each format) must refuse them with `Error::Corrupt` naming the entry, never read
 //! through them, never hang, and `verify` must never call such a checkpoint sound.
 
-
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;

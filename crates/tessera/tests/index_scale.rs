@@ -4,7 +4,6 @@
 //! tensor's records fails exactly the readers of that tensor.
 //! No timing assertions: speed is measured by the CLI's bench, not by tests.
 
-
 use std::collections::BTreeSet;
 
 use crate::common::*;

@@ -3,7 +3,6 @@
 //! committed checkpoint is never overwritten unless asked, and an overwrite leaves only the
 //! new checkpoint's files.
 
-
 use std::ops::Range;
 
 use crate::common::*;

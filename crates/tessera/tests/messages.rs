@@ -5,7 +5,6 @@
 //! of another dtype or shape (the message names no option of any one API); exporting into a
 //! directory.
 
-
 use crate::common::{f32_bytes, TempDir};
 use tessera::comm::SoloComm;
 use tessera::index::FormatRecord;

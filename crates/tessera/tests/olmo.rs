@@ -4,7 +4,6 @@
 //! optimizer fields decoded; tessera's own writer produces checkpoints the reader (and, in
 //! `scripts/interop/olmo_interop.sh`, OLMo-core) loads; damaged metadata is a clear error.
 
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -491,7 +490,8 @@ fn olmo_checkpoints_load_from_an_object_store() {
         let local = LocalStorage::new(fixtures().join(name));
         for rel in local.list_recursive().unwrap() {
             let body = std::fs::read(fixtures().join(name).join(&rel)).unwrap();
-            let code = crate::common::s3::http(crate::common::s3::endpoint(), "PUT", &format!("/{prefix}/{rel}"), &body);
+            let code =
+                crate::common::s3::http(crate::common::s3::endpoint(), "PUT", &format!("/{prefix}/{rel}"), &body);
             assert_eq!(code, 200, "uploading {rel}");
         }
         let store = tessera::storage::ObjectStorage::open(&url, crate::common::s3::test_options()).unwrap();

@@ -3,7 +3,6 @@
 //! normal load, the group must read each needed byte exactly once, and a failure on any rank
 //! must fail every rank instead of leaving one waiting.
 
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

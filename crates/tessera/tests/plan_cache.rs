@@ -3,7 +3,6 @@
 //! rank's structure, of the options, of which save the caches come from — falls back to full
 //! planning on every rank alike.
 
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 

@@ -6,7 +6,6 @@
 //! Reproduce a failing seed with `TESSERA_SEED=<seed> cargo test -p tessera --test integration property::`;
 //! run more seeds with `TESSERA_SEEDS=<count>`.
 
-
 use std::collections::BTreeMap;
 use std::ops::Range;
 

@@ -3,7 +3,6 @@
 //! plain loads, shape mismatch, prepended axes, narrow dtypes, empty and scalar tensors,
 //! garbage collection, read amplification, the strategy registry and the safetensors files.
 
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

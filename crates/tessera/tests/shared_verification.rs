@@ -6,7 +6,6 @@
 //!
 //! The checkpoints are directories treated as not local, as on a network filesystem.
 
-
 use crate::common::*;
 use tessera::storage::*;
 use tessera::*;

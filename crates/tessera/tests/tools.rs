@@ -4,7 +4,6 @@
 //! and diff (equal, values with and without tolerance, keys on one side, shapes, dtypes, common
 //! state, objects, content metadata).
 
-
 use std::collections::BTreeMap;
 use std::path::Path;
 
