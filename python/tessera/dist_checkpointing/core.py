@@ -76,10 +76,10 @@ COMMON_STATE_FNAME = "common.pt"
 
 def local_dir(checkpoint_dir: PathLike) -> Optional[str]:
     """The local filesystem path of a location (plain path or ``file://``), None for others."""
-    location = checkpoint_dir if isinstance(checkpoint_dir, _native.Location) else location_url(checkpoint_dir)
-    if not isinstance(location, _native.Location):
-        location = _native.Location(location)
-    return location.local_dir
+    # The core's location parser decides (plain path, file://, or a URL).
+    if isinstance(checkpoint_dir, _native.Location):
+        return checkpoint_dir.local_dir
+    return _native.Location(location_url(checkpoint_dir)).local_dir
 
 
 def _megatron_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
