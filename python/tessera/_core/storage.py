@@ -35,6 +35,14 @@ def split_location(location: Any, storage_options: StorageOptions = None) -> Tup
     return os.fspath(location), storage_options
 
 
+def local_dir(location: Any) -> Optional[str]:
+    """The local directory of ``location`` (a path, ``file://…``, or a :class:`tessera.Location`),
+    None for other locations (object stores, ``mem://``): the core's location parser decides."""
+    if isinstance(location, _native.Location):
+        return location.local_dir
+    return _native.Location(os.fspath(location)).local_dir
+
+
 def location_url(location: Any) -> str:
     """The path or URL of ``location`` (a string, a path, or a :class:`tessera.Location`)."""
     if isinstance(location, _native.Location):

@@ -20,7 +20,7 @@ from .. import _native
 # One base class for every error of the package, native or Python: catching
 # CheckpointingException also catches what the Rust core raises (NotFoundError, ...).
 from ..errors import TesseraError as CheckpointingException
-from .._core.storage import location_url, native_location
+from .._core.storage import local_dir, native_location
 
 __all__ = [
     "CheckpointingException",
@@ -72,14 +72,6 @@ CONFIG_FNAME = MEGATRON_CONFIG_FNAME
 #: The file of a Megatron checkpoint's common state (``torch.save`` of it), beside metadata.json;
 #: Megatron's ``strategies.common`` names it too.
 COMMON_STATE_FNAME = "common.pt"
-
-
-def local_dir(checkpoint_dir: PathLike) -> Optional[str]:
-    """The local filesystem path of a location (plain path or ``file://``), None for others."""
-    # The core's location parser decides (plain path, file://, or a URL).
-    if isinstance(checkpoint_dir, _native.Location):
-        return checkpoint_dir.local_dir
-    return _native.Location(location_url(checkpoint_dir)).local_dir
 
 
 def _megatron_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:

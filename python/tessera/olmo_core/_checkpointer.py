@@ -14,7 +14,7 @@ import torch
 
 from .. import _native
 from .._core import io
-from .._core.storage import StorageOptions, native_location, split_location
+from .._core.storage import StorageOptions, local_dir, native_location, split_location
 from .._core.descriptors import load_tensor, save_tensor
 from .._core.layout import cpu_contiguous, is_dtensor, layout
 from ._metadata import StorageMetadata
@@ -118,12 +118,15 @@ def files_created(d: str, report: Dict[str, Any]) -> List["PathOrStr"]:
 
 
 def _normalize(dir: PathOrStr) -> str:
+    """A local directory as a plain path (``file://`` dropped), any other location as given;
+    without a trailing ``/``."""
     d = str(dir).rstrip("/")
-    return d[len("file://"):] if d.startswith("file://") else d
+    local = local_dir(d)
+    return d if local is None else local
 
 
 def _is_url(d: str) -> bool:
-    return "://" in d
+    return local_dir(d) is None
 
 
 def _load_pieces(
