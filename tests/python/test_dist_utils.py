@@ -454,6 +454,12 @@ def test_maybe_load_config_from_detect(fake_native):
     fake_native["/zarr"] = fmt("zarr", 1, is_megatron=True)
     assert maybe_load_config("/ckpt") == CheckpointingConfig("tessera", 1, "tessera", 1)
     assert maybe_load_config("/zarr") == CheckpointingConfig("zarr", 1, "torch", 1)
+    # A torch_dist checkpoint whose metadata.json is not readable here keeps Megatron's torch
+    # common state; a plain DCP one names its own backend for both.
+    fake_native["/dist"] = fmt("torch_dist", 1, is_dcp=True, is_megatron=True)
+    fake_native["/dcp"] = fmt("torch_dcp", 1, is_dcp=True)
+    assert maybe_load_config("/dist") == CheckpointingConfig("torch_dist", 1, "torch", 1)
+    assert maybe_load_config("/dcp") == CheckpointingConfig("torch_dcp", 1, "torch_dcp", 1)
     assert maybe_load_config("/empty") is None
     assert maybe_load_config("/missing") is None
     assert check_is_distributed_checkpoint("/ckpt") is True

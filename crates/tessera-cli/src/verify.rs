@@ -12,7 +12,9 @@ use crate::location::Location;
 /// other saves are listed but are not a defect.
 pub fn run(dir: &Location, json: bool) -> Result<u8> {
     let fail = |e: anyhow::Error| {
-        let message = crate::location::explain_missing(&e, &[dir.to_string()]).unwrap_or_else(|| format!("{e:#}"));
+        // The library's errors name the location as opened (a URL unredacted), not as shown.
+        let opened = dir.url().map_or_else(|| dir.to_string(), str::to_string);
+        let message = crate::location::explain_missing(&e, &[opened]).unwrap_or_else(|| format!("{e:#}"));
         if json {
             println!("{}", json!({ "location": dir.to_string(), "sound": false, "error": message }));
         } else {

@@ -16,6 +16,8 @@ use tessera::Storage;
 pub struct Location {
     /// As given, for pickling and `url`.
     url: String,
+    /// The storage options as given (a local path keeps them too, and ignores them).
+    options: BTreeMap<String, String>,
     /// Parsed, with its options.
     location: tessera::storage::Location,
 }
@@ -32,7 +34,7 @@ impl Location {
             options.push((k, v.str()?.to_string()));
         }
         let location = tessera::storage::Location::parse(&url).with_options(&options);
-        Ok(Location { url, location })
+        Ok(Location { url, options: options.into_iter().collect(), location })
     }
 
     /// Pickles as `Location(url, storage_options)` (to spawned ranks, say).
@@ -46,10 +48,10 @@ impl Location {
         &self.url
     }
 
-    /// The storage options, as given (none for a local path or `mem://`).
+    /// The storage options, as given.
     #[getter]
     fn storage_options(&self) -> BTreeMap<String, String> {
-        self.location.options().iter().cloned().collect()
+        self.options.clone()
     }
 
     /// The local directory (a plain path or `file://`), or None for other locations.
@@ -61,7 +63,7 @@ impl Location {
     fn __repr__(&self) -> String {
         // The location as the library shows it (no password, no query) and option keys only:
         // option values may be secrets.
-        let keys: Vec<&str> = self.location.options().iter().map(|(k, _)| k.as_str()).collect();
+        let keys: Vec<&str> = self.options.keys().map(String::as_str).collect();
         format!("Location({:?}, storage_options keys {keys:?})", self.location.to_string())
     }
 }

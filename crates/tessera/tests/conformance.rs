@@ -90,7 +90,7 @@ fn counting_storage_conforms() {
     assert_eq!(CountingStorage::new(&local).is_local(), local.is_local());
 }
 
-/// A plain safetensors file opened as a checkpoint (`open_location` of `….safetensors`): a
+/// A plain safetensors file opened as a checkpoint (`Location::open` of `….safetensors`): a
 /// read-only view of that one file.
 #[test]
 fn a_file_opened_as_a_location_conforms_read_only() {
@@ -139,7 +139,7 @@ fn foreign_format_views_conform_read_only() {
 }
 
 #[test]
-fn open_location_picks_the_backend() {
+fn a_location_string_opens_the_backend_it_names() {
     let mem = tessera::storage::Location::parse("mem://conformance-open-location").open().unwrap();
     conforms(mem.as_ref());
     let dir = TempDir::new("open-location");

@@ -25,7 +25,7 @@ use std::io::Write;
 use std::ops::Range;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use crate::common::*;
@@ -785,9 +785,7 @@ impl ChildRun {
 /// after it is ready (process started, before its first save).
 fn run_child(root: &Path, mode: Mode, steps: u64, kill_after: Option<Duration>) -> ChildRun {
     use std::io::{BufRead, Read};
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .arg(crate::common::test_path(module_path!(), "crash_child"))
-        .args(["--exact", "--nocapture", "--include-ignored", "--test-threads=1"])
+    let mut child = crate::common::rerun_alone(&crate::common::test_path(module_path!(), "crash_child"))
         .env(ROOT_ENV, root)
         .env(MODE_ENV, mode.name())
         .env(FIRST_ENV, "1")

@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use crate::common::*;
@@ -344,9 +344,7 @@ fn run_child(
     kill_after: Option<Duration>,
 ) -> (std::process::ExitStatus, String, Duration) {
     use std::io::{BufRead, Read};
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .arg(crate::common::test_path(module_path!(), "crash_writers_child"))
-        .args(["--exact", "--nocapture", "--include-ignored", "--test-threads=1"])
+    let mut child = crate::common::rerun_alone(&crate::common::test_path(module_path!(), "crash_writers_child"))
         .env(ROOT_ENV, root)
         .env(MODE_ENV, mode.name())
         .env(STEPS_ENV, steps.to_string())

@@ -647,7 +647,7 @@ fn request_counts_agree_with_what_went_over_the_wire() {
     assert_eq!(c.n(Kind::AbortUpload), 0);
 }
 
-/// `s3://` locations opened by name (`open_location`, as the Python package and the CLI do)
+/// `s3://` locations opened by name (`storage::Location`, as the Python package and the CLI do)
 /// take their endpoint and `AWS_ALLOW_HTTP` from the environment.
 #[test]
 fn an_s3_url_is_configured_from_the_aws_environment() {
@@ -656,7 +656,7 @@ fn an_s3_url_is_configured_from_the_aws_environment() {
     }
     let _serial = serial();
     let endpoint = s3::endpoint();
-    // Every test of this binary holds the lock: nothing else reads the environment meanwhile.
+    // This test runs alone in its own process (above): nothing else reads the environment.
     std::env::set_var("AWS_ENDPOINT_URL", endpoint);
     std::env::set_var("AWS_ALLOW_HTTP", "true");
     let url = s3::fresh_url("env");

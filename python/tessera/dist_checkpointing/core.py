@@ -99,8 +99,9 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
         config = _megatron_config(checkpoint_dir)
         if config is not None:
             return config
-    if detected.is_dcp:
-        # Non-tensor values are byte items of the same DCP checkpoint.
+    if detected.is_dcp and not detected.is_megatron:
+        # Non-tensor values are byte items of the same DCP checkpoint (torch_dist keeps
+        # Megatron's torch-pickled common state: below).
         return CheckpointingConfig(
             sharded_backend=backend,
             sharded_backend_version=version,

@@ -124,7 +124,10 @@ impl Location {
         let place = match &self.place {
             Place::Local(p) => Place::Local(p.join(name)),
             Place::Memory(m) => Place::Memory(format!("{}/{name}", m.trim_end_matches('/'))),
-            Place::Url(u) => Place::Url(format!("{u}/{name}")),
+            Place::Url(u) => Place::Url(match u.split_once('?') {
+                Some((base, query)) => format!("{}/{name}?{query}", base.trim_end_matches('/')),
+                None => format!("{u}/{name}"),
+            }),
         };
         Location { place, options: self.options.clone() }
     }
@@ -169,9 +172,11 @@ fn redacted(url: &str) -> String {
     };
     let Some((scheme, rest)) = url.split_once("://") else { return format!("{url}{query}") };
     let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    // `user:password@host`: the password goes; a bare `name@host` (Azure's
+    // `container@account…`) holds none.
     let authority = match authority.rsplit_once('@') {
-        Some((user, host)) => format!("{}:…@{host}", user.split(':').next().unwrap_or("")),
-        None => authority.to_string(),
+        Some((user, host)) if user.contains(':') => format!("{}:…@{host}", user.split(':').next().unwrap_or("")),
+        _ => authority.to_string(),
     };
     format!("{scheme}://{authority}{path}{query}")
 }
@@ -298,6 +303,11 @@ mod tests {
         assert!(Location::parse("/tmp/x").with_options(&opts).options().is_empty());
         assert_eq!(Location::parse("https://u:pw@host/c?sv=1&sig=s").to_string(), "https://u:…@host/c?…");
         assert_eq!(Location::parse("s3://b/p").to_string(), "s3://b/p");
+        assert_eq!(
+            Location::parse("abfss://c@acc.dfs.core.windows.net/p").to_string(),
+            "abfss://c@acc.dfs.core.windows.net/p"
+        );
+        assert_eq!(Location::parse("https://h/c?sv=1").join("x").url(), Some("https://h/c/x?sv=1"));
         assert_eq!(parse_option("k=v=w").unwrap(), ("k".into(), "v=w".into()));
         assert!(parse_option("=v").is_err());
     }

@@ -474,6 +474,15 @@ pub fn test_path(module: &str, name: &str) -> String {
     }
 }
 
+/// A command that runs the test `path` (see [`test_path`]) of this test binary alone in a child
+/// process: exactly that test, ignored or not, its output not captured, on one thread. The
+/// callers add what the child needs (environment, pipes).
+pub fn rerun_alone(path: &str) -> std::process::Command {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([path, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"]);
+    cmd
+}
+
 /// For a test that changes the process environment (`std::env::set_var`), which every other
 /// test of this binary reads from its own threads: runs the test `name` of `module` alone in a
 /// child process of this binary and checks that it ran and passed. Returns `true` in that
@@ -484,12 +493,7 @@ pub fn in_own_process(module: &str, name: &str) -> bool {
     if std::env::var(MARK).is_ok_and(|v| v == path) {
         return true;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([path.as_str(), "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
-        .env(MARK, &path)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
+    let out = rerun_alone(&path).env(MARK, &path).stdin(std::process::Stdio::null()).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && stdout.contains("test result: ok. 1 passed"),

@@ -5,7 +5,7 @@
 //! counts in it the parent's peak, whose memory the child ran in until it called `exec`.
 
 use std::ffi::OsStr;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 /// The line a child prints its peak RSS on (in bytes).
 const MARK: &str = "TESSERA_TEST_PEAK_RSS=";
@@ -14,9 +14,8 @@ const MARK: &str = "TESSERA_TEST_PEAK_RSS=";
 /// process with the variables `env` set; checks that it passed and returns the peak RSS it
 /// reported with [`report_peak_rss`], in bytes.
 pub fn child_peak_rss(test: &str, env: &[(&str, &OsStr)]) -> u64 {
-    let exe = std::env::current_exe().unwrap();
-    let mut cmd = Command::new(exe);
-    cmd.args([test, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"]).stdin(Stdio::null());
+    let mut cmd = super::rerun_alone(test);
+    cmd.stdin(Stdio::null());
     for (k, v) in env {
         cmd.env(k, v);
     }
