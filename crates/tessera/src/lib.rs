@@ -68,6 +68,7 @@ mod error;
 mod format;
 mod formats;
 mod load;
+pub mod memory_tier;
 mod model;
 mod plan;
 mod save;

@@ -26,6 +26,7 @@ mod hostile_paths;
 mod hostile_shapes;
 mod index_scale;
 mod invalid;
+mod memory_tier;
 mod messages;
 mod object_store;
 mod olmo;

@@ -7,6 +7,7 @@ pub mod data_file;
 pub(crate) mod index;
 pub(crate) mod lease;
 pub(crate) mod safetensors;
+pub(crate) mod tier_manifest;
 
 pub use crate::model::crcs::Crcs;
 pub(crate) use data_file::{data_file_name, is_data_file_name, parse_data_file_name};

@@ -8,6 +8,7 @@ pub mod exchange;
 pub(crate) mod fasthash;
 pub mod geometry;
 pub mod load;
+pub mod placement;
 pub mod save;
 pub mod shared;
 pub mod validate;
