@@ -296,3 +296,227 @@ fn a_fresh_start_restores_nothing() {
         assert!(mgr.restore(StateTree::map().with("w", StateTree::Tensor(t)), comm).unwrap().is_none());
     });
 }
+
+/// A communicator that fails its `n`-th collective on one rank (that rank does not join it; its
+/// peers time out), as a lost peer or a broken link does.
+struct FailingComm {
+    inner: InProcessComm,
+    countdown: std::sync::atomic::AtomicI64,
+    /// While set, collectives wait: the test changes the files between the staging of a save
+    /// and its background commit.
+    hold: std::sync::atomic::AtomicBool,
+}
+
+impl FailingComm {
+    fn new(inner: InProcessComm) -> Arc<FailingComm> {
+        Arc::new(FailingComm { inner, countdown: i64::MAX.into(), hold: false.into() })
+    }
+
+    fn tick(&self) -> tessera::Result<()> {
+        while self.hold.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        if self.countdown.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            return Err(tessera::Error::Comm { reason: "injected: collective failed".into() });
+        }
+        Ok(())
+    }
+}
+
+impl Communicator for FailingComm {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather(&self, data: &[u8]) -> tessera::Result<Vec<Vec<u8>>> {
+        self.tick()?;
+        self.inner.all_gather(data)
+    }
+    fn broadcast(&self, data: &[u8], root: usize) -> tessera::Result<Vec<u8>> {
+        self.tick()?;
+        self.inner.broadcast(data, root)
+    }
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> tessera::Result<Vec<Vec<u8>>> {
+        self.tick()?;
+        self.inner.all_to_all(send)
+    }
+}
+
+const SMALL: usize = 4;
+
+fn small_opts(dir: &Path, rank: usize) -> ManagerOptions {
+    ManagerOptions {
+        memory: Some(
+            MemoryTier::new(dir.join(format!("node{rank}")))
+                .node(format!("node{rank}"))
+                .redundancy(2, 1)
+                .chunk_bytes(1024),
+        ),
+        persistent: Some(Location::local(dir.join("persistent"))),
+        persist_every: 0,
+        ..ManagerOptions::default()
+    }
+}
+
+fn small_bytes(step: u64, rank: usize) -> Vec<u8> {
+    (0..(500 + rank * 71)).map(|i| (i as u64 * 13 + step * 7 + rank as u64) as u8).collect()
+}
+
+fn small_state(rank: usize, w: &mut [u8]) -> StateTree<'_> {
+    let key = format!("w{rank}");
+    let n = w.len() as u64;
+    StateTree::map()
+        .with(&key, StateTree::Tensor(ShardedTensor::full(key.clone(), DType::U8, &[n], TensorData::Mut(w))))
+}
+
+/// Saves step 1, then step 2 with the background communicator failing its `fail_at`-th
+/// collective (counted from step 2's start) on `fail_rank`; returns each rank's verdict of
+/// step 2.
+fn save_with_fault(dir: &Path, fail_rank: usize, fail_at: i64) -> Vec<tessera::Result<()>> {
+    let bg = InProcessComm::group_with_timeout(SMALL, std::time::Duration::from_millis(500));
+    let bg: Vec<Arc<FailingComm>> = bg.into_iter().map(FailingComm::new).collect();
+    run_ranks(SMALL, |comm| {
+        let rank = comm.rank();
+        let mut mgr = CheckpointManager::new(small_opts(dir, rank), bg[rank].clone()).unwrap();
+        let mut w = small_bytes(1, rank);
+        mgr.save(1, small_state(rank, &mut w), comm).unwrap();
+        mgr.wait().unwrap();
+        comm.barrier().unwrap();
+        if rank == fail_rank {
+            bg[rank].countdown.store(fail_at, std::sync::atomic::Ordering::SeqCst);
+        }
+        let mut w = small_bytes(2, rank);
+        mgr.save(2, small_state(rank, &mut w), comm).unwrap();
+        mgr.wait()
+    })
+}
+
+fn restore_small(dir: &Path) -> Vec<(u64, Tier)> {
+    let bg = InProcessComm::group(SMALL);
+    run_ranks(SMALL, |comm| {
+        let rank = comm.rank();
+        let mut mgr = CheckpointManager::new(small_opts(dir, rank), Arc::new(bg[rank].clone())).unwrap();
+        let mut w = vec![0u8; small_bytes(0, rank).len()];
+        let r = mgr.restore(small_state(rank, &mut w), comm).unwrap().expect("a step");
+        let got = (r.step, r.tier);
+        if !r.notes.is_empty() {
+            eprintln!("rank {rank}: {:?}", r.notes);
+        }
+        drop(r);
+        assert_eq!(w, small_bytes(got.0, rank), "rank {rank} restored step {} wrong", got.0);
+        got
+    })
+}
+
+fn markers(dir: &Path, step: u64) -> usize {
+    (0..SMALL)
+        .flat_map(|n| std::fs::read_dir(dir.join(format!("node{n}/step-{step:012}"))).into_iter().flatten())
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("commit-") && e.path().is_file())
+        .count()
+}
+
+/// Every collective of a memory-tier commit failing, on each rank in turn: the step is either
+/// committed whole (every shard written: it restores bit-exact) or committed nowhere (the
+/// previous step restores); never a marker beside a missing shard.
+#[test]
+fn a_failed_collective_at_any_point_of_a_commit_never_leaves_a_half_step() {
+    // Count the collectives of one step's commit: phase 1, one per round, the verdict.
+    let probe = TempDir::created("memtier-probe");
+    let verdicts = save_with_fault(probe.path(), 0, i64::MAX);
+    assert!(verdicts.iter().all(|v| v.is_ok()));
+    // Each copy is a data file plus an index; a round streams 1 KiB of the longest.
+    let copy = |r: usize| {
+        std::fs::read_dir(probe.join(&format!("node{r}/step-000000000002/rank-{r:06}")))
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .sum::<u64>()
+    };
+    let longest = (0..SMALL).map(copy).max().unwrap();
+    assert!(longest > 1024, "{longest}");
+    let collectives = 1 + longest.div_ceil(1024) as i64 + 1;
+    let mut committed = 0;
+    for fail_at in 0..collectives {
+        let fail_rank = fail_at as usize % SMALL;
+        let d = TempDir::created("memtier-fault");
+        let verdicts = save_with_fault(d.path(), fail_rank, fail_at);
+        assert!(verdicts[fail_rank].is_err(), "collective {fail_at} on rank {fail_rank} did not fail");
+        let n = markers(d.path(), 2);
+        let restored = restore_small(d.path());
+        let want = if n > 0 { 2 } else { 1 };
+        committed += usize::from(n > 0);
+        assert!(restored.iter().all(|r| *r == (want, Tier::Memory)), "fault at {fail_at}: {restored:?}, {n} markers");
+    }
+    // Only a failure in the last collective (the verdict, after every shard is written) can
+    // leave markers, and only on the ranks that saw every verdict.
+    assert!(committed <= 1, "{committed} faults left a committed step");
+}
+
+/// A storage failure at each write of a memory-tier save (the copy's directory, its files, a
+/// parity shard, a marker), on one rank: the step is committed nowhere, or (the marker, written
+/// last) committed where the others wrote theirs, and the newest complete step restores.
+#[test]
+fn a_failed_write_at_any_point_of_a_memory_save_leaves_the_last_step_loadable() {
+    // Each case blocks one path of step 2 with a directory (or a file) where the
+    // save must write, as a full or read-only filesystem would fail it.
+    let cases: [(&str, &str, u64); 4] = [
+        ("the step directory", "node1/step-000000000002", 1),
+        ("the copy's directory", "node1/step-000000000002/rank-000001", 1),
+        // Groups {0, 1} and {2, 3}: node 0 holds the second group's parity.
+        ("a parity shard", "node0/step-000000000002/parity-g000001-p000.bin", 1),
+        ("the marker", "node1/step-000000000002/commit-r000001.json", 2),
+    ];
+    for (what, blocked, want) in cases {
+        let d = TempDir::created("memtier-writefault");
+        let bg: Vec<Arc<FailingComm>> = InProcessComm::group(SMALL).into_iter().map(FailingComm::new).collect();
+        let verdicts = run_ranks(SMALL, |comm| {
+            let rank = comm.rank();
+            let mut mgr = CheckpointManager::new(small_opts(d.path(), rank), bg[rank].clone()).unwrap();
+            let mut w = small_bytes(1, rank);
+            mgr.save(1, small_state(rank, &mut w), comm).unwrap();
+            mgr.wait().unwrap();
+            comm.barrier().unwrap();
+            // Paths the staging makes are blocked before it; the others (parity, marker) after
+            // it, before the background commit runs.
+            let early = !blocked.contains(".bin") && !blocked.contains("commit-");
+            let block = || {
+                let p = d.join(blocked);
+                if !blocked.contains(".") {
+                    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+                    std::fs::write(&p, b"not a directory").unwrap();
+                } else {
+                    std::fs::create_dir_all(p.join("blocked")).unwrap();
+                }
+            };
+            bg[rank].hold.store(true, std::sync::atomic::Ordering::SeqCst);
+            if early && rank == 1 {
+                block();
+            }
+            comm.barrier().unwrap();
+            let mut w = small_bytes(2, rank);
+            let staged = mgr.save(2, small_state(rank, &mut w), comm);
+            comm.barrier().unwrap();
+            if !early && rank == 0 {
+                block();
+            }
+            comm.barrier().unwrap();
+            bg[rank].hold.store(false, std::sync::atomic::Ordering::SeqCst);
+            (staged.is_ok(), mgr.wait())
+        });
+        assert!(verdicts.iter().any(|(s, v)| !s || v.is_err()), "{what}: no rank saw the failure");
+        // The marker case: every shard was written, the other ranks committed.
+        assert_eq!(markers(d.path(), 2) > 0, want == 2, "{what}");
+        // Unblock, so that a restore's rebuild may write there, and restore.
+        let p = d.join(blocked);
+        if p.is_dir() {
+            std::fs::remove_dir_all(&p).unwrap();
+        } else {
+            std::fs::remove_file(&p).unwrap();
+        }
+        for r in restore_small(d.path()) {
+            assert_eq!(r, (want, Tier::Memory), "{what}");
+        }
+    }
+}

@@ -28,9 +28,16 @@ pub(crate) struct Written {
     pub layout: u32,
 }
 
-/// Commits a step of the memory tier (see the module docs). Returns the manifest every rank
-/// wrote, or the first failure of any rank (then no rank wrote one).
-pub(crate) fn commit_step(tier: &MemoryTier, node: &str, w: Written, comm: &dyn Communicator) -> Result<TierManifest> {
+/// Commits a step of the memory tier (see the module docs). Returns the manifest and whether
+/// this rank wrote it (its marker; the step is complete once every rank's verdict was success,
+/// so a failed marker loses one node's proof of it, not the step); or the first failure of any
+/// rank, the same on every rank, when no rank wrote a marker.
+pub(crate) fn commit_step(
+    tier: &MemoryTier,
+    node: &str,
+    w: Written,
+    comm: &dyn Communicator,
+) -> Result<(TierManifest, Result<()>)> {
     let me = comm.rank();
     let world = comm.world_size();
     let step_dir = tier.step_dir(w.step);
@@ -126,8 +133,8 @@ pub(crate) fn commit_step(tier: &MemoryTier, node: &str, w: Written, comm: &dyn 
             *slot = u32::try_from(c).map_err(|_| bad())?;
         }
     }
-    LocalStorage::new(&step_dir).put_atomic(&marker_name(me), &manifest.encode())?;
-    Ok(manifest)
+    let marker = LocalStorage::new(&step_dir).put_atomic(&marker_name(me), &manifest.encode());
+    Ok((manifest, marker))
 }
 
 /// Bytes of shard chunk `t` for a shard of `shard_len` bytes in chunks of `chunk`, or `None`

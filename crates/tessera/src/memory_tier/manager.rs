@@ -302,13 +302,14 @@ impl CheckpointManager {
                     Ok((pending, layout)) => (pending.finalize().map(|_| ()), layout),
                     Err(e) => (Err(e), 0),
                 };
-                let manifest = commit_step(&tier, &node, Written { step, copy, layout }, bg)?;
-                let mut result = Ok(());
+                let (manifest, mut result) = commit_step(&tier, &node, Written { step, copy, layout }, bg)?;
                 if let Some(loc) = persistent {
-                    result = drain(&tier, step, &loc, bg);
-                    if result.is_ok() && bg.rank() == 0 {
-                        result = prune_persistent(&loc, keep_persistent);
-                    }
+                    let drained = drain(&tier, step, &loc, bg);
+                    let drained = match drained {
+                        Ok(()) if bg.rank() == 0 => prune_persistent(&loc, keep_persistent),
+                        other => other,
+                    };
+                    result = result.and(drained);
                 }
                 // One rank per node prunes the node's root.
                 if manifest.nodes.iter().position(|n| *n == node) == Some(bg.rank()) {
