@@ -44,6 +44,9 @@ bash scripts/ci/fuzz.sh ci
 .venv/bin/python -m mypy
 # Multi-process Rust over MPI (installs OpenMPI if missing): save under 4 ranks, load under 3 and 1.
 bash scripts/ci/mpi_example.sh
+# The memory tier across MPI processes: 8 ranks on 4 simulated nodes, nodes lost, ranks killed
+# with SIGKILL during a save and a drain, a new world size (about 1 min).
+bash scripts/ci/memory_tier_processes.sh
 # OLMo-core: round trips with ai2-olmo-core 0.1.0 itself, both ways (its own venv, torch 2.7.1).
 bash scripts/interop/olmo_interop.sh
 # OLMo-core 3.0 (its own venv, torch 2.13): a checkpoint it wrote, converted by tessera to its

@@ -129,7 +129,9 @@ impl Communicator for MpiComm {
             return Err(refused("all_gather", r));
         }
         let displs = displacements(&counts)?;
-        let mut buf = vec![0u8; counts.iter().map(|&c| c as usize).sum()];
+        let mut buf = distinct_buffer(counts.iter().map(|&c| c as usize).sum());
+        let empty = distinct_buffer(0);
+        let data = if data.is_empty() { &empty[..] } else { data };
         {
             let mut part = PartitionMut::new(&mut buf[..], &counts[..], &displs[..]);
             comm.all_gather_varcount_into(data, &mut part);
@@ -172,10 +174,13 @@ impl Communicator for MpiComm {
         if let Some(r) = recv_counts.iter().position(|&c| c < 0) {
             return Err(refused("all_to_all (one message per rank, each under 2 GiB)", r));
         }
-        let send_buf: Vec<u8> = send.concat();
+        let mut send_buf = distinct_buffer(0);
+        for m in &send {
+            send_buf.extend_from_slice(m);
+        }
         let send_displs = displacements(&send_counts)?;
         let recv_displs = displacements(&recv_counts)?;
-        let mut recv_buf = vec![0u8; recv_counts.iter().map(|&c| c as usize).sum()];
+        let mut recv_buf = distinct_buffer(recv_counts.iter().map(|&c| c as usize).sum());
         {
             let part_send = mpi::datatype::Partition::new(&send_buf[..], &send_counts[..], &send_displs[..]);
             let mut part_recv = PartitionMut::new(&mut recv_buf[..], &recv_counts[..], &recv_displs[..]);
@@ -183,4 +188,14 @@ impl Communicator for MpiComm {
         }
         Ok(split(&recv_buf, &recv_counts))
     }
+}
+
+/// A zeroed buffer of `len` bytes that owns an allocation even when empty. An empty `Vec`'s
+/// pointer is a dangling constant, the same for every empty `Vec`: OpenMPI refuses a collective
+/// whose send and receive buffers are the same address (`MPI_ERR_ARG`) even when both are
+/// empty, as they are for a rank that sends and receives nothing.
+fn distinct_buffer(len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len.max(1));
+    v.resize(len, 0);
+    v
 }
