@@ -250,6 +250,62 @@ class AsyncSave:
         """Waits; returns the report of :func:`save` or raises the save's error (same on every rank)."""
 
 @final
+class Restored:
+    """What :meth:`CheckpointManager.restore` gave back (the tensors were filled in place)."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def tier(self) -> str:
+        """``"memory"`` or ``"persistent"``."""
+    @property
+    def rebuilt_ranks(self) -> List[int]: ...
+    @property
+    def notes(self) -> List[str]: ...
+    @property
+    def loaded(self) -> List[bool]: ...
+    @property
+    def objects(self) -> List[Optional[bytes]]: ...
+    @property
+    def common(self) -> List[Tuple[Path, PlainValue]]: ...
+
+@final
+class CheckpointManager:
+    """Saves on a schedule to a memory tier (``memory_root``, RS(``data_shards``,
+    ``parity_shards``) parity across nodes) and a ``persistent`` location; restores the newest
+    complete step. ``background_comm`` runs the background collectives."""
+
+    def __new__(
+        cls,
+        *,
+        memory_root: Optional[str] = None,
+        node: Optional[str] = None,
+        data_shards: int = 4,
+        parity_shards: int = 1,
+        chunk_bytes: int = 8388608,
+        persistent: Optional[LocationLike] = None,
+        every: int = 1,
+        persist_every: int = 0,
+        keep_last_memory: int = 2,
+        keep_last_persistent: int = 3,
+        staging_bytes: int = 268435456,
+        background_comm: Optional[Communicator] = None,
+    ) -> "CheckpointManager": ...
+    def save(
+        self,
+        step: int,
+        tensors: Sequence[SaveTensor],
+        objects: Sequence[SaveObject],
+        common: Sequence[Tuple[Path, PlainValue]],
+        comm: Optional[Communicator] = None,
+    ) -> bool:
+        """Saves ``step`` if the policy says so; returns once the bytes are staged."""
+    def wait(self) -> None: ...
+    def restore(
+        self, tensors: Sequence[LoadTensor], objects: Sequence[LoadObject], comm: Optional[Communicator] = None
+    ) -> Optional[Restored]: ...
+
+@final
 class AsyncSaver:
     """Async saves through ``budget`` bytes of pre-faulted staging buffers, reused by every save.
 

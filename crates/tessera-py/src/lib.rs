@@ -11,6 +11,7 @@ mod comm;
 mod convert;
 mod errors;
 mod location;
+mod manager;
 mod plan_cache;
 mod torch_dist;
 
@@ -645,6 +646,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<async_save::AsyncSaver>()?;
     m.add_class::<async_save::AsyncSave>()?;
     m.add_class::<plan_cache::PlanCache>()?;
+    m.add_class::<manager::CheckpointManager>()?;
+    m.add_class::<manager::Restored>()?;
     errors::register(m)?;
     m.add("DTYPES", tessera::DType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
     m.add("FORMAT_VERSION", tessera::index::FORMAT_VERSION)?;

@@ -78,6 +78,14 @@ pub enum LocationArg {
 }
 
 impl LocationArg {
+    /// The library's location, with its options.
+    pub fn location(&self) -> tessera::storage::Location {
+        match self {
+            LocationArg::Configured(l) => l.location.clone(),
+            LocationArg::Plain(s) => tessera::storage::Location::parse(s),
+        }
+    }
+
     /// Opens the storage (the library's [`tessera::storage::Location`] parses it).
     pub fn open(&self) -> tessera::Result<Arc<dyn Storage>> {
         match self {

@@ -11,14 +11,14 @@ once, as torch DCP fills it).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 from .. import _native
 from .comm import TorchComm, default_comm
 from .layout import cpu_contiguous
 from .staging import AsyncSaver, default_saver
 
-__all__ = ["communicator", "common_values", "save", "saver_for", "on_host", "load", "SaveItem", "LoadItem"]
+__all__ = ["communicator", "common_values", "save", "saver_for", "on_host", "load", "restore", "SaveItem", "LoadItem"]
 
 #: A tensor to save (None: described without data) and how to describe it over host memory.
 SaveItem = Tuple[Any, Callable[[Any], _native.SaveTensor]]
@@ -152,6 +152,35 @@ def load(
     ``stored_dtypes`` gives an item a dtype other than its tensor's, the item is read into a
     host buffer of that dtype and cast into the tensor (``Tensor.copy_``, as DCP casts); its
     ``describe`` must then take the buffer's dtype."""
+
+    def run(described: List[Any]) -> Dict[str, Any]:
+        return cast(Dict[str, Any], _native.load(described, objects, location, comm, **native_kwargs))
+
+    return _into_targets(items, stored_dtypes, run)
+
+
+def restore(manager: Any, items: Sequence[LoadItem], comm: Optional[TorchComm]) -> Optional[Dict[str, Any]]:
+    """Restores the newest complete step of a native ``CheckpointManager`` into the items'
+    tensors, as :func:`load` fills them; None when no tier holds a step."""
+    restored: List[Any] = []
+
+    def run(described: List[Any]) -> Dict[str, Any]:
+        r = manager.restore(described, [], comm)
+        restored.append(r)
+        return {"loaded": list(r.loaded) if r is not None else None}
+
+    _into_targets(items, None, run)
+    r = restored[0]
+    if r is None:
+        return None
+    return {"step": r.step, "tier": r.tier, "rebuilt_ranks": list(r.rebuilt_ranks), "notes": list(r.notes), "common": r.common}
+
+
+def _into_targets(
+    items: Sequence[LoadItem], stored_dtypes: Optional[Sequence[Any]], run: Callable[[List[Any]], Dict[str, Any]]
+) -> Dict[str, Any]:
+    """Describes the items' targets (the caller's memory when the core can write it, a host
+    stand-in otherwise; tied items once), runs the native fill, copies stand-ins back."""
     described = []
     targets: List[Tuple[Any, Any]] = []
     slot_of: List[int] = []
@@ -173,7 +202,7 @@ def load(
         slot_of.append(len(targets))
         targets.append((t, buf))
         described.append(describe(buf))
-    result: Dict[str, Any] = _native.load(described, objects, location, comm, **native_kwargs)
+    result = run(described)
     loaded = result.get("loaded")
     if loaded is not None:
         import torch

@@ -32,6 +32,8 @@ __all__ = [
     "write_dcp_in_background",
     "in_background",
     "load",
+    "managed_save",
+    "managed_restore",
     "torch_key_error",
     "tensors_metadata",
     "unshard",
@@ -58,6 +60,12 @@ def save_request(state_dict: Dict[str, Any], comm: Any, rank: int, kind: str = "
     is kept as its ``torch.save`` bytes, so that it is written (and DCP loads it) as a tuple,
     as DCP's own save writes it; tessera's format stores it as a list."""
     tensors, values = _split(flatten_stateful(state_dict))
+    plain = to_plain if kind == "dcp" else _plain_with_tuples
+    common = io.common_values(comm, rank, [(to_native_path(p), v) for p, v in values], plain)
+    return _save_items(tensors, rank), common
+
+
+def _save_items(tensors: List[Tuple[Tuple[Seg, ...], torch.Tensor]], rank: int) -> List[io.SaveItem]:
     items: List[io.SaveItem] = []
     for path, t in tensors:
         local, shape, offset, replica = layout(t, rank)
@@ -66,9 +74,53 @@ def save_request(state_dict: Dict[str, Any], comm: Any, rank: int, kind: str = "
             return save_tensor(key, t.dtype, host.shape, shape, offset, replica_id=replica, data=host)
 
         items.append((local, describe))
-    plain = to_plain if kind == "dcp" else _plain_with_tuples
-    common = io.common_values(comm, rank, [(to_native_path(p), v) for p, v in values], plain)
-    return items, common
+    return items
+
+
+def managed_save(manager: Any, step: int, state_dict: Dict[str, Any], comm: Any, rank: int) -> bool:
+    """Saves ``state_dict`` as ``step`` through a native ``CheckpointManager`` if its policy says
+    so (collective). Each rank's copy in the memory tier holds its own plain values, so that an
+    in-place restore gives every rank its own back."""
+    tensors, values = _split(flatten_stateful(state_dict))
+    common = [(to_native_path(p), _plain_with_tuples(v)) for p, v in values]
+    described, keep_alive = io.on_host(_save_items(tensors, rank))
+    try:
+        return bool(manager.save(step, described, [], common, comm))
+    finally:
+        del keep_alive
+
+
+def managed_restore(manager: Any, state_dict: Dict[str, Any], comm: Any) -> Optional[Dict[str, Any]]:
+    """Restores the newest complete step of a native ``CheckpointManager`` into ``state_dict``
+    in place, as :func:`load` fills it (tensors in place, other values replaced, a top-level
+    ``Stateful`` given back what was restored); returns the step, the tier and the notes, or
+    None when no tier holds a step."""
+    flat = flatten_stateful(state_dict)
+    tensors, _ = _split(flat)
+    items: List[io.LoadItem] = []
+    for path, t in tensors:
+        local, shape, offset, _ = layout(t, 0)
+
+        def describe(buf: Any, key: str = dotted(path), shape: Any = shape, offset: Any = offset) -> Any:
+            return load_tensor(key, buf.dtype, buf.shape, shape, offset, data=buf)
+
+        items.append((local, describe, offset))
+    result = io.restore(manager, items, comm)
+    if result is None:
+        return None
+    saved: Dict[Tuple[Seg, ...], Any] = {}
+    for p, v in result["common"]:
+        saved.update(_saved_leaves(from_native_path(p), v))
+    missing: List[str] = []
+    for key in flat:
+        flat[key] = _replace_values(flat[key], (("k", key),), saved, missing)
+    for key, value in state_dict.items():
+        if is_stateful(value):
+            value.load_state_dict(flat[key])
+        else:
+            state_dict[key] = flat[key]
+    del result["common"]
+    return result
 
 
 def _plain_with_tuples(value: Any) -> Any:

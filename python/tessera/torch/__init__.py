@@ -45,8 +45,10 @@ from .._core import io, statedict
 from .._core.paths import dotted, from_native_path, set_path
 from .._core.storage import StorageOptions, location_url, native_location
 from .._core.values import from_plain, like_request, to_plain
+from .manager import CheckpointManager
 
 __all__ = [
+    "CheckpointManager",
     "save",
     "async_save",
     "load",

@@ -7,7 +7,7 @@
 use crate::error::{Error, Result};
 use crate::model::crc::crc32c;
 use crate::model::dtype::DType;
-use crate::model::{ReplicaId, ShardedObject, ShardedTensor, StateTree, TensorData, Value};
+use crate::model::{PathSeg, ReplicaId, ShardedObject, ShardedTensor, StatePath, StateTree, TensorData, Value};
 
 /// The common value of a rank's copy holding the layout.
 pub(crate) const LAYOUT_KEY: &str = "layout";
@@ -94,27 +94,71 @@ fn walk<'a>(tree: StateTree<'a>, parts: &mut Parts<'a>) -> Result<Value> {
     })
 }
 
-/// A checksum of the layout's shape and placements (common and local values left out): equal
-/// for two states one can be restored into the other in place.
+/// A checksum of the layout's tensors and object shards, in order, with their placements
+/// (key, dtype, global shape and offset, flat range, element count; the tree around them and
+/// its values left out): equal for two states one can be restored into the other in place.
 pub(crate) fn layout_crc(layout: &Value) -> u32 {
-    fn strip(v: &Value) -> Value {
-        match v {
-            Value::Map(entries) => match entries.as_slice() {
-                [(tag, _)] if tag == "value" || tag == "local" => node(tag, Value::Null),
-                [(tag, inner)] if tag == "map" || tag == "list" => node(tag, strip_children(inner)),
-                _ => v.clone(),
-            },
-            _ => v.clone(),
+    fn leaves(v: &Value, out: &mut Vec<serde_json::Value>) {
+        if let Value::Map(entries) = v {
+            if let [(tag, inner)] = entries.as_slice() {
+                match (tag.as_str(), inner) {
+                    ("tensor" | "object", _) => {
+                        // Where the bytes go, not how a save deduplicates them (replica ids) or
+                        // how a caller spelled the shape (prepended axes): a load's request
+                        // describes the same placement without those.
+                        let placement: Vec<serde_json::Value> =
+                            ["i", "key", "dtype", "global_shape", "global_offset", "flattened_range"]
+                                .iter()
+                                .map(|k| inner.get(k).map_or(serde_json::Value::Null, Value::to_json))
+                                .collect();
+                        let numel: Option<u64> = match inner.get("local_shape") {
+                            Some(Value::List(xs)) => xs.iter().try_fold(1u64, |a, x| match x {
+                                Value::Int(i) => a.checked_mul(*i as u64),
+                                _ => None,
+                            }),
+                            _ => None,
+                        };
+                        out.push(serde_json::json!([tag, placement, numel]));
+                    }
+                    ("map", Value::Map(children)) => children.iter().for_each(|(_, c)| leaves(c, out)),
+                    ("list", Value::List(children)) => children.iter().for_each(|c| leaves(c, out)),
+                    _ => {}
+                }
+            }
         }
     }
-    fn strip_children(v: &Value) -> Value {
-        match v {
-            Value::Map(entries) => Value::Map(entries.iter().map(|(k, c)| (k.clone(), strip(c))).collect()),
-            Value::List(items) => Value::List(items.iter().map(strip).collect()),
-            _ => v.clone(),
+    let mut out = Vec::new();
+    leaves(layout, &mut out);
+    crc32c(serde_json::Value::Array(out).to_string().as_bytes())
+}
+
+/// The common values of a layout, with their paths (what a load returns as common state).
+pub(crate) fn layout_values(layout: &Value) -> Vec<(StatePath, Value)> {
+    fn walk(v: &Value, path: &mut StatePath, out: &mut Vec<(StatePath, Value)>) {
+        let Value::Map(entries) = v else { return };
+        let [(tag, inner)] = entries.as_slice() else { return };
+        match (tag.as_str(), inner) {
+            ("value", v) => out.push((path.clone(), v.clone())),
+            ("map", Value::Map(children)) => {
+                for (k, c) in children {
+                    path.push(PathSeg::Key(k.clone()));
+                    walk(c, path, out);
+                    path.pop();
+                }
+            }
+            ("list", Value::List(children)) => {
+                for (i, c) in children.iter().enumerate() {
+                    path.push(PathSeg::Index(i as u64));
+                    walk(c, path, out);
+                    path.pop();
+                }
+            }
+            _ => {}
         }
     }
-    crc32c(strip(layout).to_json().to_string().as_bytes())
+    let mut out = Vec::new();
+    walk(layout, &mut Vec::new(), &mut out);
+    out
 }
 
 /// The checkpoint a rank saves into the memory tier: its tensors as 1-D tensors of their local
@@ -250,46 +294,41 @@ pub(crate) fn rebuild_global<'a>(
     })
 }
 
-/// The asked-for state filled in place: `asked` is the layout of the state the caller gave
-/// (its tensors, whose buffers now hold the restored bytes, are `tensors`), `stored` the layout
-/// the copy was saved with (the same shape: their [`layout_crc`]s are equal). Values come from
-/// `stored`, local values from `asked`, object bytes from `objects`.
+/// The restored state: the tree and values as `stored` (the layout the copy was saved with),
+/// its tensors the caller's (`tensors`, by index; their buffers now hold the restored bytes),
+/// its object shards the caller's with the stored bytes.
 pub(crate) fn rebuild_in_place<'a>(
-    asked: &Value,
     stored: &Value,
     tensors: &mut [Option<ShardedTensor<'a>>],
     objects: &mut [Option<(ShardedObject, Vec<u8>)>],
     path: &str,
 ) -> Result<StateTree<'a>> {
     let r = Reader { path };
-    let ((tag, inner), (stag, sinner)) = (r.tagged(asked)?, r.tagged(stored)?);
-    if tag != stag {
-        return Err(r.bad(format!("stored {stag} where the state has a {tag}")));
-    }
-    Ok(match (tag, inner, sinner) {
-        ("map", Value::Map(a), Value::Map(s)) if a.len() == s.len() => {
+    let (tag, inner) = r.tagged(stored)?;
+    Ok(match (tag, inner) {
+        ("map", Value::Map(children)) => {
             let mut tree = StateTree::map();
-            for ((k, ac), (_, sc)) in a.iter().zip(s) {
-                tree.insert(k.clone(), rebuild_in_place(ac, sc, tensors, objects, path)?);
+            for (k, c) in children {
+                tree.insert(k.clone(), rebuild_in_place(c, tensors, objects, path)?);
             }
             tree
         }
-        ("list", Value::List(a), Value::List(s)) if a.len() == s.len() => StateTree::List(
-            a.iter().zip(s).map(|(ac, sc)| rebuild_in_place(ac, sc, tensors, objects, path)).collect::<Result<_>>()?,
+        ("list", Value::List(children)) => StateTree::List(
+            children.iter().map(|c| rebuild_in_place(c, tensors, objects, path)).collect::<Result<_>>()?,
         ),
-        ("tensor", _, _) => {
+        ("tensor", _) => {
             let i = r.index(inner, tensors.len())?;
             StateTree::Tensor(tensors[i].take().ok_or_else(|| r.bad(format!("tensor {i} listed twice")))?)
         }
-        ("object", _, _) => {
+        ("object", _) => {
             let i = r.index(inner, objects.len())?;
             let (mut o, bytes) = objects[i].take().ok_or_else(|| r.bad(format!("object {i} listed twice")))?;
             o.data = Some(bytes);
             StateTree::Object(o)
         }
-        ("value", _, _) => StateTree::Value(sinner.clone()),
-        ("local", _, _) => StateTree::NonPersistent(inner.clone()),
-        _ => return Err(r.bad(format!("a {tag} node differs from the state's"))),
+        ("value", v) => StateTree::Value(v.clone()),
+        ("local", v) => StateTree::NonPersistent(v.clone()),
+        _ => return Err(r.bad(format!("unknown node {tag:?}"))),
     })
 }
 

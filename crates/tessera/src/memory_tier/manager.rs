@@ -17,9 +17,9 @@ use crate::comm::wire::{outcome, outcomes};
 use crate::comm::{Communicator, SoloComm};
 use crate::error::{Error, Result};
 use crate::format::INDEX_FILE;
-use crate::load::engine::{load, LoadOptions};
+use crate::load::engine::LoadOptions;
 use crate::load::open::open;
-use crate::model::{ShardedObject, ShardedTensor, StateTree, TensorData, Value};
+use crate::model::{ShardedObject, ShardedTensor, StatePath, StateTree, TensorData, Value};
 use crate::save::async_save::{AsyncSave, AsyncSaver};
 use crate::save::native::{save, NativeSession};
 use crate::save::options::SaveOptions;
@@ -79,8 +79,12 @@ pub struct Restored<'a> {
     pub step: u64,
     /// Where it came from.
     pub tier: Tier,
-    /// The state, its buffers filled.
+    /// The state, its buffers filled. From the memory tier, the tree and values are as saved
+    /// (the tensors and object shards the caller's, by order); from the persistent tier, as a
+    /// [`load`](crate::load) of the caller's tree returns it.
     pub state: StateTree<'a>,
+    /// The step's common values with their paths (from the memory tier: this rank's own).
+    pub common: Vec<(StatePath, Value)>,
     /// Ranks whose memory copies were rebuilt from other nodes' shards.
     pub rebuilt_ranks: Vec<usize>,
     /// Why newer steps were passed over (lost nodes beyond the parity, another world size),
@@ -394,7 +398,15 @@ impl CheckpointManager {
                 Ok((stored, objects)) => {
                     let state =
                         finish_in_place(&mut parts, &stored, objects, &tier.step_dir(step).display().to_string())?;
-                    return Ok(Some(Restored { step, tier: Tier::Memory, state, rebuilt_ranks: rebuilt, notes }));
+                    let common = layout::layout_values(&stored);
+                    return Ok(Some(Restored {
+                        step,
+                        tier: Tier::Memory,
+                        state,
+                        common,
+                        rebuilt_ranks: rebuilt,
+                        notes,
+                    }));
                 }
                 Err(e) => {
                     let Some(p) = self.newest_persistent(comm)? else { return Err(e) };
@@ -440,8 +452,10 @@ impl CheckpointManager {
         let mut objects: Vec<Option<ShardedObject>> =
             std::mem::take(&mut parts.objects).into_iter().map(Some).collect();
         let tree = reassemble(&parts.layout, &mut tensors, &mut objects)?;
-        let state = load(tree, storage.as_ref(), comm, &LoadOptions::default())?.state;
-        Ok(Restored { step, tier: Tier::Persistent, state, rebuilt_ranks: Vec::new(), notes })
+        let ckpt = open(storage.as_ref())?;
+        let common = ckpt.index().common.clone();
+        let state = ckpt.load(tree, comm, &LoadOptions::default())?.state;
+        Ok(Restored { step, tier: Tier::Persistent, state, common, rebuilt_ranks: Vec::new(), notes })
     }
 }
 
@@ -455,7 +469,7 @@ fn finish_in_place<'a>(
         std::mem::take(&mut parts.tensors).into_iter().map(Some).collect();
     let mut objs: Vec<Option<(ShardedObject, Vec<u8>)>> =
         std::mem::take(&mut parts.objects).into_iter().zip(objects).map(Some).collect();
-    layout::rebuild_in_place(&parts.layout, stored, &mut tensors, &mut objs, path)
+    layout::rebuild_in_place(stored, &mut tensors, &mut objs, path)
 }
 
 /// Writes memory step `step` to `loc`'s step directory as an ordinary tessera checkpoint, each
