@@ -26,6 +26,9 @@ ALLOWED = {
     "load": {"error", "model", "format", "formats", "plan", "storage", "comm", "threads"},
     "save": {"error", "model", "format", "formats", "plan", "storage", "comm", "threads", "load"},
     "tools": {"error", "model", "format", "formats", "plan", "storage", "comm", "threads", "load", "save"},
+    # The memory tier and its manager: built on the engines (a copy is a native save, a restore
+    # a load, a drain a save from the copy), beside `tools`, never used by them.
+    "memory_tier": {"error", "model", "format", "formats", "plan", "storage", "comm", "threads", "load", "save"},
 }
 
 

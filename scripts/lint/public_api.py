@@ -25,10 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 LIB = "crates/tessera/src/lib.rs"
 SRC = ROOT / "crates/tessera/src"
 ROOT_LIMIT = 36
-MODULES = {"comm", "factory", "index", "olmo", "storage", "tools", "tools::diff", "torch_dist"}
+MODULES = {"comm", "factory", "index", "memory_tier", "olmo", "storage", "tools", "tools::diff", "torch_dist"}
 # Real modules whose public items are their own (not façades in lib.rs): module -> file.
 REAL = {
     "comm": "comm/mod.rs",
+    "memory_tier": "memory_tier/mod.rs",
     "storage": "storage/mod.rs",
     "tools": "tools/mod.rs",
     "tools::diff": "tools/diff.rs",

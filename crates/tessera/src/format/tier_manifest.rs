@@ -9,7 +9,6 @@ use serde_json::{json, Value as J};
 
 use crate::error::{Error, Result};
 use crate::model::crc::crc32c;
-use crate::plan::placement::Group;
 
 /// The manifest's format name.
 const FORMAT: &str = "tessera-memory-tier";
@@ -18,6 +17,16 @@ pub(crate) const TIER_VERSION: u64 = 1;
 /// Largest shard the manifest may declare (1 TiB): a bound on what a corrupt manifest can make
 /// a restore allocate or transfer.
 const MAX_SHARD: u64 = 1 << 40;
+
+/// One erasure-coding group: `members` hold the data shards (one rank each, on distinct nodes),
+/// `parity[p]` is the rank storing parity shard `p` (on nodes no member is on, distinct too).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    /// Ranks whose states are the group's data shards, in shard order.
+    pub members: Vec<usize>,
+    /// Ranks storing the parity shards, in parity order.
+    pub parity: Vec<usize>,
+}
 
 /// One rank's copy, as the group's data shard: its checkpoint's files in shard order (the
 /// shard is their bytes back to back), the CRC-32C of those bytes, and a checksum of the

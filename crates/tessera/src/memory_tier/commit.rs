@@ -157,14 +157,17 @@ pub(crate) fn clone_error(e: &Error) -> Error {
     }
 }
 
+/// A parity shard this rank holds: (group, parity index, its writer (None if it could not be
+/// created), running CRC).
+type Held = (usize, usize, Option<Box<dyn ObjectWriter>>, u32);
+
 /// One rank's side of the parity stream: its own copy read as a shard, and the parity shards
 /// it holds being written. The first local failure is kept, and the rank goes on taking part
 /// (sending zeros) so its peers are not left waiting.
 struct Stream {
     own: Option<ShardReader>,
     own_crc: u32,
-    /// (group, parity index, writer, running CRC) for each parity shard this rank holds.
-    held: Vec<(usize, usize, Option<Box<dyn ObjectWriter>>, u32)>,
+    held: Vec<Held>,
     encoder: Option<ReedSolomonEncoder>,
     error: Option<Error>,
 }

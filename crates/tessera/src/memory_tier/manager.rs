@@ -230,7 +230,7 @@ impl CheckpointManager {
         if opts.every == 0 {
             return Err(Error::invalid("checkpoint manager: `every` must be at least 1"));
         }
-        if opts.persist_every > 0 && opts.persist_every % opts.every != 0 && opts.memory.is_some() {
+        if opts.persist_every > 0 && !opts.persist_every.is_multiple_of(opts.every) && opts.memory.is_some() {
             return Err(Error::invalid(format!(
                 "checkpoint manager: persist_every ({}) must be a multiple of every ({}): a drain reads a memory step",
                 opts.persist_every, opts.every
@@ -251,7 +251,7 @@ impl CheckpointManager {
 
     /// The policy's answer for `step`: is it saved?
     pub fn is_save_step(&self, step: u64) -> bool {
-        step % self.opts.every == 0
+        step.is_multiple_of(self.opts.every)
     }
 
     /// Saves `tree` as step `step` if the policy says so (returns whether it did). Blocks only
@@ -296,8 +296,11 @@ impl CheckpointManager {
         })();
         let reported = staged.as_ref().err().map(super::commit::clone_error);
         let node = self.node.clone();
-        let persistent =
-            self.opts.persistent.clone().filter(|_| self.opts.persist_every > 0 && step % self.opts.persist_every == 0);
+        let persistent = self
+            .opts
+            .persistent
+            .clone()
+            .filter(|_| self.opts.persist_every > 0 && step.is_multiple_of(self.opts.persist_every));
         let (keep_memory, keep_persistent) = (self.opts.keep_last_memory, self.opts.keep_last_persistent);
         self.worker.submit(
             step,

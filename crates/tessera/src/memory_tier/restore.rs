@@ -248,8 +248,8 @@ fn plan_step(
             .min()
     };
     let mut rebuild = Vec::new();
-    for x in 0..world {
-        let mine = scan_of(&reports[x].node).and_then(|s| s.copies.get(&x)).is_some_and(|f| intact(x, f));
+    for (x, rep) in reports.iter().enumerate() {
+        let mine = scan_of(&rep.node).and_then(|s| s.copies.get(&x)).is_some_and(|f| intact(x, f));
         if mine {
             continue;
         }
@@ -495,7 +495,7 @@ pub(crate) fn load_copy(
 pub(crate) fn prune(tier: &MemoryTier, keep: usize) -> Result<()> {
     let steps = scan(tier.root());
     let committed: Vec<u64> = steps.iter().filter(|(_, s)| s.manifest.is_some()).map(|(s, _)| *s).collect();
-    let Some(&oldest_kept) = committed.iter().rev().take(keep.max(1)).last() else { return Ok(()) };
+    let Some(&oldest_kept) = committed.iter().rev().nth(keep.max(1) - 1).or(committed.first()) else { return Ok(()) };
     for &step in steps.keys().filter(|&&s| s < oldest_kept) {
         let dir = tier.step_dir(step);
         if let Ok(entries) = fs::read_dir(&dir) {
@@ -598,9 +598,8 @@ mod tests {
         let text = String::from_utf8(m.encode()).unwrap();
         let mut reports: Vec<Report> =
             nodes.iter().map(|n| Report { node: n.clone(), layout: 5, steps: BTreeMap::new() }).collect();
-        for r in 0..8 {
-            let scan = reports[r].steps.entry(7).or_default();
-            scan.manifest = Some(text.clone());
+        for rep in reports.iter_mut() {
+            rep.steps.entry(7).or_default().manifest = Some(text.clone());
         }
         for r in 0..8usize {
             let n = r / 2;

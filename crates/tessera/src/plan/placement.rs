@@ -5,16 +5,7 @@
 use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
-
-/// One erasure-coding group: `members` hold the data shards (one rank each, on distinct nodes),
-/// `parity[p]` is the rank storing parity shard `p` (on nodes no member is on, distinct too).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Group {
-    /// Ranks whose states are the group's data shards, in shard order.
-    pub members: Vec<usize>,
-    /// Ranks storing the parity shards, in parity order.
-    pub parity: Vec<usize>,
-}
+pub use crate::format::tier_manifest::Group;
 
 /// The groups of a job whose rank `r` runs on node `nodes[r]`, for RS(`k`, `m`): up to `k` data
 /// shards per group (fewer where there are fewer than `k + m` nodes, or nodes left over), `m`
