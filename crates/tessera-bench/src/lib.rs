@@ -1,6 +1,7 @@
 //! The `tessera-bench` command: tessera's benchmarks. Save and resharded load against raw IO
 //! (`bench.rs`), an object store against a local directory (`bench_s3.rs`), the async save
-//! (`bench_async.rs`), the fully-parallel save (`bench_parallel.rs`) and the metadata planning of
+//! (`bench_async.rs`), the fully-parallel save (`bench_parallel.rs`), the memory tier
+//! (`bench_memory_tier.rs`) and the metadata planning of
 //! many simulated ranks (`plansim.rs`, `--plan-only`). One implementation, [`run`], behind the
 //! `tessera-bench` binary (`src/main.rs`).
 //!
@@ -14,6 +15,7 @@
 
 mod bench;
 mod bench_async;
+mod bench_memory_tier;
 mod bench_parallel;
 mod bench_reshard;
 mod bench_s3;
@@ -147,6 +149,21 @@ struct Cli {
     /// so every shard is a stored chunk (10 M for 10,000 ranks × 1,000 tensors).
     #[arg(long, requires = "plan_only")]
     fsdp: bool,
+    /// The memory tier (tessera::memory_tier): N in-process ranks (default 8) on 4 simulated
+    /// nodes, RS(--redundancy): save blocking time against a memcpy, memory held against full
+    /// copies, encode throughput against a memcpy, restore after a lost node against a load
+    /// from --dir (and, with --emulators, from S3 on loopback), steps lost per failure.
+    #[arg(long, conflicts_with_all = ["plan_only", "async_save", "fully_parallel", "s3", "reshard"])]
+    memory_tier: bool,
+    /// With --memory-tier: where the simulated nodes' memory roots go (tmpfs; default /dev/shm).
+    #[arg(long, requires = "memory_tier")]
+    memory_root: Option<String>,
+    /// With --memory-tier: K,M of RS(K, M) (default 2,2; K + M ≤ the nodes).
+    #[arg(long, requires = "memory_tier", value_delimiter = ',')]
+    redundancy: Vec<usize>,
+    /// With --memory-tier: simulated nodes (default 4).
+    #[arg(long, requires = "memory_tier")]
+    nodes: Option<usize>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -178,6 +195,10 @@ fn dispatch(cli: Cli) -> Result<u8> {
         rounds,
         tensors,
         fsdp,
+        memory_tier,
+        memory_root,
+        redundancy,
+        nodes,
         json,
         keep,
     } = cli;
@@ -192,6 +213,27 @@ fn dispatch(cli: Cli) -> Result<u8> {
     }
     let Some(dir) = dir else { bail!("--dir is required (or use --plan-only)") };
     let dir = Location::parse(&dir).with_options(&storage.storage_options);
+    if memory_tier {
+        let Some(dir) = dir.local_dir().map(Path::to_path_buf) else {
+            bail!("--dir {dir}: --memory-tier's persistent tier is a local directory (its load is the reference)")
+        };
+        let redundancy = match redundancy.as_slice() {
+            [] => (2, 2),
+            [k, m] => (*k, *m),
+            _ => bail!("--redundancy K,M: two numbers"),
+        };
+        return bench_memory_tier::run(bench_memory_tier::MemoryTierArgs {
+            dir,
+            memory_root: memory_root.unwrap_or_else(|| "/dev/shm".into()).into(),
+            size: sizes::parse_size(size.as_deref().unwrap_or(bench_memory_tier::DEFAULT_SIZE))?,
+            ranks: ranks.unwrap_or(8),
+            nodes: nodes.unwrap_or(4),
+            redundancy,
+            rounds,
+            emulators,
+            json,
+        });
+    }
     if emulators || !s3.is_empty() {
         let size = sizes::parse_size(size.as_deref().unwrap_or(bench_s3::DEFAULT_SIZE))?;
         let ranks = ranks.unwrap_or(4);

@@ -275,3 +275,30 @@ fn bench_modes_and_object_stores() {
     // --s3 is not a mode of --async or --plan-only.
     assert_eq!(BIN.run(&["--async", "--dir", "/tmp", "--s3", &url]).status.code(), Some(2));
 }
+
+#[test]
+fn memory_tier_bench_reports_every_figure() {
+    let scratch = Scratch::new("bench-memtier");
+    let dir = scratch.path().join("persistent");
+    let mem = scratch.path().join("memory");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(&mem).unwrap();
+    let args = ["--memory-tier", "--dir", dir.to_str().unwrap(), "--memory-root", mem.to_str().unwrap()];
+    let b = json(&BIN.expect(&[&args[..], &["--size", "8MiB", "--rounds", "1", "--json"]].concat(), 0));
+    for field in [
+        "blocking_vs_memcpy",
+        "commit_vs_memcpy",
+        "memory_held_vs_state",
+        "encode_bytes_per_sec_per_core",
+        "disk_load_vs_restore",
+        "steps_lost_persistent_every_8",
+    ] {
+        assert!(b[field].as_f64().is_some_and(|x| x > 0.0), "{field}: {b}");
+    }
+    // RS(2, 2) holds twice the state (copies and parity), not the 3× of two full replicas.
+    let held = b["memory_held_vs_state"].as_f64().unwrap();
+    assert!((1.9..2.2).contains(&held), "{b}");
+    assert_eq!(b["replicas_for_same_loss"].as_f64(), Some(3.0));
+    // Nothing is left in the memory roots or the persistent directory.
+    assert_eq!(std::fs::read_dir(&mem).unwrap().count(), 0);
+}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The memory tier's figures (BENCHMARKS.md, "Memory tier"): tessera-bench --memory-tier, 8
+# in-process ranks on 4 simulated nodes with RS(2, 2), 1 GiB of state, 3 rounds, the restore
+# also against a load from S3 on loopback (moto, started by the test kit from .venv); then the
+# memory held with RS(6, 2) on 8 nodes. Memory roots on /dev/shm, the persistent tier under
+# DIR (default target/bench-memtier, on disk). Output: target/memory_tier.txt.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dir="${1:-target/bench-memtier}"
+mkdir -p "$dir"
+bash scripts/env/python_env.sh >/dev/null
+export PATH="$PWD/.venv/bin:$PATH"
+cargo build --release -p tessera-bench
+bin=target/release/tessera-bench
+{
+  echo "== RS(2, 2) on 4 nodes, 8 ranks, 1 GiB, 3 rounds, with S3 (moto) on loopback"
+  "$bin" --memory-tier --dir "$dir" --size 1GiB --rounds 3 --emulators
+  echo "== RS(6, 2) on 8 nodes, 8 ranks, 512 MiB, 1 round"
+  "$bin" --memory-tier --dir "$dir" --nodes 8 --redundancy 6,2 --size 512MiB --rounds 1
+} 2>&1 | tee target/memory_tier.txt
+rm -rf "$dir"
