@@ -520,3 +520,54 @@ fn a_failed_write_at_any_point_of_a_memory_save_leaves_the_last_step_loadable() 
         }
     }
 }
+
+/// The golden fixture of the memory tier's manifest version 1 (FORMAT.md): 4 ranks on 4 nodes,
+/// RS(2, 1), step 5, committed. Regenerate (only when its format version changes) with
+/// `cargo test -p tessera --test integration -- --ignored memory_tier::regenerate_golden_memory_tier_v1`.
+const GOLDEN_MEMORY_TIER_V1: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden_memory_tier_v1");
+
+fn golden_opts(dir: &Path, rank: usize) -> ManagerOptions {
+    ManagerOptions {
+        memory: Some(
+            MemoryTier::new(dir.join(format!("node{rank}")))
+                .node(format!("node{rank}"))
+                .redundancy(2, 1)
+                .chunk_bytes(512),
+        ),
+        persistent: None,
+        ..ManagerOptions::default()
+    }
+}
+
+#[test]
+#[ignore = "writes the golden fixture; run only when the manifest's version changes"]
+fn regenerate_golden_memory_tier_v1() {
+    let dir = Path::new(GOLDEN_MEMORY_TIER_V1);
+    let _ = std::fs::remove_dir_all(dir);
+    let bg = InProcessComm::group(SMALL);
+    run_ranks(SMALL, |comm| {
+        let rank = comm.rank();
+        let mut mgr = CheckpointManager::new(golden_opts(dir, rank), Arc::new(bg[rank].clone())).unwrap();
+        let mut w = small_bytes(5, rank);
+        mgr.save(5, small_state(rank, &mut w), comm).unwrap();
+        mgr.wait().unwrap();
+    });
+}
+
+#[test]
+fn golden_memory_tier_v1_restores_forever_with_a_node_lost() {
+    for lost in 0..SMALL {
+        let d = fresh_copy(Path::new(GOLDEN_MEMORY_TIER_V1), "memtier-golden");
+        lose_nodes(d.path(), &[lost]);
+        let bg = InProcessComm::group(SMALL);
+        run_ranks(SMALL, |comm| {
+            let rank = comm.rank();
+            let mut mgr = CheckpointManager::new(golden_opts(d.path(), rank), Arc::new(bg[rank].clone())).unwrap();
+            let mut w = vec![0u8; small_bytes(0, rank).len()];
+            let r = mgr.restore(small_state(rank, &mut w), comm).unwrap().expect("the golden step");
+            assert_eq!((r.step, r.tier, r.rebuilt_ranks.clone()), (5, Tier::Memory, vec![lost]));
+            drop(r);
+            assert_eq!(w, small_bytes(5, rank), "rank {rank}");
+        });
+    }
+}
