@@ -2,7 +2,7 @@
 # The memory tier's figures (BENCHMARKS.md, "Memory tier"): tessera-bench --memory-tier, 8
 # in-process ranks on 4 simulated nodes with RS(2, 2), 1 GiB of state, 3 rounds, the restore
 # also against a load from S3 on loopback (moto, started by the test kit from .venv); then the
-# memory held with RS(6, 2) on 8 nodes. Memory roots on /dev/shm, the persistent tier under
+# memory held with RS(8, 2) on 16 nodes. Memory roots on /dev/shm, the persistent tier under
 # DIR (default target/bench-memtier, on disk). Output: target/memory_tier.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,7 +15,7 @@ bin=target/release/tessera-bench
 {
   echo "== RS(2, 2) on 4 nodes, 8 ranks, 1 GiB, 3 rounds, with S3 (moto) on loopback"
   "$bin" --memory-tier --dir "$dir" --size 1GiB --rounds 3 --emulators
-  echo "== RS(6, 2) on 8 nodes, 8 ranks, 512 MiB, 1 round"
-  "$bin" --memory-tier --dir "$dir" --nodes 8 --redundancy 6,2 --size 512MiB --rounds 1
+  echo "== RS(8, 2) on 16 nodes, 16 ranks, 512 MiB, 1 round"
+  "$bin" --memory-tier --dir "$dir" --ranks 16 --nodes 16 --redundancy 8,2 --size 512MiB --rounds 1
 } 2>&1 | tee target/memory_tier.txt
 rm -rf "$dir"

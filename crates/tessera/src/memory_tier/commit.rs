@@ -10,7 +10,7 @@ use std::sync::Arc;
 use reed_solomon_simd::ReedSolomonEncoder;
 use serde_json::{json, Value as J};
 
-use super::shard::{copy_files, ShardReader};
+use super::shard::{copy_files, files_from_json, files_to_json, ShardReader};
 use super::{marker_name, parity_name, rank_dir_name, MemoryTier};
 use crate::comm::wire::{outcome, outcomes};
 use crate::comm::Communicator;
@@ -46,9 +46,7 @@ pub(crate) fn commit_step(
     // Phase 1: every rank's node and copy.
     let mine = w.copy.and_then(|()| copy_files(&my_dir));
     let msg = outcome(&mine, |files| {
-        json!({ "node": node, "layout": w.layout, "files": files.iter().map(|(n, l)| json!([n, l])).collect::<Vec<_>>() })
-            .to_string()
-            .into_bytes()
+        json!({ "node": node, "layout": w.layout, "files": files_to_json(files) }).to_string().into_bytes()
     });
     let all = comm.all_gather(&msg)?;
     let mut local = mine.as_ref().err().map(clone_error);
@@ -60,13 +58,7 @@ pub(crate) fn commit_step(
             serde_json::from_slice(p).map_err(|e| Error::Comm { reason: format!("memory tier: rank {r}: {e}") })?;
         let bad = || Error::Comm { reason: format!("memory tier: rank {r} sent a malformed copy description") };
         nodes.push(j["node"].as_str().ok_or_else(bad)?.to_owned());
-        let files = j["files"]
-            .as_array()
-            .ok_or_else(bad)?
-            .iter()
-            .map(|f| Some((f[0].as_str()?.to_owned(), f[1].as_u64()?)))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(bad)?;
+        let files = files_from_json(&j["files"]).ok_or_else(bad)?;
         let layout = j["layout"].as_u64().and_then(|l| u32::try_from(l).ok()).ok_or_else(bad)?;
         ranks.push(RankCopy { files, crc: 0, layout });
     }

@@ -14,7 +14,7 @@ use serde_json::{json, Value as J};
 
 use super::commit::round_len;
 use super::layout::{layout_crc, object_key, tensor_key, Parts, LAYOUT_KEY};
-use super::shard::{ShardReader, ShardWriter};
+use super::shard::{files_from_json, files_to_json, ShardReader, ShardWriter};
 use super::{marker_name, parity_name, parse_step_name, rank_dir_name, step_name, MemoryTier};
 use crate::comm::wire::{outcome, outcomes};
 use crate::comm::{Communicator, SoloComm};
@@ -88,7 +88,7 @@ fn encode_report(r: &Report) -> Vec<u8> {
             json!({
                 "step": step,
                 "manifest": s.manifest,
-                "copies": s.copies.iter().map(|(r, f)| json!([r, f])).collect::<Vec<_>>(),
+                "copies": s.copies.iter().map(|(r, f)| json!([r, files_to_json(f)])).collect::<Vec<_>>(),
                 "parity": s.parity,
             })
         })
@@ -108,13 +108,7 @@ fn decode_report(bytes: &[u8], from: usize) -> Result<Report> {
         let mut scan = StepScan { manifest: s["manifest"].as_str().map(str::to_owned), ..Default::default() };
         for c in s["copies"].as_array().ok_or_else(bad)? {
             let r = c[0].as_u64().ok_or_else(bad)? as usize;
-            let files = c[1]
-                .as_array()
-                .ok_or_else(bad)?
-                .iter()
-                .map(|f| Some((f[0].as_str()?.to_owned(), f[1].as_u64()?)))
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(bad)?;
+            let files = files_from_json(&c[1]).ok_or_else(bad)?;
             scan.copies.insert(r, files);
         }
         for (n, l) in s["parity"].as_object().ok_or_else(bad)? {

@@ -28,6 +28,16 @@ pub(crate) fn copy_files(dir: &Path) -> Result<Vec<(String, u64)>> {
     Ok(files)
 }
 
+/// A copy's files as ranks exchange them: `[[name, length], …]`.
+pub(crate) fn files_to_json(files: &[(String, u64)]) -> serde_json::Value {
+    serde_json::Value::Array(files.iter().map(|(n, l)| serde_json::json!([n, l])).collect())
+}
+
+/// The files of [`files_to_json`]; `None` if `v` is not such a list.
+pub(crate) fn files_from_json(v: &serde_json::Value) -> Option<Vec<(String, u64)>> {
+    v.as_array()?.iter().map(|f| Some((f[0].as_str()?.to_owned(), f[1].as_u64()?))).collect()
+}
+
 /// Reads ranges of a shard stored as files back to back.
 pub(crate) struct ShardReader {
     files: Vec<(PathBuf, u64, File)>,
