@@ -54,9 +54,9 @@ impl CheckpointManager {
     /// memory tier, `persistent` the persistent one. `background_comm` runs the background
     /// collectives: a communicator nothing else uses (None: a single process).
     #[new]
-    #[pyo3(signature = (*, memory_root=None, node=None, data_shards=4, parity_shards=1, chunk_bytes=8 << 20,
+    #[pyo3(signature = (*, memory_root=None, node=None, data_shards=4, parity_shards=1, chunk_bytes=8_388_608,
                         persistent=None, every=1, persist_every=0, keep_last_memory=2, keep_last_persistent=3,
-                        staging_bytes=256 << 20, background_comm=None))]
+                        staging_bytes=268_435_456, background_comm=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
