@@ -571,3 +571,33 @@ fn golden_memory_tier_v1_restores_forever_with_a_node_lost() {
         });
     }
 }
+
+/// A persistent step that one rank cannot open fails the restore on every rank, with that
+/// rank's error, instead of leaving the others waiting in the collective load.
+#[test]
+fn a_persistent_step_one_rank_cannot_open_fails_every_rank_alike() {
+    let d = TempDir::created("memtier-oneopen");
+    let bg = InProcessComm::group(SMALL);
+    run_ranks(SMALL, |comm| {
+        let rank = comm.rank();
+        let o = ManagerOptions { memory: None, ..small_opts(d.path(), rank) };
+        let mut mgr = CheckpointManager::new(o, Arc::new(bg[rank].clone())).unwrap();
+        let mut w = small_bytes(1, rank);
+        mgr.save(1, small_state(rank, &mut w), comm).unwrap();
+        mgr.wait().unwrap();
+    });
+    let bg = InProcessComm::group(SMALL);
+    let verdicts = run_ranks(SMALL, |comm| {
+        let rank = comm.rank();
+        // Rank 2 looks for the persistent tier elsewhere (rank 0 lists the steps for all).
+        let at = if rank == 2 { d.join("elsewhere") } else { d.join("persistent") };
+        let o = ManagerOptions { memory: None, persistent: Some(Location::local(at)), ..small_opts(d.path(), rank) };
+        let mut mgr = CheckpointManager::new(o, Arc::new(bg[rank].clone())).unwrap();
+        let mut w = vec![0u8; small_bytes(0, rank).len()];
+        mgr.restore(small_state(rank, &mut w), comm).map(|r| r.map(|r| r.step)).map_err(|e| e.to_string())
+    });
+    for (rank, v) in verdicts.iter().enumerate() {
+        let e = v.as_ref().expect_err("no rank may restore");
+        assert!(rank == 2 || e.contains("rank 2"), "rank {rank}: {e}");
+    }
+}

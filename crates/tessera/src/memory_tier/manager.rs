@@ -449,13 +449,25 @@ impl CheckpointManager {
         comm: &dyn Communicator,
     ) -> Result<Restored<'a>> {
         let loc = self.opts.persistent.as_ref().expect("a persistent step was found");
-        let storage = loc.join(&step_name(step)).open()?;
         let mut tensors: Vec<Option<ShardedTensor<'a>>> =
             std::mem::take(&mut parts.tensors).into_iter().map(Some).collect();
         let mut objects: Vec<Option<ShardedObject>> =
             std::mem::take(&mut parts.objects).into_iter().map(Some).collect();
-        let tree = reassemble(&parts.layout, &mut tensors, &mut objects)?;
-        let ckpt = open(storage.as_ref())?;
+        // Every rank opens the step and rebuilds its request; all go on to the collective load
+        // only if all could (a rank failing alone would leave the others waiting in it).
+        let prepared = loc.join(&step_name(step)).open().and_then(|storage| {
+            let tree = reassemble(&parts.layout, &mut tensors, &mut objects)?;
+            Ok((storage, tree))
+        });
+        let all = comm.all_gather(&outcome(&prepared, |_| Vec::new()))?;
+        let mut local = prepared.as_ref().err().map(super::commit::clone_error);
+        outcomes(&all, comm.rank(), &mut local)?;
+        let (storage, tree) = prepared?;
+        let ckpt = open(storage.as_ref());
+        let all = comm.all_gather(&outcome(&ckpt, |_| Vec::new()))?;
+        let mut local = ckpt.as_ref().err().map(super::commit::clone_error);
+        outcomes(&all, comm.rank(), &mut local)?;
+        let ckpt = ckpt?;
         let common = ckpt.index().common.clone();
         let state = ckpt.load(tree, comm, &LoadOptions::default())?.state;
         Ok(Restored { step, tier: Tier::Persistent, state, common, rebuilt_ranks: Vec::new(), notes })
