@@ -375,7 +375,7 @@ fn small_state(rank: usize, w: &mut [u8]) -> StateTree<'_> {
 /// collective (counted from step 2's start) on `fail_rank`; returns each rank's verdict of
 /// step 2.
 fn save_with_fault(dir: &Path, fail_rank: usize, fail_at: i64) -> Vec<tessera::Result<()>> {
-    let bg = InProcessComm::group_with_timeout(SMALL, std::time::Duration::from_millis(500));
+    let bg = InProcessComm::group_with_timeout(SMALL, std::time::Duration::from_secs(2));
     let bg: Vec<Arc<FailingComm>> = bg.into_iter().map(FailingComm::new).collect();
     run_ranks(SMALL, |comm| {
         let rank = comm.rank();

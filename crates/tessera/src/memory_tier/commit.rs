@@ -136,6 +136,20 @@ pub(crate) fn round_len(shard_len: u64, chunk: u64, t: u64) -> Option<usize> {
     (start < shard_len).then(|| (shard_len - start).min(chunk) as usize)
 }
 
+/// Every rank's outcome of a local step, agreed on with one all-gather: this rank's value if
+/// every rank succeeded, else the first failure in rank order (this rank's own error keeps its
+/// type), the same verdict on every rank.
+pub(crate) fn agree<T>(r: Result<T>, comm: &dyn Communicator) -> Result<T> {
+    let msg = outcome(&r, |_| Vec::new());
+    let (value, mut local) = match r {
+        Ok(v) => (Some(v), None),
+        Err(e) => (None, Some(e)),
+    };
+    let all = comm.all_gather(&msg)?;
+    outcomes(&all, comm.rank(), &mut local)?;
+    Ok(value.expect("every rank succeeded, this one too"))
+}
+
 /// `Error` is not `Clone` (it carries an `io::Error`); the copy keeps the variant where it
 /// carries text only, and the message otherwise.
 pub(crate) fn clone_error(e: &Error) -> Error {

@@ -9,11 +9,10 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use super::commit::{commit_step, Written};
+use super::commit::{agree, commit_step, Written};
 use super::layout::{self, layout_crc, rank_copy, reassemble, rebuild_global, split, Parts};
 use super::restore::{self, clear_own, gather_and_decide, load_copy, prune};
 use super::{rank_dir_name, step_name, MemoryTier};
-use crate::comm::wire::{outcome, outcomes};
 use crate::comm::{Communicator, SoloComm};
 use crate::error::{Error, Result};
 use crate::format::INDEX_FILE;
@@ -334,11 +333,7 @@ impl CheckpointManager {
     fn save_persistent(&mut self, step: u64, tree: StateTree<'_>, comm: &dyn Communicator) -> Result<()> {
         let loc = self.opts.persistent.clone().expect("checked in new: one tier at least");
         // Every rank opens the step's location; all go on only if all could.
-        let opened = loc.join(&step_name(step)).open();
-        let all = comm.all_gather(&outcome(&opened, |_| Vec::new()))?;
-        let mut local = opened.as_ref().err().map(super::commit::clone_error);
-        outcomes(&all, comm.rank(), &mut local)?;
-        let storage = opened?;
+        let storage = agree(loc.join(&step_name(step)).open(), comm)?;
         let opts = SaveOptions { overwrite: true, ..SaveOptions::default() };
         let pending = self.saver.save(tree, storage, comm, &opts)?;
         let keep = self.opts.keep_last_persistent;
@@ -390,13 +385,8 @@ impl CheckpointManager {
         if let (Some(plan), Some(tier)) = (d.memory, self.opts.memory.as_ref()) {
             let step = plan.manifest.step;
             let rebuilt: Vec<usize> = plan.rebuild.iter().map(|(x, _)| *x).collect();
-            let done = restore::rebuild(tier, &plan, comm).and_then(|()| {
-                let loaded = load_copy(tier, step, comm.rank(), &mut parts);
-                let all = comm.all_gather(&outcome(&loaded, |_| Vec::new()))?;
-                let mut local = loaded.as_ref().err().map(super::commit::clone_error);
-                outcomes(&all, comm.rank(), &mut local)?;
-                loaded
-            });
+            let done = restore::rebuild(tier, &plan, comm)
+                .and_then(|()| agree(load_copy(tier, step, comm.rank(), &mut parts), comm));
             match done {
                 Ok((stored, objects)) => {
                     let state =
@@ -431,14 +421,7 @@ impl CheckpointManager {
     }
 
     fn newest_persistent(&self, comm: &dyn Communicator) -> Result<Option<u64>> {
-        let listed = match (&self.opts.persistent, comm.rank()) {
-            (Some(loc), 0) => restore::persistent_steps(loc).map(|s| s.last().copied()),
-            _ => Ok(None),
-        };
-        let got = comm.broadcast(&outcome(&listed, |s| s.map(|x| x.to_le_bytes().to_vec()).unwrap_or_default()), 0)?;
-        let mut local = if comm.rank() == 0 { listed.err() } else { None };
-        let p = outcomes(std::slice::from_ref(&got), 0, &mut local)?;
-        Ok(p[0].try_into().ok().map(u64::from_le_bytes))
+        Ok(restore::listed_persistent_steps(self.opts.persistent.as_ref(), comm)?.last().copied())
     }
 
     fn restore_persistent<'a>(
@@ -459,15 +442,8 @@ impl CheckpointManager {
             let tree = reassemble(&parts.layout, &mut tensors, &mut objects)?;
             Ok((storage, tree))
         });
-        let all = comm.all_gather(&outcome(&prepared, |_| Vec::new()))?;
-        let mut local = prepared.as_ref().err().map(super::commit::clone_error);
-        outcomes(&all, comm.rank(), &mut local)?;
-        let (storage, tree) = prepared?;
-        let ckpt = open(storage.as_ref());
-        let all = comm.all_gather(&outcome(&ckpt, |_| Vec::new()))?;
-        let mut local = ckpt.as_ref().err().map(super::commit::clone_error);
-        outcomes(&all, comm.rank(), &mut local)?;
-        let ckpt = ckpt?;
+        let (storage, tree) = agree(prepared, comm)?;
+        let ckpt = agree(open(storage.as_ref()), comm)?;
         let common = ckpt.index().common.clone();
         let state = ckpt.load(tree, comm, &LoadOptions::default())?.state;
         Ok(Restored { step, tier: Tier::Persistent, state, common, rebuilt_ranks: Vec::new(), notes })

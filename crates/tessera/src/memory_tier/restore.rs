@@ -292,6 +292,19 @@ pub(crate) fn persistent_steps(loc: &Location) -> Result<Vec<u64>> {
     Ok(steps)
 }
 
+/// The committed steps of the persistent tier, listed by rank 0 and broadcast (collective):
+/// every rank gets the same list, or rank 0's error. None: no persistent tier, no steps.
+pub(crate) fn listed_persistent_steps(persistent: Option<&Location>, comm: &dyn Communicator) -> Result<Vec<u64>> {
+    let listed = match (comm.rank(), persistent) {
+        (0, Some(loc)) => persistent_steps(loc),
+        _ => Ok(Vec::new()),
+    };
+    let got = comm.broadcast(&outcome(&listed, |s| json!(s).to_string().into_bytes()), 0)?;
+    let mut local = listed.err();
+    let payload = outcomes(std::slice::from_ref(&got), 0, &mut local)?[0];
+    serde_json::from_slice(payload).map_err(|e| Error::Comm { reason: format!("memory tier: rank 0's listing: {e}") })
+}
+
 /// Streams the shards of `plan` to the ranks rebuilding their copies, in rounds of one chunk;
 /// each rebuilt copy appears only once its checksum matches. Collective; every rank returns the
 /// same verdict.
@@ -395,9 +408,7 @@ pub(crate) fn rebuild(tier: &MemoryTier, plan: &MemoryPlan, comm: &dyn Communica
         (None, Some(w)) => w.finish(m.ranks[me].crc),
         (None, None) => Ok(()),
     };
-    let all = comm.all_gather(&outcome(&done, |_| Vec::new()))?;
-    let mut local = done.err();
-    outcomes(&all, me, &mut local).map(|_| ())
+    super::commit::agree(done, comm)
 }
 
 fn decode_round(
@@ -523,20 +534,14 @@ pub(crate) fn gather_and_decide(
     };
     let all = comm.all_gather(&encode_report(&report))?;
     let reports = all.iter().enumerate().map(|(r, b)| decode_report(b, r)).collect::<Result<Vec<_>>>()?;
-    let listed = match (comm.rank(), persistent) {
-        (0, Some(loc)) => persistent_steps(loc),
-        _ => Ok(Vec::new()),
-    };
-    let msg = outcome(&listed, |s| json!(s).to_string().into_bytes());
-    let got = comm.broadcast(&msg, 0)?;
     let mut notes = Vec::new();
-    let steps: Vec<u64> = match crate::comm::wire::read(&got) {
-        Ok(Ok(payload)) => serde_json::from_slice(payload).unwrap_or_default(),
-        Ok(Err(f)) => {
-            notes.push(format!("persistent tier: cannot list its steps: {}", f.into_peer_error(0)));
+    let steps = match listed_persistent_steps(persistent, comm) {
+        Ok(steps) => steps,
+        Err(Error::Comm { reason }) => return Err(Error::Comm { reason }),
+        Err(e) => {
+            notes.push(format!("persistent tier: cannot list its steps: {e}"));
             Vec::new()
         }
-        Err(why) => return Err(Error::Comm { reason: format!("memory tier: rank 0's listing: {why}") }),
     };
     let mut d = decide(&reports, &steps);
     notes.append(&mut d.notes);
