@@ -11,11 +11,12 @@
 # Targets (fuzz/fuzz_targets/*.rs): index (tessera.index, v1/v2, the ranged v2 open), safetensors
 # (data file headers), dcp (DCP .metadata and the DCP/Megatron/OLMo-core readers), unpickle (the
 # restricted unpickler), zip (torch.save zip/zip64 archives), zarr (.zarray and the Megatron zarr
-# reader), olmo (OLMo-core 0.1.x metadata.json + rank files).
+# reader), olmo (OLMo-core 0.1.x metadata.json + rank files), tier_manifest (the memory tier's
+# commit manifest and the restore decision over it).
 #
 # The harness caps memory: one allocation over 512 MiB (-malloc_limit_mb) or a process over
 # 2 GiB (-rss_limit_mb) fails the run, so a parser that allocates from a claimed length is
-# found; an input taking over 10 s is a timeout. The JSON readers (zarr, olmo, safetensors) get
+# found; an input taking over 10 s is a timeout. The JSON readers (zarr, olmo, safetensors, tier_manifest) get
 # the dictionary fuzz/dict/json.dict. Needs a nightly toolchain and cargo-fuzz
 # (installed when missing). New corpus entries go to fuzz/target/corpus/TARGET (ignored by
 # git), so the seeds stay as committed; failing inputs go to fuzz/artifacts/TARGET and make the
@@ -25,7 +26,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-all_targets=(index safetensors dcp unpickle zip zarr olmo)
+all_targets=(index safetensors dcp unpickle zip zarr olmo tier_manifest)
 if [ "${1:-}" = ci ]; then
     secs="${FUZZ_CI_SECS:-10}"
     targets=("${all_targets[@]}")
@@ -72,7 +73,7 @@ for target in "${targets[@]}"; do
     flags=(-max_total_time="$secs" -timeout=10 -malloc_limit_mb=512 -rss_limit_mb=2048 -detect_leaks="$leaks"
         -artifact_prefix="$artifacts/")
     # JSON readers get a dictionary of keys and edge-of-range numbers (fuzz/dict/json.dict).
-    case "$target" in zarr | olmo | safetensors) flags+=(-dict=fuzz/dict/json.dict) ;; esac
+    case "$target" in zarr | olmo | safetensors | tier_manifest) flags+=(-dict=fuzz/dict/json.dict) ;; esac
     start=$(date +%s)
     status=0
     if [ -n "${FUZZ_KEEP_GOING:-}" ]; then

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 fx=crates/tessera/tests/fixtures
 foreign=$fx/foreign
 out=fuzz/corpus
-mkdir -p "$out"/{index,safetensors,dcp,zip,zarr,olmo,unpickle}
+mkdir -p "$out"/{index,safetensors,dcp,zip,zarr,olmo,unpickle,tier_manifest}
 
 # index
 cp "$fx/golden_v1/tessera.index" "$out/index/golden_v1.index"
@@ -115,3 +115,14 @@ cp crates/tessera/src/format/testdata/megatron_common_data.pkl crates/tessera/sr
     "$out/unpickle/"
 
 du -sh "$out"/*
+
+# tier_manifest: [lost-nodes mask][0][a marker as written], and [mask][1][its body alone].
+python3 - "$out/tier_manifest" "$fx/golden_memory_tier_v1" <<'PY'
+import json, pathlib, sys
+out, golden = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+marker = sorted(golden.glob("node0/step-*/commit-*.json"))[0].read_bytes()
+body = json.loads(marker)["body"].encode()
+for mask in (0, 1, 3, 7):
+    (out / f"golden_marker_lost{mask}").write_bytes(bytes([mask, 0]) + marker)
+    (out / f"golden_body_lost{mask}").write_bytes(bytes([mask, 1]) + body)
+PY

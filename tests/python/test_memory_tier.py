@@ -119,3 +119,41 @@ def test_a_rank_killed_during_a_save_restores_the_newest_complete_step(tmp_path:
     with pytest.raises(Exception):
         run_ranks(8, _train, root, 4, 5)
     _restored(tmp_path, root, 8, 3, "memory")
+
+
+def _tied(step: int) -> Dict[str, Any]:
+    emb = torch.arange(32, dtype=torch.float32).reshape(8, 4) + step
+    return {"model": {"emb": emb, "head": emb}, "step": step}
+
+
+def _tied_and_dropped(rank: int, world: int, root: str) -> None:
+    import faulthandler
+    import gc
+
+    # A hang (the drop waiting for background work that needs the GIL) ends the process.
+    faulthandler.dump_traceback_later(120, exit=True)
+
+    def mgr() -> tt.CheckpointManager:
+        return tt.CheckpointManager(os.path.join(root, f"node{rank}"), None, redundancy=(1, 1), node=f"node{rank}")
+
+    m = mgr()
+    for step in range(1, 4):
+        assert m.save(step, _tied(step))
+    del m  # background work still queued: dropping waits for it without holding the GIL
+    gc.collect()
+    sd = _tied(0)
+    with mgr() as m:
+        got = m.restore(sd)
+        # The tied pair was saved once, as the restore describes it: the step restores from
+        # memory (a layout mismatch would find no step to restore).
+        assert got is not None and (got["step"], got["tier"]) == (3, "memory"), got
+        assert sd["model"]["head"] is sd["model"]["emb"] and torch.equal(sd["model"]["emb"], _tied(3)["model"]["emb"])
+        assert m.save(4, _tied(4))
+    with pytest.raises(ValueError, match="closed"):
+        m.wait()
+    m.close()  # closing twice does nothing
+    faulthandler.cancel_dump_traceback_later()
+
+
+def test_tied_tensors_restore_from_memory_and_a_dropped_manager_finishes_its_work(tmp_path: Any) -> None:
+    run_ranks(2, _tied_and_dropped, str(tmp_path / "tied"))

@@ -19,7 +19,30 @@ use crate::{communicator, interruptible, lib, object_slot, save_request, slots, 
 /// location, and restores the newest complete step; see `tessera::memory_tier`.
 #[pyclass(module = "tessera._native")]
 pub struct CheckpointManager {
-    inner: Mutex<tessera::memory_tier::CheckpointManager>,
+    /// `None` once closed.
+    inner: Mutex<Option<tessera::memory_tier::CheckpointManager>>,
+}
+
+impl CheckpointManager {
+    /// Runs `f` on the open manager, or raises if it was closed.
+    fn with<R>(&self, f: impl FnOnce(&mut tessera::memory_tier::CheckpointManager) -> PyResult<R>) -> PyResult<R> {
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        match guard.as_mut() {
+            Some(mgr) => f(mgr),
+            None => Err(pyo3::exceptions::PyValueError::new_err("the checkpoint manager is closed")),
+        }
+    }
+}
+
+impl Drop for CheckpointManager {
+    fn drop(&mut self) {
+        let open = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(mgr) = open {
+            // Dropping the manager waits for its background thread, whose queued jobs run
+            // torch collectives that need the GIL: release it meanwhile.
+            Python::attach(|py| py.detach(move || drop(mgr)));
+        }
+    }
 }
 
 /// What a restore gave back (the tensors were filled in place).
@@ -94,7 +117,7 @@ impl CheckpointManager {
             _ => Arc::new(SoloComm),
         };
         let inner = lib(py, py.detach(|| tessera::memory_tier::CheckpointManager::new(opts, background)))?;
-        Ok(CheckpointManager { inner: Mutex::new(inner) })
+        Ok(CheckpointManager { inner: Mutex::new(Some(inner)) })
     }
 
     /// Saves step `step` if the policy says so (collective over `comm`); returns whether it
@@ -113,16 +136,27 @@ impl CheckpointManager {
         // returns; by then the bytes are staged and the tree is dropped.
         let (tree, _, cancel) = unsafe { save_request(py, &tensors, &objects, &common, true, true, None, None)? };
         let comm = communicator(comm.as_ref())?;
-        let mut guard = self.inner.lock().unwrap();
-        let mgr: &mut tessera::memory_tier::CheckpointManager = &mut guard;
-        lib(py, interruptible(py, &cancel, || mgr.save(step, tree, &*comm))?)
+        self.with(|mgr| lib(py, interruptible(py, &cancel, || mgr.save(step, tree, &*comm))?))
     }
 
     /// Waits for the background work; raises its first failure since the last call.
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
-        let mut guard = self.inner.lock().unwrap();
-        let mgr: &mut tessera::memory_tier::CheckpointManager = &mut guard;
-        lib(py, py.detach(|| mgr.wait()))
+        self.with(|mgr| lib(py, py.detach(|| mgr.wait())))
+    }
+
+    /// Waits for the background work and stops the background thread; raises the work's first
+    /// failure since the last wait. Closing twice does nothing; any other call after it raises.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let open = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(mut mgr) = open else { return Ok(()) };
+        lib(
+            py,
+            py.detach(move || {
+                let waited = mgr.wait();
+                drop(mgr);
+                waited
+            }),
+        )
     }
 
     /// Restores the newest complete step into the tensors in place (collective over `comm`);
@@ -149,8 +183,10 @@ impl CheckpointManager {
         let tree = slots(tensors, objects);
         let comm = communicator(comm.as_ref())?;
         let cancel = Arc::new(AtomicBool::new(false));
-        let mut guard = self.inner.lock().unwrap();
-        let mgr: &mut tessera::memory_tier::CheckpointManager = &mut guard;
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(mgr) = guard.as_mut() else {
+            return Err(pyo3::exceptions::PyValueError::new_err("the checkpoint manager is closed"));
+        };
         let Some(r) = lib(py, interruptible(py, &cancel, || mgr.restore(tree, &*comm))?)? else { return Ok(None) };
         let mut loaded = BTreeMap::new();
         if let StateTree::Map(mut root) = r.state {

@@ -178,4 +178,5 @@ pub mod __fuzz {
     };
     pub use crate::formats::zarr::fuzz::{zarray, Zarray};
     pub use crate::load::open::checkpoint_storage;
+    pub use crate::memory_tier::fuzz::manifest_plan;
 }

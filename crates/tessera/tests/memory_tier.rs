@@ -101,16 +101,23 @@ fn opts(dir: &Path, rank: usize, world: usize) -> ManagerOptions {
 
 /// Runs steps `1..=last` of the job, saving each, and waits for the background.
 fn train(dir: &Path, last: u64) {
+    train_steps(dir, 1..=last, 0);
+}
+
+/// Runs `steps` of a job whose state at step s is the truth of step s + `salt` (another run
+/// saving the same step numbers), saving each, and waits for the background.
+fn train_steps(dir: &Path, steps: std::ops::RangeInclusive<u64>, salt: u64) {
     let bg = InProcessComm::group(WORLD);
     run_ranks(WORLD, |comm| {
         let rank = comm.rank();
         let mut mgr = CheckpointManager::new(opts(dir, rank, WORLD), Arc::new(bg[rank].clone())).unwrap();
-        for step in 1..=last {
+        for step in steps.clone() {
+            let truth = step + salt;
             let per = (PER_RANK * 4) as usize;
-            let mut w = truth_w(step, WORLD)[rank * per..(rank + 1) * per].to_vec();
-            let mut mine = own(step, rank);
-            let mut b = vec![step as u8; 64];
-            let obj = Some(format!("rng of {rank} at {step}").into_bytes());
+            let mut w = truth_w(truth, WORLD)[rank * per..(rank + 1) * per].to_vec();
+            let mut mine = own(truth, rank);
+            let mut b = vec![truth as u8; 64];
+            let obj = Some(format!("rng of {rank} at {truth}").into_bytes());
             let tree = state(rank, WORLD, &mut w, &mut mine, &mut b, obj);
             assert!(mgr.save(step, tree, comm).unwrap());
         }
@@ -223,6 +230,57 @@ fn a_new_world_size_restores_from_the_persistent_tier_resharded() {
     }
 }
 
+fn steps_on(dir: &Path, node: usize) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir.join(format!("node{node}")))
+        .map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_run_resumed_from_an_older_step_never_meets_the_steps_it_abandoned() {
+    // Run A reached step 5 (memory: 3, 4, 5; persistent: 3). Three nodes are lost: the job
+    // resumes from the persistent step 3, and node 2 still holds A's steps 4 and 5.
+    let saved = saved_job(5);
+    let d = fresh_copy(saved.path(), "memtier-resumed");
+    lose_nodes(d.path(), &[0, 1, 3]);
+    for o in restore(d.path(), WORLD, 3) {
+        assert_eq!((o.step, o.tier), (3, Tier::Persistent), "{:?}", o.notes);
+    }
+    // The restore deleted nothing: until the job saves again, A's steps stay where they are.
+    assert!(steps_on(d.path(), 2).contains(&"step-000000000005".to_string()));
+    // Run B trains on from step 3 with other values and saves steps 4 and 5 again: its first
+    // save clears A's steps 4 and 5 from every node, its steps are kept (not pruned as older
+    // than A's), and a restore after losing two nodes gives B's step 5, never a mix with A's
+    // markers, copies or parity.
+    train_steps(d.path(), 4..=4, 100);
+    assert_eq!(steps_on(d.path(), 2), vec!["step-000000000003".to_string(), "step-000000000004".to_string()]);
+    train_steps(d.path(), 5..=5, 100);
+    lose_nodes(d.path(), &[0, 1]);
+    for o in restore(d.path(), WORLD, 105) {
+        assert_eq!((o.step, o.tier), (5, Tier::Memory), "{:?}", o.notes);
+    }
+}
+
+#[test]
+fn a_run_started_over_an_old_memory_root_without_restoring_keeps_its_own_steps() {
+    // Run A reached step 5; run B starts at step 1 over the same memory roots without a
+    // restore (and with a new persistent location). Its first save removes A's steps from
+    // every node; the keep-last rule then counts B's steps only.
+    let saved = saved_job(5);
+    let d = fresh_copy(saved.path(), "memtier-startover");
+    std::fs::remove_dir_all(d.join("persistent")).unwrap();
+    train_steps(d.path(), 1..=2, 100);
+    for n in 0..NODES {
+        assert_eq!(steps_on(d.path(), n), vec!["step-000000000001".to_string(), "step-000000000002".to_string()]);
+    }
+    lose_nodes(d.path(), &[1, 2]);
+    for o in restore(d.path(), WORLD, 102) {
+        assert_eq!((o.step, o.tier), (2, Tier::Memory), "{:?}", o.notes);
+    }
+}
+
 #[test]
 fn an_uncommitted_newer_step_is_never_restored() {
     let saved = saved_job(4);
@@ -243,15 +301,9 @@ fn an_uncommitted_newer_step_is_never_restored() {
     }
 }
 
-#[test]
-fn a_corrupt_surviving_shard_fails_the_rebuild_and_falls_back() {
-    let saved = saved_job(3);
-    let d = fresh_copy(saved.path(), "memtier-corrupt");
-    lose_nodes(d.path(), &[0]);
-    // Flip a byte in every parity file and every copy on node 1: whatever node 0's ranks
-    // decode from is wrong somewhere, and the rebuilt copy's checksum says so.
-    let step = d.join("node1/step-000000000003");
-    for e in walk(&step) {
+/// Flips a byte in every parity file and every copy of `step` on `node`.
+fn corrupt_node(dir: &Path, node: usize, step: u64) {
+    for e in walk(&dir.join(format!("node{node}/step-{step:012}"))) {
         if e.extension().is_some_and(|x| x == "bin") || e.to_string_lossy().contains("rank-") {
             let mut b = std::fs::read(&e).unwrap();
             if !b.is_empty() {
@@ -260,9 +312,44 @@ fn a_corrupt_surviving_shard_fails_the_rebuild_and_falls_back() {
             }
         }
     }
+}
+
+#[test]
+fn corrupt_shards_on_one_more_node_are_found_and_rebuilt_around() {
+    // Node 0 lost and every shard of step 3 on node 1 corrupt: two nodes' worth of shards gone,
+    // within RS(2, 2). The first rebuild fails its checksums; the ranks then check what they
+    // hold, plan again without node 1's corrupt shards, and rebuild node 0's and node 1's
+    // copies from nodes 2 and 3.
+    let saved = saved_job(3);
+    let d = fresh_copy(saved.path(), "memtier-corrupt1");
+    lose_nodes(d.path(), &[0]);
+    corrupt_node(d.path(), 1, 3);
+    for o in restore(d.path(), WORLD, 3) {
+        assert_eq!((o.step, o.tier), (3, Tier::Memory), "{:?}", o.notes);
+        assert_eq!(o.rebuilt, vec![0, 1, 2, 3], "{:?}", o.notes);
+        let text = o.notes.join("\n");
+        assert!(text.contains("step 3 failed to restore") && text.contains("rank 2's copy on node node1"), "{text}");
+    }
+    // Node 1's copies were replaced by good ones: nothing to rebuild but node 0's parity.
+    for o in restore(d.path(), WORLD, 3) {
+        assert_eq!((o.step, o.tier, o.rebuilt.len()), (3, Tier::Memory, 0), "{:?}", o.notes);
+    }
+}
+
+#[test]
+fn a_corrupt_surviving_shard_beyond_the_parity_falls_back() {
+    // Node 0 lost, node 1's and node 2's shards of step 3 corrupt: three nodes' worth, more
+    // than RS(2, 2) covers; the persistent step 3 is restored, saying why.
+    let saved = saved_job(3);
+    let d = fresh_copy(saved.path(), "memtier-corrupt2");
+    lose_nodes(d.path(), &[0]);
+    corrupt_node(d.path(), 1, 3);
+    corrupt_node(d.path(), 2, 3);
     for o in restore(d.path(), WORLD, 3) {
         assert_eq!((o.step, o.tier), (3, Tier::Persistent), "{:?}", o.notes);
-        assert!(o.notes.iter().any(|n| n.contains("failed to restore")), "{:?}", o.notes);
+        let text = o.notes.join("\n");
+        assert!(text.contains("failed to restore") && text.contains("corrupt: "), "{text}");
+        assert!(text.contains("restoring step 3 from the persistent tier"), "{text}");
     }
 }
 
@@ -356,6 +443,7 @@ fn small_opts(dir: &Path, rank: usize) -> ManagerOptions {
         ),
         persistent: Some(Location::local(dir.join("persistent"))),
         persist_every: 0,
+        staging_bytes: 1 << 20,
         ..ManagerOptions::default()
     }
 }
@@ -600,4 +688,177 @@ fn a_persistent_step_one_rank_cannot_open_fails_every_rank_alike() {
         let e = v.as_ref().expect_err("no rank may restore");
         assert!(rank == 2 || e.contains("rank 2"), "rank {rank}: {e}");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every file call of the memory tier failing in turn (feature `fault-injection`).
+
+use tessera::memory_tier::{FaultHook, FaultWhen};
+
+/// One rank's file calls: counted while armed; the `fail`-th fails.
+#[derive(Default)]
+struct FileCalls {
+    armed: std::sync::atomic::AtomicBool,
+    count: std::sync::atomic::AtomicUsize,
+    fail: Option<(usize, FaultWhen)>,
+    /// (operation, path) of the failed call, once it happened.
+    hit: std::sync::Mutex<Option<String>>,
+}
+
+impl FileCalls {
+    fn hook(self: &Arc<Self>) -> FaultHook {
+        let me = self.clone();
+        Arc::new(move |op: &str, path: &Path| {
+            if !me.armed.load(std::sync::atomic::Ordering::SeqCst) {
+                return None;
+            }
+            let n = me.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let (at, when) = me.fail?;
+            (n == at).then(|| {
+                *me.hit.lock().unwrap() = Some(format!("{op} {}", path.display()));
+                when
+            })
+        })
+    }
+}
+
+fn faulty_opts(dir: &Path, rank: usize, calls: Option<&Arc<FileCalls>>) -> ManagerOptions {
+    let mut o = small_opts(dir, rank);
+    o.keep_last_memory = 2;
+    if let (Some(tier), Some(calls)) = (o.memory.take(), calls) {
+        o.memory = Some(tier.fault_hook(calls.hook()));
+    } else {
+        o.memory = small_opts(dir, rank).memory;
+    }
+    o
+}
+
+/// A job's memory roots after steps 1 and 2.
+fn two_steps_saved() -> TempDir {
+    let d = TempDir::created("memtier-twosteps");
+    let bg = InProcessComm::group(SMALL);
+    run_ranks(SMALL, |comm| {
+        let r = comm.rank();
+        let mut mgr = CheckpointManager::new(faulty_opts(d.path(), r, None), Arc::new(bg[r].clone())).unwrap();
+        for step in 1..=2 {
+            let mut w = small_bytes(step, r);
+            mgr.save(step, small_state(r, &mut w), comm).unwrap();
+        }
+        mgr.wait().unwrap();
+    });
+    d
+}
+
+/// Over a copy of `two_steps`, a new manager saves step 3 (its first save clears step 3 on,
+/// its background job prunes step 1) with rank `rank`'s `fail`-th file call failing; each
+/// rank's verdict of step 3 (its save and its background work), rank `rank`'s call count, and
+/// the call that failed.
+fn save_with_file_fault(
+    two_steps: &Path,
+    dir: &Path,
+    rank: usize,
+    fail: Option<(usize, FaultWhen)>,
+) -> (Vec<bool>, usize, Option<String>) {
+    copy_tree(two_steps, dir);
+    let calls: Vec<Arc<FileCalls>> =
+        (0..SMALL).map(|r| Arc::new(FileCalls { fail: fail.filter(|_| r == rank), ..FileCalls::default() })).collect();
+    let bg = InProcessComm::group_with_timeout(SMALL, std::time::Duration::from_secs(5));
+    let ok = run_ranks(SMALL, |comm| {
+        let r = comm.rank();
+        let mut mgr = CheckpointManager::new(faulty_opts(dir, r, Some(&calls[r])), Arc::new(bg[r].clone())).unwrap();
+        calls[r].armed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut w = small_bytes(3, r);
+        let staged = mgr.save(3, small_state(r, &mut w), comm).is_ok();
+        let done = mgr.wait().is_ok();
+        calls[r].armed.store(false, std::sync::atomic::Ordering::SeqCst);
+        staged && done
+    });
+    let n = calls[rank].count.load(std::sync::atomic::Ordering::SeqCst);
+    let hit = calls[rank].hit.lock().unwrap().clone();
+    (ok, n, hit)
+}
+
+/// Restores with rank `rank`'s `fail`-th file call failing; each rank's result (step or error)
+/// and rank `rank`'s call count. A restored step is checked byte for byte.
+fn restore_with_file_fault(dir: &Path, rank: usize, fail: Option<(usize, FaultWhen)>) -> (Vec<Option<u64>>, usize) {
+    let calls: Vec<Arc<FileCalls>> =
+        (0..SMALL).map(|r| Arc::new(FileCalls { fail: fail.filter(|_| r == rank), ..FileCalls::default() })).collect();
+    let bg = InProcessComm::group(SMALL);
+    let got = run_ranks(SMALL, |comm| {
+        let r = comm.rank();
+        let mut mgr = CheckpointManager::new(faulty_opts(dir, r, Some(&calls[r])), Arc::new(bg[r].clone())).unwrap();
+        calls[r].armed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut w = vec![0u8; small_bytes(0, r).len()];
+        let step = mgr.restore(small_state(r, &mut w), comm).ok().flatten().map(|x| x.step);
+        if let Some(s) = step {
+            assert_eq!(w, small_bytes(s, r), "rank {r} restored step {s} wrong");
+        }
+        step
+    });
+    (got, calls[rank].count.load(std::sync::atomic::Ordering::SeqCst))
+}
+
+/// Every file call of a memory-tier save (the copy, the parity exchange, the marker, the
+/// prune of the oldest step) and of a restore that rebuilds a lost node (the scan, the shards
+/// read, the rebuilt copy written and renamed, the load), on each rank in turn, failing before
+/// it takes effect or after: the newest complete step always restores, bit-exact. A save
+/// reported done on every rank is the one restored; a failed restore loses nothing (the next
+/// one restores the newest step from memory).
+#[test]
+fn a_failed_file_call_at_any_point_of_a_memory_save_or_restore_keeps_the_newest_step() {
+    // RS(2, 1) on 4 nodes: groups {0, 1} and {2, 3}, the parity of the second on node 0.
+    // Rank 0 (a member and a parity holder) and rank 1 (a member only) are swept in a save;
+    // in a restore after node 0 is lost, rank 0 (rebuilding), rank 1 (sending its copy) and
+    // rank 2 (sending the first group's parity).
+    let two = two_steps_saved();
+    let (mut cases, mut committed) = (0usize, 0usize);
+    for rank in [0, 1] {
+        let probe = TempDir::new("memtier-fileprobe");
+        let (ok, calls, _) = save_with_file_fault(two.path(), probe.path(), rank, None);
+        assert!(ok.iter().all(|x| *x) && calls > 10, "rank {rank}: {calls} calls");
+        for at in 0..calls {
+            for when in [FaultWhen::Before, FaultWhen::After] {
+                let d = TempDir::new("memtier-filefault");
+                let (ok, _, hit) = save_with_file_fault(two.path(), d.path(), rank, Some((at, when)));
+                if hit.is_none() {
+                    continue; // this run made fewer calls (the writer's threads vary)
+                }
+                cases += 1;
+                let restored = restore_small(d.path());
+                let step = restored[0].0;
+                assert!(restored.iter().all(|r| *r == (step, Tier::Memory)), "{hit:?} {when:?}: {restored:?}");
+                assert!(step == 3 || step == 2, "{hit:?} {when:?}: step {step}");
+                if ok.iter().all(|x| *x) {
+                    assert_eq!(step, 3, "{hit:?} {when:?}: every rank reported step 3 saved");
+                }
+                committed += usize::from(step == 3);
+            }
+        }
+    }
+    eprintln!("memory-tier save: {cases} file faults, {committed} left step 3 committed");
+
+    // The restore: node 0 lost, so ranks 0's copy and group parity are rebuilt.
+    let saved = TempDir::new("memtier-filesaved");
+    let (ok, _, _) = save_with_file_fault(two.path(), saved.path(), 0, None);
+    assert!(ok.iter().all(|x| *x));
+    let mut restores = 0usize;
+    for rank in [0, 1, 2] {
+        let probe = fresh_copy(saved.path(), "memtier-rprobe");
+        lose_nodes(probe.path(), &[0]);
+        let (got, calls) = restore_with_file_fault(probe.path(), rank, None);
+        assert!(got.iter().all(|s| *s == Some(3)), "{got:?}");
+        for at in 0..calls {
+            for when in [FaultWhen::Before, FaultWhen::After] {
+                let d = fresh_copy(saved.path(), "memtier-rfault");
+                lose_nodes(d.path(), &[0]);
+                let (got, _) = restore_with_file_fault(d.path(), rank, Some((at, when)));
+                // Every rank alike: the same step, or every rank failed.
+                assert!(got.iter().all(|s| *s == got[0]), "rank {rank} call {at} {when:?}: {got:?}");
+                restores += 1;
+                let (again, _) = restore_with_file_fault(d.path(), rank, None);
+                assert!(again.iter().all(|s| *s == Some(3)), "after rank {rank} call {at} {when:?}: {again:?}");
+            }
+        }
+    }
+    eprintln!("memory-tier restore: {restores} file faults, each followed by a restore of step 3");
 }

@@ -176,6 +176,13 @@ def restore(manager: Any, items: Sequence[LoadItem], comm: Optional[TorchComm]) 
     return {"step": r.step, "tier": r.tier, "rebuilt_ranks": list(r.rebuilt_ranks), "notes": list(r.notes), "common": r.common}
 
 
+def tied_span(t: Any, extra: Any) -> Tuple[Any, ...]:
+    """What makes two tensors one (tied weights: the same memory, viewed alike), with ``extra``
+    (where the tensor sits in the global one): a save describes each span once, and a load
+    fills each once."""
+    return (t.device, t.data_ptr(), t.numel() * t.element_size(), t.dtype, tuple(t.stride()), extra)
+
+
 def _into_targets(
     items: Sequence[LoadItem], stored_dtypes: Optional[Sequence[Any]], run: Callable[[List[Any]], Dict[str, Any]]
 ) -> Dict[str, Any]:
@@ -187,7 +194,7 @@ def _into_targets(
     seen: Dict[Tuple[Any, ...], int] = {}
     for i, (t, describe, extra) in enumerate(items):
         nbytes = t.numel() * t.element_size()
-        span = (t.device, t.data_ptr(), nbytes, t.dtype, tuple(t.stride()), extra)
+        span = tied_span(t, extra)
         if nbytes and span in seen:
             slot_of.append(seen[span])
             continue

@@ -83,7 +83,17 @@ def managed_save(manager: Any, step: int, state_dict: Dict[str, Any], comm: Any,
     in-place restore gives every rank its own back."""
     tensors, values = _split(flatten_stateful(state_dict))
     common = [(to_native_path(p), _plain_with_tuples(v)) for p, v in values]
-    described, keep_alive = io.on_host(_save_items(tensors, rank))
+    # Tied tensors once, under the first path, as managed_restore describes them: the copy's
+    # layout must be the one the restore asks for.
+    once: Dict[Tuple[Any, ...], None] = {}
+    untied = []
+    for path, t in tensors:
+        local, _, offset, _ = layout(t, rank)
+        span = io.tied_span(local, offset)
+        if local.numel() == 0 or span not in once:
+            once[span] = None
+            untied.append((path, t))
+    described, keep_alive = io.on_host(_save_items(untied, rank))
     try:
         return bool(manager.save(step, described, [], common, comm))
     finally:

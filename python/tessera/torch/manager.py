@@ -79,3 +79,16 @@ class CheckpointManager:
         """Waits for the background work (copies, parity, drains, deletions); raises its first
         failure since the last call."""
         self._native.wait()
+
+    def close(self) -> None:
+        """Waits for the background work, then stops the manager's background thread; raises
+        the work's first failure since the last :meth:`wait`. Before the process group is
+        destroyed, close the manager (or use it as a context manager): its background work
+        runs collectives on the group."""
+        self._native.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -75,6 +75,14 @@ pub(crate) fn shard_len(lens: impl Iterator<Item = u64>) -> u64 {
     max + (max & 1)
 }
 
+/// A manifest's bytes around `body`: the format, the version and the body's CRC-32C.
+pub(crate) fn seal(body: &str) -> Vec<u8> {
+    let outer = json!({ "format": FORMAT, "version": TIER_VERSION, "crc32c": crc32c(body.as_bytes()), "body": body });
+    let mut bytes = outer.to_string().into_bytes();
+    bytes.push(b'\n');
+    bytes
+}
+
 impl TierManifest {
     /// Number of ranks of the job that saved the step.
     pub fn world(&self) -> usize {
@@ -106,11 +114,7 @@ impl TierManifest {
             })).collect::<Vec<_>>(),
         })
         .to_string();
-        let outer =
-            json!({ "format": FORMAT, "version": TIER_VERSION, "crc32c": crc32c(body.as_bytes()), "body": body });
-        let mut bytes = outer.to_string().into_bytes();
-        bytes.push(b'\n');
-        bytes
+        seal(&body)
     }
 
     /// Parses and checks a manifest read from `path` (named in every error).

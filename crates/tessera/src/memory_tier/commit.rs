@@ -5,11 +5,10 @@
 //! A rank that fails anywhere still takes part in every collective (sending zeros), so all ranks
 //! reach the same verdict; a step without a marker is never restored.
 
-use std::sync::Arc;
-
 use reed_solomon_simd::ReedSolomonEncoder;
 use serde_json::{json, Value as J};
 
+use super::fs::NodeFs;
 use super::shard::{copy_files, files_from_json, files_to_json, ShardReader};
 use super::{marker_name, parity_name, rank_dir_name, MemoryTier};
 use crate::comm::wire::{outcome, outcomes};
@@ -18,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::format::tier_manifest::{shard_len, GroupShards, RankCopy, TierManifest};
 use crate::model::crc::crc32c_append;
 use crate::plan::placement::place;
-use crate::storage::{LocalStorage, ObjectWriter, Storage};
+use crate::storage::ObjectWriter;
 
 /// What one rank brings to the commit of step `step`: whether its copy was written, and its
 /// state's layout checksum.
@@ -44,7 +43,7 @@ pub(crate) fn commit_step(
     let my_dir = step_dir.join(rank_dir_name(me));
 
     // Phase 1: every rank's node and copy.
-    let mine = w.copy.and_then(|()| copy_files(&my_dir));
+    let mine = w.copy.and_then(|()| copy_files(&tier.fs, &my_dir));
     let msg = outcome(&mine, |files| {
         json!({ "node": node, "layout": w.layout, "files": files_to_json(files) }).to_string().into_bytes()
     });
@@ -80,7 +79,7 @@ pub(crate) fn commit_step(
     };
 
     // Phase 2: the parity, in rounds of one chunk per shard.
-    let mut stream = Stream::open(&manifest, me, &step_dir);
+    let mut stream = Stream::open(&tier.fs, &manifest, me, &step_dir);
     let chunk = manifest.chunk;
     let rounds = manifest.groups.iter().map(|g| g.shard_len.div_ceil(chunk)).max().unwrap_or(0);
     for t in 0..rounds {
@@ -125,7 +124,7 @@ pub(crate) fn commit_step(
             *slot = u32::try_from(c).map_err(|_| bad())?;
         }
     }
-    let marker = LocalStorage::new(&step_dir).put_atomic(&marker_name(me), &manifest.encode());
+    let marker = tier.fs.storage(&step_dir).put_atomic(&marker_name(me), &manifest.encode());
     Ok((manifest, marker))
 }
 
@@ -179,16 +178,16 @@ struct Stream {
 }
 
 impl Stream {
-    fn open(manifest: &TierManifest, me: usize, step_dir: &std::path::Path) -> Stream {
+    fn open(fs: &NodeFs, manifest: &TierManifest, me: usize, step_dir: &std::path::Path) -> Stream {
         let mut error = None;
-        let own = match ShardReader::open(&step_dir.join(rank_dir_name(me)), &manifest.ranks[me].files) {
+        let own = match ShardReader::open(fs, &step_dir.join(rank_dir_name(me)), &manifest.ranks[me].files) {
             Ok(r) => Some(r),
             Err(e) => {
                 error = Some(e);
                 None
             }
         };
-        let storage: Arc<dyn Storage> = Arc::new(LocalStorage::new(step_dir));
+        let storage = fs.storage(step_dir);
         let mut held = Vec::new();
         for (g, gs) in manifest.groups.iter().enumerate() {
             for (p, &h) in gs.group.parity.iter().enumerate() {

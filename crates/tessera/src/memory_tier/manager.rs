@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 
 use super::commit::{agree, commit_step, Written};
 use super::layout::{self, layout_crc, rank_copy, reassemble, rebuild_global, split, Parts};
-use super::restore::{self, clear_own, gather_and_decide, load_copy, prune};
+use super::restore::{self, clear_from, decide, gather, load_copy, prune};
 use super::{rank_dir_name, step_name, MemoryTier};
 use crate::comm::{Communicator, SoloComm};
 use crate::error::{Error, Result};
@@ -23,7 +23,7 @@ use crate::save::async_save::{AsyncSave, AsyncSaver};
 use crate::save::native::{save, NativeSession};
 use crate::save::options::SaveOptions;
 use crate::save::staging::StagingPool;
-use crate::storage::{LocalStorage, Location, MemoryStorage, Storage};
+use crate::storage::{Location, MemoryStorage, Storage};
 
 /// The manager's policy and tiers.
 #[derive(Debug, Clone)]
@@ -212,6 +212,10 @@ pub struct CheckpointManager {
     saver: AsyncSaver,
     worker: Worker,
     background: Arc<dyn Communicator>,
+    /// The step of the last memory save; `None` until one and after a restore. A memory save
+    /// of a step not after it first clears that step and every later one from every node
+    /// (collectively): what a run that went further, or a restore passed over, left there.
+    last_step: Option<u64>,
 }
 
 impl std::fmt::Debug for CheckpointManager {
@@ -245,7 +249,7 @@ impl CheckpointManager {
         let commit: Arc<dyn Communicator> = if opts.memory.is_some() { Arc::new(SoloComm) } else { background.clone() };
         let saver = AsyncSaver::new(StagingPool::new(opts.staging_bytes)?, commit);
         let worker = Worker::start(background.clone())?;
-        Ok(CheckpointManager { opts, node, saver, worker, background })
+        Ok(CheckpointManager { opts, node, saver, worker, background, last_step: None })
     }
 
     /// The policy's answer for `step`: is it saved?
@@ -264,7 +268,19 @@ impl CheckpointManager {
             eprintln!("tessera: checkpoint of step {s} failed in the background: {e}");
         }
         match self.opts.memory.clone() {
-            Some(tier) => self.save_memory(step, tree, tier),
+            Some(tier) => {
+                if self.last_step.is_none_or(|last| step <= last) {
+                    // The root may hold this step or later ones from a run that went further
+                    // (no restore since, or training went back): their markers must be gone on
+                    // every node before a copy of this step is written.
+                    for (s, e) in self.worker.wait() {
+                        eprintln!("tessera: checkpoint of step {s} failed in the background: {e}");
+                    }
+                    clear_from(&tier, &self.node, Some(step), comm)?;
+                }
+                self.last_step = Some(step);
+                self.save_memory(step, tree, tier)
+            }
             None => self.save_persistent(step, tree, comm),
         }
         .map(|()| true)
@@ -286,9 +302,8 @@ impl CheckpointManager {
         let staged: Result<(AsyncSave, u32)> = (|| {
             let parts = split(tree)?;
             let layout = layout_crc(&parts.layout);
-            clear_own(&tier, step, me)?;
-            std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
-            let storage: Arc<dyn Storage> = Arc::new(LocalStorage::new(&dir).treat_as_local(true));
+            tier.fs.create_dir_all(&dir)?;
+            let storage = tier.fs.storage(&dir);
             let opts = SaveOptions { overwrite: true, ..SaveOptions::default() };
             let pending = self.saver.save(rank_copy(parts), storage, &SoloComm, &opts)?;
             Ok((pending, layout))
@@ -312,14 +327,14 @@ impl CheckpointManager {
                 if let Some(loc) = persistent {
                     let drained = drain(&tier, step, &loc, bg);
                     let drained = match drained {
-                        Ok(()) if bg.rank() == 0 => prune_persistent(&loc, keep_persistent),
+                        Ok(()) if bg.rank() == 0 => prune_persistent(&loc, keep_persistent, step),
                         other => other,
                     };
                     result = result.and(drained);
                 }
                 // One rank per node prunes the node's root.
                 if manifest.nodes.iter().position(|n| *n == node) == Some(bg.rank()) {
-                    result = result.and(prune(&tier, keep_memory));
+                    result = result.and(prune(&tier, keep_memory, step));
                 }
                 result
             }),
@@ -342,7 +357,7 @@ impl CheckpointManager {
             Box::new(move |bg| {
                 pending.finalize()?;
                 if bg.rank() == 0 {
-                    prune_persistent(&loc, keep)?;
+                    prune_persistent(&loc, keep, step)?;
                 }
                 Ok(())
             }),
@@ -373,20 +388,30 @@ impl CheckpointManager {
         for (s, e) in self.worker.wait() {
             eprintln!("tessera: checkpoint of step {s} failed in the background: {e}");
         }
-        let mut parts = split(tree)?;
-        let d = gather_and_decide(
-            self.opts.memory.as_ref(),
-            &self.node,
-            &parts.layout,
-            self.opts.persistent.as_ref(),
-            comm,
-        )?;
-        let mut notes = d.notes;
-        if let (Some(plan), Some(tier)) = (d.memory, self.opts.memory.as_ref()) {
+        // Whatever is restored, the next memory save first clears its step and every later
+        // one from every node (steps passed over stay until then: a job that fails again
+        // before saving may still restore them).
+        self.last_step = None;
+        // Every rank goes on only if every rank's state could be described (a rank returning
+        // alone would leave the others waiting in the next collective).
+        let mut parts = agree(split(tree), comm)?;
+        let mut seen =
+            gather(self.opts.memory.as_ref(), &self.node, &parts.layout, self.opts.persistent.as_ref(), comm)?;
+        let mut notes = std::mem::take(&mut seen.notes);
+        let mut d = decide(&seen.reports, &seen.persistent);
+        let note = |notes: &mut Vec<String>, more: Vec<String>| {
+            for n in more {
+                if !notes.contains(&n) {
+                    notes.push(n);
+                }
+            }
+        };
+        note(&mut notes, std::mem::take(&mut d.notes));
+        while let (Some(plan), Some(tier)) = (d.memory.take(), self.opts.memory.clone()) {
             let step = plan.manifest.step;
             let rebuilt: Vec<usize> = plan.rebuild.iter().map(|(x, _)| *x).collect();
-            let done = restore::rebuild(tier, &plan, comm)
-                .and_then(|()| agree(load_copy(tier, step, comm.rank(), &mut parts), comm));
+            let done = restore::rebuild(&tier, &plan, comm)
+                .and_then(|()| agree(load_copy(&tier, step, comm.rank(), &mut parts), comm));
             match done {
                 Ok((stored, objects)) => {
                     let state =
@@ -402,13 +427,36 @@ impl CheckpointManager {
                     }));
                 }
                 Err(e) => {
-                    let Some(p) = self.newest_persistent(comm)? else { return Err(e) };
-                    notes.push(format!(
-                        "memory tier: step {step} failed to restore ({e}); restoring step {p} from the persistent tier"
-                    ));
-                    return self.restore_persistent(parts, p, notes, comm).map(Some);
+                    // Find which shards are corrupt and plan again without them (a corrupt
+                    // copy or parity shard is then rebuilt from, or replaced by, the others);
+                    // where no checksum shows why, pass over the step.
+                    let bad = restore::find_corrupt(&tier, &plan.manifest, comm)?;
+                    let then = if bad.is_empty() {
+                        seen.drop_step(step);
+                        "passing over it".to_owned()
+                    } else {
+                        seen.drop_shards(step, &bad);
+                        let names: Vec<String> = bad
+                            .iter()
+                            .map(|(holder, shard)| match shard {
+                                restore::Shard::Copy(y) => {
+                                    format!("rank {y}'s copy on node {}", seen.reports[*holder].node)
+                                }
+                                restore::Shard::Parity(g, p) => {
+                                    format!("parity shard {p} of group {g} on node {}", seen.reports[*holder].node)
+                                }
+                            })
+                            .collect();
+                        format!("corrupt: {}; planning again without them", names.join(", "))
+                    };
+                    notes.push(format!("memory tier: step {step} failed to restore ({e}); {then}"));
+                    d = decide(&seen.reports, &seen.persistent);
+                    note(&mut notes, std::mem::take(&mut d.notes));
                 }
             }
+        }
+        if let Some(p) = d.persistent.filter(|_| !notes.is_empty()) {
+            note(&mut notes, vec![format!("restoring step {p} from the persistent tier")]);
         }
         match d.persistent {
             Some(p) => self.restore_persistent(parts, p, notes, comm).map(Some),
@@ -418,10 +466,6 @@ impl CheckpointManager {
                 detail: Some(format!("no step can be restored from any tier:\n{}", notes.join("\n"))),
             }),
         }
-    }
-
-    fn newest_persistent(&self, comm: &dyn Communicator) -> Result<Option<u64>> {
-        Ok(restore::listed_persistent_steps(self.opts.persistent.as_ref(), comm)?.last().copied())
     }
 
     fn restore_persistent<'a>(
@@ -469,9 +513,9 @@ fn drain(tier: &MemoryTier, step: u64, loc: &Location, comm: &dyn Communicator) 
     let dir = tier.step_dir(step).join(rank_dir_name(comm.rank()));
     let path = dir.display().to_string();
     let storage = loc.join(&step_name(step)).open();
-    let copy = LocalStorage::new(&dir).treat_as_local(true);
+    let copy = tier.fs.storage(&dir);
     let tree = (|| -> Result<StateTree<'static>> {
-        let ckpt = open(&copy)?;
+        let ckpt = open(copy.as_ref())?;
         let StateTree::Map(mut common) = ckpt.common_state() else {
             return Err(Error::corrupt(&dir, "memory-tier copy without its layout"));
         };
@@ -511,14 +555,15 @@ fn drain(tier: &MemoryTier, step: u64, loc: &Location, comm: &dyn Communicator) 
     }
 }
 
-/// Removes the persistent steps older than the newest `keep` (0 keeps all): each step's index
-/// first (the step is then no longer committed), then its files.
-fn prune_persistent(loc: &Location, keep: usize) -> Result<()> {
+/// Removes the persistent steps older than the newest `keep` up to `current` (0 keeps all):
+/// each step's index first (the step is then no longer committed), then its files. Steps after
+/// `current` (from a run that went further) are never counted nor removed.
+fn prune_persistent(loc: &Location, keep: usize, current: u64) -> Result<()> {
     if keep == 0 {
         return Ok(());
     }
     let steps = restore::persistent_steps(loc)?;
-    for &step in steps.iter().rev().skip(keep) {
+    for &step in steps.iter().filter(|&&s| s <= current).rev().skip(keep) {
         let at = loc.join(&step_name(step));
         let storage = at.open()?;
         storage.delete(INDEX_FILE)?;

@@ -13,6 +13,9 @@
 //! tier.
 
 mod commit;
+mod fs;
+#[cfg(feature = "fuzzing")]
+pub(crate) mod fuzz;
 mod layout;
 mod manager;
 mod restore;
@@ -20,6 +23,9 @@ mod shard;
 
 use std::path::{Path, PathBuf};
 
+#[cfg(feature = "fault-injection")]
+#[doc(hidden)]
+pub use fs::{FaultHook, FaultWhen};
 pub use manager::{CheckpointManager, ManagerOptions, Restored, Tier};
 
 use crate::error::{Error, Result};
@@ -39,6 +45,7 @@ pub struct MemoryTier {
     k: usize,
     m: usize,
     chunk_bytes: u64,
+    fs: fs::NodeFs,
 }
 
 /// Environment variable naming this process's node when no node is set with
@@ -50,7 +57,7 @@ impl MemoryTier {
     /// rank of the node uses the same root), RS(4, 1), this node named by [`NODE_ENV`] or the
     /// host name.
     pub fn new(root: impl Into<PathBuf>) -> MemoryTier {
-        MemoryTier { root: root.into(), node: None, k: 4, m: 1, chunk_bytes: 8 << 20 }
+        MemoryTier { root: root.into(), node: None, k: 4, m: 1, chunk_bytes: 8 << 20, fs: fs::NodeFs::default() }
     }
 
     /// Names this process's node (ranks with the same name share a failure domain).
@@ -72,6 +79,15 @@ impl MemoryTier {
     /// default 8 MiB): what each rank holds in flight, per peer it sends to.
     pub fn chunk_bytes(mut self, bytes: u64) -> MemoryTier {
         self.chunk_bytes = bytes;
+        self
+    }
+
+    /// Fails the file operations `hook` picks (feature `fault-injection`, for the fault sweep):
+    /// every file call of the memory tier on this node's root passes it.
+    #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
+    pub fn fault_hook(mut self, hook: fs::FaultHook) -> MemoryTier {
+        self.fs = fs::NodeFs::with_hook(hook);
         self
     }
 

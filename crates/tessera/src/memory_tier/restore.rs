@@ -6,16 +6,14 @@
 //! on some node; a persistent step only if committed.
 
 use std::collections::BTreeMap;
-use std::fs;
-use std::path::Path;
 
 use reed_solomon_simd::ReedSolomonDecoder;
 use serde_json::{json, Value as J};
 
-use super::commit::round_len;
+use super::commit::{agree, round_len};
 use super::layout::{layout_crc, object_key, tensor_key, Parts, LAYOUT_KEY};
 use super::shard::{files_from_json, files_to_json, ShardReader, ShardWriter};
-use super::{marker_name, parity_name, parse_step_name, rank_dir_name, step_name, MemoryTier};
+use super::{parity_name, parse_step_name, rank_dir_name, step_name, MemoryTier};
 use crate::comm::wire::{outcome, outcomes};
 use crate::comm::{Communicator, SoloComm};
 use crate::error::{Error, Result};
@@ -23,8 +21,9 @@ use crate::format::tier_manifest::TierManifest;
 use crate::format::INDEX_FILE;
 use crate::load::engine::{load, LoadOptions};
 use crate::load::open::open;
+use crate::model::crc::crc32c_append;
 use crate::model::{ShardedTensor, StateTree, TensorData, Value};
-use crate::storage::{LocalStorage, Location};
+use crate::storage::Location;
 
 /// What one node's memory root holds for one step: the manifest text (from any marker that
 /// reads), each rank copy's files with their sizes, each parity file's size.
@@ -44,32 +43,28 @@ pub(crate) struct Report {
 }
 
 /// Lists a node's memory root. What cannot be read is left out (it cannot serve a restore).
-pub(crate) fn scan(root: &Path) -> BTreeMap<u64, StepScan> {
+pub(crate) fn scan(tier: &MemoryTier) -> BTreeMap<u64, StepScan> {
+    let fs = &tier.fs;
     let mut steps = BTreeMap::new();
-    let Ok(dir) = fs::read_dir(root) else { return steps };
-    for e in dir.flatten() {
-        let Some(step) = e.file_name().to_str().and_then(parse_step_name) else { continue };
+    let Ok(dir) = fs.read_dir(tier.root()) else { return steps };
+    for e in dir {
+        let Some(step) = parse_step_name(&e.name) else { continue };
         let mut s = StepScan::default();
-        let Ok(inner) = fs::read_dir(e.path()) else { continue };
-        for f in inner.flatten() {
-            let name = f.file_name().to_string_lossy().into_owned();
-            let Ok(meta) = f.metadata() else { continue };
-            if let Some(r) = name.strip_prefix("rank-").and_then(|r| r.parse::<usize>().ok()) {
-                if meta.is_dir() {
-                    let files = fs::read_dir(f.path())
-                        .map(|d| {
-                            d.flatten()
-                                .filter_map(|x| Some((x.file_name().into_string().ok()?, x.metadata().ok()?.len())))
-                                .collect::<Vec<_>>()
-                        })
+        let Ok(inner) = fs.read_dir(&e.path) else { continue };
+        for f in inner {
+            if let Some(r) = f.name.strip_prefix("rank-").and_then(|r| r.parse::<usize>().ok()) {
+                if f.is_dir {
+                    let files = fs
+                        .read_dir(&f.path)
+                        .map(|d| d.into_iter().map(|x| (x.name, x.len)).collect::<Vec<_>>())
                         .unwrap_or_default();
                     s.copies.insert(r, files);
                 }
-            } else if name.starts_with("parity-") && meta.is_file() {
-                s.parity.insert(name, meta.len());
-            } else if name.starts_with("commit-") && s.manifest.is_none() {
-                if let Ok(bytes) = fs::read(f.path()) {
-                    if TierManifest::decode(&bytes, &f.path().display().to_string()).is_ok() {
+            } else if f.name.starts_with("parity-") && !f.is_dir {
+                s.parity.insert(f.name, f.len);
+            } else if f.name.starts_with("commit-") && s.manifest.is_none() {
+                if let Ok(bytes) = fs.read(&f.path) {
+                    if TierManifest::decode(&bytes, &f.path.display().to_string()).is_ok() {
                         s.manifest = String::from_utf8(bytes).ok();
                     }
                 }
@@ -331,8 +326,10 @@ pub(crate) fn rebuild(tier: &MemoryTier, plan: &MemoryPlan, comm: &dyn Communica
             continue;
         }
         let r = match shard {
-            Shard::Copy(y) => ShardReader::open(&step_dir.join(rank_dir_name(*y)), &m.ranks[*y].files),
-            Shard::Parity(g, p) => ShardReader::single(&step_dir.join(parity_name(*g, *p)), m.groups[*g].shard_len),
+            Shard::Copy(y) => ShardReader::open(&tier.fs, &step_dir.join(rank_dir_name(*y)), &m.ranks[*y].files),
+            Shard::Parity(g, p) => {
+                ShardReader::single(&tier.fs, &step_dir.join(parity_name(*g, *p)), m.groups[*g].shard_len)
+            }
         };
         match r {
             Ok(r) => {
@@ -345,7 +342,7 @@ pub(crate) fn rebuild(tier: &MemoryTier, plan: &MemoryPlan, comm: &dyn Communica
     }
     let mine = plan.rebuild.iter().find(|(x, _)| *x == me).map(|(_, how)| how.clone());
     let mut writer = match &mine {
-        Some(_) => match ShardWriter::create(&step_dir.join(rank_dir_name(me)), &m.ranks[me].files) {
+        Some(_) => match ShardWriter::create(&tier.fs, &step_dir.join(rank_dir_name(me)), &m.ranks[me].files) {
             Ok(w) => Some(w),
             Err(e) => {
                 error.get_or_insert(e);
@@ -456,8 +453,8 @@ pub(crate) fn load_copy(
     parts: &mut Parts<'_>,
 ) -> Result<(Value, Vec<Vec<u8>>)> {
     let dir = tier.step_dir(step).join(rank_dir_name(me));
-    let storage = LocalStorage::new(&dir).treat_as_local(true);
-    let ckpt = open(&storage)?;
+    let storage = tier.fs.storage(&dir);
+    let ckpt = open(storage.as_ref())?;
     let stored = match ckpt.common_state() {
         StateTree::Map(mut m) => match m.remove(LAYOUT_KEY) {
             Some(StateTree::Value(v)) => v,
@@ -482,7 +479,7 @@ pub(crate) fn load_copy(
             StateTree::Tensor(ShardedTensor::full(tensor_key(i), dtype, &[n], TensorData::Mut(buf))),
         );
     }
-    load(want, &storage, &SoloComm, &LoadOptions::default())?;
+    load(want, storage.as_ref(), &SoloComm, &LoadOptions::default())?;
     let keys: Vec<String> = (0..parts.objects.len()).map(object_key).collect();
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let mut bytes = if keys.is_empty() { BTreeMap::new() } else { ckpt.read_tensors(Some(&key_refs))? };
@@ -495,47 +492,74 @@ pub(crate) fn load_copy(
     Ok((stored, objects))
 }
 
-/// Removes this node's steps older than the newest `keep` committed ones, markers first (a
-/// step without markers is no longer complete anywhere on this node), then the rest.
-pub(crate) fn prune(tier: &MemoryTier, keep: usize) -> Result<()> {
-    let steps = scan(tier.root());
-    let committed: Vec<u64> = steps.iter().filter(|(_, s)| s.manifest.is_some()).map(|(s, _)| *s).collect();
+/// Removes this node's steps older than the newest `keep` committed ones up to `current` (the
+/// step just committed). Steps after `current` are left alone: the next saves' copies may
+/// already be being written there.
+pub(crate) fn prune(tier: &MemoryTier, keep: usize, current: u64) -> Result<()> {
+    let steps = scan(tier);
+    let committed: Vec<u64> =
+        steps.iter().filter(|(s, scan)| **s <= current && scan.manifest.is_some()).map(|(s, _)| *s).collect();
     let Some(&oldest_kept) = committed.iter().rev().nth(keep.max(1) - 1).or(committed.first()) else { return Ok(()) };
     for &step in steps.keys().filter(|&&s| s < oldest_kept) {
-        let dir = tier.step_dir(step);
-        if let Ok(entries) = fs::read_dir(&dir) {
-            for e in entries.flatten() {
-                if e.file_name().to_string_lossy().starts_with("commit-") {
-                    fs::remove_file(e.path()).map_err(|err| Error::io(e.path(), err))?;
-                }
-            }
-        }
-        match fs::remove_dir_all(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io(&dir, e)),
-        }
+        remove_step(tier, step)?;
     }
     Ok(())
 }
 
-/// Gathers every rank's report and the persistent tier's steps (listed by rank 0), and decides.
-pub(crate) fn gather_and_decide(
+/// Removes one step from this node's root: its markers first (a step without markers is no
+/// longer complete anywhere on this node), then the rest.
+fn remove_step(tier: &MemoryTier, step: u64) -> Result<()> {
+    let dir = tier.step_dir(step);
+    let entries = match tier.fs.read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(_) if !dir.exists() => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for e in entries.iter().filter(|e| e.name.starts_with("commit-")) {
+        tier.fs.remove_file(&e.path)?;
+    }
+    tier.fs.remove_dir_all(&dir)
+}
+
+/// Removes every step from `from` on (`None`: all steps) from every node's root, before the
+/// job writes those step numbers again (collective on `comm`): the first rank of each node
+/// removes, and no rank returns before every node is done, so no save writes a step while a
+/// node still holds that step's old markers, copies or parity (a restore could otherwise pair
+/// an old manifest with new copies). Every rank gets the same verdict.
+pub(crate) fn clear_from(tier: &MemoryTier, node: &str, from: Option<u64>, comm: &dyn Communicator) -> Result<()> {
+    let nodes = comm.all_gather(node.as_bytes())?;
+    let first_on_node = nodes.iter().position(|n| n.as_slice() == node.as_bytes()) == Some(comm.rank());
+    let removed = if first_on_node {
+        scan(tier).keys().filter(|&&s| from.is_none_or(|f| s >= f)).try_for_each(|&s| remove_step(tier, s))
+    } else {
+        Ok(())
+    };
+    agree(removed, comm)
+}
+
+/// What every rank said before a restore, and the persistent tier's committed steps: the
+/// input of [`decide`], the same on every rank.
+pub(crate) struct Gathered {
+    pub reports: Vec<Report>,
+    pub persistent: Vec<u64>,
+    /// Why the persistent tier could not be listed, if it could not.
+    pub notes: Vec<String>,
+}
+
+/// Gathers every rank's report and the persistent tier's steps (listed by rank 0).
+pub(crate) fn gather(
     tier: Option<&MemoryTier>,
     node: &str,
     layout: &Value,
     persistent: Option<&Location>,
     comm: &dyn Communicator,
-) -> Result<Decision> {
-    let report = Report {
-        node: node.to_owned(),
-        layout: layout_crc(layout),
-        steps: tier.map(|t| scan(t.root())).unwrap_or_default(),
-    };
+) -> Result<Gathered> {
+    let report =
+        Report { node: node.to_owned(), layout: layout_crc(layout), steps: tier.map(scan).unwrap_or_default() };
     let all = comm.all_gather(&encode_report(&report))?;
     let reports = all.iter().enumerate().map(|(r, b)| decode_report(b, r)).collect::<Result<Vec<_>>>()?;
     let mut notes = Vec::new();
-    let steps = match listed_persistent_steps(persistent, comm) {
+    let persistent = match listed_persistent_steps(persistent, comm) {
         Ok(steps) => steps,
         Err(Error::Comm { reason }) => return Err(Error::Comm { reason }),
         Err(e) => {
@@ -543,28 +567,94 @@ pub(crate) fn gather_and_decide(
             Vec::new()
         }
     };
-    let mut d = decide(&reports, &steps);
-    notes.append(&mut d.notes);
-    d.notes = notes;
-    Ok(d)
+    Ok(Gathered { reports, persistent, notes })
 }
 
-/// Removes a memory-tier step's marker of this rank, its copy and the parity it held, before
-/// a save writes the step again (a crashed save of the same step may have left them).
-pub(crate) fn clear_own(tier: &MemoryTier, step: u64, me: usize) -> Result<()> {
-    let dir = tier.step_dir(step);
-    let marker = dir.join(marker_name(me));
-    match fs::remove_file(&marker) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(Error::io(marker, e)),
+impl Gathered {
+    /// Forgets that `step` is on any node (it failed to restore for a reason no checksum shows).
+    pub(crate) fn drop_step(&mut self, step: u64) {
+        for r in &mut self.reports {
+            r.steps.remove(&step);
+        }
     }
-    let copy = dir.join(rank_dir_name(me));
-    match fs::remove_dir_all(&copy) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(Error::io(copy, e)),
+
+    /// Forgets the shards of `step` found corrupt, on every rank of the node holding each.
+    pub(crate) fn drop_shards(&mut self, step: u64, bad: &[(usize, Shard)]) {
+        for (holder, shard) in bad {
+            let node = self.reports[*holder].node.clone();
+            for r in self.reports.iter_mut().filter(|r| r.node == node) {
+                if let Some(s) = r.steps.get_mut(&step) {
+                    match shard {
+                        Shard::Copy(y) => {
+                            s.copies.remove(y);
+                        }
+                        Shard::Parity(g, p) => {
+                            s.parity.remove(&parity_name(*g, *p));
+                        }
+                    }
+                }
+            }
+        }
     }
+}
+
+/// After a failed restore of `m`'s step, every rank checks the shards it answers for (its
+/// own copy and the parity shards it wrote, where its node still holds them) against the
+/// manifest's checksums (collective): the (holder, shard) pairs that do not match, the same on
+/// every rank.
+pub(crate) fn find_corrupt(
+    tier: &MemoryTier,
+    m: &TierManifest,
+    comm: &dyn Communicator,
+) -> Result<Vec<(usize, Shard)>> {
+    let me = comm.rank();
+    let dir = tier.step_dir(m.step);
+    let mut bad = Vec::new();
+    if let Some(c) = m.ranks.get(me) {
+        let copy = dir.join(rank_dir_name(me));
+        if copy.exists() && crc_of(ShardReader::open(&tier.fs, &copy, &c.files), c.len()) != Some(c.crc) {
+            bad.push(json!(["copy", me]));
+        }
+    }
+    for (g, gs) in m.groups.iter().enumerate() {
+        for (p, _) in gs.group.parity.iter().enumerate().filter(|(_, &h)| h == me) {
+            let path = dir.join(parity_name(g, p));
+            let want = gs.parity_crcs.get(p).copied();
+            if path.exists() && crc_of(ShardReader::single(&tier.fs, &path, gs.shard_len), gs.shard_len) != want {
+                bad.push(json!(["parity", g, p]));
+            }
+        }
+    }
+    let all = comm.all_gather(J::Array(bad).to_string().as_bytes())?;
+    let mut out = Vec::new();
+    for (r, bytes) in all.iter().enumerate() {
+        let malformed = || Error::Comm { reason: format!("memory tier: rank {r} sent a malformed checksum verdict") };
+        let list: Vec<J> = serde_json::from_slice(bytes).map_err(|_| malformed())?;
+        for x in list {
+            let n = |i: usize| x[i].as_u64().map(|v| v as usize).ok_or_else(malformed);
+            let shard = match x[0].as_str() {
+                Some("copy") => Shard::Copy(n(1)?),
+                Some("parity") => Shard::Parity(n(1)?, n(2)?),
+                _ => return Err(malformed()),
+            };
+            out.push((r, shard));
+        }
+    }
+    Ok(out)
+}
+
+/// The CRC-32C of a shard's `len` bytes; None if it cannot be read.
+fn crc_of(reader: Result<ShardReader>, len: u64) -> Option<u32> {
+    let reader = reader.ok()?;
+    let mut buf = vec![0u8; len.min(8 << 20) as usize];
+    let (mut at, mut crc) = (0u64, 0u32);
+    while at < len {
+        let n = (len - at).min(buf.len() as u64) as usize;
+        reader.read(at, &mut buf[..n]).ok()?;
+        crc = crc32c_append(crc, &buf[..n]);
+        at += n as u64;
+    }
+    Some(crc)
 }
 
 #[cfg(test)]

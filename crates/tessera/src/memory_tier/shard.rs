@@ -2,9 +2,10 @@
 //! manifest's order) read back to back, zeros past their end; and the writer that puts a
 //! shard rebuilt elsewhere back as a copy, checked against its checksum before it appears.
 
-use std::fs::{self, File};
-use std::os::unix::fs::FileExt;
+use std::fs::File;
 use std::path::{Path, PathBuf};
+
+use super::fs::NodeFs;
 
 use crate::error::{Error, Result};
 use crate::format::INDEX_FILE;
@@ -12,17 +13,18 @@ use crate::model::crc::crc32c_append;
 
 /// The files of a rank's copy in shard order, with their sizes: the index (the copy's commit
 /// marker) last, so a rebuilt copy is written in the order a save writes it.
-pub(crate) fn copy_files(dir: &Path) -> Result<Vec<(String, u64)>> {
+pub(crate) fn copy_files(fs: &NodeFs, dir: &Path) -> Result<Vec<(String, u64)>> {
     let mut files = Vec::new();
-    for e in fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        let e = e.map_err(|e| Error::io(dir, e))?;
-        let meta = e.metadata().map_err(|err| Error::io(e.path(), err))?;
-        let name =
-            e.file_name().into_string().map_err(|n| Error::corrupt(dir, format!("file name {n:?} is not UTF-8")))?;
-        if !meta.is_file() {
-            return Err(Error::corrupt(e.path(), "not a regular file in a memory-tier copy"));
+    for e in fs.read_dir(dir)? {
+        // Hidden names are never part of a checkpoint: a lease whose deletion failed, the
+        // temporary of an interrupted write (the manifest refuses such names).
+        if e.name.starts_with('.') {
+            continue;
         }
-        files.push((name, meta.len()));
+        if e.is_dir {
+            return Err(Error::corrupt(&e.path, "not a regular file in a memory-tier copy"));
+        }
+        files.push((e.name, e.len));
     }
     files.sort_by(|a, b| (a.0 == INDEX_FILE, &a.0).cmp(&(b.0 == INDEX_FILE, &b.0)));
     Ok(files)
@@ -40,30 +42,30 @@ pub(crate) fn files_from_json(v: &serde_json::Value) -> Option<Vec<(String, u64)
 
 /// Reads ranges of a shard stored as files back to back.
 pub(crate) struct ShardReader {
+    fs: NodeFs,
     files: Vec<(PathBuf, u64, File)>,
 }
 
 impl ShardReader {
     /// The shard of the copy in `dir` made of `files` (names and sizes, in order); a file of
     /// another size is refused, naming it.
-    pub fn open(dir: &Path, files: &[(String, u64)]) -> Result<ShardReader> {
+    pub fn open(fs: &NodeFs, dir: &Path, files: &[(String, u64)]) -> Result<ShardReader> {
         let mut out = Vec::with_capacity(files.len());
         for (name, len) in files {
             let path = dir.join(name);
-            let f = File::open(&path).map_err(|e| Error::io(&path, e))?;
-            let size = f.metadata().map_err(|e| Error::io(&path, e))?.len();
+            let (f, size) = fs.open(&path)?;
             if size != *len {
                 return Err(Error::corrupt(&path, format!("{size} bytes, the memory tier's manifest says {len}")));
             }
             out.push((path, *len, f));
         }
-        Ok(ShardReader { files: out })
+        Ok(ShardReader { fs: fs.clone(), files: out })
     }
 
     /// A single-file shard (a parity shard) of `len` bytes.
-    pub fn single(path: &Path, len: u64) -> Result<ShardReader> {
+    pub fn single(fs: &NodeFs, path: &Path, len: u64) -> Result<ShardReader> {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
-        ShardReader::open(path.parent().unwrap_or(Path::new(".")), &[(name, len)])
+        ShardReader::open(fs, path.parent().unwrap_or(Path::new(".")), &[(name, len)])
     }
 
     /// Fills `buf` with the shard's bytes from `offset`, zeros past its end.
@@ -78,7 +80,7 @@ impl ShardReader {
                 continue;
             }
             let n = ((len - offset) as usize).min(buf.len() - done);
-            f.read_exact_at(&mut buf[done..done + n], offset).map_err(|e| Error::io(path, e))?;
+            self.fs.read_at(f, path, &mut buf[done..done + n], offset)?;
             done += n;
             offset = 0;
         }
@@ -90,6 +92,7 @@ impl ShardReader {
 /// Writes a shard back as the files of a copy, into a hidden directory beside `dir` that
 /// becomes `dir` only once every byte is in and the shard's checksum matches.
 pub(crate) struct ShardWriter {
+    fs: NodeFs,
     dir: PathBuf,
     tmp: PathBuf,
     files: Vec<(String, u64, File)>,
@@ -99,21 +102,16 @@ pub(crate) struct ShardWriter {
 
 impl ShardWriter {
     /// A writer for the copy in `dir` made of `files`.
-    pub fn create(dir: &Path, files: &[(String, u64)]) -> Result<ShardWriter> {
+    pub fn create(fs: &NodeFs, dir: &Path, files: &[(String, u64)]) -> Result<ShardWriter> {
         let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("copy");
         let tmp = dir.with_file_name(format!(".{name}.rebuild"));
-        if tmp.exists() {
-            fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        }
-        fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        fs.remove_dir_all(&tmp)?;
+        fs.create_dir_all(&tmp)?;
         let mut out = Vec::with_capacity(files.len());
         for (n, len) in files {
-            let path = tmp.join(n);
-            let f = File::create(&path).map_err(|e| Error::io(&path, e))?;
-            f.set_len(*len).map_err(|e| Error::io(&path, e))?;
-            out.push((n.clone(), *len, f));
+            out.push((n.clone(), *len, fs.create(&tmp.join(n), *len)?));
         }
-        Ok(ShardWriter { dir: dir.to_owned(), tmp, files: out, written: 0, crc: 0 })
+        Ok(ShardWriter { fs: fs.clone(), dir: dir.to_owned(), tmp, files: out, written: 0, crc: 0 })
     }
 
     /// Appends the shard's next bytes (past the files' end, only zero padding may follow:
@@ -129,7 +127,7 @@ impl ShardWriter {
                 continue;
             }
             let k = ((len - at) as usize).min(data.len());
-            f.write_all_at(&data[..k], at).map_err(|e| Error::io(self.tmp.join(n), e))?;
+            self.fs.write_at(f, &self.tmp.join(n), &data[..k], at)?;
             self.crc = crc32c_append(self.crc, &data[..k]);
             self.written += k as u64;
             data = &data[k..];
@@ -142,7 +140,7 @@ impl ShardWriter {
     pub fn finish(self, crc: u32) -> Result<()> {
         let total: u64 = self.files.iter().map(|f| f.1).sum();
         if self.written != total || self.crc != crc {
-            let _ = fs::remove_dir_all(&self.tmp);
+            let _ = self.fs.remove_dir_all(&self.tmp);
             return Err(Error::corrupt(
                 &self.dir,
                 format!(
@@ -152,12 +150,10 @@ impl ShardWriter {
             ));
         }
         for (n, _, f) in &self.files {
-            f.sync_all().map_err(|e| Error::io(self.tmp.join(n), e))?;
+            self.fs.sync(f, &self.tmp.join(n))?;
         }
-        if self.dir.exists() {
-            fs::remove_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
-        }
-        fs::rename(&self.tmp, &self.dir).map_err(|e| Error::io(&self.dir, e))
+        self.fs.remove_dir_all(&self.dir)?;
+        self.fs.rename(&self.tmp, &self.dir)
     }
 }
 
@@ -165,6 +161,7 @@ impl ShardWriter {
 mod tests {
     use super::*;
     use crate::model::crc::crc32c;
+    use std::fs;
 
     #[test]
     fn a_copy_reads_back_to_back_and_rebuilds_only_when_it_checks() {
@@ -173,21 +170,22 @@ mod tests {
         fs::create_dir_all(&dir).unwrap();
         fs::write(dir.join(INDEX_FILE), b"IDX").unwrap();
         fs::write(dir.join("a"), b"hello").unwrap();
-        let files = copy_files(&dir).unwrap();
+        let nfs = NodeFs::default();
+        let files = copy_files(&nfs, &dir).unwrap();
         assert_eq!(files, vec![("a".to_string(), 5), (INDEX_FILE.to_string(), 3)]);
-        let r = ShardReader::open(&dir, &files).unwrap();
+        let r = ShardReader::open(&nfs, &dir, &files).unwrap();
         let mut buf = [7u8; 10];
         r.read(3, &mut buf).unwrap();
         assert_eq!(&buf, b"loIDX\0\0\0\0\0");
 
         let copy = root.join("rank-2");
-        let mut w = ShardWriter::create(&copy, &files).unwrap();
+        let mut w = ShardWriter::create(&nfs, &copy, &files).unwrap();
         w.append(b"hel").unwrap();
         w.append(b"loIDX\0\0").unwrap();
         w.finish(crc32c(b"helloIDX")).unwrap();
         assert_eq!(fs::read(copy.join("a")).unwrap(), b"hello");
 
-        let mut w = ShardWriter::create(&root.join("rank-3"), &files).unwrap();
+        let mut w = ShardWriter::create(&nfs, &root.join("rank-3"), &files).unwrap();
         w.append(b"helloIDY").unwrap();
         let e = w.finish(crc32c(b"helloIDX")).unwrap_err().to_string();
         assert!(e.contains("rank-3") && e.contains("checksum"), "{e}");
