@@ -407,6 +407,9 @@ impl CheckpointManager {
             }
         };
         note(&mut notes, std::mem::take(&mut d.notes));
+        // Shards already found corrupt (and planned without): each pass must learn something
+        // new or pass over the step, so the loop ends.
+        let mut known_bad: Vec<(u64, usize, restore::Shard)> = Vec::new();
         while let (Some(plan), Some(tier)) = (d.memory.take(), self.opts.memory.clone()) {
             let step = plan.manifest.step;
             let rebuilt: Vec<usize> = plan.rebuild.iter().map(|(x, _)| *x).collect();
@@ -430,7 +433,9 @@ impl CheckpointManager {
                     // Find which shards are corrupt and plan again without them (a corrupt
                     // copy or parity shard is then rebuilt from, or replaced by, the others);
                     // where no checksum shows why, pass over the step.
-                    let bad = restore::find_corrupt(&tier, &plan.manifest, comm)?;
+                    let mut bad = restore::find_corrupt(&tier, &plan.manifest, comm)?;
+                    bad.retain(|(holder, shard)| !known_bad.contains(&(step, *holder, *shard)));
+                    known_bad.extend(bad.iter().map(|(holder, shard)| (step, *holder, *shard)));
                     let then = if bad.is_empty() {
                         seen.drop_step(step);
                         "passing over it".to_owned()
