@@ -282,6 +282,29 @@ fn a_run_started_over_an_old_memory_root_without_restoring_keeps_its_own_steps()
 }
 
 #[test]
+fn a_hidden_leftover_in_a_copy_does_not_count_against_it() {
+    // A save that could not delete its lease leaves `.tessera-lease-*` in the copy (the save
+    // succeeds; the lease is not part of the copy). With nodes 0 and 1 lost, the copies on
+    // nodes 2 and 3 must still count as intact, or the groups on those nodes (their parity
+    // on the lost nodes) could not be restored.
+    let saved = saved_job(3);
+    let d = fresh_copy(saved.path(), "memtier-hidden");
+    lose_nodes(d.path(), &[0, 1]);
+    for n in [2, 3] {
+        for e in std::fs::read_dir(d.join(&format!("node{n}/step-000000000003"))).unwrap() {
+            let p = e.unwrap().path();
+            if p.file_name().unwrap().to_string_lossy().starts_with("rank-") {
+                std::fs::write(p.join(".tessera-lease-00000000000000aa"), b"left over").unwrap();
+            }
+        }
+    }
+    for o in restore(d.path(), WORLD, 3) {
+        assert_eq!((o.step, o.tier), (3, Tier::Memory), "{:?}", o.notes);
+        assert_eq!(o.rebuilt, vec![0, 1, 2, 3], "{:?}", o.notes);
+    }
+}
+
+#[test]
 fn an_uncommitted_newer_step_is_never_restored() {
     let saved = saved_job(4);
     let d = fresh_copy(saved.path(), "memtier-uncommitted");

@@ -54,9 +54,10 @@ pub(crate) fn scan(tier: &MemoryTier) -> BTreeMap<u64, StepScan> {
         for f in inner {
             if let Some(r) = f.name.strip_prefix("rank-").and_then(|r| r.parse::<usize>().ok()) {
                 if f.is_dir {
+                    // Hidden names are not part of a copy (shard.rs, `copy_files`).
                     let files = fs
                         .read_dir(&f.path)
-                        .map(|d| d.into_iter().map(|x| (x.name, x.len)).collect::<Vec<_>>())
+                        .map(|d| d.into_iter().filter(|x| !x.name.starts_with('.')).map(|x| (x.name, x.len)).collect())
                         .unwrap_or_default();
                     s.copies.insert(r, files);
                 }
@@ -530,7 +531,17 @@ pub(crate) fn clear_from(tier: &MemoryTier, node: &str, from: Option<u64>, comm:
     let nodes = comm.all_gather(node.as_bytes())?;
     let first_on_node = nodes.iter().position(|n| n.as_slice() == node.as_bytes()) == Some(comm.rank());
     let removed = if first_on_node {
-        scan(tier).keys().filter(|&&s| from.is_none_or(|f| s >= f)).try_for_each(|&s| remove_step(tier, s))
+        // Not `scan`, which leaves out what it cannot list: a root that cannot be listed must
+        // fail the clear, not pass it with old steps left in place.
+        match tier.fs.read_dir(tier.root()) {
+            Err(_) if !tier.root().exists() => Ok(()),
+            Err(e) => Err(e),
+            Ok(entries) => entries
+                .iter()
+                .filter_map(|e| parse_step_name(&e.name))
+                .filter(|&s| from.is_none_or(|f| s >= f))
+                .try_for_each(|s| remove_step(tier, s)),
+        }
     } else {
         Ok(())
     };
