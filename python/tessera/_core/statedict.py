@@ -65,10 +65,18 @@ def save_request(state_dict: Dict[str, Any], comm: Any, rank: int, kind: str = "
     return _save_items(tensors, rank), common
 
 
-def _save_items(tensors: List[Tuple[Tuple[Seg, ...], torch.Tensor]], rank: int) -> List[io.SaveItem]:
+def _save_items(tensors: List[Tuple[Tuple[Seg, ...], torch.Tensor]], rank: int, untie: bool = False) -> List[io.SaveItem]:
+    """The save items of ``tensors``; with ``untie``, tied tensors once, under the first path
+    (as a load describes them: ``io.tied_span``)."""
     items: List[io.SaveItem] = []
+    seen: Dict[Tuple[Any, ...], None] = {}
     for path, t in tensors:
         local, shape, offset, replica = layout(t, rank)
+        if untie and local.numel():
+            span = io.tied_span(local, offset)
+            if span in seen:
+                continue
+            seen[span] = None
 
         def describe(host: Any, key: str = dotted(path), t: Any = t, shape: Any = shape, offset: Any = offset, replica: Any = replica) -> Any:
             return save_tensor(key, t.dtype, host.shape, shape, offset, replica_id=replica, data=host)
@@ -83,17 +91,9 @@ def managed_save(manager: Any, step: int, state_dict: Dict[str, Any], comm: Any,
     in-place restore gives every rank its own back."""
     tensors, values = _split(flatten_stateful(state_dict))
     common = [(to_native_path(p), _plain_with_tuples(v)) for p, v in values]
-    # Tied tensors once, under the first path, as managed_restore describes them: the copy's
-    # layout must be the one the restore asks for.
-    once: Dict[Tuple[Any, ...], None] = {}
-    untied = []
-    for path, t in tensors:
-        local, _, offset, _ = layout(t, rank)
-        span = io.tied_span(local, offset)
-        if local.numel() == 0 or span not in once:
-            once[span] = None
-            untied.append((path, t))
-    described, keep_alive = io.on_host(_save_items(untied, rank))
+    # Tied tensors once, as managed_restore describes them: the copy's layout must be the one
+    # the restore asks for.
+    described, keep_alive = io.on_host(_save_items(tensors, rank, untie=True))
     try:
         return bool(manager.save(step, described, [], common, comm))
     finally:

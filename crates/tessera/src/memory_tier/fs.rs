@@ -47,9 +47,19 @@ impl std::fmt::Debug for NodeFs {
     }
 }
 
+/// Runs `f` under `hook`'s verdict for (`op`, `path`): as is, not at all, or with its result
+/// replaced by the injected error.
 #[cfg(feature = "fault-injection")]
-fn injected(op: &str, path: &Path) -> Error {
-    Error::io(path, std::io::Error::other(format!("injected fault in {op}")))
+fn strike<T>(hook: &FaultHook, op: &str, path: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let injected = || Error::io(path, std::io::Error::other(format!("injected fault in {op}")));
+    match hook(op, path) {
+        Some(FaultWhen::Before) => Err(injected()),
+        Some(FaultWhen::After) => {
+            let _ = f();
+            Err(injected())
+        }
+        None => f(),
+    }
 }
 
 impl NodeFs {
@@ -60,16 +70,12 @@ impl NodeFs {
 
     #[cfg_attr(not(feature = "fault-injection"), allow(unused_variables))]
     fn run<T>(&self, op: &str, path: &Path, f: impl FnOnce() -> std::io::Result<T>) -> Result<T> {
+        let f = || f().map_err(|e| Error::io(path, e));
         #[cfg(feature = "fault-injection")]
-        match self.hook.as_ref().and_then(|h| h(op, path)) {
-            Some(FaultWhen::Before) => return Err(injected(op, path)),
-            Some(FaultWhen::After) => {
-                let _ = f();
-                return Err(injected(op, path));
-            }
-            None => {}
+        if let Some(hook) = &self.hook {
+            return strike(hook, op, path, f);
         }
-        f().map_err(|e| Error::io(path, e))
+        f()
     }
 
     /// The entries of `dir` with their kinds and sizes; entries that vanish meanwhile or whose
@@ -160,7 +166,7 @@ impl NodeFs {
 mod hooked {
     use std::path::PathBuf;
 
-    use super::{injected, FaultHook, FaultWhen};
+    use super::{strike, FaultHook};
     use crate::error::Result;
     use crate::storage::{LocalStorage, ObjectWriter, Storage};
 
@@ -177,14 +183,7 @@ mod hooked {
     }
 
     fn run<T>(hook: &FaultHook, op: &str, path: PathBuf, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        match hook(op, &path) {
-            Some(FaultWhen::Before) => Err(injected(op, &path)),
-            Some(FaultWhen::After) => {
-                let _ = f();
-                Err(injected(op, &path))
-            }
-            None => f(),
-        }
+        strike(hook, op, &path, f)
     }
 
     impl Storage for Hooked {

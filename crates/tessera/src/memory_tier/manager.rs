@@ -264,18 +264,14 @@ impl CheckpointManager {
         if !self.is_save_step(step) {
             return Ok(false);
         }
-        for (s, e) in self.worker_failures_if_idle() {
-            eprintln!("tessera: checkpoint of step {s} failed in the background: {e}");
-        }
+        print_failures(self.worker_failures_if_idle());
         match self.opts.memory.clone() {
             Some(tier) => {
                 if self.last_step.is_none_or(|last| step <= last) {
                     // The root may hold this step or later ones from a run that went further
                     // (no restore since, or training went back): their markers must be gone on
                     // every node before a copy of this step is written.
-                    for (s, e) in self.worker.wait() {
-                        eprintln!("tessera: checkpoint of step {s} failed in the background: {e}");
-                    }
+                    print_failures(self.worker.wait());
                     clear_from(&tier, &self.node, Some(step), comm)?;
                 }
                 self.last_step = Some(step);
@@ -370,9 +366,7 @@ impl CheckpointManager {
     pub fn wait(&mut self) -> Result<()> {
         let mut failures = self.worker.wait().into_iter();
         let first = failures.next();
-        for (s, e) in failures {
-            eprintln!("tessera: checkpoint of step {s} failed in the background: {e}");
-        }
+        print_failures(failures);
         match first {
             Some((_, e)) => Err(e),
             None => Ok(()),
@@ -385,9 +379,7 @@ impl CheckpointManager {
     /// `Ok(None)` when neither tier holds a step (a fresh start); an error when steps exist
     /// but none can be restored, saying why.
     pub fn restore<'a>(&mut self, tree: StateTree<'a>, comm: &dyn Communicator) -> Result<Option<Restored<'a>>> {
-        for (s, e) in self.worker.wait() {
-            eprintln!("tessera: checkpoint of step {s} failed in the background: {e}");
-        }
+        print_failures(self.worker.wait());
         // Whatever is restored, the next memory save first clears its step and every later
         // one from every node (steps passed over stay until then: a job that fails again
         // before saving may still restore them).
@@ -496,6 +488,13 @@ impl CheckpointManager {
         let common = ckpt.index().common.clone();
         let state = ckpt.load(tree, comm, &LoadOptions::default())?.state;
         Ok(Restored { step, tier: Tier::Persistent, state, common, rebuilt_ranks: Vec::new(), notes })
+    }
+}
+
+/// Background failures no call returns: printed, so that they are not lost.
+fn print_failures(failures: impl IntoIterator<Item = (u64, Error)>) {
+    for (s, e) in failures {
+        eprintln!("tessera: checkpoint of step {s} failed in the background: {e}");
     }
 }
 

@@ -12,7 +12,7 @@ use serde_json::{json, Value as J};
 
 use super::commit::{agree, round_len};
 use super::layout::{layout_crc, object_key, tensor_key, Parts, LAYOUT_KEY};
-use super::shard::{files_from_json, files_to_json, ShardReader, ShardWriter};
+use super::shard::{files_from_json, files_to_json, is_copy_file, ShardReader, ShardWriter};
 use super::{parity_name, parse_step_name, rank_dir_name, step_name, MemoryTier};
 use crate::comm::wire::{outcome, outcomes};
 use crate::comm::{Communicator, SoloComm};
@@ -54,10 +54,9 @@ pub(crate) fn scan(tier: &MemoryTier) -> BTreeMap<u64, StepScan> {
         for f in inner {
             if let Some(r) = f.name.strip_prefix("rank-").and_then(|r| r.parse::<usize>().ok()) {
                 if f.is_dir {
-                    // Hidden names are not part of a copy (shard.rs, `copy_files`).
                     let files = fs
                         .read_dir(&f.path)
-                        .map(|d| d.into_iter().filter(|x| !x.name.starts_with('.')).map(|x| (x.name, x.len)).collect())
+                        .map(|d| d.into_iter().filter(|x| is_copy_file(&x.name)).map(|x| (x.name, x.len)).collect())
                         .unwrap_or_default();
                     s.copies.insert(r, files);
                 }

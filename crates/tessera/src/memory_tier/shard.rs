@@ -13,12 +13,16 @@ use crate::model::crc::crc32c_append;
 
 /// The files of a rank's copy in shard order, with their sizes: the index (the copy's commit
 /// marker) last, so a rebuilt copy is written in the order a save writes it.
+/// Whether a file of a copy's directory is part of the copy: hidden names never are (a lease
+/// whose deletion failed, the temporary of an interrupted write; the manifest refuses them).
+pub(crate) fn is_copy_file(name: &str) -> bool {
+    !name.starts_with('.')
+}
+
 pub(crate) fn copy_files(fs: &NodeFs, dir: &Path) -> Result<Vec<(String, u64)>> {
     let mut files = Vec::new();
     for e in fs.read_dir(dir)? {
-        // Hidden names are never part of a checkpoint: a lease whose deletion failed, the
-        // temporary of an interrupted write (the manifest refuses such names).
-        if e.name.starts_with('.') {
+        if !is_copy_file(&e.name) {
             continue;
         }
         if e.is_dir {
