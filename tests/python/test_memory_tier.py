@@ -157,3 +157,40 @@ def _tied_and_dropped(rank: int, world: int, root: str) -> None:
 
 def test_tied_tensors_restore_from_memory_and_a_dropped_manager_finishes_its_work(tmp_path: Any) -> None:
     run_ranks(2, _tied_and_dropped, str(tmp_path / "tied"))
+
+
+_LEFT_OPEN = []
+
+
+def _saved_and_left_open(rank: int, world: int, port: int, root: str) -> None:
+    import faulthandler
+
+    # A hang at exit ends the process (and fails the test) instead of the run.
+    faulthandler.dump_traceback_later(120, exit=True)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    m = tt.CheckpointManager(os.path.join(root, f"node{rank}"), None, redundancy=(1, 1), node=f"node{rank}")
+    for step in range(1, 4):
+        assert m.save(step, _tied(step))
+    # Neither closed nor waited for, the process group left standing: the interpreter exits
+    # with the copies and parity of step 3 possibly still queued.
+    _LEFT_OPEN.append(m)
+
+
+def _restores_step_3(rank: int, world: int, root: str) -> None:
+    sd = _tied(0)
+    with tt.CheckpointManager(os.path.join(root, f"node{rank}"), None, redundancy=(1, 1), node=f"node{rank}") as m:
+        got = m.restore(sd)
+        assert got is not None and (got["step"], got["tier"]) == (3, "memory"), got
+        assert torch.equal(sd["model"]["emb"], _tied(3)["model"]["emb"])
+
+
+def test_a_manager_left_open_at_interpreter_exit_finishes_its_work(tmp_path: Any) -> None:
+    import torch.multiprocessing as mp
+
+    from tessera._launch import free_port
+
+    root = str(tmp_path / "open")
+    mp.start_processes(
+        _saved_and_left_open, args=(2, free_port(), root), nprocs=2, join=True, start_method="spawn"
+    )
+    run_ranks(2, _restores_step_3, root)

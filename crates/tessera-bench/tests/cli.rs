@@ -291,6 +291,7 @@ fn memory_tier_bench_reports_every_figure() {
         "memory_held_vs_state",
         "encode_bytes_per_sec_per_core",
         "disk_load_vs_restore",
+        "disk_load_vs_restore_nothing_lost",
         "steps_lost_persistent_every_8",
     ] {
         assert!(b[field].as_f64().is_some_and(|x| x > 0.0), "{field}: {b}");

@@ -83,10 +83,15 @@ fn state<'a>(
 }
 
 fn opts(dir: &Path, rank: usize, world: usize) -> ManagerOptions {
+    opts_on(dir, node_of(rank, world))
+}
+
+/// The options of a rank running on node `node`.
+fn opts_on(dir: &Path, node: usize) -> ManagerOptions {
     ManagerOptions {
         memory: Some(
-            MemoryTier::new(dir.join(format!("node{}", node_of(rank, world))))
-                .node(format!("node{}", node_of(rank, world)))
+            MemoryTier::new(dir.join(format!("node{node}")))
+                .node(format!("node{node}"))
                 .redundancy(2, 2)
                 .chunk_bytes(256),
         ),
@@ -134,10 +139,15 @@ struct Outcome {
 
 /// Restores a job of `world` ranks; checks every byte against step `want`'s truth.
 fn restore(dir: &Path, world: usize, want: u64) -> Vec<Outcome> {
+    restore_on(dir, world, want, |rank| node_of(rank, world))
+}
+
+/// Like [`restore`], rank r running on node `node(r)`.
+fn restore_on(dir: &Path, world: usize, want: u64, node: impl Fn(usize) -> usize + Sync) -> Vec<Outcome> {
     let bg = InProcessComm::group(world);
     run_ranks(world, |comm| {
         let rank = comm.rank();
-        let mut mgr = CheckpointManager::new(opts(dir, rank, world), Arc::new(bg[rank].clone())).unwrap();
+        let mut mgr = CheckpointManager::new(opts_on(dir, node(rank)), Arc::new(bg[rank].clone())).unwrap();
         let per = (PER_RANK * WORLD as u64 / world as u64 * 4) as usize;
         let (mut w, mut mine, mut b) = (vec![0u8; per], vec![0u8; own(0, rank).len()], vec![0u8; 64]);
         let r = mgr.restore(state(rank, world, &mut w, &mut mine, &mut b, None), comm).unwrap().expect("a step");
@@ -282,6 +292,37 @@ fn a_run_started_over_an_old_memory_root_without_restoring_keeps_its_own_steps()
 }
 
 #[test]
+fn a_run_started_over_an_old_persistent_location_without_restoring_is_refused_deleting_nothing() {
+    // Run A reached step 8 (persistent: 3 and 6). Run B starts at step 1 over the same
+    // location without a restore: a restore would pick A's step 6 over every step of B, so
+    // B's first save fails on every rank, naming the steps, and nothing of A's is touched.
+    let saved = saved_job(8);
+    let d = fresh_copy(saved.path(), "memtier-oldpersistent");
+    let before: Vec<Vec<String>> = (0..NODES).map(|n| steps_on(d.path(), n)).collect();
+    let bg = InProcessComm::group(WORLD);
+    let errors = run_ranks(WORLD, |comm| {
+        let rank = comm.rank();
+        let mut mgr = CheckpointManager::new(opts(d.path(), rank, WORLD), Arc::new(bg[rank].clone())).unwrap();
+        let per = (PER_RANK * 4) as usize;
+        let mut w = truth_w(101, WORLD)[rank * per..(rank + 1) * per].to_vec();
+        let (mut mine, mut b) = (own(101, rank), vec![0u8; 64]);
+        let err = mgr.save(1, state(rank, WORLD, &mut w, &mut mine, &mut b, None), comm).unwrap_err().to_string();
+        mgr.wait().unwrap();
+        err
+    });
+    for e in errors {
+        assert!(e.contains("holds step(s) [3, 6], after step 1") && e.contains("restore() first"), "{e}");
+    }
+    for (n, steps) in before.iter().enumerate() {
+        assert_eq!(&steps_on(d.path(), n), steps, "node {n}");
+    }
+    // A restore still gives A's newest step.
+    for o in restore(d.path(), WORLD, 8) {
+        assert_eq!((o.step, o.tier), (8, Tier::Memory), "{:?}", o.notes);
+    }
+}
+
+#[test]
 fn a_hidden_leftover_in_a_copy_does_not_count_against_it() {
     // A save that could not delete its lease leaves `.tessera-lease-*` in the copy (the save
     // succeeds; the lease is not part of the copy). With nodes 0 and 1 lost, the copies on
@@ -356,6 +397,33 @@ fn corrupt_shards_on_one_more_node_are_found_and_rebuilt_around() {
     // Node 1's copies were replaced by good ones: nothing to rebuild but node 0's parity.
     for o in restore(d.path(), WORLD, 3) {
         assert_eq!((o.step, o.tier, o.rebuilt.len()), (3, Tier::Memory, 0), "{:?}", o.notes);
+    }
+}
+
+#[test]
+fn a_corrupt_copy_on_a_node_its_rank_moved_away_from_is_found_and_rebuilt_around() {
+    // Ranks 0 and 2 swap nodes: rank 0's copy now streams from node 0, where rank 1 sends it,
+    // and that copy is corrupt. The rank sending it finds it, so the copy is decoded from its
+    // group and step 3 still restores from memory (not step 2, as when only owners checked).
+    let saved = saved_job(3);
+    let d = fresh_copy(saved.path(), "memtier-moved");
+    for e in walk(&d.path().join("node0/step-000000000003/rank-000000")) {
+        let mut b = std::fs::read(&e).unwrap();
+        if !b.is_empty() {
+            b[0] ^= 0xff;
+            std::fs::write(&e, b).unwrap();
+        }
+    }
+    let moved = |r: usize| match r {
+        0 => 1,
+        2 => 0,
+        r => node_of(r, WORLD),
+    };
+    for o in restore_on(d.path(), WORLD, 3, moved) {
+        assert_eq!((o.step, o.tier), (3, Tier::Memory), "{:?}", o.notes);
+        assert_eq!(o.rebuilt, vec![0, 2], "{:?}", o.notes);
+        let text = o.notes.join("\n");
+        assert!(text.contains("corrupt: rank 0's copy on node node0"), "{text}");
     }
 }
 

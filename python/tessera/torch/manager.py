@@ -5,7 +5,10 @@ lost nodes held. The policy and every format are the core's (``tessera::memory_t
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 from .. import _native
@@ -14,6 +17,19 @@ from .._core.staging import background_comm
 from .._core.storage import StorageOptions, native_location
 
 __all__ = ["CheckpointManager"]
+
+# Managers still open, closed at interpreter exit: a manager left to the finalizer with work
+# queued would wait for a background thread that can no longer take the GIL.
+_open: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_managers() -> None:
+    for mgr in list(_open):
+        try:
+            mgr.close()
+        except Exception as e:  # noqa: BLE001 - exit goes on; the failure is said, not lost
+            print(f"tessera: closing a CheckpointManager at exit: {e}", file=sys.stderr)
 
 
 class CheckpointManager:
@@ -63,6 +79,7 @@ class CheckpointManager:
             staging_bytes=staging_bytes,
             background_comm=background_comm(process_group),
         )
+        _open.add(self)
 
     def save(self, step: int, state_dict: Dict[str, Any]) -> bool:
         """Saves ``state_dict`` as ``step`` if the policy says so; returns whether it did, once
@@ -84,7 +101,9 @@ class CheckpointManager:
         """Waits for the background work, then stops the manager's background thread; raises
         the work's first failure since the last :meth:`wait`. Before the process group is
         destroyed, close the manager (or use it as a context manager): its background work
-        runs collectives on the group."""
+        runs collectives on the group. A manager still open at interpreter exit is closed
+        then, by an exit handler."""
+        _open.discard(self)
         self._native.close()
 
     def __enter__(self) -> "CheckpointManager":

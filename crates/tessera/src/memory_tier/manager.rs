@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 
 use super::commit::{agree, commit_step, Written};
 use super::layout::{self, layout_crc, rank_copy, reassemble, rebuild_global, split, Parts};
-use super::restore::{self, clear_from, decide, gather, load_copy, prune};
+use super::restore::{self, clear_from, decide, gather, listed_persistent_steps, load_copy, prune};
 use super::{rank_dir_name, step_name, MemoryTier};
 use crate::comm::{Communicator, SoloComm};
 use crate::error::{Error, Result};
@@ -265,21 +265,39 @@ impl CheckpointManager {
             return Ok(false);
         }
         print_failures(self.worker_failures_if_idle());
-        match self.opts.memory.clone() {
-            Some(tier) => {
-                if self.last_step.is_none_or(|last| step <= last) {
-                    // The root may hold this step or later ones from a run that went further
-                    // (no restore since, or training went back): their markers must be gone on
-                    // every node before a copy of this step is written.
-                    print_failures(self.worker.wait());
-                    clear_from(&tier, &self.node, Some(step), comm)?;
-                }
-                self.last_step = Some(step);
-                self.save_memory(step, tree, tier)
+        if self.last_step.is_none_or(|last| step <= last) {
+            // The tiers may hold later steps from a run that went further (no restore since,
+            // or training went back). A restore would pick a later persistent step over every
+            // step of this run: refused, deleting nothing. Later memory steps are scratch:
+            // their markers must be gone on every node before a copy of this step is written.
+            print_failures(self.worker.wait());
+            self.refuse_later_persistent_steps(step, comm)?;
+            if let Some(tier) = &self.opts.memory {
+                clear_from(tier, &self.node, Some(step), comm)?;
             }
+        }
+        self.last_step = Some(step);
+        match self.opts.memory.clone() {
+            Some(tier) => self.save_memory(step, tree, tier),
             None => self.save_persistent(step, tree, comm),
         }
         .map(|()| true)
+    }
+
+    /// Fails on every rank alike if the persistent tier holds a committed step after `step`
+    /// (collective: rank 0 lists, every rank gets its answer).
+    fn refuse_later_persistent_steps(&self, step: u64, comm: &dyn Communicator) -> Result<()> {
+        let Some(loc) = &self.opts.persistent else { return Ok(()) };
+        let later: Vec<u64> = listed_persistent_steps(Some(loc), comm)?.into_iter().filter(|&s| s > step).collect();
+        if later.is_empty() {
+            return Ok(());
+        }
+        Err(Error::invalid(format!(
+            "checkpoint manager: the persistent tier {loc} holds step(s) {later:?}, after step {step}, from a run \
+             that went further; a restore would pick them over every step of this run. Call restore() first to \
+             resume from them, or use a fresh persistent location (or delete those steps); nothing was saved or \
+             deleted"
+        )))
     }
 
     fn worker_failures_if_idle(&self) -> Vec<(u64, Error)> {
@@ -425,7 +443,7 @@ impl CheckpointManager {
                     // Find which shards are corrupt and plan again without them (a corrupt
                     // copy or parity shard is then rebuilt from, or replaced by, the others);
                     // where no checksum shows why, pass over the step.
-                    let mut bad = restore::find_corrupt(&tier, &plan.manifest, comm)?;
+                    let mut bad = restore::find_corrupt(&tier, &plan, comm)?;
                     bad.retain(|(holder, shard)| !known_bad.contains(&(step, *holder, *shard)));
                     known_bad.extend(bad.iter().map(|(holder, shard)| (step, *holder, *shard)));
                     let then = if bad.is_empty() {
@@ -433,17 +451,20 @@ impl CheckpointManager {
                         "passing over it".to_owned()
                     } else {
                         seen.drop_shards(step, &bad);
-                        let names: Vec<String> = bad
-                            .iter()
-                            .map(|(holder, shard)| match shard {
-                                restore::Shard::Copy(y) => {
-                                    format!("rank {y}'s copy on node {}", seen.reports[*holder].node)
-                                }
-                                restore::Shard::Parity(g, p) => {
-                                    format!("parity shard {p} of group {g} on node {}", seen.reports[*holder].node)
-                                }
-                            })
-                            .collect();
+                        let mut names: Vec<String> = Vec::new();
+                        for name in bad.iter().map(|(holder, shard)| match shard {
+                            restore::Shard::Copy(y) => {
+                                format!("rank {y}'s copy on node {}", seen.reports[*holder].node)
+                            }
+                            restore::Shard::Parity(g, p) => {
+                                format!("parity shard {p} of group {g} on node {}", seen.reports[*holder].node)
+                            }
+                        }) {
+                            // Two ranks of a node may both have checked a shard there.
+                            if !names.contains(&name) {
+                                names.push(name);
+                            }
+                        }
                         format!("corrupt: {}; planning again without them", names.join(", "))
                     };
                     notes.push(format!("memory tier: step {step} failed to restore ({e}); {then}"));

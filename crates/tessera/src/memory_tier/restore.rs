@@ -149,6 +149,25 @@ pub(crate) struct Decision {
     pub notes: Vec<String>,
 }
 
+impl MemoryPlan {
+    /// Every transfer of the rebuild (from, to, shard, bytes), in one order all ranks share.
+    fn transfers(&self) -> Vec<(usize, usize, Shard, u64)> {
+        let m = &self.manifest;
+        let mut xfers = Vec::new();
+        for (x, how) in &self.rebuild {
+            match how {
+                Rebuild::Copy { from } => xfers.push((*from, *x, Shard::Copy(*x), m.ranks[*x].len())),
+                Rebuild::Decode { group, sources } => {
+                    for (s, from) in sources {
+                        xfers.push((*from, *x, *s, m.groups[*group].shard_len));
+                    }
+                }
+            }
+        }
+        xfers
+    }
+}
+
 /// Decides from every rank's report and the persistent tier's committed steps (pure).
 pub(crate) fn decide(reports: &[Report], persistent: &[u64]) -> Decision {
     let world = reports.len();
@@ -307,18 +326,7 @@ pub(crate) fn rebuild(tier: &MemoryTier, plan: &MemoryPlan, comm: &dyn Communica
     let me = comm.rank();
     let m = &plan.manifest;
     let step_dir = tier.step_dir(m.step);
-    // Every transfer (from, to, shard, bytes), in one order all ranks share.
-    let mut xfers: Vec<(usize, usize, Shard, u64)> = Vec::new();
-    for (x, how) in &plan.rebuild {
-        match how {
-            Rebuild::Copy { from } => xfers.push((*from, *x, Shard::Copy(*x), m.ranks[*x].len())),
-            Rebuild::Decode { group, sources } => {
-                for (s, from) in sources {
-                    xfers.push((*from, *x, *s, m.groups[*group].shard_len));
-                }
-            }
-        }
-    }
+    let xfers = plan.transfers();
     let mut error: Option<Error> = None;
     let mut readers: BTreeMap<(usize, usize), ShardReader> = BTreeMap::new();
     for (i, (from, _, shard, _)) in xfers.iter().enumerate() {
@@ -388,16 +396,15 @@ pub(crate) fn rebuild(tier: &MemoryTier, plan: &MemoryPlan, comm: &dyn Communica
         if parts.is_empty() || error.is_some() {
             continue;
         }
-        let chunk = match &mine {
-            Some(Rebuild::Copy { .. }) => Ok(parts[0].1.to_vec()),
-            Some(Rebuild::Decode { group, .. }) => decode_round(m, *group, me, &parts, &mut decoder),
-            None => continue,
+        // Received or decoded bytes go straight to the rebuilt copy, with no copy of their own.
+        let mut append = |c: &[u8]| writer.as_mut().map_or(Ok(()), |w| w.append(c));
+        let appended = match &mine {
+            Some(Rebuild::Copy { .. }) => append(parts[0].1),
+            Some(Rebuild::Decode { group, .. }) => decode_round(m, *group, me, &parts, &mut decoder, append),
+            None => Ok(()),
         };
-        match chunk.and_then(|c| writer.as_mut().map_or(Ok(()), |w| w.append(&c))) {
-            Ok(()) => {}
-            Err(e) => {
-                error.get_or_insert(e);
-            }
+        if let Err(e) = appended {
+            error.get_or_insert(e);
         }
     }
     let done = match (error, writer) {
@@ -414,7 +421,8 @@ fn decode_round(
     me: usize,
     parts: &[(Shard, &[u8])],
     decoder: &mut Option<ReedSolomonDecoder>,
-) -> Result<Vec<u8>> {
+    append: impl FnOnce(&[u8]) -> Result<()>,
+) -> Result<()> {
     let gs = &m.groups[g];
     let k = gs.group.members.len();
     let len = parts[0].1.len();
@@ -437,9 +445,10 @@ fn decode_round(
     }
     let mine = gs.group.members.iter().position(|&r| r == me).expect("the rank decodes its own group");
     let out = dec.decode().map_err(codec)?;
-    out.restored_original(mine)
-        .map(<[u8]>::to_vec)
-        .ok_or_else(|| Error::invalid(format!("memory tier: group {g}: the decoder restored no shard {mine}")))
+    let restored = out
+        .restored_original(mine)
+        .ok_or_else(|| Error::invalid(format!("memory tier: group {g}: the decoder restored no shard {mine}")))?;
+    append(restored)
 }
 
 /// Loads this rank's copy of `step` into the buffers of `parts` in place (local, no
@@ -608,30 +617,46 @@ impl Gathered {
     }
 }
 
-/// After a failed restore of `m`'s step, every rank checks the shards it answers for (its
-/// own copy and the parity shards it wrote, where its node still holds them) against the
-/// manifest's checksums (collective): the (holder, shard) pairs that do not match, the same on
+/// After a failed restore of `plan`'s step, every rank checks the shards it answers for
+/// against the manifest's checksums (collective): its own copy, the parity shards it wrote, and
+/// every shard the plan has it send from its node (a copy or parity shard left there by a rank
+/// that has since moved). Returns the (holder, shard) pairs that do not match, the same on
 /// every rank.
 pub(crate) fn find_corrupt(
     tier: &MemoryTier,
-    m: &TierManifest,
+    plan: &MemoryPlan,
     comm: &dyn Communicator,
 ) -> Result<Vec<(usize, Shard)>> {
     let me = comm.rank();
+    let m = &plan.manifest;
     let dir = tier.step_dir(m.step);
-    let mut bad = Vec::new();
-    if let Some(c) = m.ranks.get(me) {
-        let copy = dir.join(rank_dir_name(me));
-        if copy.exists() && crc_of(ShardReader::open(&tier.fs, &copy, &c.files), c.len()) != Some(c.crc) {
-            bad.push(json!(["copy", me]));
-        }
-    }
+    let mut mine: Vec<Shard> = vec![Shard::Copy(me)];
     for (g, gs) in m.groups.iter().enumerate() {
-        for (p, _) in gs.group.parity.iter().enumerate().filter(|(_, &h)| h == me) {
-            let path = dir.join(parity_name(g, p));
-            let want = gs.parity_crcs.get(p).copied();
-            if path.exists() && crc_of(ShardReader::single(&tier.fs, &path, gs.shard_len), gs.shard_len) != want {
-                bad.push(json!(["parity", g, p]));
+        mine.extend(gs.group.parity.iter().enumerate().filter(|(_, &h)| h == me).map(|(p, _)| Shard::Parity(g, p)));
+    }
+    mine.extend(plan.transfers().into_iter().filter(|x| x.0 == me).map(|x| x.2));
+    let mut bad = Vec::new();
+    let mut checked = Vec::new();
+    for shard in mine {
+        if checked.contains(&shard) {
+            continue;
+        }
+        checked.push(shard);
+        match shard {
+            Shard::Copy(y) => {
+                let Some(c) = m.ranks.get(y) else { continue };
+                let copy = dir.join(rank_dir_name(y));
+                if copy.exists() && crc_of(ShardReader::open(&tier.fs, &copy, &c.files), c.len()) != Some(c.crc) {
+                    bad.push(json!(["copy", y]));
+                }
+            }
+            Shard::Parity(g, p) => {
+                let Some(gs) = m.groups.get(g) else { continue };
+                let path = dir.join(parity_name(g, p));
+                let want = gs.parity_crcs.get(p).copied();
+                if path.exists() && crc_of(ShardReader::single(&tier.fs, &path, gs.shard_len), gs.shard_len) != want {
+                    bad.push(json!(["parity", g, p]));
+                }
             }
         }
     }
