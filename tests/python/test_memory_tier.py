@@ -170,18 +170,22 @@ def _saved_and_left_open(rank: int, world: int, port: int, root: str) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     m = tt.CheckpointManager(os.path.join(root, f"node{rank}"), None, redundancy=(1, 1), node=f"node{rank}")
     for step in range(1, 4):
-        assert m.save(step, _tied(step))
+        assert m.save(step, _big(step))
     # Neither closed nor waited for, the process group left standing: the interpreter exits
-    # with the copies and parity of step 3 possibly still queued.
+    # with the copies and parity of 16 MiB states still queued.
     _LEFT_OPEN.append(m)
 
 
+def _big(step: int) -> Dict[str, Any]:
+    return {"w": torch.arange(1 << 22, dtype=torch.float32) + step}
+
+
 def _restores_step_3(rank: int, world: int, root: str) -> None:
-    sd = _tied(0)
+    sd = _big(0)
     with tt.CheckpointManager(os.path.join(root, f"node{rank}"), None, redundancy=(1, 1), node=f"node{rank}") as m:
         got = m.restore(sd)
         assert got is not None and (got["step"], got["tier"]) == (3, "memory"), got
-        assert torch.equal(sd["model"]["emb"], _tied(3)["model"]["emb"])
+        assert torch.equal(sd["w"], _big(3)["w"])
 
 
 def test_a_manager_left_open_at_interpreter_exit_finishes_its_work(tmp_path: Any) -> None:

@@ -323,6 +323,49 @@ fn a_run_started_over_an_old_persistent_location_without_restoring_is_refused_de
 }
 
 #[test]
+fn a_run_going_back_over_its_own_persistent_steps_is_refused_deleting_nothing() {
+    // Without a memory tier: steps 1 to 3 go to the persistent tier; saving step 2 again
+    // would leave step 3 to win every later restore, so it is refused on every rank, saying
+    // how to go back, and step 3 stays.
+    let d = TempDir::created("memtier-goback");
+    let opts = || ManagerOptions {
+        memory: None,
+        persistent: Some(Location::local(d.join("persistent"))),
+        staging_bytes: 1 << 20,
+        ..ManagerOptions::default()
+    };
+    let bg = InProcessComm::group(SMALL);
+    let errors = run_ranks(SMALL, |comm| {
+        let rank = comm.rank();
+        let mut mgr = CheckpointManager::new(opts(), Arc::new(bg[rank].clone())).unwrap();
+        for step in 1..=3 {
+            let mut w = small_bytes(step, rank);
+            assert!(mgr.save(step, small_state(rank, &mut w), comm).unwrap());
+        }
+        let mut w = small_bytes(2, rank);
+        let err = mgr.save(2, small_state(rank, &mut w), comm).unwrap_err().to_string();
+        mgr.wait().unwrap();
+        err
+    });
+    for e in errors {
+        assert!(e.contains("going back from step 3 to step 2") && e.contains("later step(s) [3]"), "{e}");
+    }
+    assert!(d.join("persistent/step-000000000003").exists());
+    let bg = InProcessComm::group(SMALL);
+    let restored = run_ranks(SMALL, |comm| {
+        let rank = comm.rank();
+        let mut mgr = CheckpointManager::new(opts(), Arc::new(bg[rank].clone())).unwrap();
+        let mut w = vec![0u8; small_bytes(0, rank).len()];
+        let r = mgr.restore(small_state(rank, &mut w), comm).unwrap().expect("a step");
+        let step = r.step;
+        drop(r);
+        assert_eq!(w, small_bytes(3, rank), "rank {rank}");
+        step
+    });
+    assert_eq!(restored, vec![3; SMALL]);
+}
+
+#[test]
 fn a_hidden_leftover_in_a_copy_does_not_count_against_it() {
     // A save that could not delete its lease leaves `.tessera-lease-*` in the copy (the save
     // succeeds; the lease is not part of the copy). With nodes 0 and 1 lost, the copies on

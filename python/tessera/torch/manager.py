@@ -28,7 +28,7 @@ def _close_open_managers() -> None:
     for mgr in list(_open):
         try:
             mgr.close()
-        except Exception as e:  # noqa: BLE001 - exit goes on; the failure is said, not lost
+        except BaseException as e:  # noqa: BLE001 - every manager is closed; each failure is said
             print(f"tessera: closing a CheckpointManager at exit: {e}", file=sys.stderr)
 
 

@@ -212,9 +212,10 @@ pub struct CheckpointManager {
     saver: AsyncSaver,
     worker: Worker,
     background: Arc<dyn Communicator>,
-    /// The step of the last memory save; `None` until one and after a restore. A memory save
-    /// of a step not after it first clears that step and every later one from every node
-    /// (collectively): what a run that went further, or a restore passed over, left there.
+    /// The step of the last save; `None` until one and after a restore. A save of a step not
+    /// after it first checks that the persistent tier holds no later step, then clears that
+    /// step and every later one from every node's memory (both collective): what a run that
+    /// went further, or a restore passed over, left there.
     last_step: Option<u64>,
 }
 
@@ -285,19 +286,39 @@ impl CheckpointManager {
     }
 
     /// Fails on every rank alike if the persistent tier holds a committed step after `step`
-    /// (collective: rank 0 lists, every rank gets its answer).
+    /// (collective: rank 0 lists, every rank gets its answer). A tier that cannot be listed is
+    /// said and passed, as a restore passes it.
     fn refuse_later_persistent_steps(&self, step: u64, comm: &dyn Communicator) -> Result<()> {
-        let Some(loc) = &self.opts.persistent else { return Ok(()) };
-        let later: Vec<u64> = listed_persistent_steps(Some(loc), comm)?.into_iter().filter(|&s| s > step).collect();
+        let persistent = self.opts.persistent.as_ref();
+        let later: Vec<u64> = match listed_persistent_steps(persistent, comm) {
+            Ok(steps) => steps.into_iter().filter(|&s| s > step).collect(),
+            Err(e @ Error::Comm { .. }) => return Err(e),
+            Err(e) => {
+                eprintln!(
+                    "tessera: checkpoint manager: cannot list the persistent tier to check it holds no step after \
+                     {step}: {e}"
+                );
+                Vec::new()
+            }
+        };
         if later.is_empty() {
             return Ok(());
         }
-        Err(Error::invalid(format!(
-            "checkpoint manager: the persistent tier {loc} holds step(s) {later:?}, after step {step}, from a run \
-             that went further; a restore would pick them over every step of this run. Call restore() first to \
-             resume from them, or use a fresh persistent location (or delete those steps); nothing was saved or \
-             deleted"
-        )))
+        // Every rank decides on rank 0's listing, whatever location it was given itself.
+        let loc = persistent.map_or_else(|| "of rank 0".to_owned(), |l| l.to_string());
+        let why = match self.last_step {
+            // The run itself goes back over steps it drained.
+            Some(last) => format!(
+                "going back from step {last} to step {step}, but the persistent tier {loc} holds this run's later \
+                 step(s) {later:?}; a restore would pick them over every step saved from now on. Delete them first"
+            ),
+            None => format!(
+                "the persistent tier {loc} holds step(s) {later:?}, after step {step}, from a run that went further; \
+                 a restore would pick them over every step of this run. Call restore() first to resume from them, \
+                 or use a fresh persistent location (or delete those steps)"
+            ),
+        };
+        Err(Error::invalid(format!("checkpoint manager: {why}; nothing was saved or deleted")))
     }
 
     fn worker_failures_if_idle(&self) -> Vec<(u64, Error)> {
