@@ -17,8 +17,9 @@
 //! - the time of a restore by fresh managers with no node lost (in-place load of every rank's
 //!   copy, every byte checked: the part of a restore every rank does), then with one node's
 //!   root deleted (rebuild + the same load), into buffers touched before the clock starts (a
-//!   model exists before it resumes; the same for the loads), both against a load of the same step into the same layout from
-//!   D (page cache dropped first) and, with `--emulators`, from an S3 server on loopback (moto);
+//!   model exists before it resumes; the same for the loads), both against a load of the same
+//!   step into the same layout from D (page cache dropped first) and, with `--emulators`, from
+//!   an S3 server on loopback (moto);
 //! - Reed–Solomon encode throughput of one core (RS(K, M) of 8 MiB shards), against a memcpy of
 //!   the same bytes on the same core.
 //!

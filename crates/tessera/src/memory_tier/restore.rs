@@ -115,7 +115,7 @@ fn decode_report(bytes: &[u8], from: usize) -> Result<Report> {
 }
 
 /// Which shard a transfer streams.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Shard {
     /// Rank `y`'s copy.
     Copy(usize),
@@ -635,13 +635,10 @@ pub(crate) fn find_corrupt(
         mine.extend(gs.group.parity.iter().enumerate().filter(|(_, &h)| h == me).map(|(p, _)| Shard::Parity(g, p)));
     }
     mine.extend(plan.transfers().into_iter().filter(|x| x.0 == me).map(|x| x.2));
+    mine.sort_unstable();
+    mine.dedup();
     let mut bad = Vec::new();
-    let mut checked = Vec::new();
     for shard in mine {
-        if checked.contains(&shard) {
-            continue;
-        }
-        checked.push(shard);
         match shard {
             Shard::Copy(y) => {
                 let Some(c) = m.ranks.get(y) else { continue };
